@@ -1,0 +1,97 @@
+"""The vocabulary shared by methods, backends and traces.
+
+A method never touches tensors: it sees `Question`s and `Response`s and talks to a `Backend`.
+Three things implement the backend: the real engine (`debate.engine_backend`), a replay of
+recorded outcomes (`debate.replay`) and scripted agents for tests (`debate.scripted`).
+
+Response ids are deterministic and compositional, so a replay can find a recorded response from
+the structure of the call alone:
+  - initial response of agent i:  "i"                          e.g. "3"
+  - a debate: receiver's own previous response id, "<", the peers' response ids joined by "+",
+    then optionally "|" and the ids whose final answers only are shown (GroupDebate):
+        "2<4"            agent 2 (own initial "2") after hearing agent 4's initial response
+        "0<1+2+3+4+5"    all-to-all round 1 for agent 0
+        "(0<1+2)<(1<0+2)+(2<0+1)"   round 2 (ids of compound responses are parenthesised)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Sequence
+
+ANSWER_TYPES = ("math", "mc")
+
+
+@dataclass
+class Question:
+    """One evaluation item. `answer_type` is "math" (free-form, graded by equivalence) or "mc"
+    (a choice letter; `choices` holds the option texts in letter order)."""
+
+    id: str
+    question: str
+    gold: str
+    answer_type: str = "math"
+    choices: list[str] | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Response:
+    """One agent's message: an initial response or the receiver's reply after a debate.
+
+    Token counts follow the paper's accounting: `prompt_tokens` is what an API would bill for the
+    call that produced this response (the whole prompt, every time), `completion_tokens` what it
+    generated; `computed_tokens` is how many prompt tokens the engine actually ran through the
+    model after KV-cache reuse (replay and scripted backends report what was recorded, or 0).
+    `signals` holds the prior/posterior numbers of `svrmad_local.signals` (min_ll, ppl,
+    mean_entropy, conf_*, self_conf); a value may be None when it could not be computed.
+    """
+
+    id: str
+    agent: int
+    answer: str | None
+    text: str = ""
+    tokens: list[int] = field(default_factory=list)
+    signals: dict[str, float | None] = field(default_factory=dict)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    computed_tokens: int = 0
+    round: int = 0
+    peers: tuple[str, ...] = ()
+    brief: tuple[str, ...] = ()
+    # Backend-private handle (e.g. the prompt segments an engine backend needs to extend this
+    # response's context in a later round). Never serialised.
+    context: Any = field(default=None, repr=False, compare=False)
+
+    @property
+    def tokens_total(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+def _wrap(rid: str) -> str:
+    return f"({rid})" if ("<" in rid or "|" in rid) else rid
+
+
+def debate_id(own: str, peers: Sequence[str], brief: Sequence[str] = ()) -> str:
+    """The id of the response `own`'s agent gives after seeing `peers` (full) and `brief` (answers only)."""
+    rid = f"{_wrap(own)}<{'+'.join(_wrap(p) for p in peers)}"
+    if brief:
+        rid += "|" + "+".join(_wrap(b) for b in brief)
+    return rid
+
+
+class Backend(Protocol):
+    """What a method may ask for. All calls are coroutines so many questions run concurrently."""
+
+    async def initial(self, q: Question, n: int) -> list[Response]:
+        """The n independent initial responses (ids "0".."n-1", agent = index)."""
+        ...
+
+    async def debate(
+        self, q: Question, own: Response, peers: Sequence[Response], brief: Sequence[Response] = ()
+    ) -> Response:
+        """`own.agent` (the receiver) continues its own context `own` after a DebateFormat message
+        carrying the full `peers` responses and the final answers only of `brief`; returns its new
+        response, id `debate_id(own.id, [p.id...], [b.id...])`, round = own.round + 1.
+        A pairwise debate sender -> receiver is `debate(q, initial[receiver], [initial[sender]])`."""
+        ...
