@@ -1,0 +1,104 @@
+"""One forward step: flatten the scheduled runs, run the model body, read logits only where needed.
+
+The LM head is applied to the few rows that sample (the last position of each finished prefill or
+decode) and, in chunks, to the rows a scoring request asks about: never to every prompt position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .attention import HAS_FLASH_ATTN, Run, StepContext, set_context
+from .kv_cache import KVCache
+from .sequence import Sequence
+
+
+@dataclass
+class Work:
+    """Sequence `seq` computes tokens[start:end] this step."""
+
+    seq: Sequence
+    start: int
+    end: int
+
+
+class ModelRunner:
+    def __init__(self, model, cache: KVCache, block_size: int, attention: str = "auto"):
+        self.model = model
+        self.body = model.base_model
+        self.lm_head = model.get_output_embeddings()
+        self.cache = cache
+        self.block_size = block_size
+        self.device = self.body.get_input_embeddings().weight.device
+        self.softcap = getattr(model.config, "final_logit_softcapping", None)
+        dtype = self.lm_head.weight.dtype
+        want_flash = attention in ("auto", "flash") and HAS_FLASH_ATTN and self.device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+        if attention == "flash" and not want_flash:
+            raise ValueError("attention='flash' needs flash-attn installed, a CUDA device and fp16/bf16 weights")
+        self.attention_path = "flash-attn" if want_flash else "sdpa"
+
+    def _slots(self, seq: Sequence, end: int) -> torch.Tensor:
+        bs = self.block_size
+        blocks = torch.tensor(seq.blocks[: (end + bs - 1) // bs], dtype=torch.long)
+        return (blocks.unsqueeze(1) * bs + torch.arange(bs)).flatten()[:end]
+
+    @torch.inference_mode()
+    def forward(self, work: list[Work]) -> torch.Tensor:
+        """Runs the model over the step's new tokens; returns the final hidden states [T, H]
+        in the order of `work` (decode runs must come first)."""
+        ids, pos, slot_map, prefills = [], [], [], []
+        decode_slots = []
+        row = 0
+        for w in work:
+            n = w.end - w.start
+            ids.extend(w.seq.tokens[w.start : w.end])
+            pos.extend(range(w.start, w.end))
+            slots = self._slots(w.seq, w.end)
+            slot_map.append(slots[w.start :])
+            if n == 1 and not prefills:
+                decode_slots.append(slots)
+            else:
+                prefills.append(Run(row, row + n, slots))
+            row += n
+        nd = len(decode_slots)
+        d_slots = d_mask = None
+        if nd:
+            lmax = max(s.shape[0] for s in decode_slots)
+            d_slots = torch.zeros(nd, lmax, dtype=torch.long)
+            d_mask = torch.zeros(nd, 1, 1, lmax, dtype=torch.bool)
+            for i, s in enumerate(decode_slots):
+                d_slots[i, : s.shape[0]] = s
+                d_mask[i, 0, 0, : s.shape[0]] = True
+        dev = self.device
+        ctx = StepContext(
+            self.cache, torch.cat(slot_map).to(dev), nd,
+            None if d_slots is None else d_slots.to(dev), None if d_mask is None else d_mask.to(dev),
+            [Run(r.row0, r.row1, r.kv_slots.to(dev)) for r in prefills],
+        )
+        if self.attention_path == "flash-attn":
+            all_runs = [Run(i, i + 1, s) for i, s in enumerate(decode_slots)] + prefills
+            ctx.use_flash = True
+            ctx.cu_q = torch.tensor([0] + [r.row1 for r in all_runs], dtype=torch.int32, device=dev)
+            ctx.cu_k = torch.tensor([0] + list(torch.tensor([r.kv_slots.shape[0] for r in all_runs]).cumsum(0)), dtype=torch.int32, device=dev)
+            ctx.all_slots = torch.cat([r.kv_slots for r in all_runs]).to(dev)
+            ctx.max_q = max(r.row1 - r.row0 for r in all_runs)
+            ctx.max_k = max(r.kv_slots.shape[0] for r in all_runs)
+        set_context(ctx)
+        try:
+            out = self.body(
+                input_ids=torch.tensor([ids], device=dev),
+                position_ids=torch.tensor([pos], device=dev),
+                use_cache=False,
+            )
+        finally:
+            set_context(None)
+        return out.last_hidden_state[0]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of the raw distribution for a few rows."""
+        logits = self.lm_head(hidden.to(self.lm_head.weight.device)).float()
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits

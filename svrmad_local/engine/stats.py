@@ -1,0 +1,88 @@
+"""Token statistics from the raw model distribution, and the per-sequence signals derived from them.
+
+Everything is computed from fp32 logits at temperature 1 (the model's own distribution, like vLLM's
+raw logprobs), never from the temperature/top-k/top-p warped one used to draw the token: the prior
+signals of the paper describe the model, not the sampler.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class StepStats:
+    """Statistics of a batch of positions: one row per position."""
+
+    logprob: torch.Tensor  # [R] log p(chosen token)
+    entropy: torch.Tensor  # [R] entropy of the full distribution (nats)
+    topk_logprobs: torch.Tensor  # [R, k] sorted descending
+    topk_ids: torch.Tensor  # [R, k]
+
+
+def stats_from_logits(logits: torch.Tensor, chosen: torch.Tensor, topk: int) -> StepStats:
+    """`logits` [R, V] (any dtype; upcast here), `chosen` [R] token ids."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    lp = logp.gather(1, chosen.view(-1, 1).to(logp.device)).squeeze(1)
+    k = min(topk, logp.shape[-1])
+    top = logp.topk(k, dim=-1) if k > 0 else None
+    return StepStats(
+        logprob=lp,
+        entropy=entropy,
+        topk_logprobs=top.values if top is not None else logp.new_zeros(logp.shape[0], 0),
+        topk_ids=top.indices if top is not None else chosen.new_zeros(logp.shape[0], 0),
+    )
+
+
+@dataclass
+class SignalConfig:
+    """DeepConf-style confidence windows (Fu et al., 2025 use 2048 for both); a researcher with short
+    answers will want smaller ones, so both are parameters of the engine."""
+
+    group_window: int = 2048
+    tail_tokens: int = 2048
+    bottom_fraction: float = 0.10
+
+
+def sequence_signals(
+    logprobs: list[float], entropies: list[float], topk_logprobs: list[list[float]], cfg: SignalConfig | None = None
+) -> dict[str, float | None]:
+    """Per-sequence signals: min-LL, perplexity, mean entropy and DeepConf confidences.
+
+    Token confidence = -mean of the top-k logprobs (high when the distribution is peaked); group
+    confidence = mean token confidence over a sliding window (clipped to the sequence length);
+    lowest-group = min over windows; bottom-10% = mean of the lowest 10% of windows; tail = mean
+    token confidence over the last `tail_tokens` tokens. An empty sequence gives None everywhere.
+    """
+    cfg = cfg or SignalConfig()
+    n = len(logprobs)
+    keys = ("min_ll", "ppl", "mean_logprob", "mean_entropy", "conf_mean", "conf_lowest_group", "conf_bottom10", "conf_tail")
+    if n == 0:
+        return dict.fromkeys(keys)
+    lp = torch.tensor(logprobs, dtype=torch.float64)
+    mean_lp = float(lp.mean())
+    out: dict[str, float | None] = {
+        "min_ll": float(lp.min()),
+        "ppl": math.exp(-mean_lp),
+        "mean_logprob": mean_lp,
+        "mean_entropy": float(torch.tensor(entropies, dtype=torch.float64).mean()),
+    }
+    if topk_logprobs and len(topk_logprobs[0]) > 0:
+        conf = -torch.tensor(topk_logprobs, dtype=torch.float64).mean(-1)
+        w = max(1, min(cfg.group_window, n))
+        csum = torch.cat([conf.new_zeros(1), conf.cumsum(0)])
+        groups = (csum[w:] - csum[:-w]) / w
+        n_bottom = max(1, math.ceil(cfg.bottom_fraction * len(groups)))
+        out.update(
+            conf_mean=float(conf.mean()),
+            conf_lowest_group=float(groups.min()),
+            conf_bottom10=float(groups.sort().values[:n_bottom].mean()),
+            conf_tail=float(conf[-max(1, min(cfg.tail_tokens, n)) :].mean()),
+        )
+    else:
+        out.update(conf_mean=None, conf_lowest_group=None, conf_bottom10=None, conf_tail=None)
+    return out

@@ -1,0 +1,104 @@
+"""Load a local checkpoint directly: a folder with config.json and *.safetensors, never a hub.
+
+Errors name what is wrong (missing folder, no weights, an architecture transformers cannot build as
+a causal LM, weights that do not match the config) instead of letting transformers silently fill
+missing weights with random values.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+class ModelLoadError(RuntimeError):
+    pass
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object
+    path: Path
+
+
+def default_dtype(device: str | None) -> torch.dtype:
+    """fp32 on the CPU (bf16 matmuls are slow there and change the statistics), bf16 on a GPU."""
+    if device and device.startswith("cuda") or (device in (None, "auto") and torch.cuda.is_available()):
+        return torch.bfloat16
+    return torch.float32
+
+
+def _parse_dtype(dtype: str | torch.dtype | None, device: str | None) -> torch.dtype:
+    if dtype is None or dtype == "auto":
+        return default_dtype(device)
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    table = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+             "fp16": torch.float16, "float16": torch.float16, "half": torch.float16}
+    if dtype not in table:
+        raise ModelLoadError(f"unknown dtype {dtype!r}; use one of {sorted(table)}")
+    return table[dtype]
+
+
+def load_model(path: str | Path, *, dtype: str | torch.dtype | None = None, device: str | None = None,
+               device_map: str | dict | None = None) -> LoadedModel:
+    """`device`: "cpu", "cuda", "cuda:1"... (default: cuda if available). `device_map`: passed to
+    accelerate ("auto" spreads a model too large for one GPU over all visible GPUs)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model path {path} does not exist")
+    if not path.is_dir():
+        raise ModelLoadError(f"model path {path} is not a folder (expected config.json + *.safetensors)")
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{path} has no config.json")
+    weights = sorted(path.glob("*.safetensors"))
+    if not weights:
+        other = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".gguf"))
+        hint = f" (found {other}; convert to safetensors)" if other else ""
+        raise ModelLoadError(f"{path} holds no *.safetensors weights{hint}")
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as exc:
+        raise ModelLoadError(f"{path}/config.json cannot be read: {exc}") from exc
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ModelLoadError(
+            f"architecture {config.model_type!r} ({json.dumps(getattr(config, 'architectures', None))}) is not a "
+            "decoder-only causal LM that transformers can build"
+        )
+    if device is None and device_map is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch_dtype = _parse_dtype(dtype, device)
+    kwargs = dict(dtype=torch_dtype, local_files_only=True, output_loading_info=True)
+    if device_map is not None:
+        kwargs["device_map"] = device_map
+    logging.getLogger("transformers.modeling_utils").setLevel(logging.ERROR)
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except Exception as exc:
+        raise ModelLoadError(f"loading the weights in {path} failed: {exc}") from exc
+    tied = set(getattr(model, "_tied_weights_keys", None) or [])
+    missing = [k for k in info.get("missing_keys", []) if k not in tied]
+    problems = {
+        "missing from the checkpoint": missing,
+        "not used by the config's architecture": info.get("unexpected_keys", []),
+        "of the wrong shape": [str(m) for m in info.get("mismatched_keys", [])],
+    }
+    bad = {k: v for k, v in problems.items() if v}
+    if bad:
+        detail = "; ".join(f"{len(v)} weights {k} (e.g. {', '.join(list(v)[:3])})" for k, v in bad.items())
+        raise ModelLoadError(f"checkpoint {path} does not match its config.json: {detail}")
+    if device_map is None:
+        model = model.to(device)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception:
+        tokenizer = None  # token-level use still works; chat prompts need one
+    return LoadedModel(model.eval(), tokenizer, path)
