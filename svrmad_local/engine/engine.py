@@ -255,6 +255,7 @@ class Engine:
         self._live.clear()
 
     # -- one step (worker thread) -------------------------------------------------------------
+    @torch.inference_mode()
     def _step(self) -> list[Request]:
         try:
             work = self.scheduler.schedule()

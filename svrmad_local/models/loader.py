@@ -83,6 +83,9 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype | None = None, devi
     try:
         model, info = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except Exception as exc:
+        if "mismatched" in str(exc):
+            detail = ", ".join(_shape_mismatches(path, config)[:3])
+            raise ModelLoadError(f"checkpoint {path} does not match its config.json: weights of the wrong shape ({detail})") from exc
         raise ModelLoadError(f"loading the weights in {path} failed: {exc}") from exc
     tied = set(getattr(model, "_tied_weights_keys", None) or [])
     missing = [k for k in info.get("missing_keys", []) if k not in tied]
@@ -102,3 +105,20 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype | None = None, devi
     except Exception:
         tokenizer = None  # token-level use still works; chat prompts need one
     return LoadedModel(model.eval(), tokenizer, path)
+
+
+def _shape_mismatches(path: Path, config) -> list[str]:
+    """'name: checkpoint shape vs config shape' for weights present in both (meta device: no memory)."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()}
+    out = []
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(f, "pt") as sf:
+            for k in sf.keys():
+                got = tuple(sf.get_slice(k).get_shape())
+                if k in expected and expected[k] != got:
+                    out.append(f"{k}: {list(got)} in the checkpoint vs {list(expected[k])} from the config")
+    return out

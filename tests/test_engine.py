@@ -1,0 +1,208 @@
+"""The engine's invariants (design sketch): cached == uncached, logprobs == full forward,
+seeded sampling independent of batch mates, exact accounting, a memory budget that holds."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+from svrmad_local.engine.engine import Engine, EngineConfig, parse_memory
+from svrmad_local.engine.params import SamplingParams
+from svrmad_local.engine.scheduler import RequestTooLarge
+
+from .conftest import make_model
+
+BLOCK_BYTES = 2 * 2 * 4 * 2 * 16 * 4  # tiny model: layers x (K, V) x block_size 4 x kv_heads x head_dim x fp32
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def rand_prompt(n, seed, vocab=400):
+    r = random.Random(seed)
+    return [r.randrange(3, vocab) for _ in range(n)]
+
+
+def hf_greedy(model, prompt, n):
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n,
+                         pad_token_id=0, eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
+def full_logprobs(model, tokens):
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens]), use_cache=False).logits[0].float()
+    return torch.log_softmax(logits, -1)
+
+
+def engine(model, **kw):
+    kw.setdefault("kv_cache_memory", 8 * 2**20)
+    kw.setdefault("block_size", 4)
+    return Engine(model, None, EngineConfig(**kw))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+def test_greedy_matches_transformers_generate(arch):
+    model = make_model(arch)
+    eng = engine(model)
+    prompts = [rand_prompt(n, s) for s, n in enumerate([5, 17, 9, 30])]
+    outs = eng.generate_sync(prompts, GREEDY)
+    for p, o in zip(prompts, outs):
+        assert o.completions[0].token_ids == hf_greedy(model, p, 12)
+
+
+def test_cached_prefix_gives_same_tokens_alone_and_in_mixed_batch(tiny_model):
+    prefix = rand_prompt(23, 1)
+    prompt = prefix + rand_prompt(6, 2)
+    fresh = engine(tiny_model).generate_sync([prompt], GREEDY)[0]
+    eng = engine(tiny_model)
+    eng.generate_sync([prefix + rand_prompt(9, 3)], GREEDY)  # warm the cache with the prefix
+    mates = [rand_prompt(n, 10 + n) for n in (3, 11, 40)]
+    params = [GREEDY] + [SamplingParams(max_tokens=7, seed=5)] * 3
+    warm = eng.generate_sync([prompt] + mates, params)[0]
+    assert warm.usage.computed_tokens == len(prompt) - len(prefix)
+    assert warm.completions[0].token_ids == fresh.completions[0].token_ids == hf_greedy(tiny_model, prompt, 12)
+
+
+def test_reported_logprobs_equal_full_forward(tiny_model):
+    eng = engine(tiny_model)
+    prompt = rand_prompt(13, 4)
+    eng.generate_sync([prompt[:8]], GREEDY)  # part of the prompt comes from the cache
+    c = eng.generate_sync([prompt], SamplingParams(max_tokens=10, seed=3, topk_logprobs=5))[0].completions[0]
+    ref = full_logprobs(tiny_model, prompt + c.token_ids)
+    for i, tok in enumerate(c.token_ids):
+        row = ref[len(prompt) + i - 1]
+        assert c.logprobs[i] == pytest.approx(row[tok].item(), abs=1e-4)
+        assert c.entropies[i] == pytest.approx(-(row.exp() * row).sum().item(), abs=1e-4)
+        assert c.topk_logprobs[i] == pytest.approx(row.topk(5).values.tolist(), abs=1e-4)
+        assert c.topk_ids[i] == row.topk(5).indices.tolist()
+    assert c.signals["min_ll"] == pytest.approx(min(c.logprobs))
+
+
+def test_score_equals_full_forward_and_reuses_prompt(tiny_model):
+    eng = engine(tiny_model, score_chunk=4, max_num_batched_tokens=16)
+    prompt, cont = rand_prompt(20, 5), rand_prompt(25, 6)
+    eng.generate_sync([prompt], GREEDY)
+    s = eng.score_sync(prompt, cont, topk=3)
+    ref = full_logprobs(tiny_model, prompt + cont)
+    want = [ref[len(prompt) + i - 1, t].item() for i, t in enumerate(cont)]
+    assert s.logprobs == pytest.approx(want, abs=1e-4)
+    assert len(s.topk_ids) == len(cont) and len(s.topk_ids[0]) == 3
+    assert s.usage.computed_tokens == len(cont) + 1  # the prompt's last position is recomputed for its hidden state
+
+
+def test_seeded_sampling_independent_of_batch_mates(tiny_model):
+    p = rand_prompt(10, 7)
+    params = SamplingParams(n=3, max_tokens=15, seed=42, ignore_eos=True)
+    alone = engine(tiny_model).generate_sync([p], params)[0]
+    mates = [rand_prompt(n, n) for n in (4, 25, 12, 7)]
+    batched = engine(tiny_model).generate_sync(mates[:2] + [p] + mates[2:], [SamplingParams(max_tokens=9)] * 2 + [params] + [SamplingParams(max_tokens=20)] * 2)[2]
+    assert [c.token_ids for c in alone.completions] == [c.token_ids for c in batched.completions]
+    assert len({tuple(c.token_ids) for c in alone.completions}) > 1  # the n samples differ
+    other = engine(tiny_model).generate_sync([p], SamplingParams(n=3, max_tokens=15, seed=43, ignore_eos=True))[0]
+    assert [c.token_ids for c in other.completions] != [c.token_ids for c in alone.completions]
+
+
+def test_accounting_adds_up(tiny_model):
+    eng = engine(tiny_model)
+    q = rand_prompt(21, 8)
+    init = eng.generate_sync([q], SamplingParams(n=4, max_tokens=9, seed=1, ignore_eos=True))[0]
+    assert init.usage.prompt_tokens == 4 * len(q)
+    assert init.usage.computed_tokens == len(q)  # the n samples fork from one prefill
+    assert init.usage.generated_tokens == sum(len(c.token_ids) for c in init.completions) == 36
+    # a debate-shaped prompt: question + own answer + new text reuses the KV written while answering
+    own = init.completions[2].token_ids
+    debate = q + own + rand_prompt(7, 9)
+    d = eng.generate_sync([debate], SamplingParams(max_tokens=5, ignore_eos=True))[0]
+    assert d.usage.computed_tokens == 7 + 1  # the answer's last token was sampled, never fed back
+    assert d.usage.cached_tokens == d.usage.prompt_tokens - d.usage.computed_tokens
+    t = eng.totals
+    assert t.prompt_tokens == init.usage.prompt_tokens + d.usage.prompt_tokens
+    assert t.computed_tokens == init.usage.computed_tokens + d.usage.computed_tokens
+    assert t.generated_tokens == 36 + 5
+    assert d.usage.peak_kv_bytes > 0 and d.usage.time_s > 0
+
+
+def test_memory_budget_holds_under_a_flood(tiny_model):
+    prompts = [rand_prompt(8 + i % 5, 100 + i) for i in range(24)]
+    ref = engine(tiny_model).generate_sync(prompts, GREEDY)
+    # room for ~3 sequences of 25 tokens at once: the scheduler must wait and preempt, not crash
+    eng = Engine(tiny_model, None, EngineConfig(block_size=4, kv_cache_memory=20 * BLOCK_BYTES))
+    assert eng.blocks.num_blocks == 20
+    outs = eng.generate_sync(prompts, GREEDY)
+    assert [o.completions[0].token_ids for o in outs] == [o.completions[0].token_ids for o in ref]
+    assert eng.blocks.peak_used <= eng.blocks.num_blocks
+    assert eng.info["peak_kv_bytes"] <= eng.kv_budget_bytes
+    assert eng.blocks.evictions > 0
+
+
+def test_preemption_keeps_results_exact(tiny_model):
+    eng = Engine(tiny_model, None, EngineConfig(block_size=4, kv_cache_memory=12 * BLOCK_BYTES, max_num_seqs=8))
+    prompts = [rand_prompt(10, 200 + i) for i in range(6)]
+    params = SamplingParams(max_tokens=20, seed=9, ignore_eos=True)
+    outs = eng.generate_sync(prompts, params)
+    assert sum(o.usage.preemptions for o in outs) > 0
+    ref = engine(tiny_model).generate_sync(prompts, params)
+    assert [o.completions[0].token_ids for o in outs] == [o.completions[0].token_ids for o in ref]
+    assert all(o.usage.computed_tokens >= 10 for o in outs)
+
+
+def test_chunked_prefill_and_block_sizes_agree(tiny_model):
+    p = rand_prompt(50, 11)
+    ref = hf_greedy(tiny_model, p, 12)
+    for bs, chunk in [(1, 7), (4, 16), (16, 2048), (5, 3)]:
+        out = engine(tiny_model, block_size=bs, max_num_batched_tokens=chunk).generate_sync([p], GREEDY)[0]
+        assert out.completions[0].token_ids == ref, (bs, chunk)
+
+
+def test_concurrent_coroutines_share_batches(tiny_model):
+    eng = engine(tiny_model)
+
+    async def agent(i):
+        out = await eng.generate(rand_prompt(6, 300 + i), SamplingParams(max_tokens=8, seed=i, ignore_eos=True))
+        return len(out.completions[0].token_ids)
+
+    async def main():
+        return await asyncio.gather(*(agent(i) for i in range(10)))
+
+    assert asyncio.run(main()) == [8] * 10
+    assert eng.totals.steps < 10 * 8  # gathered into shared steps
+
+
+def test_stop_tokens_and_strings(tiny_model, tiny_tokenizer):
+    eng = Engine(tiny_model, tiny_tokenizer, EngineConfig(kv_cache_memory=8 * 2**20, block_size=4))
+    p = rand_prompt(6, 12)
+    free = eng.generate_sync([p], GREEDY)[0].completions[0]
+    stop_tok = free.token_ids[3]
+    c = eng.generate_sync([p], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_tok]))[0].completions[0]
+    assert c.token_ids == free.token_ids[: free.token_ids.index(stop_tok) + 1] and c.finish_reason == "stop"
+    text = tiny_tokenizer.decode(free.token_ids[:5])
+    target = text[-2:] if text.strip() else None
+    if target:
+        s = eng.generate_sync([p], SamplingParams(temperature=0, max_tokens=12, stop=[target]))[0].completions[0]
+        assert s.finish_reason == "stop" and target not in s.text
+
+
+def test_request_errors(tiny_model):
+    eng = engine(tiny_model)
+    with pytest.raises(ValueError, match="empty prompt"):
+        eng.generate_sync([[]], GREEDY)
+    with pytest.raises(ValueError, match="outside"):
+        eng.generate_sync([[1, 2, 10_000]], GREEDY)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+    tiny = Engine(tiny_model, None, EngineConfig(block_size=4, kv_cache_memory=4 * BLOCK_BYTES))
+    with pytest.raises(RequestTooLarge, match="KV blocks"):
+        tiny.generate_sync([rand_prompt(40, 1)], GREEDY)
+    # the engine still serves the next request
+    assert tiny.generate_sync([rand_prompt(3, 1)], SamplingParams(temperature=0, max_tokens=4))[0].completions[0].token_ids
+
+
+def test_parse_memory():
+    assert parse_memory("2GiB", 0, 0) == 2 * 2**30
+    assert parse_memory(0.5, 1000, 0) == 500
+    assert parse_memory(4096, 0, 0) == 4096
+    assert parse_memory(None, 0, 7) == 7
+    with pytest.raises(ValueError):
+        parse_memory("lots", 0, 0)
