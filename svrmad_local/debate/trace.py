@@ -1,0 +1,201 @@
+"""Traces: record every response a run asked for, once, and write/read trace.jsonl (docs/formats.md).
+
+`RecordingBackend` sits between the methods and the real backend. Response ids say what a call
+is, so it memoises by (question id, response id): the same debate asked for by several methods
+(SID-ET's and all-to-all's rounds, SVR-MAD's and S2-MAD's one-peer debates) is computed once,
+while each method still receives, and counts, the full response. The trace it writes is what
+`ReplayBackend` serves, so any method can be re-run without a model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Iterable, Sequence
+
+from svrmad_local.debate.answers import equivalent, is_correct
+from svrmad_local.debate.types import Backend, Question, Response, debate_id
+
+
+def split_id(rid: str) -> tuple[str, list[str], list[str]]:
+    """The inverse of `debate_id`: (own id, peer ids, brief ids) of a debate response id."""
+
+    def top_split(s: str, sep: str) -> list[str]:
+        parts, depth, start = [], 0, 0
+        for i, ch in enumerate(s):
+            depth += (ch == "(") - (ch == ")")
+            if ch == sep and depth == 0:
+                parts.append(s[start:i])
+                start = i + 1
+        parts.append(s[start:])
+        return parts
+
+    def unwrap(s: str) -> str:
+        return s[1:-1] if s.startswith("(") else s
+
+    head = top_split(rid, "<")
+    if len(head) != 2:
+        raise ValueError(f"not a debate response id: {rid!r}")
+    own, rest = head
+    full, *brief = top_split(rest, "|")
+    peers = [unwrap(p) for p in top_split(full, "+")]
+    return unwrap(own), peers, [unwrap(b) for b in top_split(brief[0], "+")] if brief else []
+
+
+def agent_of(rid: str) -> int:
+    """The agent whose response `rid` is (the root of its chain of own responses)."""
+    while "<" in rid:
+        rid = split_id(rid)[0]
+    return int(rid)
+
+
+class RecordingBackend:
+    """Wraps any backend: memoises calls per (question id, response id) and records them."""
+
+    def __init__(self, inner: Backend):
+        self.inner = inner
+        self._memo: dict[tuple[str, str], Any] = {}
+        self.initials: dict[str, list[Response]] = {}
+        self.debates: dict[str, dict[str, Response | None]] = {}  # in order of first request
+        self.hits = 0
+        self.misses = 0
+
+    async def _once(self, key: tuple[str, str], make: Callable[[], Awaitable[Any]]) -> Any:
+        got = self._memo.get(key)
+        if got is not None:
+            self.hits += 1
+            return await got if isinstance(got, asyncio.Future) else got
+        self.misses += 1
+        fut = asyncio.get_running_loop().create_future()
+        self._memo[key] = fut  # callers arriving while this is computed wait for it
+        try:
+            value = await make()
+        except BaseException as exc:
+            del self._memo[key]
+            fut.set_exception(exc)
+            fut.exception()  # mark retrieved: nobody may be waiting
+            raise
+        fut.set_result(value)
+        self._memo[key] = value
+        return value
+
+    async def initial(self, q: Question, n: int) -> list[Response]:
+        out = await self._once((q.id, f"initial/{n}"), lambda: self.inner.initial(q, n))
+        self.initials.setdefault(q.id, out)
+        return list(out)
+
+    async def debate(self, q: Question, own: Response, peers: Sequence[Response],
+                     brief: Sequence[Response] = ()) -> Response:
+        rid = debate_id(own.id, [p.id for p in peers], [b.id for b in brief])
+        seen = self.debates.setdefault(q.id, {})
+        seen.setdefault(rid, None)
+        resp = await self._once((q.id, rid), lambda: self.inner.debate(q, own, peers, brief))
+        seen[rid] = resp
+        return resp
+
+    def trace_row(self, q: Question, priors: Sequence[float | None] | None = None) -> dict:
+        """The trace.jsonl line of question `q` from what was recorded for it."""
+        recorded = [r for r in self.debates.get(q.id, {}).values() if r is not None]
+        return trace_row(q, self.initials[q.id], recorded, priors)
+
+    def forget(self, qid: str) -> None:
+        """Drop a written question's records and memo (they are in the trace now)."""
+        self.initials.pop(qid, None)
+        self.debates.pop(qid, None)
+        for key in [k for k in self._memo if k[0] == qid]:
+            del self._memo[key]
+
+
+# ---------------------------------------------------------------- rows <-> responses
+
+def _tokens(r: Response) -> dict:
+    return {"prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
+            "computed_tokens": r.computed_tokens, "signals": dict(r.signals), "text": r.text}
+
+
+def trace_row(q: Question, initial: Sequence[Response], debates: Iterable[Response],
+              priors: Sequence[float | None] | None = None) -> dict:
+    """One trace.jsonl line. A debate's `sender` is the agent of its single peer when it has
+    exactly one full peer and no brief ones (a pairwise debate), else null; `outcome` compares the
+    new answer with the receiver's previous one (the `own` response it continued)."""
+    at = q.answer_type
+    by_id = {r.id: r for r in initial}
+    agents = [{"agent": r.agent, "id": r.id, "answer": r.answer,
+               "prior": None if priors is None else priors[r.agent],
+               "correct": is_correct(r.answer, q.gold, at), **_tokens(r)} for r in initial]
+    rows = []
+    for d in debates:
+        by_id[d.id] = d
+        own, peers, brief = split_id(d.id)
+        prev = by_id.get(own)
+        outcome = None if prev is None else (
+            "retained" if equivalent(d.answer, prev.answer, at) else "changed")
+        rows.append({"id": d.id, "sender": agent_of(peers[0]) if len(peers) == 1 and not brief
+                     else None, "receiver": d.agent, "round": d.round, "peers": list(d.peers),
+                     "brief": list(d.brief), "answer": d.answer, "outcome": outcome, **_tokens(d)})
+    return {"id": q.id, "gold": q.gold, "answer_type": at, "question": q.question,
+            "agents": agents, "debates": rows}
+
+
+def _response(entry: dict, agent: int, round_: int = 0) -> Response:
+    return Response(id=str(entry["id"]), agent=agent, answer=entry.get("answer"),
+                    text=entry.get("text", ""), signals=dict(entry.get("signals") or {}),
+                    prompt_tokens=int(entry.get("prompt_tokens") or 0),
+                    completion_tokens=int(entry.get("completion_tokens") or 0),
+                    computed_tokens=int(entry.get("computed_tokens") or 0), round=round_,
+                    peers=tuple(entry.get("peers", ())), brief=tuple(entry.get("brief", ())))
+
+
+def row_question(row: dict) -> Question:
+    return Question(id=str(row["id"]), question=row.get("question", ""), gold=row["gold"],
+                    answer_type=row.get("answer_type", "math"))
+
+
+def row_initial(row: dict) -> list[Response]:
+    """The initial responses of a trace line, by agent index."""
+    return [_response(a, int(a["agent"])) for a in sorted(row["agents"], key=lambda a: a["agent"])]
+
+
+def row_debates(row: dict) -> dict[str, Response]:
+    """The debate responses of a trace line, by response id."""
+    return {str(d["id"]): _response(d, int(d["receiver"]), int(d.get("round", 1)))
+            for d in row.get("debates", [])}
+
+
+def row_priors(row: dict) -> list[float | None]:
+    return [a.get("prior") for a in sorted(row["agents"], key=lambda a: a["agent"])]
+
+
+# ---------------------------------------------------------------- files
+
+def append_trace(path: str | Path, row: dict) -> None:
+    """Append one line and flush it (an interrupted run loses at most the question in flight)."""
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        f.flush()
+
+
+def write_trace(path: str | Path, rows: Iterable[dict]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+
+def read_trace(path: str | Path) -> list[dict]:
+    """Trace lines in file order; a later line for an id replaces an earlier one, and a torn last
+    line (a run killed mid-write) is dropped."""
+    rows: dict[str, dict] = {}
+    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:
+                break
+            raise ValueError(f"{path}:{i + 1}: not valid JSON") from None
+        rows.pop(str(row["id"]), None)
+        rows[str(row["id"])] = row
+    return list(rows.values())
