@@ -168,9 +168,9 @@ class BlockManager:
         return block in self.node_of
 
 
-def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+def _common_prefix(a, b, limit: int | None = None) -> int:
     n = 0
-    for x, y in zip(a, b):
+    for x, y in zip(a[:limit], b[:limit]) if limit is not None else zip(a, b):
         if x != y:
             break
         n += 1

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from .kv_cache import BlockManager, CacheFull, KVCache
+from .kv_cache import BlockManager, CacheFull, KVCache, _common_prefix
 from .runner import Work
 from .sequence import Sequence
 
@@ -70,29 +70,39 @@ class Scheduler:
         seq.request.held_blocks -= len(seq.blocks)
         seq.blocks, seq.num_computed, seq.num_indexed = [], 0, 0
 
-    def _admit_blocks(self, seq: Sequence) -> bool:
-        """Reuse the cached prefix and allocate the rest of the known tokens; False (and nothing
-        held) when the cache cannot take it now."""
+    def _admit_blocks(self, seq: Sequence, inflight: list[Sequence]) -> str:
+        """Reuse the cached prefix and allocate the rest of the known tokens. Returns "ok",
+        "full" (the cache cannot take it now; nothing held) or "defer": its uncached part starts
+        with at least a block's worth of tokens that a prompt admitted this step is computing, so
+        it waits one step and then reads them from the cache (SGLang's in-batch prefix sharing:
+        the S debates of one receiver share the DebateFormat head after [question + answer])."""
         limit = len(seq.tokens) - 1
         if seq.request.score_from is not None:
             limit = min(limit, seq.request.score_from - 1)  # scored positions need their hidden states
         shared, covered, partial = self.bm.match(seq.tokens, max(limit, 0))
         seq.blocks, seq.num_computed, seq.num_indexed = shared, covered, len(shared)
         seq.request.held_blocks += len(shared)
+        if partial is not None:
+            covered += partial[1]
+        if any(_common_prefix(seq.tokens, o.tokens, limit) - covered >= self.bs for o in inflight):
+            if partial is not None:
+                self.bm.release([partial[0]])
+            self.free(seq)
+            return "defer"
         try:
             if partial is not None:
                 src, rows = partial
-                self._blocks_for(seq, covered + 1)
+                self._blocks_for(seq, seq.num_computed + 1)
                 self.cache.copy_rows(src, seq.blocks[-1], rows)
-                seq.num_computed = covered + rows
+                seq.num_computed += rows
             self._blocks_for(seq, len(seq.tokens))
         except CacheFull:
             self.free(seq)
-            return False
+            return "full"
         finally:
             if partial is not None:
                 self.bm.release([partial[0]])
-        return True
+        return "ok"
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -121,16 +131,24 @@ class Scheduler:
             if seq in self.running:
                 work.append(Work(seq, seq.num_computed, seq.num_computed + n))
                 budget -= n
+        admitted: list[Sequence] = []
+        deferred: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not self._admit_blocks(seq):
+            verdict = self._admit_blocks(seq, admitted)
+            if verdict == "full":
                 break
             self.waiting.popleft()
+            if verdict == "defer":
+                deferred.append(seq)
+                continue
             self.running.append(seq)
+            admitted.append(seq)
             n = min(len(seq.tokens) - seq.num_computed, budget)
             work.append(Work(seq, seq.num_computed, seq.num_computed + n))
             budget -= n
-        if not work and self.waiting and not self.running:
+        self.waiting.extendleft(reversed(deferred))
+        if not work and self.waiting and not self.running and not deferred:
             seq = self.waiting[0]
             raise RequestTooLarge(f"request {seq.request.id} cannot be admitted: the KV-cache budget is too small for it")
         work.sort(key=lambda w: w.end - w.start != 1)  # single-token runs first: they batch in one call

@@ -1,0 +1,124 @@
+"""`svrmad run` end to end on a tiny random model through the real engine path: the answers are
+nonsense, but the files, the accounting and resume must hold."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from svrmad_local import cli
+from svrmad_local.eval import run as run_mod
+from svrmad_local.eval.metrics import read_jsonl
+
+from .conftest import make_model
+
+QUESTIONS = [
+    {"id": f"q{i}", "question": f"What is {i} + {i + 1}? Answer with a number.", "gold": str(2 * i + 1), "answer_type": "math"}
+    for i in range(5)
+]
+
+
+@pytest.fixture
+def setup(tmp_path, tiny_tokenizer):
+    ck = tmp_path / "model"
+    make_model("llama", vocab=len(tiny_tokenizer), seed=3).save_pretrained(ck)
+    tiny_tokenizer.save_pretrained(ck)
+    data = tmp_path / "qs.jsonl"
+    data.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
+    return ck, data, tmp_path / "run"
+
+
+def run(ck, data, out, *extra):
+    argv = ["run", "--model", str(ck), "--dataset", str(data), "--out", str(out), "--max-tokens", "12",
+            "--kv-cache-memory", "4MiB", "--block-size", "4", "--device", "cpu", *extra]
+    return cli.main(argv)
+
+
+def test_run_writes_trace_results_and_accounting_adds_up(setup, capsys):
+    ck, data, out = setup
+    assert run(ck, data, out, "--limit", "3", "--methods", "svr-mad,self-consistency,all-to-all") == 0
+    printed = capsys.readouterr().out
+    assert "SVR-MAD" in printed and "Prompt tok computed" in printed
+    trace, results = read_jsonl(out / "trace.jsonl"), read_jsonl(out / "results.jsonl")
+    skipped = read_jsonl(out / "skipped.jsonl")
+    assert len(trace) + len(skipped) == 3 and trace, "a random model should disagree with itself"
+    assert {r["method"] for r in results} == {"svr-mad", "self-consistency", "all-to-all"}
+    eng = json.loads((out / "run.json").read_text())["totals"]["engine"]
+    # every engine request is one response in a trace/skipped line: billed and computed tokens add up
+    billed = computed = generated = 0
+    for row in trace:
+        for r in row["agents"] + row["debates"]:
+            billed += r["prompt_tokens"]
+            computed += r["computed_tokens"]
+            generated += r["completion_tokens"]
+    for row in skipped:
+        billed += row["tokens"]
+        computed += row["computed_tokens"]
+    if not skipped:
+        assert billed == eng["prompt_tokens"] and generated == eng["generated_tokens"]
+    assert computed == eng["computed_tokens"]
+    assert eng["computed_tokens"] < eng["prompt_tokens"]  # the cache was used
+    for res in results:
+        row = next(t for t in trace if t["id"] == res["id"])
+        init = sum(a["prompt_tokens"] + a["completion_tokens"] for a in row["agents"])
+        assert res["tokens"] >= init and res["tokens"] == res["prompt_tokens"] + res["completion_tokens"]
+        if res["method"] == "self-consistency":
+            assert res["tokens"] == init and res["ncomm"] == 0
+        if res["method"] == "svr-mad":
+            assert 0 < res["ncomm"] <= sum(1 for d in row["debates"] if d["sender"] is not None)
+
+
+def test_resume_after_interruption_redoes_nothing(setup, monkeypatch):
+    ck, data, out = setup
+    assert run(ck, data, out, "--limit", "2") == 0
+    first = {r["id"] for r in read_jsonl(out / "trace.jsonl")} | {r["id"] for r in read_jsonl(out / "skipped.jsonl")}
+    assert first == {"q0", "q1"}
+    # the process dies while writing the next question's line: a torn last line
+    with open(out / "trace.jsonl", "a") as f:
+        f.write('{"id": "q2", "agents": [')
+    seen = []
+    real = run_mod.run_question
+
+    async def spy(q, *a, **k):
+        seen.append(q.id)
+        return await real(q, *a, **k)
+
+    monkeypatch.setattr(run_mod, "run_question", spy)
+    assert run(ck, data, out, "--limit", "5") == 0
+    assert sorted(seen) == ["q2", "q3", "q4"]  # finished questions are not redone, the torn one is
+    ids = [r["id"] for r in read_jsonl(out / "trace.jsonl")] + [r["id"] for r in read_jsonl(out / "skipped.jsonl")]
+    assert sorted(ids) == ["q0", "q1", "q2", "q3", "q4"]
+    for line in (out / "trace.jsonl").read_text().splitlines():
+        json.loads(line)  # still valid JSONL
+
+
+def test_replay_of_a_live_trace_matches_live_results(setup, capsys):
+    ck, data, out = setup
+    assert run(ck, data, out, "--limit", "4", "--methods", "svr-mad") == 0
+    live = {r["id"]: r for r in read_jsonl(out / "results.jsonl")}
+    if not live:
+        pytest.fail("every question was unanimous with this random model")
+    capsys.readouterr()
+    assert cli.main(["replay", "--trace", str(out / "trace.jsonl"), "--method", "svr-mad", "--json"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    for line in lines[:-1]:
+        assert line["answer"] == live[line["id"]]["answer"]
+        assert line["ncomm"] == live[line["id"]]["ncomm"]
+        assert line["tokens"] == live[line["id"]]["tokens"]
+    assert lines[-1]["questions"] == len(live)
+
+
+def test_bad_input_is_a_clear_error(setup, capsys):
+    ck, data, out = setup
+    assert run(ck, data, out, "--methods", "svr-mad,telepathy") == 2
+    assert "unknown method" in capsys.readouterr().err
+    assert run(ck, out / "missing.jsonl", out) == 2
+
+
+def test_shard_splits_questions_disjointly():
+    qs = list(range(10))
+    parts = [run_mod.shard(qs, f"{k}/3") for k in range(3)]
+    assert sorted(sum(parts, [])) == qs and parts[1] == [1, 4, 7]
+    with pytest.raises(ValueError, match="K/N"):
+        run_mod.shard(qs, "3/3")
