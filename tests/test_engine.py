@@ -206,3 +206,15 @@ def test_parse_memory():
     assert parse_memory(None, 0, 7) == 7
     with pytest.raises(ValueError):
         parse_memory("lots", 0, 0)
+
+
+def test_prompts_sharing_an_uncached_head_in_one_step_compute_it_once(tiny_model):
+    """The S debates of one receiver arrive together and share the DebateFormat head: the scheduler
+    defers all but one for a step so the head is computed once (SGLang's in-batch prefix sharing)."""
+    head = rand_prompt(21, 40)
+    prompts = [head + rand_prompt(5, 41 + i) for i in range(3)]
+    eng = engine(tiny_model)
+    outs = eng.generate_sync(prompts, GREEDY)
+    assert eng.totals.computed_tokens == len(head) + 3 * 5
+    ref = [hf_greedy(tiny_model, p, 12) for p in prompts]
+    assert [o.completions[0].token_ids for o in outs] == ref
