@@ -122,6 +122,9 @@ def test_accounting_adds_up(tiny_model):
     assert t.computed_tokens == init.usage.computed_tokens + d.usage.computed_tokens
     assert t.generated_tokens == 36 + 5
     assert d.usage.peak_kv_bytes > 0 and d.usage.time_s > 0
+    # distinct blocks: the 4 samples share the prompt's full blocks (21 tokens, block 4 -> 5 full)
+    per_sample = -(-(21 + 9) // 4) - 5
+    assert init.usage.peak_kv_bytes <= (5 + 4 * per_sample) * eng.block_bytes <= eng.info["peak_kv_bytes"]
 
 
 def test_memory_budget_holds_under_a_flood(tiny_model):

@@ -267,6 +267,9 @@ class Engine:
             return []
         self.totals.steps += 1
         hidden = self.runner.forward(work)
+        for req in {w.seq.request for w in work}:  # distinct blocks: a shared prefix counts once
+            held = len({b for s in req.sequences for b in s.blocks})
+            req.usage.peak_kv_bytes = max(req.usage.peak_kv_bytes, held * self.block_bytes)
         finished: list[Request] = []
         to_sample: list[tuple[Sequence, int]] = []
         row = 0
@@ -291,9 +294,6 @@ class Engine:
                 self.scheduler.index_full_blocks(w.seq)
         if to_sample:
             self._sample(hidden, to_sample, finished)
-        for w in work:
-            req = w.seq.request
-            req.usage.peak_kv_bytes = max(req.usage.peak_kv_bytes, req.held_blocks * self.block_bytes)
         return finished
 
     def _sample(self, hidden: torch.Tensor, to_sample: list[tuple[Sequence, int]], finished: list[Request]) -> None:
@@ -344,7 +344,6 @@ class Engine:
         for b in leader.blocks[:full]:
             self.blocks.incref(b)
         child.blocks, child.num_indexed, child.num_computed = list(leader.blocks[:full]), min(full, leader.num_indexed), full * bs
-        req.held_blocks += full
         rows = leader.num_computed - full * bs
         if rows:
             try:

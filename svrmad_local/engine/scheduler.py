@@ -48,7 +48,6 @@ class Scheduler:
         """Make sure `seq` holds blocks for positions [0, end); raises CacheFull."""
         while len(seq.blocks) * self.bs < end:
             seq.blocks.append(self.bm.allocate())
-            seq.request.held_blocks += 1
 
     def index_full_blocks(self, seq: Sequence) -> None:
         """Put the blocks `seq` has filled into the prefix tree (possibly adopting identical ones)."""
@@ -67,7 +66,6 @@ class Scheduler:
             parent = seq.blocks[i - 1] if i else None
             seq.blocks[i] = self.bm.register(parent, seq.blocks[i], tuple(seq.tokens[i * self.bs : seq.num_computed]))
         self.bm.release(seq.blocks)
-        seq.request.held_blocks -= len(seq.blocks)
         seq.blocks, seq.num_computed, seq.num_indexed = [], 0, 0
 
     def _admit_blocks(self, seq: Sequence, inflight: list[Sequence]) -> str:
@@ -81,7 +79,6 @@ class Scheduler:
             limit = min(limit, seq.request.score_from - 1)  # scored positions need their hidden states
         shared, covered, partial = self.bm.match(seq.tokens, max(limit, 0))
         seq.blocks, seq.num_computed, seq.num_indexed = shared, covered, len(shared)
-        seq.request.held_blocks += len(shared)
         if partial is not None:
             covered += partial[1]
         if any(_common_prefix(seq.tokens, o.tokens, limit) - covered >= self.bs for o in inflight):

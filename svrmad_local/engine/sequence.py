@@ -96,7 +96,6 @@ class Request:
         self.t0 = time.perf_counter()
         self.sequences: list[Sequence] = []
         self.finished: list[Sequence] = []
-        self.held_blocks = 0  # blocks currently held by its sequences (for peak KV bytes)
         self.error: BaseException | None = None
 
 
