@@ -1,0 +1,222 @@
+"""Benchmark of the kernels package (a script, not a test).
+
+    python benchmarks/bench_kernels.py [--quick] [--device cpu|cuda]
+
+(a) token statistics: peak memory and time of the chunked (torch) / fused (triton, GPU only)
+    paths vs log_softmax over the full [T, V] logits (``reference_token_stats``: logits,
+    log_softmax, exp and p*logp all [T, V]), vocab 32k and 152k, hidden 1024, 4k tokens (1k
+    with --quick on CPU).
+    Peak memory: on CUDA torch.cuda.max_memory_allocated; on CPU the growth of the process's peak
+    RSS (getrusage ru_maxrss) while the call runs, each measurement in a fresh subprocess so
+    earlier peaks cannot hide it. The theoretical size of the largest intermediate is printed too.
+(b) shared-prefix attention: cascade attention (prefix attended once for all queries, merged with
+    each query's own suffix) vs the same attention over the prefix copied per query (batched
+    scaled_dot_product_attention over [Nq, prefix + suffix] K/V, copies made before timing).
+    Decode-style: one token per query. GPU: triton path; CPU: torch reference (never the
+    interpreter), single-threaded by default (--attn-threads): decode-size ops are too small to
+    parallelise, and on a shared 2-core machine multi-threaded BLAS on many small ops stalls
+    (measured 40 ms vs 2.3 s for the same call), which would time the neighbours, not the code.
+
+Ratios are printed; the last line is one JSON object with every figure.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.pop("TRITON_INTERPRET", None)  # timings must never come from the numpy interpreter
+
+import torch  # noqa: E402
+
+import kernels  # noqa: E402
+from kernels import Level, cascade_attention, reference_token_stats, token_stats  # noqa: E402
+
+
+def _sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _time(fn, dev, reps):
+    """Fastest of ``reps`` calls (after one warm-up call when reps > 1): the least disturbed by
+    other work on a shared machine."""
+    if reps > 1:
+        fn()
+    times = []
+    for _ in range(reps):
+        _sync(dev)
+        t0 = time.perf_counter()
+        fn()
+        _sync(dev)
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+# ----------------------------------------------------------------------------------------------
+# (a) token statistics, one (vocab, method) per child process
+# ----------------------------------------------------------------------------------------------
+
+def _token_stats_child(cfg: dict) -> dict:
+    dev = torch.device(cfg["device"])
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    T, H, V = cfg["T"], cfg["H"], cfg["V"]
+    g = torch.Generator(device=dev).manual_seed(0)
+    hidden = torch.randn(T, H, generator=g, device=dev, dtype=dtype)
+    weight = torch.randn(V, H, generator=g, device=dev, dtype=dtype).mul_(H**-0.5)  # in place: no temp
+    targets = torch.randint(0, V, (T,), generator=g, device=dev)
+    method = cfg["method"]
+    if method == "full":
+        fn = lambda: reference_token_stats(hidden, weight, targets, topk=20)  # noqa: E731
+    else:
+        impl = "triton" if method == "fused" else "torch"
+        fn = lambda: token_stats(hidden, weight, targets, topk=20, impl=impl, chunk_tokens=cfg["chunk"])  # noqa: E731
+    if dev.type == "cuda":
+        fn()  # compile / warm up, then measure a clean peak
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        seconds = _time(fn, dev, 3)
+        peak = torch.cuda.max_memory_allocated() - base
+    else:
+        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        seconds = _time(fn, dev, 1)  # one call: a second one could reuse freed pages unseen
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+    return {"seconds": seconds, "peak_bytes": peak}
+
+
+def _largest_intermediate(method, T, V, chunk, H):
+    """Bytes of the biggest temporary buffer each path needs (fp32)."""
+    if method == "full":
+        return T * V * 4
+    if method == "chunked":
+        return min(T, chunk) * V * 4
+    n_split = -(-V // 8192)  # fused: per-split partials + int64 top-k candidates
+    return T * n_split * (4 * 4 + 32 * 8)
+
+
+def bench_token_stats(dev, quick):
+    T, H, chunk = (1024, 1024, 256) if quick and dev.type == "cpu" else (4096, 1024, 1024)
+    methods = ["full", "chunked"] + (["fused"] if dev.type == "cuda" and kernels.HAS_TRITON else [])
+    rows = []
+    for V in (32000, 152064):
+        row = {"T": T, "H": H, "V": V, "chunk_tokens": chunk}
+        for method in methods:
+            cfg = {"device": str(dev), "T": T, "H": H, "V": V, "method": method, "chunk": chunk}
+            res = subprocess.run([sys.executable, __file__, "--child", json.dumps(cfg)],
+                                 capture_output=True, text=True, check=True)
+            out = json.loads(res.stdout.strip().splitlines()[-1])
+            out["largest_intermediate_bytes"] = _largest_intermediate(method, T, V, chunk, H)
+            row[method] = out
+        best = "fused" if "fused" in row else "chunked"
+        row["time_ratio_full_over_" + best] = row["full"]["seconds"] / row[best]["seconds"]
+        row["peak_ratio_full_over_" + best] = row["full"]["peak_bytes"] / max(1, row[best]["peak_bytes"])
+        rows.append(row)
+        line = f"  T={T} H={H} V={V:>6}:"
+        for method in methods:
+            r = row[method]
+            line += (f"  {method} {r['seconds']:7.3f}s peak {r['peak_bytes'] / 2**20:8.1f} MiB"
+                     f" (largest buffer {r['largest_intermediate_bytes'] / 2**20:7.1f} MiB) |")
+        line += (f"  full/{best}: time x{row['time_ratio_full_over_' + best]:.2f},"
+                 f" peak x{row['peak_ratio_full_over_' + best]:.1f}")
+        print(line, flush=True)
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# (b) shared-prefix attention
+# ----------------------------------------------------------------------------------------------
+
+def bench_attention(dev, quick):
+    hq, hkv, d, bs, suffix = 32, 8, 128, 16, 64
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    prefixes = (1024, 4096) if quick and dev.type == "cpu" else (1024, 4096, 16384)
+    nqs = (2, 8, 32)
+    reps = 3 if dev.type == "cpu" else 20
+    rows = []
+    g = torch.Generator(device=dev).manual_seed(0)
+    for prefix in prefixes:
+        for nq in nqs:
+            # paged cache: the prefix once, then each query's own suffix (incl. its current token)
+            p_blocks, s_blocks = -(-prefix // bs), -(-(suffix + 1) // bs)
+            nblocks = p_blocks + nq * s_blocks
+            k_cache = torch.randn(nblocks, bs, hkv, d, generator=g, device=dev, dtype=dtype)
+            v_cache = torch.randn(nblocks, bs, hkv, d, generator=g, device=dev, dtype=dtype)
+            perm = torch.randperm(nblocks, generator=g, device=dev)
+            q = torch.randn(nq, hq, d, generator=g, device=dev, dtype=dtype)
+            levels = [Level(torch.arange(nq, device=dev), perm[:p_blocks], prefix)]
+            for i in range(nq):
+                start = p_blocks + i * s_blocks
+                levels.append(Level(torch.tensor([i], device=dev), perm[start:start + s_blocks], suffix + 1))
+            scale = d**-0.5
+
+            def run(cache, i):
+                """Query i's whole sequence (prefix + own suffix) as plain [L, Hkv, D] tokens."""
+                parts = [cache[levels[0].block_table].flatten(0, 1)[:prefix],
+                         cache[levels[1 + i].block_table].flatten(0, 1)[:suffix + 1]]
+                return torch.cat(parts)
+
+            # the non-sharing baseline: every query holds its own copy of the prefix, [Nq, Hkv, L, D]
+            k_copy = torch.empty(nq, hkv, prefix + suffix + 1, d, device=dev, dtype=dtype)
+            v_copy = torch.empty_like(k_copy)
+            for i in range(nq):
+                k_copy[i] = run(k_cache, i).transpose(0, 1)
+                v_copy[i] = run(v_cache, i).transpose(0, 1)
+            q4 = q[:, :, None, :]  # [Nq, Hq, 1, D]
+
+            def copied():
+                return torch.nn.functional.scaled_dot_product_attention(
+                    q4, k_copy, v_copy, scale=scale, enable_gqa=True)[:, :, 0]
+
+            def shared():
+                return cascade_attention(q, k_cache, v_cache, levels, scale)
+
+            err = (shared().float() - copied().float()).abs().max().item()
+            t_shared = _time(shared, dev, reps)
+            t_copied = _time(copied, dev, reps)
+            row = {"prefix": prefix, "suffix": suffix + 1, "nq": nq, "shared_s": t_shared, "copied_s": t_copied,
+                   "speedup": t_copied / t_shared, "max_abs_diff": err}
+            rows.append(row)
+            print(f"  prefix {prefix:>5} x {nq:>2} queries: shared {t_shared * 1e3:8.2f} ms | copied per query "
+                  f"{t_copied * 1e3:8.2f} ms | speedup x{row['speedup']:.2f} | max |diff| {err:.1e}", flush=True)
+            del k_copy, v_copy, k_cache, v_cache
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="smaller CPU sizes (about 2 minutes)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--attn-threads", type=int, default=1, help="CPU threads for (b) (default 1)")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(_token_stats_child(json.loads(args.child))))
+        return
+    dev = torch.device(args.device)
+    on_gpu = dev.type == "cuda"
+    path = "triton" if on_gpu and kernels.HAS_TRITON else "torch reference"
+    mem = "torch.cuda.max_memory_allocated" if on_gpu else "peak RSS growth (getrusage, fresh subprocess)"
+    print(f"device={dev} torch={torch.__version__} threads={torch.get_num_threads()} kernels path={path}")
+    print(f"(a) token statistics (top-20 + target logprob + entropy + lse); memory = {mem}")
+    ts = bench_token_stats(dev, args.quick)
+    print("(b) decode attention, shared prefix (cascade) vs prefix copied per query "
+          "(Hq=32, Hkv=8, D=128, block 16, own suffix 65 tokens)")
+    if not on_gpu:
+        torch.set_num_threads(args.attn_threads)
+        print(f"    (CPU threads for this part: {torch.get_num_threads()})")
+    at = bench_attention(dev, args.quick)
+    print(json.dumps({"device": str(dev), "path": path, "quick": args.quick, "memory_measure": mem,
+                      "attention_threads": torch.get_num_threads(), "load_avg_1min": os.getloadavg()[0],
+                      "token_stats": ts, "attention": at}))
+
+
+if __name__ == "__main__":
+    main()
