@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
+import os
+
+# Triton kernels run on the CPU through its interpreter, which must be chosen before triton is first
+# imported (torch._dynamo imports it during collection).
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

@@ -221,3 +221,43 @@ def test_prompts_sharing_an_uncached_head_in_one_step_compute_it_once(tiny_model
     assert eng.totals.computed_tokens == len(head) + 3 * 5
     ref = [hf_greedy(tiny_model, p, 12) for p in prompts]
     assert [o.completions[0].token_ids for o in outs] == ref
+
+
+def test_decode_levels_cover_each_query_exactly_once():
+    from svrmad_local.engine.runner import decode_levels
+
+    bs = 4
+    # q0,q1,q2 share blocks 0,1 (the question); q0,q1 also share 2 (a receiver's answer); own tails
+    tables = [[0, 1, 2, 3], [0, 1, 2, 4], [0, 1, 5, 6], [7, 8]]
+    lens = [15, 13, 16, 6]
+    levels = decode_levels(tables, lens, bs, "cpu")
+    for i, (tab, n) in enumerate(zip(tables, lens)):
+        slots = []
+        for lv in levels:
+            if i in lv.query_idx.tolist():
+                slots += [b * bs + o for b in lv.block_table.tolist() for o in range(bs)][: lv.kv_len]
+        assert slots == [b * bs + o for b in tab for o in range(bs)][:n], i
+    shared = [lv for lv in levels if len(lv.query_idx) > 1]
+    assert [(sorted(lv.query_idx.tolist()), lv.kv_len) for lv in shared] == [([0, 1, 2], 8), ([0, 1], 4)]
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_cascade_attention_in_the_engine_keeps_the_invariants(tiny_model, impl):
+    import kernels
+
+    if impl == "triton" and not (kernels.HAS_TRITON and kernels._backend.interpreter_ready()):
+        pytest.skip("triton interpreter not available in this process")
+    q = rand_prompt(14, 60)
+    params = SamplingParams(n=4, max_tokens=6, seed=2, ignore_eos=True)
+    plain = engine(tiny_model).generate_sync([q], params)[0]
+    eng = engine(tiny_model, cascade="on", kernels=impl)
+    assert "cascade:" + impl in eng.info["attention"]
+    got = eng.generate_sync([q], params)[0]
+    assert [c.token_ids for c in got.completions] == [c.token_ids for c in plain.completions]
+    for a, b in zip(got.completions, plain.completions):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+    assert eng.generate_sync([q], GREEDY)[0].completions[0].token_ids == hf_greedy(tiny_model, q, 12)
+    if impl == "triton":
+        s = eng.score_sync(q, rand_prompt(5, 61), topk=3)
+        ref = full_logprobs(tiny_model, q + rand_prompt(5, 61))
+        assert s.logprobs == pytest.approx([ref[len(q) + i - 1, t].item() for i, t in enumerate(rand_prompt(5, 61))], abs=1e-4)

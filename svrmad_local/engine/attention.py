@@ -8,7 +8,9 @@ Llama, Qwen2/3, Mistral... work without per-architecture code.
 
 Paths: flash-attn varlen (GPU, fp16/bf16, when installed), else SDPA: decode tokens batched in one
 call over a padded gather of their blocks, prefill chunks one call each with a causal mask offset
-by the cached length.
+by the cached length. With cascade on, decode tokens that share prefix blocks (the N samples of a
+question, the S debates of a receiver) attend to the shared blocks once, stacked, and to their own
+suffix separately, merged exactly by log-sum-exp (kernels.cascade_attention, Triton on a GPU).
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ class StepContext:
     decode_slots: torch.Tensor | None  # [nd, Lmax] padded slot ids
     decode_mask: torch.Tensor | None  # [nd, 1, 1, Lmax] True = attend
     prefills: list[Run]
+    decode_levels: list | None = None  # cascade: shared-prefix levels of the decode rows (kernels.Level)
+    kernel_impl: str = "auto"
     use_flash: bool = False
     cu_q: torch.Tensor | None = None  # flash-attn: cumulative query/key lengths
     cu_k: torch.Tensor | None = None
@@ -66,10 +70,12 @@ class StepContext:
             return self
         if device not in self._per_device:
             mv = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+            levels = None if self.decode_levels is None else [
+                type(lv)(mv(lv.query_idx), mv(lv.block_table), lv.kv_len) for lv in self.decode_levels]
             self._per_device[device] = StepContext(
                 self.cache, mv(self.slot_mapping), self.decode_rows, mv(self.decode_slots), mv(self.decode_mask),
-                [Run(r.row0, r.row1, mv(r.kv_slots)) for r in self.prefills], self.use_flash,
-                mv(self.cu_q), mv(self.cu_k), mv(self.all_slots), self.max_q, self.max_k,
+                [Run(r.row0, r.row1, mv(r.kv_slots)) for r in self.prefills], levels, self.kernel_impl,
+                self.use_flash, mv(self.cu_q), mv(self.cu_k), mv(self.all_slots), self.max_q, self.max_k,
             )
         return self._per_device[device]
 
@@ -103,7 +109,14 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
         return out.unsqueeze(0), None
     out = torch.empty_like(q)
     gqa = q.shape[1] != kc.shape[1]
-    if ctx.decode_rows:
+    if ctx.decode_levels is not None:  # shared prefixes attended once for all their queries
+        from kernels import cascade_attention
+
+        bs = ctx.cache.block_size
+        paged = (kc.view(-1, bs, *kc.shape[1:]), vc.view(-1, bs, *vc.shape[1:]))
+        out[: ctx.decode_rows] = cascade_attention(q[: ctx.decode_rows], *paged, ctx.decode_levels, scaling,
+                                                   impl=ctx.kernel_impl)
+    elif ctx.decode_rows:
         k = kc[ctx.decode_slots].transpose(1, 2)  # [nd, KVH, L, D]
         v = vc[ctx.decode_slots].transpose(1, 2)
         qd = q[: ctx.decode_rows].unsqueeze(2)  # [nd, H, 1, D]

@@ -32,15 +32,17 @@ from .stats import SignalConfig, sequence_signals, stats_from_logits
 class EngineConfig:
     """block_size: tokens per KV block. kv_cache_memory: the KV budget, as bytes (int), a fraction
     of the memory available after loading (float <= 1), or a string such as "2GiB"; None means
-    90% of free GPU memory, or 2 GiB on the CPU. stats_impl: "auto" | "torch" | "triton" for the
-    teacher-forced statistics (the fused kernel of kernels/ on a GPU)."""
+    90% of free GPU memory, or 2 GiB on the CPU. kernels: "auto" | "torch" | "triton", the path of
+    kernels/ (fused token statistics for scoring, cascade attention): "auto" takes Triton on a GPU,
+    "torch" forces the references. cascade: "auto" (on where Triton runs) | "on" | "off"."""
 
     block_size: int = 16
     kv_cache_memory: int | float | str | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     attention: str = "auto"
-    stats_impl: str = "auto"
+    kernels: str = "auto"
+    cascade: str = "auto"
     score_chunk: int = 1024
     signals: SignalConfig = field(default_factory=SignalConfig)
     seed: int = 0
@@ -126,7 +128,7 @@ class Engine:
         self.block_bytes = block_bytes
         self.blocks = BlockManager(num_blocks, cfg.block_size)
         self.cache = KVCache(num_blocks, cfg.block_size, devices, kv_heads, head_dim, dtype)
-        self.runner = ModelRunner(model, self.cache, cfg.block_size, cfg.attention)
+        self.runner = ModelRunner(model, self.cache, cfg.block_size, cfg.attention, cfg.cascade, cfg.kernels)
         self.scheduler = Scheduler(self.blocks, self.cache, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.max_model_len = getattr(mc, "max_position_embeddings", None) or 1 << 30
         self.eos_ids = self._eos_ids()
@@ -385,14 +387,11 @@ class Engine:
             finished.append(req)
 
     def _stats_path(self) -> str:
-        if self.cfg.stats_impl == "torch":
-            return "torch"
         try:
-            import kernels  # noqa: F401
-
-            return "kernels:" + kernels.select_impl(self.cfg.stats_impl, self.runner.lm_head.weight)
-        except Exception:
-            return "torch"
+            import kernels
+        except ImportError:
+            return "torch (kernels/ not importable)"
+        return "kernels:" + kernels.select_impl(self.cfg.kernels, self.runner.lm_head.weight)
 
     def _score_rows(self, seq: Sequence, hidden: torch.Tensor, w: Work) -> None:
         """Statistics for the positions of this chunk that predict a continuation token."""
@@ -402,14 +401,26 @@ class Engine:
             return
         h = hidden[lo - w.start : hi - w.start]
         targets = torch.tensor(seq.tokens[lo + 1 : hi + 1], device=h.device)
-        k = seq.params.topk_logprobs
-        for c in range(0, h.shape[0], self.cfg.score_chunk):
-            hc, tc = h[c : c + self.cfg.score_chunk], targets[c : c + self.cfg.score_chunk]
-            st = stats_from_logits(self.runner.logits(hc), tc, k)
-            seq.logprobs += st.logprob.tolist()
-            seq.entropies += st.entropy.tolist()
-            seq.topk_logprobs += st.topk_logprobs.tolist()
-            seq.topk_ids += st.topk_ids.tolist()
+        st = self._token_stats(h, targets, seq.params.topk_logprobs)
+        seq.logprobs += st.logprob.tolist()
+        seq.entropies += st.entropy.tolist()
+        seq.topk_logprobs += st.topk_logprobs.tolist()
+        seq.topk_ids += st.topk_ids.tolist()
+
+    def _token_stats(self, h: torch.Tensor, targets: torch.Tensor, k: int):
+        """Teacher-forced statistics without [tokens x vocab] fp32 logits: the fused kernel (or its
+        chunked torch reference) of kernels/, else chunks of plain logits."""
+        try:
+            import kernels
+        except ImportError:
+            kernels = None
+        w = self.runner.lm_head
+        if kernels is not None and getattr(w, "bias", None) is None:
+            return kernels.token_stats(h.to(w.weight.device), w.weight, targets.to(w.weight.device), k,
+                                       impl=self.cfg.kernels, chunk_tokens=self.cfg.score_chunk, softcap=self.runner.softcap)
+        parts = [stats_from_logits(self.runner.logits(h[c : c + self.cfg.score_chunk]), targets[c : c + self.cfg.score_chunk], k)
+                 for c in range(0, h.shape[0], self.cfg.score_chunk)]
+        return type(parts[0])(*(torch.cat([getattr(p, f) for p in parts]) for f in ("logprob", "entropy", "topk_logprobs", "topk_ids")))
 
     # -- outputs ----------------------------------------------------------------------------
     def _output(self, req: Request) -> RequestOutput | ScoreOutput:

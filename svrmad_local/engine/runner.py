@@ -25,7 +25,8 @@ class Work:
 
 
 class ModelRunner:
-    def __init__(self, model, cache: KVCache, block_size: int, attention: str = "auto"):
+    def __init__(self, model, cache: KVCache, block_size: int, attention: str = "auto", cascade: str = "auto",
+                 kernels_impl: str = "auto"):
         self.model = model
         self.body = model.base_model
         self.lm_head = model.get_output_embeddings()
@@ -38,6 +39,10 @@ class ModelRunner:
         if attention == "flash" and not want_flash:
             raise ValueError("attention='flash' needs flash-attn installed, a CUDA device and fp16/bf16 weights")
         self.attention_path = "flash-attn" if want_flash else "sdpa"
+        self.kernels_impl = kernels_impl
+        self.cascade = _cascade_enabled(cascade, kernels_impl, self.device) and not want_flash
+        if self.cascade:
+            self.attention_path += "+cascade:" + _kernels().select_impl(kernels_impl, self.device, "cascade_attention")
 
     def _slots(self, seq: Sequence, end: int) -> torch.Tensor:
         bs = self.block_size
@@ -85,6 +90,10 @@ class ModelRunner:
             ctx.all_slots = torch.cat([r.kv_slots for r in all_runs]).to(dev)
             ctx.max_q = max(r.row1 - r.row0 for r in all_runs)
             ctx.max_k = max(r.kv_slots.shape[0] for r in all_runs)
+        if self.cascade and nd >= 2:
+            ctx.decode_levels = decode_levels([w.seq.blocks for w in work[:nd]], [w.end for w in work[:nd]],
+                                              self.block_size, dev)
+            ctx.kernel_impl = self.kernels_impl
         set_context(ctx)
         try:
             out = self.body(
@@ -102,3 +111,57 @@ class ModelRunner:
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
+
+
+def _kernels():
+    import kernels
+
+    return kernels
+
+
+def _cascade_enabled(cascade: str, impl: str, device: torch.device) -> bool:
+    """"auto": on where the Triton kernel runs (CUDA + triton); on the CPU the torch reference
+    costs more in per-level overhead than the shared gathers save for small models."""
+    if cascade not in ("auto", "on", "off"):
+        raise ValueError(f"cascade must be auto, on or off, got {cascade!r}")
+    if cascade == "off":
+        return False
+    try:
+        k = _kernels()
+    except ImportError:
+        if cascade == "on":
+            raise
+        return False
+    return cascade == "on" or k.select_impl(impl, device, "cascade_attention") == "triton"
+
+
+def decode_levels(tables: list[list[int]], lens: list[int], bs: int, device) -> list:
+    """Cascade levels for decode queries: runs of full blocks shared by a group of queries (same
+    block ids at the same positions: shared full blocks are immutable), split recursively where the
+    group diverges; each query's remaining tokens (its current one included) form its own level."""
+    Level = _kernels().Level
+    levels: list = []
+
+    def full(i: int, d: int):
+        return tables[i][d] if (d + 1) * bs <= lens[i] else None
+
+    def own(i: int, d: int) -> None:
+        n_blocks = -(-lens[i] // bs)
+        levels.append(Level(torch.tensor([i], device=device), torch.tensor(tables[i][d:n_blocks], device=device),
+                            lens[i] - d * bs))
+
+    def split(group: list[int], d: int) -> None:
+        start = d
+        while len({full(i, d) for i in group}) == 1 and full(group[0], d) is not None:
+            d += 1
+        if d > start:
+            levels.append(Level(torch.tensor(group, device=device),
+                                torch.tensor(tables[group[0]][start:d], device=device), (d - start) * bs))
+        by: dict = {}
+        for i in group:
+            by.setdefault(full(i, d) if full(i, d) is not None else ("own", i), []).append(i)
+        for sub in by.values():
+            own(sub[0], d) if len(sub) == 1 else split(sub, d)
+
+    split(list(range(len(tables))), 0)
+    return levels
