@@ -73,3 +73,14 @@ def make_model(arch: str = "llama", vocab: int = 400, seed: int = 0, layers: int
 @pytest.fixture(scope="session")
 def tiny_model(tiny_tokenizer):
     return make_model("llama", vocab=len(tiny_tokenizer))
+
+
+@pytest.fixture
+def interp():
+    """Triton kernels on CPU tensors: only through the interpreter chosen above."""
+    pytest.importorskip("triton")
+    from kernels._backend import interpreter_ready
+
+    if not interpreter_ready():
+        pytest.skip("triton was imported before TRITON_INTERPRET=1; "
+                    "test_triton_cases_in_fresh_process runs these cases instead")

@@ -10,7 +10,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from kernels import Level, attend_partial, cascade_attention, merge_states, reference_attention  # noqa: E402
-from kernels._backend import interpreter_ready  # noqa: E402
+
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 DTYPE_IDS = ["fp32", "fp16", "bf16"]
@@ -18,14 +18,6 @@ DTYPE_IDS = ["fp32", "fp16", "bf16"]
 ATOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-5}
 # cascade_attention returns q's dtype: one more rounding of the output
 OUT_ATOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 2e-2}
-
-
-@pytest.fixture
-def interp():
-    pytest.importorskip("triton")
-    if not interpreter_ready():
-        pytest.skip("triton was imported before TRITON_INTERPRET=1 (e.g. by torch._dynamo); "
-                    "test_triton_cases_in_fresh_process runs these cases instead")
 
 
 def _cache(num_blocks=24, block_size=4, hkv=2, d=16, dtype=torch.float32, seed=0):

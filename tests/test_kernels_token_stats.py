@@ -21,14 +21,6 @@ from kernels.token_stats import _token_stats_triton  # noqa: E402
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-@pytest.fixture
-def interp():
-    pytest.importorskip("triton")
-    if not interpreter_ready():
-        pytest.skip("triton was imported before TRITON_INTERPRET=1 (e.g. by torch._dynamo); "
-                    "test_triton_cases_in_fresh_process runs these cases instead")
-
-
 def _inputs(T, H, V, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(T, H, generator=g).to(dtype)
