@@ -8,7 +8,6 @@ missing weights with random values.
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,7 +78,9 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype | None = None, devi
     kwargs = dict(dtype=torch_dtype, local_files_only=True, output_loading_info=True)
     if device_map is not None:
         kwargs["device_map"] = device_map
-    logging.getLogger("transformers.modeling_utils").setLevel(logging.ERROR)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # our own checks below report what matters, in our words
     try:
         model, info = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except Exception as exc:
