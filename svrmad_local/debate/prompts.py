@@ -10,7 +10,7 @@ from svrmad_local.debate.types import Question, Response
 from svrmad_local.signals import CONFIDENCE_INSTRUCTION
 
 ANSWER_FORMAT = {
-    "math": "Solve the problem step by step, then give the final answer as \\boxed{answer}.",
+    "math": "Solve the problem step by step, and put your final answer within \\boxed{}.",
     "mc": "Think it through, then give the letter of the correct option on its own line as \"Answer: (X)\".",
 }
 
