@@ -66,7 +66,8 @@ def test_run_writes_trace_results_and_accounting_adds_up(setup, capsys):
         if res["method"] == "self-consistency":
             assert res["tokens"] == init and res["ncomm"] == 0
         if res["method"] == "svr-mad":
-            assert 0 < res["ncomm"] <= sum(1 for d in row["debates"] if d["sender"] is not None)
+            assert res["ncomm"] <= sum(1 for d in row["debates"] if d["sender"] is not None)
+    assert sum(r["ncomm"] for r in results if r["method"] == "svr-mad") > 0
 
 
 def test_resume_after_interruption_redoes_nothing(setup, monkeypatch):

@@ -117,20 +117,22 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
         out[: ctx.decode_rows] = cascade_attention(q[: ctx.decode_rows], *paged, ctx.decode_levels, scaling,
                                                    impl=ctx.kernel_impl)
     elif ctx.decode_rows:
-        k = kc[ctx.decode_slots].transpose(1, 2)  # [nd, KVH, L, D]
-        v = vc[ctx.decode_slots].transpose(1, 2)
+        k, v = ctx.cache.gather(layer, ctx.decode_slots)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)  # [nd, KVH, L, D]
         qd = q[: ctx.decode_rows].unsqueeze(2)  # [nd, H, 1, D]
         o = F.scaled_dot_product_attention(qd, k, v, attn_mask=ctx.decode_mask, scale=scaling, enable_gqa=gqa)
         out[: ctx.decode_rows] = o.squeeze(2)
     for run in ctx.prefills:
         qn = run.row1 - run.row0
-        k = kc[run.kv_slots].transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D]
-        v = vc[run.kv_slots].transpose(0, 1).unsqueeze(0)
+        k, v = ctx.cache.gather(layer, run.kv_slots)
+        k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D]
         qp = q[run.row0 : run.row1].transpose(0, 1).unsqueeze(0)  # [1, H, qn, D]
         L = run.kv_slots.shape[0]
-        # query i sits at position L - qn + i and sees keys 0..L - qn + i (bottom-right causal)
-        mask = torch.ones(qn, L, dtype=torch.bool, device=q.device).tril(diagonal=L - qn)
-        o = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+        if L == qn:  # nothing cached before the run: plain causal, no mask tensor
+            o = F.scaled_dot_product_attention(qp, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
+        else:  # query i sits at position L - qn + i and sees keys 0..L - qn + i (bottom-right causal)
+            mask = torch.ones(qn, L, dtype=torch.bool, device=q.device).tril(diagonal=L - qn)
+            o = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)
         out[run.row0 : run.row1] = o[0].transpose(0, 1)
     return out.unsqueeze(0), None
 

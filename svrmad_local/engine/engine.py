@@ -97,6 +97,19 @@ def _available_memory(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
+def _keep_freed_memory() -> None:
+    """glibc returns large freed blocks to the OS and page-faults them back on the next step; on a
+    CPU that costs more than the attention itself. Keep them in the heap (Linux/glibc only)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-4, 0)  # M_MMAP_MAX: no mmap-backed allocations
+        libc.mallopt(-1, 2**30)  # M_TRIM_THRESHOLD: keep up to 1 GiB of free heap
+    except (OSError, AttributeError):
+        pass
+
+
 def _seed_for(seed: int, index: int) -> int:
     return (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9 + 1) % (2**63 - 1)
 
@@ -126,6 +139,8 @@ class Engine:
         if num_blocks < 2:
             raise ValueError(f"kv_cache_memory={cfg.kv_cache_memory!r} holds {num_blocks} blocks of {block_bytes} bytes; need at least 2")
         self.block_bytes = block_bytes
+        if devices[0].type == "cpu":
+            _keep_freed_memory()
         self.blocks = BlockManager(num_blocks, cfg.block_size)
         self.cache = KVCache(num_blocks, cfg.block_size, devices, kv_heads, head_dim, dtype)
         self.runner = ModelRunner(model, self.cache, cfg.block_size, cfg.attention, cfg.cascade, cfg.kernels)

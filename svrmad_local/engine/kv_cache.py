@@ -186,6 +186,23 @@ class KVCache:
         self.block_size = block_size
         self.k = [torch.empty(slots, kv_heads, head_dim, dtype=dtype, device=d) for d in layer_devices]
         self.v = [torch.empty(slots, kv_heads, head_dim, dtype=dtype, device=d) for d in layer_devices]
+        self._scratch: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V rows of `slots` (any shape) as [*slots.shape, kv_heads, head_dim], written into
+        scratch buffers kept across layers and steps: a fresh gather per layer costs more in page
+        faults than in copying on the CPU. The result is valid until the next gather."""
+        k, v = self.k[layer], self.v[layer]
+        n = slots.numel()
+        buf = self._scratch.get(k.device)
+        if buf is None or buf[0].shape[0] < n:
+            size = max(n, int(1.25 * (buf[0].shape[0] if buf else 0)))
+            buf = (k.new_empty(size, *k.shape[1:]), v.new_empty(size, *v.shape[1:]))
+            self._scratch[k.device] = buf
+        kb, vb = buf[0][:n], buf[1][:n]
+        torch.index_select(k, 0, slots.reshape(-1), out=kb)
+        torch.index_select(v, 0, slots.reshape(-1), out=vb)
+        return kb.view(*slots.shape, *k.shape[1:]), vb.view(*slots.shape, *v.shape[1:])
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
