@@ -261,3 +261,13 @@ def test_cascade_attention_in_the_engine_keeps_the_invariants(tiny_model, impl):
         s = eng.score_sync(q, rand_prompt(5, 61), topk=3)
         ref = full_logprobs(tiny_model, q + rand_prompt(5, 61))
         assert s.logprobs == pytest.approx([ref[len(q) + i - 1, t].item() for i, t in enumerate(rand_prompt(5, 61))], abs=1e-4)
+
+
+def test_forks_that_find_no_room_wait_and_match(tiny_model):
+    p = rand_prompt(10, 70)
+    params = SamplingParams(n=5, max_tokens=6, seed=4, ignore_eos=True)
+    ref = engine(tiny_model).generate_sync([p], params)[0]
+    eng = Engine(tiny_model, None, EngineConfig(block_size=4, kv_cache_memory=7 * BLOCK_BYTES))
+    got = eng.generate_sync([p], params)[0]
+    assert [c.token_ids for c in got.completions] == [c.token_ids for c in ref.completions]
+    assert got.usage.generated_tokens == 30 and eng.blocks.peak_used <= 7

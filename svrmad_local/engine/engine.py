@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .attention import ATTN_NAME
-from .kv_cache import BlockManager, KVCache
+from .kv_cache import BlockManager, CacheFull, KVCache
 from .params import SamplingParams
 from .runner import ModelRunner, Work
 from .sampler import sample
@@ -364,10 +364,10 @@ class Engine:
         rows = leader.num_computed - full * bs
         if rows:
             try:
-                self.scheduler._blocks_for(child, full * bs + 1)
+                self.scheduler.reserve(child, full * bs + 1)
                 self.cache.copy_rows(leader.blocks[full], child.blocks[-1], rows)
                 child.num_computed += rows
-            except Exception:
+            except CacheFull:
                 self.scheduler.free(child)  # no room now: it waits and recomputes from the cache
         if child.blocks and len(self.scheduler.running) < self.cfg.max_num_seqs:
             self.scheduler.running.append(child)
@@ -393,6 +393,8 @@ class Engine:
         seq.finish_reason = reason
         if seq in self.scheduler.running:
             self.scheduler.running.remove(seq)
+        elif seq in self.scheduler.waiting:  # a fork that found no room and stopped on its first token
+            self.scheduler.waiting.remove(seq)
         self.scheduler.free(seq)
         req = seq.request
         req.finished.append(seq)

@@ -127,7 +127,7 @@ class BlockManager:
                 continue
             best, best_len = None, 0
             for key, c in node.children.items():
-                n = _common_prefix(key, chunk)
+                n = common_prefix(key, chunk)
                 if n > best_len:
                     best, best_len = c, n
             partial = (best.block, best_len) if best is not None else None
@@ -157,7 +157,7 @@ class BlockManager:
         if existing is None:
             if len(key) < self.block_size:
                 # a partial block is only worth indexing if no cached sibling already covers it
-                if any(_common_prefix(k, key) == len(key) for k in parent.children):
+                if any(common_prefix(k, key) == len(key) for k in parent.children):
                     return block
             node = Node(block, key, parent)
             parent.children[key] = node
@@ -168,7 +168,7 @@ class BlockManager:
         return block in self.node_of
 
 
-def _common_prefix(a, b, limit: int | None = None) -> int:
+def common_prefix(a, b, limit: int | None = None) -> int:
     n = 0
     for x, y in zip(a[:limit], b[:limit]) if limit is not None else zip(a, b):
         if x != y:

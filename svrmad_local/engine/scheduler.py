@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from .kv_cache import BlockManager, CacheFull, KVCache, _common_prefix
+from .kv_cache import BlockManager, CacheFull, KVCache, common_prefix
 from .runner import Work
 from .sequence import Sequence
 
@@ -44,7 +44,7 @@ class Scheduler:
         (self.waiting.appendleft if front else self.waiting.append)(seq)
 
     # -- block bookkeeping ------------------------------------------------------------------
-    def _blocks_for(self, seq: Sequence, end: int) -> None:
+    def reserve(self, seq: Sequence, end: int) -> None:
         """Make sure `seq` holds blocks for positions [0, end); raises CacheFull."""
         while len(seq.blocks) * self.bs < end:
             seq.blocks.append(self.bm.allocate())
@@ -81,7 +81,7 @@ class Scheduler:
         seq.blocks, seq.num_computed, seq.num_indexed = shared, covered, len(shared)
         if partial is not None:
             covered += partial[1]
-        if any(_common_prefix(seq.tokens, o.tokens, limit) - covered >= self.bs for o in inflight):
+        if any(common_prefix(seq.tokens, o.tokens, limit) - covered >= self.bs for o in inflight):
             if partial is not None:
                 self.bm.release([partial[0]])
             self.free(seq)
@@ -89,10 +89,10 @@ class Scheduler:
         try:
             if partial is not None:
                 src, rows = partial
-                self._blocks_for(seq, seq.num_computed + 1)
+                self.reserve(seq, seq.num_computed + 1)
                 self.cache.copy_rows(src, seq.blocks[-1], rows)
                 seq.num_computed += rows
-            self._blocks_for(seq, len(seq.tokens))
+            self.reserve(seq, len(seq.tokens))
         except CacheFull:
             self.free(seq)
             return "full"
@@ -117,7 +117,7 @@ class Scheduler:
             n = min(len(seq.tokens) - seq.num_computed, budget)
             while True:
                 try:
-                    self._blocks_for(seq, seq.num_computed + n)
+                    self.reserve(seq, seq.num_computed + n)
                     break
                 except CacheFull:
                     victim = self.running[-1]
