@@ -167,6 +167,7 @@ def figure3(run: Run, out_dir) -> tuple[Path | None, pd.DataFrame]:
     fig = Figure(figsize=(6.4, 3.6))
     ax = fig.add_subplot()
     for posterior, g in data.groupby("posterior", sort=False):
+        g = g.sort_values("tokens_k")  # a trade-off curve: cheapest point first
         ax.plot(g["tokens_k"], g["accuracy"], marker="o", label=posterior)
     ax.set_xlabel("tokens per question (x10^3)")
     ax.set_ylabel("accuracy (%)")
