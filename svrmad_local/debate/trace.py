@@ -182,20 +182,31 @@ def write_trace(path: str | Path, rows: Iterable[dict]) -> None:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
-def read_trace(path: str | Path) -> list[dict]:
-    """Trace lines in file order; a later line for an id replaces an earlier one, and a torn last
-    line (a run killed mid-write) is dropped."""
-    rows: dict[str, dict] = {}
-    lines = Path(path).read_text(encoding="utf-8").splitlines()
+def read_jsonl(path: str | Path) -> list[dict]:
+    """Rows of a JSONL file; [] when absent. A torn last line (a run killed mid-write) is dropped;
+    a bad line elsewhere is an error naming the line."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    rows = []
+    lines = path.read_text(encoding="utf-8").splitlines()
     for i, line in enumerate(lines):
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            rows.append(json.loads(line))
         except json.JSONDecodeError:
-            if i == len(lines) - 1:
-                break
-            raise ValueError(f"{path}:{i + 1}: not valid JSON") from None
+            if i != len(lines) - 1:
+                raise ValueError(f"{path}:{i + 1}: not valid JSON") from None
+    return rows
+
+
+def read_trace(path: str | Path) -> list[dict]:
+    """Trace lines in file order; a later line for an id replaces an earlier one."""
+    if not Path(path).exists():
+        raise FileNotFoundError(f"trace {path} does not exist")
+    rows: dict[str, dict] = {}
+    for row in read_jsonl(path):
         rows.pop(str(row["id"]), None)
         rows[str(row["id"])] = row
     return list(rows.values())

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from svrmad_local.debate.trace import read_jsonl  # noqa: F401  (re-exported for eval modules)
+
 # Paper order (Table 1); methods not listed here follow in order of first appearance.
 METHOD_NAMES = {
     "self-consistency": "Self Consistency",
@@ -73,24 +75,6 @@ def method_order(methods) -> list[str]:
 
 
 # ---------------------------------------------------------------- reading a run folder
-
-def read_jsonl(path: Path) -> list[dict]:
-    """Rows of a JSONL file; [] when absent. A torn last line (a run killed mid-write) is dropped."""
-    path = Path(path)
-    if not path.exists():
-        return []
-    rows = []
-    lines = path.read_text(encoding="utf-8").splitlines()
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            if i != len(lines) - 1:
-                raise ValueError(f"{path}:{i + 1}: not valid JSON") from None
-    return rows
-
 
 def results_frame(rows: list[dict]) -> pd.DataFrame:
     """results.jsonl rows as a DataFrame, one row per (id, method): a later row overrides an earlier

@@ -24,7 +24,7 @@ from svrmad_local.debate.answers import equivalent
 from svrmad_local.debate.trace import RecordingBackend, read_trace
 from svrmad_local.debate.types import Question, Response
 from svrmad_local.eval.datasets import DatasetError, load_dataset
-from svrmad_local.eval.metrics import read_jsonl
+from svrmad_local.debate.trace import read_jsonl
 from svrmad_local.methods import METHODS, accepted_params, run_method
 from svrmad_local.signals import PRIORS, prior_score
 
