@@ -186,3 +186,27 @@ def test_random_scripts_stay_within_budget():
             assert answers[r] is not None and not (answers[s] == answers[r])
         if res.accepted:
             assert res.answer is not None
+
+
+def test_check_each_runs_the_debates_before_C_concurrently_and_the_rest_one_by_one():
+    """Acceptance needs C debates, so those up to C can run at once without changing the result;
+    after that each debate is checked before the next is asked for."""
+    in_flight, peak = 0, []
+
+    class Counting(ScriptedBackend):
+        async def debate(self, q, own, peers, brief=()):
+            nonlocal in_flight
+            in_flight += 1
+            peak.append(in_flight)
+            await asyncio.sleep(0)
+            try:
+                return await super().debate(q, own, peers, brief)
+            finally:
+                in_flight -= 1
+
+    answers = ["A", "B", "C", "D", "E", "F"]
+    backend = Counting(answers)
+    initial = asyncio.run(backend.initial(Q, 6))
+    res = asyncio.run(svr_mad.run(Q, initial, backend, priors=[0.9, 0.5, 0.4, 0.3, 0.2, 0.1], S=3, C=2))
+    assert backend.calls == ["0<1", "0<2"]  # both retained: accepted, the third challenger never asked
+    assert res.accepted and res.ncomm == 2 and max(peak) == 2

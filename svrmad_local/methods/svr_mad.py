@@ -101,8 +101,14 @@ async def run(q: Question, initial: Sequence[Response], backend: Backend, *,
         r = max(cands, key=lambda i: (corr[i], -i))
         group = sorted(challengers(r), key=lambda s: (-corr[s], s))[:min(S, B - spent)]
         if check == "each":
-            for s in group:
-                record(s, r, await backend.debate(q, initial[r], [initial[s]]))
+            # No acceptance is possible before the receiver has C debates, so the debates up to
+            # that point run concurrently; from there on, one at a time with a check after each.
+            head = max(1, C - len(post[r]))
+            batches = [group[:head]] + [[s] for s in group[head:]]
+            for batch in batches:
+                outs = await asyncio.gather(*(backend.debate(q, initial[r], [initial[s]]) for s in batch))
+                for s, resp in zip(batch, outs):
+                    record(s, r, resp)
                 if accepts(r):
                     winner = r
                     break
