@@ -153,7 +153,6 @@ class Engine:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="svrmad-engine")
         self._loop_task: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
-        self._pending: list[Request] = []
         self._live: dict[int, Request] = {}
 
     def _eos_ids(self) -> set[int]:

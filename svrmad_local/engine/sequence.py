@@ -92,6 +92,7 @@ class Request:
         self.params = params
         self.future = future
         self.score_from = score_from  # scoring request: statistics for tokens[score_from:]
+        self.seed = params.seed  # the engine draws one when None; sample i streams from (seed, i)
         self.usage = Usage(prompt_tokens=len(prompt) * (1 if score_from is not None else params.n))
         self.t0 = time.perf_counter()
         self.sequences: list[Sequence] = []
