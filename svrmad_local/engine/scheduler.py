@@ -34,14 +34,14 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def add(self, seq: Sequence, front: bool = False) -> None:
+    def add(self, seq: Sequence) -> None:
         need = -(-(len(seq.tokens) + 1) // self.bs)
         if need > self.bm.num_blocks:
             raise RequestTooLarge(
                 f"request {seq.request.id}: {len(seq.tokens)} tokens need {need} KV blocks but the whole "
                 f"budget holds {self.bm.num_blocks}; raise kv_cache_memory or shorten the prompt"
             )
-        (self.waiting.appendleft if front else self.waiting.append)(seq)
+        self.waiting.append(seq)
 
     # -- block bookkeeping ------------------------------------------------------------------
     def reserve(self, seq: Sequence, end: int) -> None:
@@ -52,19 +52,20 @@ class Scheduler:
     def index_full_blocks(self, seq: Sequence) -> None:
         """Put the blocks `seq` has filled into the prefix tree (possibly adopting identical ones)."""
         while (seq.num_indexed + 1) * self.bs <= seq.num_computed:
-            i = seq.num_indexed
-            parent = seq.blocks[i - 1] if i else None
-            seq.blocks[i] = self.bm.register(parent, seq.blocks[i], tuple(seq.tokens[i * self.bs : (i + 1) * self.bs]))
+            self._register(seq, seq.num_indexed, (seq.num_indexed + 1) * self.bs)
             seq.num_indexed += 1
+
+    def _register(self, seq: Sequence, i: int, end: int) -> None:
+        """Index block i of `seq`, holding tokens [i * bs, end), under its predecessor."""
+        parent = seq.blocks[i - 1] if i else None
+        seq.blocks[i] = self.bm.register(parent, seq.blocks[i], tuple(seq.tokens[i * self.bs : end]))
 
     def free(self, seq: Sequence) -> None:
         """Release `seq`'s blocks, indexing its last partial block so later prompts can copy it."""
         self.index_full_blocks(seq)
         rows = seq.num_computed - seq.num_indexed * self.bs
         if 0 < rows < self.bs and seq.num_indexed < len(seq.blocks):
-            i = seq.num_indexed
-            parent = seq.blocks[i - 1] if i else None
-            seq.blocks[i] = self.bm.register(parent, seq.blocks[i], tuple(seq.tokens[i * self.bs : seq.num_computed]))
+            self._register(seq, seq.num_indexed, seq.num_computed)
         self.bm.release(seq.blocks)
         seq.blocks, seq.num_computed, seq.num_indexed = [], 0, 0
 
