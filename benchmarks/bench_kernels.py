@@ -36,8 +36,8 @@ os.environ.pop("TRITON_INTERPRET", None)  # timings must never come from the num
 
 import torch  # noqa: E402
 
-import kernels  # noqa: E402
-from kernels import Level, cascade_attention, reference_token_stats, token_stats  # noqa: E402
+import svrmad_local.kernels as kernels  # noqa: E402
+from svrmad_local.kernels import Level, cascade_attention, reference_token_stats, token_stats  # noqa: E402
 
 
 def _sync(dev):

@@ -79,7 +79,7 @@ def tiny_model(tiny_tokenizer):
 def interp():
     """Triton kernels on CPU tensors: only through the interpreter chosen above."""
     pytest.importorskip("triton")
-    from kernels._backend import interpreter_ready
+    from svrmad_local.kernels._backend import interpreter_ready
 
     if not interpreter_ready():
         pytest.skip("triton was imported before TRITON_INTERPRET=1; "

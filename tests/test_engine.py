@@ -243,7 +243,7 @@ def test_decode_levels_cover_each_query_exactly_once():
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 def test_cascade_attention_in_the_engine_keeps_the_invariants(tiny_model, impl):
-    import kernels
+    import svrmad_local.kernels as kernels
 
     if impl == "triton" and not (kernels.HAS_TRITON and kernels._backend.interpreter_ready()):
         pytest.skip("triton interpreter not available in this process")

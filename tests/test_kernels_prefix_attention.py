@@ -9,7 +9,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kernels import Level, attend_partial, cascade_attention, merge_states, reference_attention  # noqa: E402
+from svrmad_local.kernels import Level, attend_partial, cascade_attention, merge_states, reference_attention  # noqa: E402
 
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -13,10 +13,10 @@ import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_flatten  # noqa: E402
 
-import kernels  # noqa: E402
-from kernels import reference_token_stats, token_stats  # noqa: E402
-from kernels._backend import interpreter_ready, resolve_impl  # noqa: E402
-from kernels.token_stats import _token_stats_triton  # noqa: E402
+import svrmad_local.kernels as kernels  # noqa: E402
+from svrmad_local.kernels import reference_token_stats, token_stats  # noqa: E402
+from svrmad_local.kernels._backend import interpreter_ready, resolve_impl  # noqa: E402
+from svrmad_local.kernels.token_stats import _token_stats_triton  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -113,7 +113,7 @@ def test_package_works_without_triton():
     """The engine must import and compute when triton is absent (import blocked here)."""
     code = (
         "import sys; sys.modules['triton'] = None\n"
-        "import torch, kernels\n"
+        "import torch\nimport svrmad_local.kernels as kernels\n"
         "assert not kernels.HAS_TRITON\n"
         "h, w = torch.randn(5, 8), torch.randn(30, 8)\n"
         "s = kernels.token_stats(h, w, torch.zeros(5, dtype=torch.long), topk=3)\n"

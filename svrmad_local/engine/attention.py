@@ -110,7 +110,7 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     out = torch.empty_like(q)
     gqa = q.shape[1] != kc.shape[1]
     if ctx.decode_levels is not None:  # shared prefixes attended once for all their queries
-        from kernels import cascade_attention
+        from svrmad_local.kernels import cascade_attention
 
         bs = ctx.cache.block_size
         paged = (kc.view(-1, bs, *kc.shape[1:]), vc.view(-1, bs, *vc.shape[1:]))

@@ -404,7 +404,7 @@ class Engine:
 
     def _stats_path(self) -> str:
         try:
-            import kernels
+            import svrmad_local.kernels as kernels
         except ImportError:
             return "torch (kernels/ not importable)"
         return "kernels:" + kernels.select_impl(self.cfg.kernels, self.runner.lm_head.weight)
@@ -427,7 +427,7 @@ class Engine:
         """Teacher-forced statistics without [tokens x vocab] fp32 logits: the fused kernel (or its
         chunked torch reference) of kernels/, else chunks of plain logits."""
         try:
-            import kernels
+            import svrmad_local.kernels as kernels
         except ImportError:
             kernels = None
         w = self.runner.lm_head

@@ -114,7 +114,7 @@ class ModelRunner:
 
 
 def _kernels():
-    import kernels
+    import svrmad_local.kernels as kernels
 
     return kernels
 
