@@ -1,29 +1,35 @@
-"""The attention call the engine plugs into any transformers decoder, through AttentionInterface.
+"""The attention call and the cache hook the engine plugs into any transformers decoder.
 
 The model runs one flattened batch per step: every scheduled sequence contributes a run of new
-tokens (a prefill chunk or one decode token), and this function, called by each layer, writes the
-new K/V into the paged cache and attends each run to its own sequence's cached tokens. The model's
-own modules do everything else (projections, RoPE from our position ids, norms, MLPs), which is why
-Llama, Qwen2/3, Mistral... work without per-architecture code.
+tokens (a prefill chunk or one decode token). Two hooks of transformers carry the engine:
+- `PagedKV`, passed as `past_key_values`, receives from every layer what that layer caches
+  (`Cache.update`): per-head K/V, or DeepSeek's compressed latent. It writes them into the paged
+  cache and, for latent layers, hands back the whole context of every run to be expanded by the
+  model's own code.
+- `paged_attention`, registered through `AttentionInterface`, attends each run to its sequence's
+  context, with the layer's sliding window and attention sinks (`spec.LayerSpec`).
+The model's own modules do everything else (projections, RoPE from our position ids, norms, MoE),
+which is why Llama, Qwen, Mistral, Gemma 3, Phi-3, GPT-OSS and DeepSeek-V3 need no code of their own.
 
-Paths: flash-attn varlen (GPU, fp16/bf16, when installed), else SDPA: decode tokens batched in one
-call over a padded gather of their blocks, prefill chunks one call each with a causal mask offset
-by the cached length. With cascade on, decode tokens that share prefix blocks (the N samples of a
-question, the S debates of a receiver) attend to the shared blocks once, stacked, and to their own
-suffix separately, merged exactly by log-sum-exp (kernels.cascade_attention, Triton on a GPU).
+Paths: flash-attn varlen (GPU, fp16/bf16, when installed); else SDPA: decode tokens batched in one
+call over a padded gather of their context, prefill chunks one call each with a bottom-right causal
+mask. A sliding-window layer gathers only the keys its queries can see. Sinks are applied from the
+log-sum-exp after attention (`apply_sinks`). With cascade on, decode tokens that share prefix blocks
+attend to the shared blocks once (kernels.cascade_attention).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .kv_cache import KVCache
+from .spec import LayerSpec, Probe
 
 ATTN_NAME = "svrmad_paged"
 
@@ -39,30 +45,77 @@ except Exception:  # pragma: no cover - depends on the machine
 @dataclass
 class Run:
     """One sequence's new tokens in the flattened batch: rows [row0, row1) of it, which attend to
-    the slots `kv_slots` of its sequence (cached tokens first, the new ones last)."""
+    the context `index` (slot ids of its sequence, or for latent layers positions in the expanded
+    context; the new tokens last)."""
 
     row0: int
     row1: int
-    kv_slots: torch.Tensor  # [ctx_len] flat slot ids
+    index: torch.Tensor  # [ctx_len]
+
+
+@dataclass
+class View:
+    """The keys the runs of a step see under one window: decode rows batched (padded), prefill runs
+    one by one. `mask` None means plain causal over the whole index (no cached prefix, no window)."""
+
+    decode_index: torch.Tensor | None  # [nd, L] padded
+    decode_mask: torch.Tensor | None  # [nd, 1, 1, L] True = attend
+    prefills: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]  # (row0, row1, index, mask [qn, L])
+
+
+def _view(runs: list[Run], nd: int, window: int | None) -> View:
+    """Keys under `window` for every run: a query at position p sees positions (p - window, p]."""
+    d_index = d_mask = None
+    if nd:
+        idx = []
+        for r in runs[:nd]:
+            idx.append(r.index if window is None else r.index[-window:])
+        lmax = max(i.shape[0] for i in idx)
+        dev = idx[0].device
+        d_index = torch.zeros(nd, lmax, dtype=torch.long, device=dev)
+        d_mask = torch.zeros(nd, 1, 1, lmax, dtype=torch.bool, device=dev)
+        for i, ix in enumerate(idx):
+            d_index[i, : ix.shape[0]] = ix
+            d_mask[i, 0, 0, : ix.shape[0]] = True
+    prefills = []
+    for r in runs[nd:]:
+        qn, L = r.row1 - r.row0, r.index.shape[0]
+        start = 0 if window is None else max(0, L - qn - window + 1)
+        if start == 0 and L == qn and (window is None or window >= qn):
+            prefills.append((r.row0, r.row1, r.index, None))
+            continue
+        # query i sits at position L - qn + i: keys start + j with j + start <= L - qn + i
+        # (causal) and j + start > L - qn + i - window (window)
+        pos_q = torch.arange(L - qn, L, device=r.index.device).unsqueeze(1)
+        pos_k = torch.arange(start, L, device=r.index.device).unsqueeze(0)
+        mask = pos_k <= pos_q
+        if window is not None:
+            mask &= pos_k > pos_q - window
+        prefills.append((r.row0, r.row1, r.index[start:], mask))
+    return View(d_index, d_mask, prefills)
 
 
 @dataclass
 class StepContext:
     cache: KVCache
+    specs: list[LayerSpec]
     slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
+    runs: list[Run]  # decode runs first, then prefill runs, in row order
     decode_rows: int  # rows [0, decode_rows) are single-token decode runs
-    decode_slots: torch.Tensor | None  # [nd, Lmax] padded slot ids
-    decode_mask: torch.Tensor | None  # [nd, 1, 1, Lmax] True = attend
-    prefills: list[Run]
+    latent_slots: torch.Tensor | None = None  # latent layers: every run's context slots, concatenated
+    latent_runs: list[Run] | None = None  # the same runs indexing into that concatenation
     decode_levels: list | None = None  # cascade: shared-prefix levels of the decode rows (kernels.Level)
+    decode_pos: torch.Tensor | None = None  # cascade: each decode query's position
     kernel_impl: str = "auto"
-    use_flash: bool = False
-    cu_q: torch.Tensor | None = None  # flash-attn: cumulative query/key lengths
-    cu_k: torch.Tensor | None = None
-    all_slots: torch.Tensor | None = None
-    max_q: int = 0
-    max_k: int = 0
+    flash: dict | None = None  # flash-attn: cu_q, cu_k, max_q, max_k, slots
+    _views: dict = field(default_factory=dict)
     _per_device: dict = field(default_factory=dict)
+
+    def view(self, window: int | None, latent: bool = False) -> View:
+        key = (window, latent)
+        if key not in self._views:
+            self._views[key] = _view(self.latent_runs if latent else self.runs, self.decode_rows, window)
+        return self._views[key]
 
     def on(self, device: torch.device) -> "StepContext":
         """The context's index tensors on `device` (layers may sit on several GPUs)."""
@@ -70,71 +123,171 @@ class StepContext:
             return self
         if device not in self._per_device:
             mv = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+            runs = lambda rs: None if rs is None else [Run(r.row0, r.row1, mv(r.index)) for r in rs]  # noqa: E731
             levels = None if self.decode_levels is None else [
-                type(lv)(mv(lv.query_idx), mv(lv.block_table), lv.kv_len) for lv in self.decode_levels]
+                lv._replace(query_idx=mv(lv.query_idx), block_table=mv(lv.block_table)) for lv in self.decode_levels]
+            flash = None if self.flash is None else {k: mv(v) if torch.is_tensor(v) else v for k, v in self.flash.items()}
             self._per_device[device] = StepContext(
-                self.cache, mv(self.slot_mapping), self.decode_rows, mv(self.decode_slots), mv(self.decode_mask),
-                [Run(r.row0, r.row1, mv(r.kv_slots)) for r in self.prefills], levels, self.kernel_impl,
-                self.use_flash, mv(self.cu_q), mv(self.cu_k), mv(self.all_slots), self.max_q, self.max_k,
-            )
+                self.cache, self.specs, mv(self.slot_mapping), runs(self.runs), self.decode_rows,
+                mv(self.latent_slots), runs(self.latent_runs), levels, mv(self.decode_pos), self.kernel_impl, flash)
         return self._per_device[device]
 
 
 _local = threading.local()
 
 
-def set_context(ctx: StepContext | None) -> None:
+def set_context(ctx: StepContext | Probe | None) -> None:
     _local.ctx = ctx
 
 
-def get_context() -> StepContext | None:
+def get_context() -> StepContext | Probe | None:
     return getattr(_local, "ctx", None)
+
+
+@contextlib.contextmanager
+def probing(probe: Probe):
+    set_context(probe)
+    try:
+        yield probe
+    finally:
+        set_context(None)
+
+
+class PagedKV:
+    """Passed to the model as `past_key_values`: every layer hands it what it caches for the step's
+    new tokens. It writes them to their slots; a latent layer gets back its whole context (every
+    run's, concatenated) to expand, the way transformers' own cache returns it."""
+
+    def update(self, key, value, layer_idx, *args, **kwargs):
+        ctx = get_context()
+        if isinstance(ctx, Probe) or ctx is None:
+            return key, value
+        ctx = ctx.on(key.device)
+        kc, vc = ctx.cache.k[layer_idx], ctx.cache.v[layer_idx]
+        kc[ctx.slot_mapping] = key[0].transpose(0, 1).to(kc.dtype)
+        vc[ctx.slot_mapping] = value[0].transpose(0, 1).to(vc.dtype)
+        if ctx.specs[layer_idx].kind != "latent":
+            return key, value
+        k, v = ctx.cache.gather(layer_idx, ctx.latent_slots)  # [L, 1, d]
+        return k.transpose(0, 1).unsqueeze(0).to(key.dtype), v.transpose(0, 1).unsqueeze(0).to(value.dtype)
+
+
+def apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention with a learned sink logit per head in the softmax denominator (GPT-OSS), from the
+    sink-free output and its log-sum-exp: out * sigmoid(lse - sink). `out` [..., H, D], `lse`
+    [..., H] (natural log), `sinks` [H]."""
+    return (out.float() * torch.sigmoid(lse.float() - sinks.float())[..., None]).to(out.dtype)
+
+
+def _sdpa(q, k, v, mask, scale, sinks, causal=False):
+    """q [B, H, Q, D], k/v [B, Hkv, L, D], mask bool [.., Q, L] or None; sinks [H] or None.
+    Returns [B, H, Q, Dv]."""
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
+                                              scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    if mask is None:
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(k.shape[2] - q.shape[2])
+    if q.device.type == "cpu":  # the CPU flash kernel returns the log-sum-exp (float mask, GQA native)
+        fmask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=fmask,
+                                                                             scale=scale)
+    else:
+        g = q.shape[1] // k.shape[1]
+        kk, vv = k.repeat_interleave(g, 1).float(), v.repeat_interleave(g, 1).float()
+        s = (q.float() @ kk.transpose(-1, -2)) * scale
+        s = s.masked_fill(~mask, float("-inf"))
+        lse = torch.logsumexp(s, -1)
+        out = (torch.softmax(s, -1) @ vv).to(q.dtype)
+    return apply_sinks(out.transpose(1, 2), lse.transpose(1, 2), sinks).transpose(1, 2)
+
+
+class Attachment:
+    """Switches a model's attention to `paged_attention` for the engine's own forwards only: outside
+    them the model keeps its own implementation (eager for GPT-OSS, SDPA with its sliding-window
+    masks...), so `model.generate` next to an engine stays correct."""
+
+    def __init__(self, model):
+        self.configs = list({id(m.config): m.config for m in model.modules() if hasattr(m, "config")}.values())
+        saved = [c._attn_implementation_internal for c in self.configs]
+        model.set_attn_implementation(ATTN_NAME)  # transformers' own checks, once
+        self.ours = [c._attn_implementation_internal for c in self.configs]
+        self.saved = saved
+        self._set(self.saved)
+
+    def _set(self, values) -> None:
+        for c, v in zip(self.configs, values):
+            c._attn_implementation_internal = v
+
+    @contextlib.contextmanager
+    def __call__(self):
+        self._set(self.ours)
+        try:
+            yield
+        finally:
+            self._set(self.saved)
 
 
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     ctx = get_context()
-    if ctx is None:  # the model is used outside the engine: behave like plain SDPA
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    if ctx is None:
+        raise RuntimeError("svrmad's paged attention ran outside an engine step; the engine switches it on only "
+                           "for its own forwards (engine.runner.attached)")
+    if isinstance(ctx, Probe):
+        return ctx.record(module, query, key, value, kwargs), None
     ctx = ctx.on(query.device)
     layer = module.layer_idx
-    kc, vc = ctx.cache.k[layer], ctx.cache.v[layer]
+    spec = ctx.specs[layer]
+    sinks = kwargs.get("s_aux") if spec.sinks else None
     q = query[0].transpose(0, 1)  # [T, H, D]
-    kc[ctx.slot_mapping] = key[0].transpose(0, 1).to(kc.dtype)
-    vc[ctx.slot_mapping] = value[0].transpose(0, 1).to(vc.dtype)
-    if ctx.use_flash:
-        out = flash_attn_varlen_func(
-            q, kc[ctx.all_slots], vc[ctx.all_slots], ctx.cu_q, ctx.cu_k, ctx.max_q, ctx.max_k,
-            softmax_scale=scaling, causal=True,
-        )
-        return out.unsqueeze(0), None
-    out = torch.empty_like(q)
-    gqa = q.shape[1] != kc.shape[1]
-    if ctx.decode_levels is not None:  # shared prefixes attended once for all their queries
-        from svrmad_local.kernels import cascade_attention
+    if spec.kind == "latent":  # key/value: the expanded context of every run, concatenated
+        kc, vc = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [L, H, D]
+        view = ctx.view(None, latent=True)
+    else:
+        if ctx.flash is not None:
+            return _flash(ctx, layer, q, scaling, spec.window, sinks).unsqueeze(0), None
+        kc, vc = ctx.cache.k[layer], ctx.cache.v[layer]
+        view = ctx.view(spec.window)
+    out = q.new_empty(q.shape[0], q.shape[1], vc.shape[-1])
+    nd = ctx.decode_rows
+    if nd and ctx.decode_levels is not None and spec.kind == "kv" and spec.window is None:
+        from svrmad_local.kernels import cascade_attention  # shared prefixes attended once
 
         bs = ctx.cache.block_size
         paged = (kc.view(-1, bs, *kc.shape[1:]), vc.view(-1, bs, *vc.shape[1:]))
-        out[: ctx.decode_rows] = cascade_attention(q[: ctx.decode_rows], *paged, ctx.decode_levels, scaling,
-                                                   impl=ctx.kernel_impl)
-    elif ctx.decode_rows:
-        k, v = ctx.cache.gather(layer, ctx.decode_slots)
-        k, v = k.transpose(1, 2), v.transpose(1, 2)  # [nd, KVH, L, D]
-        qd = q[: ctx.decode_rows].unsqueeze(2)  # [nd, H, 1, D]
-        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=ctx.decode_mask, scale=scaling, enable_gqa=gqa)
-        out[: ctx.decode_rows] = o.squeeze(2)
-    for run in ctx.prefills:
-        qn = run.row1 - run.row0
-        k, v = ctx.cache.gather(layer, run.kv_slots)
+        o = cascade_attention(q[:nd], *paged, ctx.decode_levels, scaling, impl=ctx.kernel_impl, return_lse=sinks is not None)
+        out[:nd] = o if sinks is None else apply_sinks(o[0], o[1], sinks)
+    elif nd:
+        k, v = _gather(ctx, kc, vc, layer, view.decode_index, spec.kind)
+        qd = q[:nd].unsqueeze(2)  # [nd, H, 1, D]
+        o = _sdpa(qd, k.transpose(1, 2), v.transpose(1, 2), view.decode_mask, scaling, sinks)
+        out[:nd] = o.squeeze(2)
+    for row0, row1, index, mask in view.prefills:
+        k, v = _gather(ctx, kc, vc, layer, index, spec.kind)
         k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D]
-        qp = q[run.row0 : run.row1].transpose(0, 1).unsqueeze(0)  # [1, H, qn, D]
-        L = run.kv_slots.shape[0]
-        if L == qn:  # nothing cached before the run: plain causal, no mask tensor
-            o = F.scaled_dot_product_attention(qp, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
-        else:  # query i sits at position L - qn + i and sees keys 0..L - qn + i (bottom-right causal)
-            mask = torch.ones(qn, L, dtype=torch.bool, device=q.device).tril(diagonal=L - qn)
-            o = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)
-        out[run.row0 : run.row1] = o[0].transpose(0, 1)
+        qp = q[row0:row1].transpose(0, 1).unsqueeze(0)  # [1, H, qn, D]
+        o = _sdpa(qp, k, v, mask, scaling, sinks, causal=True)
+        out[row0:row1] = o[0].transpose(0, 1)
     return out.unsqueeze(0), None
+
+
+def _gather(ctx: StepContext, kc, vc, layer: int, index: torch.Tensor, kind: str):
+    if kind == "latent":  # already gathered and expanded by the model: index into it
+        return kc[index], vc[index]
+    return ctx.cache.gather(layer, index)
+
+
+def _flash(ctx: StepContext, layer: int, q, scaling, window, sinks):
+    f = ctx.flash
+    kc, vc = ctx.cache.k[layer], ctx.cache.v[layer]
+    res = flash_attn_varlen_func(
+        q, kc[f["slots"]], vc[f["slots"]], f["cu_q"], f["cu_k"], f["max_q"], f["max_k"],
+        softmax_scale=scaling, causal=True, window_size=(-1, -1) if window is None else (window - 1, 0),
+        return_attn_probs=sinks is not None,
+    )
+    if sinks is None:
+        return res
+    out, lse = res[0], res[1]  # lse [H, T]
+    return apply_sinks(out, lse.transpose(0, 1), sinks)
 
 
 AttentionInterface.register(ATTN_NAME, paged_attention)

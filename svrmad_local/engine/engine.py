@@ -18,13 +18,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .attention import ATTN_NAME
+from .attention import Attachment
 from .kv_cache import BlockManager, CacheFull, KVCache
 from .params import SamplingParams
 from .runner import ModelRunner, Work
 from .sampler import sample
 from .scheduler import RequestTooLarge, Scheduler
 from .sequence import Completion, Request, RequestOutput, ScoreOutput, Sequence
+from .spec import inspect_model
 from .stats import SignalConfig, sequence_signals, stats_from_logits
 
 
@@ -110,6 +111,15 @@ def _keep_freed_memory() -> None:
         pass
 
 
+def _layer_device(model, layers, i: int) -> torch.device:
+    """Where layer i's KV lives: its own device under an accelerate device map."""
+    if layers is not None and i < len(layers):
+        p = next(layers[i].parameters(), None)
+        if p is not None:
+            return p.device
+    return model.base_model.get_input_embeddings().weight.device
+
+
 def _seed_for(seed: int, index: int) -> int:
     return (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9 + 1) % (2**63 - 1)
 
@@ -119,19 +129,11 @@ class Engine:
         self.cfg = cfg = config or EngineConfig()
         self.model = model.eval()
         self.tokenizer = tokenizer
-        mc = model.config
-        if mc.model_type == "gemma2" or getattr(mc, "attn_logit_softcapping", None):
-            raise ValueError("attention logit soft-capping (Gemma-2) is not supported by the paged attention")
-        model.set_attn_implementation(ATTN_NAME)
-        attn_modules = {m.layer_idx: m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "k_proj")}
-        num_layers = mc.num_hidden_layers
-        if sorted(attn_modules) != list(range(num_layers)):
-            raise ValueError(f"could not find the {num_layers} attention layers of {type(model).__name__}")
-        devices = [next(attn_modules[i].parameters()).device for i in range(num_layers)]
-        kv_heads = getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads
-        head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
-        dtype = next(model.parameters()).dtype
-        block_bytes = KVCache.bytes_per_block(num_layers, cfg.block_size, kv_heads, head_dim, dtype)
+        attached = Attachment(model)
+        self.spec = spec = inspect_model(model, attached)  # raises UnsupportedModel, naming the feature
+        layers = model.base_model.layers if hasattr(model.base_model, "layers") else None
+        devices = [_layer_device(model, layers, i) for i in range(len(spec.layers))]
+        block_bytes = KVCache.bytes_per_block(spec.layers, cfg.block_size, spec.dtype)
         avail = _available_memory(devices[0])
         default = int(0.9 * avail) if devices[0].type == "cuda" else min(2 * 2**30, avail // 2)
         self.kv_budget_bytes = parse_memory(cfg.kv_cache_memory, avail, default)
@@ -142,9 +144,10 @@ class Engine:
         if devices[0].type == "cpu":
             _keep_freed_memory()
         self.blocks = BlockManager(num_blocks, cfg.block_size)
-        self.cache = KVCache(num_blocks, cfg.block_size, devices, kv_heads, head_dim, dtype)
-        self.runner = ModelRunner(model, self.cache, cfg.block_size, cfg.attention, cfg.cascade, cfg.kernels)
+        self.cache = KVCache(num_blocks, cfg.block_size, spec.layers, devices, spec.dtype)
+        self.runner = ModelRunner(model, attached, self.cache, spec, cfg.block_size, cfg.attention, cfg.cascade, cfg.kernels)
         self.scheduler = Scheduler(self.blocks, self.cache, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        mc = model.config.get_text_config()
         self.max_model_len = getattr(mc, "max_position_embeddings", None) or 1 << 30
         self.eos_ids = self._eos_ids()
         self.totals = EngineTotals()

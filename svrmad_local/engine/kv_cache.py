@@ -178,35 +178,37 @@ def common_prefix(a, b, limit: int | None = None) -> int:
 
 
 class KVCache:
-    """The tensors behind the block ids: per layer K and V of shape
-    [num_blocks * block_size, kv_heads, head_dim] (flat slots), each on its layer's device."""
+    """The tensors behind the block ids: per layer two tensors of shape [num_blocks * block_size,
+    heads, dim] (flat slots), each on its layer's device, shaped by the layer's spec: per-head K and V,
+    or for a latent layer the compressed latent and the shared RoPE key (`spec.LayerSpec`)."""
 
-    def __init__(self, num_blocks: int, block_size: int, layer_devices: list[torch.device], kv_heads: int, head_dim: int, dtype: torch.dtype):
+    def __init__(self, num_blocks: int, block_size: int, specs: list, layer_devices: list[torch.device], dtype: torch.dtype):
         slots = num_blocks * block_size
         self.block_size = block_size
-        self.k = [torch.empty(slots, kv_heads, head_dim, dtype=dtype, device=d) for d in layer_devices]
-        self.v = [torch.empty(slots, kv_heads, head_dim, dtype=dtype, device=d) for d in layer_devices]
-        self._scratch: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.k = [torch.empty(slots, *s.k_shape, dtype=dtype, device=d) for s, d in zip(specs, layer_devices)]
+        self.v = [torch.empty(slots, *s.v_shape, dtype=dtype, device=d) for s, d in zip(specs, layer_devices)]
+        self._scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V rows of `slots` (any shape) as [*slots.shape, kv_heads, head_dim], written into
-        scratch buffers kept across layers and steps: a fresh gather per layer costs more in page
-        faults than in copying on the CPU. The result is valid until the next gather."""
+        """K and V rows of `slots` (any shape) as [*slots.shape, heads, dim], written into scratch
+        buffers kept across layers and steps: a fresh gather per layer costs more in page faults than
+        in copying on the CPU. The result is valid until the next gather of the same shape."""
         k, v = self.k[layer], self.v[layer]
         n = slots.numel()
-        buf = self._scratch.get(k.device)
+        key = (k.device, k.shape[1:], v.shape[1:])
+        buf = self._scratch.get(key)
         if buf is None or buf[0].shape[0] < n:
             size = max(n, int(1.25 * (buf[0].shape[0] if buf else 0)))
             buf = (k.new_empty(size, *k.shape[1:]), v.new_empty(size, *v.shape[1:]))
-            self._scratch[k.device] = buf
+            self._scratch[key] = buf
         kb, vb = buf[0][:n], buf[1][:n]
         torch.index_select(k, 0, slots.reshape(-1), out=kb)
         torch.index_select(v, 0, slots.reshape(-1), out=vb)
         return kb.view(*slots.shape, *k.shape[1:]), vb.view(*slots.shape, *v.shape[1:])
 
     @staticmethod
-    def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * block_size * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    def bytes_per_block(specs: list, block_size: int, dtype: torch.dtype) -> int:
+        return block_size * sum(s.bytes_per_token(dtype) for s in specs)
 
     def copy_rows(self, src: int, dst: int, rows: int) -> None:
         s, d = src * self.block_size, dst * self.block_size

@@ -10,9 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import HAS_FLASH_ATTN, Run, StepContext, set_context
+from .attention import HAS_FLASH_ATTN, Attachment, PagedKV, Run, StepContext, set_context
 from .kv_cache import KVCache
 from .sequence import Sequence
+from .spec import ModelSpec
 
 
 @dataclass
@@ -25,24 +26,29 @@ class Work:
 
 
 class ModelRunner:
-    def __init__(self, model, cache: KVCache, block_size: int, attention: str = "auto", cascade: str = "auto",
-                 kernels_impl: str = "auto"):
+    def __init__(self, model, attached: Attachment, cache: KVCache, spec: ModelSpec, block_size: int,
+                 attention: str = "auto", cascade: str = "auto", kernels_impl: str = "auto"):
         self.model = model
+        self.attached = attached
         self.body = model.base_model
         self.lm_head = model.get_output_embeddings()
         self.cache = cache
+        self.spec = spec
         self.block_size = block_size
         self.device = self.body.get_input_embeddings().weight.device
-        self.softcap = getattr(model.config, "final_logit_softcapping", None)
+        self.softcap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
         dtype = self.lm_head.weight.dtype
-        want_flash = attention in ("auto", "flash") and HAS_FLASH_ATTN and self.device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+        want_flash = (attention in ("auto", "flash") and HAS_FLASH_ATTN and self.device.type == "cuda"
+                      and dtype in (torch.float16, torch.bfloat16) and not spec.has_latent)
         if attention == "flash" and not want_flash:
-            raise ValueError("attention='flash' needs flash-attn installed, a CUDA device and fp16/bf16 weights")
+            raise ValueError("attention='flash' needs flash-attn installed, a CUDA device, fp16/bf16 weights and "
+                             "no latent (MLA) layers")
         self.attention_path = "flash-attn" if want_flash else "sdpa"
         self.kernels_impl = kernels_impl
         self.cascade = _cascade_enabled(cascade, kernels_impl, self.device) and not want_flash
         if self.cascade:
             self.attention_path += "+cascade:" + _kernels().select_impl(kernels_impl, self.device, "cascade_attention")
+        self.paged_kv = PagedKV()
 
     def _slots(self, seq: Sequence, end: int) -> torch.Tensor:
         bs = self.block_size
@@ -53,54 +59,46 @@ class ModelRunner:
     def forward(self, work: list[Work]) -> torch.Tensor:
         """Runs the model over the step's new tokens; returns the final hidden states [T, H]
         in the order of `work` (decode runs must come first)."""
-        ids, pos, slot_map, prefills = [], [], [], []
-        decode_slots = []
-        row = 0
+        ids, pos, slot_map, runs = [], [], [], []
+        nd, row = 0, 0
         for w in work:
             n = w.end - w.start
             ids.extend(w.seq.tokens[w.start : w.end])
             pos.extend(range(w.start, w.end))
             slots = self._slots(w.seq, w.end)
             slot_map.append(slots[w.start :])
-            if n == 1 and not prefills:
-                decode_slots.append(slots)
-            else:
-                prefills.append(Run(row, row + n, slots))
+            if n == 1 and nd == len(runs):
+                nd += 1
+            runs.append(Run(row, row + n, slots))
             row += n
-        nd = len(decode_slots)
-        d_slots = d_mask = None
-        if nd:
-            lmax = max(s.shape[0] for s in decode_slots)
-            d_slots = torch.zeros(nd, lmax, dtype=torch.long)
-            d_mask = torch.zeros(nd, 1, 1, lmax, dtype=torch.bool)
-            for i, s in enumerate(decode_slots):
-                d_slots[i, : s.shape[0]] = s
-                d_mask[i, 0, 0, : s.shape[0]] = True
         dev = self.device
-        ctx = StepContext(
-            self.cache, torch.cat(slot_map).to(dev), nd,
-            None if d_slots is None else d_slots.to(dev), None if d_mask is None else d_mask.to(dev),
-            [Run(r.row0, r.row1, r.kv_slots.to(dev)) for r in prefills],
-        )
+        runs = [Run(r.row0, r.row1, r.index.to(dev)) for r in runs]
+        ctx = StepContext(self.cache, self.spec.layers, torch.cat(slot_map).to(dev), runs, nd, kernel_impl=self.kernels_impl)
+        if self.spec.has_latent:  # latent layers get the step's context back from the cache hook, each
+            # distinct slot once (forks share their prefix), to be expanded once by the model's own code
+            ctx.latent_slots, inverse = torch.unique(torch.cat([r.index for r in runs]), return_inverse=True)
+            parts = inverse.split([r.index.shape[0] for r in runs])
+            ctx.latent_runs = [Run(r.row0, r.row1, part) for r, part in zip(runs, parts)]
         if self.attention_path == "flash-attn":
-            all_runs = [Run(i, i + 1, s) for i, s in enumerate(decode_slots)] + prefills
-            ctx.use_flash = True
-            ctx.cu_q = torch.tensor([0] + [r.row1 for r in all_runs], dtype=torch.int32, device=dev)
-            ctx.cu_k = torch.tensor([0] + list(torch.tensor([r.kv_slots.shape[0] for r in all_runs]).cumsum(0)), dtype=torch.int32, device=dev)
-            ctx.all_slots = torch.cat([r.kv_slots for r in all_runs]).to(dev)
-            ctx.max_q = max(r.row1 - r.row0 for r in all_runs)
-            ctx.max_k = max(r.kv_slots.shape[0] for r in all_runs)
+            lens = [r.index.shape[0] for r in runs]
+            ctx.flash = {
+                "cu_q": torch.tensor([0] + [r.row1 for r in runs], dtype=torch.int32, device=dev),
+                "cu_k": torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=dev),
+                "slots": torch.cat([r.index for r in runs]), "max_q": max(r.row1 - r.row0 for r in runs),
+                "max_k": max(lens),
+            }
         if self.cascade and nd >= 2:
             ctx.decode_levels = decode_levels([w.seq.blocks for w in work[:nd]], [w.end for w in work[:nd]],
                                               self.block_size, dev)
-            ctx.kernel_impl = self.kernels_impl
         set_context(ctx)
         try:
-            out = self.body(
-                input_ids=torch.tensor([ids], device=dev),
-                position_ids=torch.tensor([pos], device=dev),
-                use_cache=False,
-            )
+            with self.attached():
+                out = self.body(
+                    input_ids=torch.tensor([ids], device=dev),
+                    position_ids=torch.tensor([pos], device=dev),
+                    past_key_values=self.paged_kv,
+                    use_cache=False,
+                )
         finally:
             set_context(None)
         return out.last_hidden_state[0]
