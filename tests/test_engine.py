@@ -9,7 +9,8 @@ import random
 import pytest
 import torch
 
-from svrmad_local.engine.engine import Engine, EngineConfig, parse_memory
+from svrmad_local.engine.engine import Engine, EngineConfig
+from svrmad_local.engine.memory import parse_memory
 from svrmad_local.engine.params import SamplingParams
 from svrmad_local.engine.scheduler import RequestTooLarge
 
@@ -207,8 +208,14 @@ def test_parse_memory():
     assert parse_memory(0.5, 1000, 0) == 500
     assert parse_memory(4096, 0, 0) == 4096
     assert parse_memory(None, 0, 7) == 7
-    with pytest.raises(ValueError):
-        parse_memory("lots", 0, 0)
+    assert parse_memory("0.9", 1000, 0) == 900  # a fraction given as a string (the CLI's case)
+    assert parse_memory(".25", 1000, 0) == 250
+    assert parse_memory("4096", 1000, 0) == 4096
+    assert parse_memory("1.5GiB", 0, 0) == int(1.5 * 2**30)
+    assert parse_memory(1.0, 1000, 0) == 1000
+    for bad in ("lots", "1.5", "-2", "0", "0.5b", "", "2 GiB extra", 1.5, True):
+        with pytest.raises(ValueError):
+            parse_memory(bad, 1000, 0)
 
 
 def test_prompts_sharing_an_uncached_head_in_one_step_compute_it_once(tiny_model):
@@ -271,3 +278,26 @@ def test_forks_that_find_no_room_wait_and_match(tiny_model):
     got = eng.generate_sync([p], params)[0]
     assert [c.token_ids for c in got.completions] == [c.token_ids for c in ref.completions]
     assert got.usage.generated_tokens == 30 and eng.blocks.peak_used <= 7
+
+
+def test_public_api_from_pretrained_text_and_chat_prompts(tmp_path, tiny_model, tiny_tokenizer):
+    from svrmad_local import Engine as PublicEngine, EngineConfig as PublicConfig, SamplingParams as PublicParams
+
+    assert PublicEngine is Engine and PublicConfig is EngineConfig and PublicParams is SamplingParams
+    tiny_model.save_pretrained(tmp_path)
+    tiny_tokenizer.save_pretrained(tmp_path)
+    eng = PublicEngine.from_pretrained(tmp_path, kv_cache_memory=8 * 2**20, block_size=4)
+    text = "What is 2 + 3?"
+    ids = tiny_tokenizer.encode(text)
+    by_text = eng.generate_sync(text, GREEDY)[0].completions[0].token_ids
+    assert by_text == eng.generate_sync([ids], GREEDY)[0].completions[0].token_ids == hf_greedy(tiny_model, ids, 12)
+    messages = [{"role": "user", "content": text}]
+    chat_ids = tiny_tokenizer.encode(tiny_tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                                        tokenize=False), add_special_tokens=False)
+    assert eng.generate_sync([messages], GREEDY)[0].prompt_token_ids == chat_ids
+    s = eng.score_sync(text, " The answer is 5", topk=2)
+    assert len(s.logprobs) == len(tiny_tokenizer.encode(" The answer is 5", add_special_tokens=False))
+    with pytest.raises(TypeError, match="unknown option.*kv_cache_mem"):
+        PublicEngine.from_pretrained(tmp_path, kv_cache_mem="1GiB")
+    with pytest.raises(ValueError, match="2 SamplingParams for 1 prompts"):
+        eng.generate_sync([ids], [GREEDY, GREEDY])

@@ -43,7 +43,7 @@ except Exception:  # pragma: no cover - depends on the machine
 
 
 @dataclass
-class Run:
+class Span:
     """One sequence's new tokens in the flattened batch: rows [row0, row1) of it, which attend to
     the context `index` (slot ids of its sequence, or for latent layers positions in the expanded
     context; the new tokens last)."""
@@ -63,7 +63,7 @@ class View:
     prefills: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]  # (row0, row1, index, mask [qn, L])
 
 
-def _view(runs: list[Run], nd: int, window: int | None) -> View:
+def _view(runs: list[Span], nd: int, window: int | None) -> View:
     """Keys under `window` for every run: a query at position p sees positions (p - window, p]."""
     d_index = d_mask = None
     if nd:
@@ -100,10 +100,10 @@ class StepContext:
     cache: KVCache
     specs: list[LayerSpec]
     slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
-    runs: list[Run]  # decode runs first, then prefill runs, in row order
+    runs: list[Span]  # decode runs first, then prefill runs, in row order
     decode_rows: int  # rows [0, decode_rows) are single-token decode runs
     latent_slots: torch.Tensor | None = None  # latent layers: every run's context slots, concatenated
-    latent_runs: list[Run] | None = None  # the same runs indexing into that concatenation
+    latent_runs: list[Span] | None = None  # the same runs indexing into that concatenation
     decode_levels: list | None = None  # cascade: shared-prefix levels of the decode rows (kernels.Level)
     decode_pos: torch.Tensor | None = None  # cascade: each decode query's position
     kernel_impl: str = "auto"
@@ -123,7 +123,7 @@ class StepContext:
             return self
         if device not in self._per_device:
             mv = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
-            runs = lambda rs: None if rs is None else [Run(r.row0, r.row1, mv(r.index)) for r in rs]  # noqa: E731
+            runs = lambda rs: None if rs is None else [Span(r.row0, r.row1, mv(r.index)) for r in rs]  # noqa: E731
             levels = None if self.decode_levels is None else [
                 lv._replace(query_idx=mv(lv.query_idx), block_table=mv(lv.block_table)) for lv in self.decode_levels]
             flash = None if self.flash is None else {k: mv(v) if torch.is_tensor(v) else v for k, v in self.flash.items()}

@@ -9,24 +9,27 @@ future as it finishes. `generate_sync` wraps it for scripts.
 from __future__ import annotations
 
 import asyncio
-import os
 import random
-import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Union
 
 import torch
 
 from .attention import Attachment
-from .kv_cache import BlockManager, CacheFull, KVCache
+from .kv_cache import BlockManager, KVCache
+from .memory import keep_freed_memory, kv_budget, parse_memory  # noqa: F401  (parse_memory: public)
 from .params import SamplingParams
-from .runner import ModelRunner, Work
+from .runner import ModelRunner
 from .sampler import sample
-from .scheduler import RequestTooLarge, Scheduler
+from .scheduler import RequestTooLarge, Scheduler, Work  # noqa: F401  (RequestTooLarge: public)
 from .sequence import Completion, Request, RequestOutput, ScoreOutput, Sequence
 from .spec import inspect_model
 from .stats import SignalConfig, sequence_signals, stats_from_logits
+
+
+Prompt = Union[list[int], str, list[dict]]
 
 
 @dataclass
@@ -62,55 +65,6 @@ class EngineTotals:
         return {**self.__dict__, "cached_tokens": self.prompt_tokens - self.computed_tokens}
 
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-
-
-def parse_memory(value: int | float | str | None, available: int, default: int) -> int:
-    """Bytes from an int, a fraction of `available`, or a "2GiB"-style string."""
-    if value is None:
-        return default
-    if isinstance(value, str):
-        m = re.fullmatch(r"\s*([\d.]+)\s*([kmg]i?b|b)?\s*", value.lower())
-        if not m:
-            try:
-                value = float(value)
-            except ValueError:
-                raise ValueError(f"kv_cache_memory {value!r}: expected bytes, a fraction or e.g. '2GiB'") from None
-        else:
-            return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
-    if isinstance(value, float) and 0 < value <= 1:
-        return int(value * available)
-    if value <= 0:
-        raise ValueError(f"kv_cache_memory must be positive, got {value}")
-    return int(value)
-
-
-def _available_memory(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-
-
-def _keep_freed_memory() -> None:
-    """glibc returns large freed blocks to the OS and page-faults them back on the next step; on a
-    CPU that costs more than the attention itself. Keep them in the heap (Linux/glibc only)."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-4, 0)  # M_MMAP_MAX: no mmap-backed allocations
-        libc.mallopt(-1, 2**30)  # M_TRIM_THRESHOLD: keep up to 1 GiB of free heap
-    except (OSError, AttributeError):
-        pass
-
-
 def _layer_device(model, layers, i: int) -> torch.device:
     """Where layer i's KV lives: its own device under an accelerate device map."""
     if layers is not None and i < len(layers):
@@ -134,15 +88,13 @@ class Engine:
         layers = model.base_model.layers if hasattr(model.base_model, "layers") else None
         devices = [_layer_device(model, layers, i) for i in range(len(spec.layers))]
         block_bytes = KVCache.bytes_per_block(spec.layers, cfg.block_size, spec.dtype)
-        avail = _available_memory(devices[0])
-        default = int(0.9 * avail) if devices[0].type == "cuda" else min(2 * 2**30, avail // 2)
-        self.kv_budget_bytes = parse_memory(cfg.kv_cache_memory, avail, default)
+        self.kv_budget_bytes = kv_budget(cfg.kv_cache_memory, devices[0])
         num_blocks = self.kv_budget_bytes // block_bytes
         if num_blocks < 2:
             raise ValueError(f"kv_cache_memory={cfg.kv_cache_memory!r} holds {num_blocks} blocks of {block_bytes} bytes; need at least 2")
         self.block_bytes = block_bytes
         if devices[0].type == "cpu":
-            _keep_freed_memory()
+            keep_freed_memory()
         self.blocks = BlockManager(num_blocks, cfg.block_size)
         self.cache = KVCache(num_blocks, cfg.block_size, spec.layers, devices, spec.dtype)
         self.runner = ModelRunner(model, attached, self.cache, spec, cfg.block_size, cfg.attention, cfg.cascade, cfg.kernels)
@@ -157,6 +109,7 @@ class Engine:
         self._loop_task: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
         self._live: dict[int, Request] = {}
+        self._chat = None
 
     def _eos_ids(self) -> set[int]:
         ids = set()
@@ -181,14 +134,48 @@ class Engine:
             **self.totals.as_dict(),
         }
 
-    async def generate(self, prompt: list[int], params: SamplingParams | None = None) -> RequestOutput:
-        params = params or SamplingParams()
-        self._check_prompt(prompt)
-        return await self._submit(Request(self._new_id(), prompt, params, None))
+    @classmethod
+    def from_pretrained(cls, path, *, dtype=None, device=None, device_map=None, **config) -> "Engine":
+        """Load a local checkpoint folder (`models.loader.load_model`) and build an engine on it;
+        `config` holds EngineConfig fields (kv_cache_memory="40GiB", block_size=16, ...)."""
+        from svrmad_local.models.loader import load_model
 
-    async def score(self, prompt: list[int], continuation: list[int], topk: int = 20) -> ScoreOutput:
+        fields = set(EngineConfig.__dataclass_fields__)
+        unknown = sorted(set(config) - fields)
+        if unknown:
+            raise TypeError(f"Engine.from_pretrained: unknown option(s) {', '.join(unknown)}; "
+                            f"EngineConfig has {', '.join(sorted(fields))}")
+        lm = load_model(path, dtype=dtype, device=device, device_map=device_map)
+        return cls(lm.model, lm.tokenizer, EngineConfig(**config))
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        """Token ids of a prompt: token ids as given, a string tokenized as is, or chat messages
+        ([{"role": ..., "content": ...}]) through the checkpoint's chat template."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer; this engine has none (pass token ids)")
+            return self.tokenizer.encode(prompt)
+        if prompt and isinstance(prompt[0], dict):
+            if self._chat is None:
+                from svrmad_local.models.chat import ChatFormat
+
+                self._chat = ChatFormat(self.tokenizer, self.eos_ids)
+            return self._chat.encode(list(prompt))
+        return list(prompt)
+
+    async def generate(self, prompt: Prompt, params: SamplingParams | None = None) -> RequestOutput:
+        """One request: `params.n` samples of `prompt` (token ids, a string or chat messages)."""
+        params = params or SamplingParams()
+        ids = self.encode(prompt)
+        self._check_prompt(ids)
+        return await self._submit(Request(self._new_id(), ids, params, None))
+
+    async def score(self, prompt: Prompt, continuation: list[int] | str, topk: int = 20) -> ScoreOutput:
         """Teacher-forced statistics of `continuation` after `prompt` (the prompt's cached prefix is
         reused; the continuation's positions are always computed, in chunks)."""
+        prompt = self.encode(prompt)
+        continuation = self.tokenizer.encode(continuation, add_special_tokens=False) if isinstance(continuation, str) \
+            else list(continuation)
         if not prompt or not continuation:
             raise ValueError("score() needs a non-empty prompt and continuation")
         self._check_prompt(prompt + continuation)
@@ -196,17 +183,20 @@ class Engine:
         return await self._submit(Request(self._new_id(), prompt + continuation, params, None, score_from=len(prompt)))
 
     def generate_sync(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Blocking wrapper: a list of token lists (or one list) and one or per-prompt params."""
-        if prompts and isinstance(prompts[0], int):
+        """Blocking wrapper: one prompt or a list of prompts (each token ids, a string or chat
+        messages), and one SamplingParams or one per prompt. Returns one output per prompt."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, dict))):
             prompts = [prompts]
         plist = params if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(plist)} SamplingParams for {len(prompts)} prompts")
 
         async def run():
             return await asyncio.gather(*(self.generate(p, sp) for p, sp in zip(prompts, plist)))
 
         return asyncio.run(run())
 
-    def score_sync(self, prompt: list[int], continuation: list[int], topk: int = 20) -> ScoreOutput:
+    def score_sync(self, prompt: Prompt, continuation: list[int] | str, topk: int = 20) -> ScoreOutput:
         return asyncio.run(self.score(prompt, continuation, topk))
 
     # -- plumbing ---------------------------------------------------------------------------
@@ -264,10 +254,7 @@ class Engine:
                         req.future.set_result(self._output(req))
 
     def _fail_all(self, exc: BaseException) -> None:
-        for seq in list(self.scheduler.running):
-            self.scheduler.running.remove(seq)
-            self.scheduler.free(seq)
-        self.scheduler.waiting.clear()
+        self.scheduler.abort_all()
         for req in self._live.values():
             if not req.future.done():
                 req.future.set_exception(exc)
@@ -276,41 +263,39 @@ class Engine:
     # -- one step (worker thread) -------------------------------------------------------------
     @torch.inference_mode()
     def _step(self) -> list[Request]:
-        try:
-            work = self.scheduler.schedule()
-        except RequestTooLarge as exc:
-            seq = self.scheduler.waiting.popleft()
+        batch = self.scheduler.schedule()
+        finished: list[Request] = []
+        for seq, exc in batch.rejected:
             seq.request.error = exc
-            return [seq.request]
-        if not work:
-            return []
+            self.scheduler.abort(seq.request)
+            finished.append(seq.request)
+        if not batch:
+            return finished
         self.totals.steps += 1
-        hidden = self.runner.forward(work)
+        hidden = self.runner.forward(batch)
+        work = batch.work  # in row order
+        for w in work:  # prompt tokens run through the model (not the fed-back sampled tokens)
+            counted = max(0, min(w.end, max(w.seq.num_prompt, len(w.seq.tokens) - 1)) - w.start)
+            w.seq.request.usage.computed_tokens += counted
+            self.totals.computed_tokens += counted
+        self.scheduler.postprocess(batch)
         for req in {w.seq.request for w in work}:  # distinct blocks: a shared prefix counts once
             held = len({b for s in req.sequences for b in s.blocks})
             req.usage.peak_kv_bytes = max(req.usage.peak_kv_bytes, held * self.block_bytes)
-        finished: list[Request] = []
         to_sample: list[tuple[Sequence, int]] = []
         row = 0
         for w in work:
-            seq, req, n = w.seq, w.seq.request, w.end - w.start
-            counted = max(0, min(w.end, max(seq.num_prompt, len(seq.tokens) - 1)) - w.start)
-            req.usage.computed_tokens += counted
-            self.totals.computed_tokens += counted
-            seq.num_computed = w.end
+            seq, req = w.seq, w.seq.request
             if req.score_from is not None:
-                self._score_rows(seq, hidden[row : row + n], w)
+                self._score_rows(seq, hidden[row : row + w.num_tokens], w)
                 if w.end == len(seq.tokens):
                     self._finish(seq, "stop", finished)
             elif w.end == len(seq.tokens):
                 if req.params.max_tokens == 0:
                     self._finish(seq, "length", finished)
                 else:
-                    to_sample.append((seq, row + n - 1))
-            row += n
-        for w in work:
-            if w.seq.blocks:
-                self.scheduler.index_full_blocks(w.seq)
+                    to_sample.append((seq, row + w.num_tokens - 1))
+            row += w.num_tokens
         if to_sample:
             self._sample(hidden, to_sample, finished)
         return finished
@@ -341,7 +326,9 @@ class Engine:
         for i, (seq, j) in enumerate(samples):
             target = seq
             if j:  # a new sample forks from the leader's prompt KV
-                target = self._fork(seq, j, gens[i])
+                target = Sequence(seq.request, j, list(seq.tokens[: seq.num_prompt]), seq.num_prompt, gens[i])
+                seq.request.sequences.append(target)
+                self.scheduler.fork(seq, target)
             kk = seq.params.topk_logprobs
             target.tokens.append(toks_l[i])
             target.logprobs.append(lp[i])
@@ -353,31 +340,6 @@ class Engine:
             reason = self._stop_reason(target)
             if reason:
                 self._finish(target, reason, finished)
-
-    def _fork(self, leader: Sequence, index: int, gen: torch.Generator) -> Sequence:
-        req = leader.request
-        child = Sequence(req, index, list(leader.tokens[: leader.num_prompt]), leader.num_prompt, gen)
-        req.sequences.append(child)
-        bs = self.cfg.block_size
-        full = leader.num_computed // bs
-        for b in leader.blocks[:full]:
-            self.blocks.incref(b)
-        child.blocks, child.num_indexed, child.num_computed = list(leader.blocks[:full]), min(full, leader.num_indexed), full * bs
-        rows = leader.num_computed - full * bs
-        if rows:
-            try:
-                self.scheduler.reserve(child, full * bs + 1)
-                self.cache.copy_rows(leader.blocks[full], child.blocks[-1], rows)
-                child.num_computed += rows
-            except CacheFull:
-                self.scheduler.free(child)  # no room now: it waits and recomputes from the cache
-        if child.blocks and len(self.scheduler.running) < self.cfg.max_num_seqs:
-            self.scheduler.running.append(child)
-        else:
-            if child.blocks:
-                self.scheduler.free(child)
-            self.scheduler.waiting.appendleft(child)
-        return child
 
     def _stop_reason(self, seq: Sequence) -> str | None:
         p, tok = seq.params, seq.tokens[-1]
@@ -392,16 +354,8 @@ class Engine:
         return None
 
     def _finish(self, seq: Sequence, reason: str, finished: list[Request]) -> None:
-        seq.finish_reason = reason
-        if seq in self.scheduler.running:
-            self.scheduler.running.remove(seq)
-        elif seq in self.scheduler.waiting:  # a fork that found no room and stopped on its first token
-            self.scheduler.waiting.remove(seq)
-        self.scheduler.free(seq)
-        req = seq.request
-        req.finished.append(seq)
-        expected = 1 if req.score_from is not None or req.params.max_tokens == 0 else req.params.n
-        if len(req.finished) == expected:
+        if self.scheduler.finish(seq, reason):
+            req = seq.request
             req.usage.time_s = time.perf_counter() - req.t0
             finished.append(req)
 

@@ -6,23 +6,13 @@ decode) and, in chunks, to the rows a scoring request asks about: never to every
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from .attention import HAS_FLASH_ATTN, Attachment, PagedKV, Run, StepContext, set_context
+from .attention import HAS_FLASH_ATTN, Attachment, PagedKV, Span, StepContext, set_context
 from .kv_cache import KVCache
+from .scheduler import Batch
 from .sequence import Sequence
 from .spec import ModelSpec
-
-
-@dataclass
-class Work:
-    """Sequence `seq` computes tokens[start:end] this step."""
-
-    seq: Sequence
-    start: int
-    end: int
 
 
 class ModelRunner:
@@ -56,29 +46,29 @@ class ModelRunner:
         return (blocks.unsqueeze(1) * bs + torch.arange(bs)).flatten()[:end]
 
     @torch.inference_mode()
-    def forward(self, work: list[Work]) -> torch.Tensor:
-        """Runs the model over the step's new tokens; returns the final hidden states [T, H]
-        in the order of `work` (decode runs must come first)."""
+    def forward(self, batch: Batch) -> torch.Tensor:
+        """Runs the model over the step's new tokens; returns the final hidden states [T, H] in the
+        order of `batch.work` (the decode runs, then the prefill runs)."""
         ids, pos, slot_map, runs = [], [], [], []
-        nd, row = 0, 0
+        row = 0
+        work = batch.work
+        nd = len(batch.decode)
         for w in work:
-            n = w.end - w.start
+            n = w.num_tokens
             ids.extend(w.seq.tokens[w.start : w.end])
             pos.extend(range(w.start, w.end))
             slots = self._slots(w.seq, w.end)
             slot_map.append(slots[w.start :])
-            if n == 1 and nd == len(runs):
-                nd += 1
-            runs.append(Run(row, row + n, slots))
+            runs.append(Span(row, row + n, slots))
             row += n
         dev = self.device
-        runs = [Run(r.row0, r.row1, r.index.to(dev)) for r in runs]
+        runs = [Span(r.row0, r.row1, r.index.to(dev)) for r in runs]
         ctx = StepContext(self.cache, self.spec.layers, torch.cat(slot_map).to(dev), runs, nd, kernel_impl=self.kernels_impl)
         if self.spec.has_latent:  # latent layers get the step's context back from the cache hook, each
             # distinct slot once (forks share their prefix), to be expanded once by the model's own code
             ctx.latent_slots, inverse = torch.unique(torch.cat([r.index for r in runs]), return_inverse=True)
             parts = inverse.split([r.index.shape[0] for r in runs])
-            ctx.latent_runs = [Run(r.row0, r.row1, part) for r, part in zip(runs, parts)]
+            ctx.latent_runs = [Span(r.row0, r.row1, part) for r, part in zip(runs, parts)]
         if self.attention_path == "flash-attn":
             lens = [r.index.shape[0] for r in runs]
             ctx.flash = {

@@ -1,24 +1,57 @@
-"""Which sequences run this step, and where their KV goes.
+"""Which sequences run each step, where their KV goes, and every change of a sequence's state.
 
 Continuous batching: running sequences (decoding, or part-way through a chunked prefill) go first,
 then waiting ones are admitted while the token budget, the sequence cap and free blocks allow.
-Admission reuses the longest cached prefix (`BlockManager.match`). When a running sequence needs
-a block and none is free, the most recently admitted sequence is preempted: its blocks go back to
-the cache (indexed, so its recompute is mostly a cache hit) and it waits at the head of the queue.
+Admission reuses the longest cached prefix (`BlockManager.match`). When a running sequence needs a
+block and none is free, the most recently admitted sequence is preempted: its blocks go back to the
+cache (indexed, so its recompute is mostly a cache hit) and it waits at the head of the queue.
 Memory therefore never exceeds the budget and a full cache never crashes the engine.
+
+The scheduler owns every transition of a sequence (admit, preempt, fork, finish, abort); the engine
+only decides *when* (sampling, stop conditions) and resolves requests.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass, field
 
 from .kv_cache import BlockManager, CacheFull, KVCache, common_prefix
-from .runner import Work
 from .sequence import Sequence
 
 
 class RequestTooLarge(ValueError):
     """The request can never fit in the KV-cache budget."""
+
+
+@dataclass
+class Work:
+    """Sequence `seq` computes tokens[start:end] this step."""
+
+    seq: Sequence
+    start: int
+    end: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
+@dataclass
+class Batch:
+    """One step: single-token runs (decodes, batched in one attention call) and multi-token runs
+    (prefill chunks), in the row order the runner lays them out; and sequences that can never fit."""
+
+    decode: list[Work] = field(default_factory=list)
+    prefill: list[Work] = field(default_factory=list)
+    rejected: list[tuple[Sequence, RequestTooLarge]] = field(default_factory=list)
+
+    @property
+    def work(self) -> list[Work]:
+        return self.decode + self.prefill
+
+    def __bool__(self) -> bool:
+        return bool(self.decode or self.prefill)
 
 
 class Scheduler:
@@ -27,7 +60,7 @@ class Scheduler:
         self.cache = cache
         self.bs = blocks.block_size
         self.max_num_seqs = max_num_seqs
-        self.max_tokens = max_num_batched_tokens
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -102,16 +135,75 @@ class Scheduler:
                 self.bm.release([partial[0]])
         return "ok"
 
+    # -- transitions --------------------------------------------------------------------------
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.free(seq)
         seq.request.usage.preemptions += 1
         self.waiting.appendleft(seq)
 
+    def fork(self, leader: Sequence, child: Sequence) -> None:
+        """Start sample `child` of an n > 1 request from its leader's prompt KV: full blocks shared,
+        the partial last block copied. With no room (or no sequence slot) it waits and is
+        recomputed from the cache when admitted."""
+        bs = self.bs
+        full = leader.num_computed // bs
+        for b in leader.blocks[:full]:
+            self.bm.incref(b)
+        child.blocks, child.num_indexed, child.num_computed = list(leader.blocks[:full]), min(full, leader.num_indexed), full * bs
+        rows = leader.num_computed - full * bs
+        if rows:
+            try:
+                self.reserve(child, full * bs + 1)
+                self.cache.copy_rows(leader.blocks[full], child.blocks[-1], rows)
+                child.num_computed += rows
+            except CacheFull:
+                self.free(child)
+        if child.blocks and len(self.running) < self.max_num_seqs:
+            self.running.append(child)
+        else:
+            if child.blocks:
+                self.free(child)
+            self.waiting.appendleft(child)
+
+    def finish(self, seq: Sequence, reason: str) -> bool:
+        """Take `seq` out of the queues and free its blocks. Returns True when this was the last
+        unfinished sequence of its request."""
+        seq.finish_reason = reason
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:  # a fork that found no room and stopped on its first token
+            self.waiting.remove(seq)
+        self.free(seq)
+        req = seq.request
+        req.finished.append(seq)
+        return len(req.finished) == req.num_outputs
+
+    def abort(self, request) -> None:
+        """Drop every unfinished sequence of `request` (it failed)."""
+        for seq in [s for s in list(self.running) + list(self.waiting) if s.request is request]:
+            (self.running if seq in self.running else self.waiting).remove(seq)
+            self.free(seq)
+
+    def abort_all(self) -> None:
+        """Drop every sequence (after a failed step): blocks go back, queues empty."""
+        for seq in list(self.running) + list(self.waiting):
+            self.free(seq)
+        self.running.clear()
+        self.waiting.clear()
+
+    def postprocess(self, batch: Batch) -> None:
+        """After the forward: the step's KV is written, so the computed counts move and the newly
+        filled blocks enter the prefix tree."""
+        for w in batch.work:
+            w.seq.num_computed = w.end
+            if w.seq.blocks:
+                self.index_full_blocks(w.seq)
+
     # -- one step ---------------------------------------------------------------------------
-    def schedule(self) -> list[Work]:
+    def schedule(self) -> Batch:
         work: list[Work] = []
-        budget = self.max_tokens
+        budget = self.max_num_batched_tokens
         for seq in list(self.running):
             if seq not in self.running or budget == 0:
                 continue
@@ -146,8 +238,9 @@ class Scheduler:
             work.append(Work(seq, seq.num_computed, seq.num_computed + n))
             budget -= n
         self.waiting.extendleft(reversed(deferred))
-        if not work and self.waiting and not self.running and not deferred:
-            seq = self.waiting[0]
-            raise RequestTooLarge(f"request {seq.request.id} cannot be admitted: the KV-cache budget is too small for it")
-        work.sort(key=lambda w: w.end - w.start != 1)  # single-token runs first: they batch in one call
-        return work
+        batch = Batch([w for w in work if w.num_tokens == 1], [w for w in work if w.num_tokens != 1])
+        if not batch and self.waiting and not self.running and not deferred:
+            seq = self.waiting.popleft()
+            batch.rejected.append((seq, RequestTooLarge(
+                f"request {seq.request.id} cannot be admitted: the KV-cache budget is too small for it")))
+        return batch

@@ -99,6 +99,11 @@ class Request:
         self.finished: list[Sequence] = []
         self.error: BaseException | None = None
 
+    @property
+    def num_outputs(self) -> int:
+        """Sequences that finish this request: one for scoring (or max_tokens=0), else n."""
+        return 1 if self.score_from is not None or self.params.max_tokens == 0 else self.params.n
+
 
 @dataclass(eq=False)
 class Sequence:
