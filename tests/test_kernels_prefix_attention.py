@@ -296,9 +296,9 @@ def test_cascade_window_torch(dtype, window, hq, hkv):
                                    atol=OUT_ATOL[dtype], rtol=1e-2)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("dtype,splits", [(torch.float32, None), (torch.float32, 3), (torch.float16, 3),
+                                          (torch.bfloat16, 3)], ids=["fp32", "fp32-split3", "fp16-split3", "bf16-split3"])
 @pytest.mark.parametrize("window", WINDOWS)
-@pytest.mark.parametrize("splits", [None, 3])
 def test_cascade_window_triton(interp, dtype, window, splits):
     k, v = _cache(num_blocks=40, hkv=2, dtype=dtype, seed=15)
     q = torch.randn(7, 4, 16, generator=torch.Generator().manual_seed(16)).to(dtype)
