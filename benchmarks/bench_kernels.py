@@ -16,8 +16,14 @@
     interpreter), single-threaded by default (--attn-threads): decode-size ops are too small to
     parallelise, and on a shared 2-core machine multi-threaded BLAS on many small ops stalls
     (measured 40 ms vs 2.3 s for the same call), which would time the neighbours, not the code.
+(c) sliding-window decode (Mistral / Gemma 3 / GPT-OSS layers): the same cascade call with
+    ``window`` W (each query at the end of its own sequence) vs without, so the cost (or saving)
+    of a window is visible: the torch path gathers only what some query can see, the triton kernel
+    starts each program at its rows' first visible token. Checked against attention over each
+    query's last W tokens (scaled_dot_product_attention on copies).
 
-Ratios are printed; the last line is one JSON object with every figure.
+CPU timings on a shared machine are only indicative (the header prints the load); memory is
+reliable. Ratios are printed; the last line is one JSON object with every figure.
 """
 from __future__ import annotations
 
@@ -134,46 +140,57 @@ def bench_token_stats(dev, quick):
 # (b) shared-prefix attention
 # ----------------------------------------------------------------------------------------------
 
+ATTN_SHAPE = dict(hq=32, hkv=8, d=128, bs=16, suffix=64)
+
+
+def _decode_batch(dev, dtype, g, prefix, nq):
+    """A paged cache holding one shared prefix then each query's own suffix (incl. its current
+    token), scattered over the blocks; returns (q, k_cache, v_cache, levels, q_pos)."""
+    hq, hkv, d, bs, suffix = (ATTN_SHAPE[k] for k in ("hq", "hkv", "d", "bs", "suffix"))
+    p_blocks, s_blocks = -(-prefix // bs), -(-(suffix + 1) // bs)
+    nblocks = p_blocks + nq * s_blocks
+    k_cache = torch.randn(nblocks, bs, hkv, d, generator=g, device=dev, dtype=dtype)
+    v_cache = torch.randn(nblocks, bs, hkv, d, generator=g, device=dev, dtype=dtype)
+    perm = torch.randperm(nblocks, generator=g, device=dev)
+    q = torch.randn(nq, hq, d, generator=g, device=dev, dtype=dtype)
+    levels = [Level(torch.arange(nq, device=dev), perm[:p_blocks], prefix, 0)]
+    for i in range(nq):
+        start = p_blocks + i * s_blocks
+        levels.append(Level(torch.tensor([i], device=dev), perm[start:start + s_blocks], suffix + 1, p_blocks * bs))
+    q_pos = torch.full((nq,), p_blocks * bs + suffix, device=dev)  # each query's own (last) token
+    return q, k_cache, v_cache, levels, q_pos
+
+
+def _copies(k_cache, v_cache, levels, nq, last=None):
+    """Each query's whole sequence (prefix + own suffix), or its ``last`` tokens, copied out of the
+    paged cache as [Nq, Hkv, L, D] (what a non-sharing engine would hold)."""
+    def seq(cache, i):
+        return torch.cat([cache[lv.block_table].flatten(0, 1)[:lv.kv_len] for lv in (levels[0], levels[1 + i])])
+    k = torch.stack([seq(k_cache, i)[-last if last else 0:].transpose(0, 1) for i in range(nq)])
+    v = torch.stack([seq(v_cache, i)[-last if last else 0:].transpose(0, 1) for i in range(nq)])
+    return k, v
+
+
+def _sdpa(q, k, v, scale):
+    return torch.nn.functional.scaled_dot_product_attention(q[:, :, None, :], k, v, scale=scale,
+                                                            enable_gqa=True)[:, :, 0]
+
+
 def bench_attention(dev, quick):
-    hq, hkv, d, bs, suffix = 32, 8, 128, 16, 64
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     prefixes = (1024, 4096) if quick and dev.type == "cpu" else (1024, 4096, 16384)
     nqs = (2, 8, 32)
     reps = 3 if dev.type == "cpu" else 20
     rows = []
     g = torch.Generator(device=dev).manual_seed(0)
+    scale = ATTN_SHAPE["d"]**-0.5
     for prefix in prefixes:
         for nq in nqs:
-            # paged cache: the prefix once, then each query's own suffix (incl. its current token)
-            p_blocks, s_blocks = -(-prefix // bs), -(-(suffix + 1) // bs)
-            nblocks = p_blocks + nq * s_blocks
-            k_cache = torch.randn(nblocks, bs, hkv, d, generator=g, device=dev, dtype=dtype)
-            v_cache = torch.randn(nblocks, bs, hkv, d, generator=g, device=dev, dtype=dtype)
-            perm = torch.randperm(nblocks, generator=g, device=dev)
-            q = torch.randn(nq, hq, d, generator=g, device=dev, dtype=dtype)
-            levels = [Level(torch.arange(nq, device=dev), perm[:p_blocks], prefix)]
-            for i in range(nq):
-                start = p_blocks + i * s_blocks
-                levels.append(Level(torch.tensor([i], device=dev), perm[start:start + s_blocks], suffix + 1))
-            scale = d**-0.5
-
-            def run(cache, i):
-                """Query i's whole sequence (prefix + own suffix) as plain [L, Hkv, D] tokens."""
-                parts = [cache[levels[0].block_table].flatten(0, 1)[:prefix],
-                         cache[levels[1 + i].block_table].flatten(0, 1)[:suffix + 1]]
-                return torch.cat(parts)
-
-            # the non-sharing baseline: every query holds its own copy of the prefix, [Nq, Hkv, L, D]
-            k_copy = torch.empty(nq, hkv, prefix + suffix + 1, d, device=dev, dtype=dtype)
-            v_copy = torch.empty_like(k_copy)
-            for i in range(nq):
-                k_copy[i] = run(k_cache, i).transpose(0, 1)
-                v_copy[i] = run(v_cache, i).transpose(0, 1)
-            q4 = q[:, :, None, :]  # [Nq, Hq, 1, D]
+            q, k_cache, v_cache, levels, _ = _decode_batch(dev, dtype, g, prefix, nq)
+            k_copy, v_copy = _copies(k_cache, v_cache, levels, nq)  # copies made before timing
 
             def copied():
-                return torch.nn.functional.scaled_dot_product_attention(
-                    q4, k_copy, v_copy, scale=scale, enable_gqa=True)[:, :, 0]
+                return _sdpa(q, k_copy, v_copy, scale)
 
             def shared():
                 return cascade_attention(q, k_cache, v_cache, levels, scale)
@@ -181,12 +198,39 @@ def bench_attention(dev, quick):
             err = (shared().float() - copied().float()).abs().max().item()
             t_shared = _time(shared, dev, reps)
             t_copied = _time(copied, dev, reps)
-            row = {"prefix": prefix, "suffix": suffix + 1, "nq": nq, "shared_s": t_shared, "copied_s": t_copied,
-                   "speedup": t_copied / t_shared, "max_abs_diff": err}
+            row = {"prefix": prefix, "suffix": ATTN_SHAPE["suffix"] + 1, "nq": nq, "shared_s": t_shared,
+                   "copied_s": t_copied, "speedup": t_copied / t_shared, "max_abs_diff": err}
             rows.append(row)
             print(f"  prefix {prefix:>5} x {nq:>2} queries: shared {t_shared * 1e3:8.2f} ms | copied per query "
                   f"{t_copied * 1e3:8.2f} ms | speedup x{row['speedup']:.2f} | max |diff| {err:.1e}", flush=True)
             del k_copy, v_copy, k_cache, v_cache
+    return rows
+
+
+def bench_window(dev, quick):
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    prefixes = (4096,) if quick and dev.type == "cpu" else (4096, 16384)
+    reps = 3 if dev.type == "cpu" else 20
+    nq, rows = 8, []
+    g = torch.Generator(device=dev).manual_seed(1)
+    scale = ATTN_SHAPE["d"]**-0.5
+    for prefix in prefixes:
+        q, k_cache, v_cache, levels, q_pos = _decode_batch(dev, dtype, g, prefix, nq)
+        t_full = _time(lambda: cascade_attention(q, k_cache, v_cache, levels, scale), dev, reps)
+        for window in (128, 1024):
+            def windowed():
+                return cascade_attention(q, k_cache, v_cache, levels, scale, q_pos=q_pos, window=window)
+
+            err = (windowed().float() - _sdpa(q, *_copies(k_cache, v_cache, levels, nq, window), scale).float())
+            t_win = _time(windowed, dev, reps)
+            row = {"prefix": prefix, "suffix": ATTN_SHAPE["suffix"] + 1, "nq": nq, "window": window,
+                   "windowed_s": t_win, "full_s": t_full, "full_over_windowed": t_full / t_win,
+                   "max_abs_diff": err.abs().max().item()}
+            rows.append(row)
+            print(f"  prefix {prefix:>5} x {nq} queries, window {window:>4}: windowed {t_win * 1e3:8.2f} ms | "
+                  f"no window {t_full * 1e3:8.2f} ms | no-window/windowed x{row['full_over_windowed']:.2f} | "
+                  f"max |diff| vs last-W attention {row['max_abs_diff']:.1e}", flush=True)
+        del k_cache, v_cache
     return rows
 
 
@@ -204,18 +248,24 @@ def main():
     on_gpu = dev.type == "cuda"
     path = "triton" if on_gpu and kernels.HAS_TRITON else "torch reference"
     mem = "torch.cuda.max_memory_allocated" if on_gpu else "peak RSS growth (getrusage, fresh subprocess)"
-    print(f"device={dev} torch={torch.__version__} threads={torch.get_num_threads()} kernels path={path}")
+    print(f"device={dev} torch={torch.__version__} threads={torch.get_num_threads()} kernels path={path}"
+          f" load(1 min)={os.getloadavg()[0]:.1f}")
+    if not on_gpu:
+        print("    CPU timings on a shared machine are only indicative; memory figures are reliable")
     print(f"(a) token statistics (top-20 + target logprob + entropy + lse); memory = {mem}")
     ts = bench_token_stats(dev, args.quick)
-    print("(b) decode attention, shared prefix (cascade) vs prefix copied per query "
-          "(Hq=32, Hkv=8, D=128, block 16, own suffix 65 tokens)")
+    shape = "Hq={hq}, Hkv={hkv}, D={d}, block {bs}, own suffix {n} tokens".format(n=ATTN_SHAPE["suffix"] + 1,
+                                                                                   **ATTN_SHAPE)
+    print(f"(b) decode attention, shared prefix (cascade) vs prefix copied per query ({shape})")
     if not on_gpu:
         torch.set_num_threads(args.attn_threads)
         print(f"    (CPU threads for this part: {torch.get_num_threads()})")
     at = bench_attention(dev, args.quick)
+    print(f"(c) sliding-window decode: cascade with window W vs without ({shape}, 8 queries)")
+    wi = bench_window(dev, args.quick)
     print(json.dumps({"device": str(dev), "path": path, "quick": args.quick, "memory_measure": mem,
                       "attention_threads": torch.get_num_threads(), "load_avg_1min": os.getloadavg()[0],
-                      "token_stats": ts, "attention": at}))
+                      "token_stats": ts, "attention": at, "window": wi}))
 
 
 if __name__ == "__main__":

@@ -3,16 +3,18 @@
 * :func:`token_stats` - fused LM-head statistics (target log-prob, entropy, top-k, lse) without a
   [T, V] fp32 logits tensor.
 * :func:`attend_partial`, :func:`merge_states`, :func:`cascade_attention` - shared-prefix
-  (cascade) attention over the paged KV cache.
+  (cascade) attention over the paged KV cache, with optional sliding windows.
+* :func:`apply_sinks` - GPT-OSS attention sinks on any finished ``(out, lse)``.
 
-Every function takes ``impl="auto"|"torch"|"triton"``; "auto" uses triton only when it is
+Every kernel function takes ``impl="auto"|"torch"|"triton"``; "auto" uses triton only when it is
 importable and the tensors are on CUDA (``SVRMAD_KERNELS=torch`` forces the torch reference).
 """
 from ._backend import HAS_TRITON, select_impl
-from .prefix_attention import Level, attend_partial, cascade_attention, merge_states, reference_attention
+from .prefix_attention import (Level, apply_sinks, attend_partial, cascade_attention, merge_states,
+                               reference_attention)
 from .token_stats import TokenStats, reference_token_stats, token_stats
 
 __all__ = [
     "HAS_TRITON", "select_impl", "TokenStats", "token_stats", "reference_token_stats",
-    "Level", "attend_partial", "merge_states", "cascade_attention", "reference_attention",
+    "Level", "attend_partial", "merge_states", "cascade_attention", "apply_sinks", "reference_attention",
 ]

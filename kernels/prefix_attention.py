@@ -15,10 +15,16 @@ combined exactly by a log-sum-exp merge:
 
 Cache layout (the engine's): ``k_cache``/``v_cache`` [num_blocks, block_size, num_kv_heads,
 head_dim]; a run is a block table (block ids, any order) plus a token count.
+
+Sliding windows (Mistral, Gemma 3, GPT-OSS) mask keys per query row: a key at absolute position
+``kv_start + t`` is visible to a query at ``q_pos`` iff ``kv_start + t > q_pos - window``. Attention
+sinks (GPT-OSS) add one logit per head to the softmax denominator without a value; they are applied
+once, after the merge, by :func:`apply_sinks`.
 """
 from __future__ import annotations
 
 import math
+import operator
 from typing import NamedTuple, Sequence
 
 import torch
@@ -27,37 +33,51 @@ from ._backend import HAS_TRITON, cdiv, disable_auto, interpreting, next_pow2, r
 
 
 class Level(NamedTuple):
-    """A KV run (``block_table`` ids, first ``kv_len`` tokens) visible, unmasked, to the queries
-    ``query_idx`` (indices into the cascade's q). Each query may appear at most once per level."""
+    """A KV run (``block_table`` ids, first ``kv_len`` tokens) visible to the queries
+    ``query_idx`` (indices into the cascade's q), unmasked except by a sliding window. Each query
+    may appear at most once per level. ``kv_start`` is the absolute position of the run's first
+    token (a run covering blocks [a, b) of a sequence has ``kv_start = a * block_size``); only a
+    window reads it."""
 
     query_idx: torch.Tensor
     block_table: torch.Tensor
     kv_len: int
+    kv_start: int = 0
 
 
 # ----------------------------------------------------------------------------------------------
 # Public API
 # ----------------------------------------------------------------------------------------------
 
-def attend_partial(q, k_cache, v_cache, block_table, kv_len: int, scale: float, *, impl: str = "auto",
-                   num_splits: int | None = None):
-    """All ``q`` [Nq, Hq, D] attend (no mask) to the first ``kv_len`` tokens of one paged run.
+def attend_partial(q, k_cache, v_cache, block_table, kv_len: int, scale: float, *, kv_start: int = 0,
+                   q_pos=None, window: int | None = None, impl: str = "auto", num_splits: int | None = None):
+    """All ``q`` [Nq, Hq, D] attend to the first ``kv_len`` tokens of one paged run.
 
-    Returns ``(out [Nq, Hq, D] fp32, lse [Nq, Hq] fp32)``; kv_len 0 gives out 0 and lse -inf, so
-    the result merges as "nothing". ``num_splits`` (triton) splits the run along its length for
-    parallelism (flash-decoding); None chooses from the GPU size.
+    Without ``window`` there is no mask. With ``window`` W and ``q_pos`` [Nq] (each query's
+    absolute position), token t of the run (absolute position ``kv_start + t``) is visible to
+    query i iff ``kv_start + t > q_pos[i] - W`` (transformers' sliding-window overlay). There is no
+    causal mask: decode queries never see keys after their own position, because the runs a query
+    is given end at or before it.
+
+    Returns ``(out [Nq, Hq, D] fp32, lse [Nq, Hq] fp32)``; a query that sees no key (kv_len 0, or
+    the run wholly outside its window) gets out 0 and lse -inf, so it merges as "nothing".
+    ``num_splits`` (triton) splits the visible part of the run along its length for parallelism
+    (flash-decoding); None chooses from the GPU size.
     """
-    kv_len = int(kv_len)
-    _check(q, k_cache, v_cache, block_table, kv_len)
+    kv_len, kv_start = int(kv_len), int(kv_start)
+    _check(q, k_cache, v_cache, block_table, kv_len, kv_start)
+    lo_abs = _window_lo(q, q_pos, window)
     if resolve_impl(impl, q.device, "attend_partial") == "triton":
         try:
             idx = torch.arange(q.shape[0], device=q.device)
-            return _cascade_triton(q, k_cache, v_cache, [Level(idx, block_table, kv_len)], scale, num_splits)
+            return _cascade_triton(q, k_cache, v_cache, [Level(idx, block_table, kv_len, kv_start)], scale,
+                                   num_splits, lo_abs, window)
         except Exception as err:
             if impl != "auto":
                 raise
             disable_auto("attend_partial", err)
-    return _attend_partial_torch(q, k_cache, v_cache, block_table, kv_len, scale)
+    lo = None if lo_abs is None else lo_abs - kv_start
+    return _attend_partial_torch(q, k_cache, v_cache, block_table, kv_len, scale, lo)
 
 
 def merge_states(out_a, lse_a, out_b, lse_b, *, impl: str = "auto"):
@@ -76,23 +96,33 @@ def merge_states(out_a, lse_a, out_b, lse_b, *, impl: str = "auto"):
     return _merge_torch(out_a, lse_a, out_b, lse_b)
 
 
-def cascade_attention(q, k_cache, v_cache, levels: Sequence[Level], scale: float, *, impl: str = "auto",
-                      num_splits: int | None = None, return_lse: bool = False):
+def cascade_attention(q, k_cache, v_cache, levels: Sequence[Level], scale: float, *, q_pos=None,
+                      window: int | None = None, sinks=None, impl: str = "auto", num_splits: int | None = None,
+                      return_lse: bool = False):
     """Attention of q [Nq, Hq, D] over the union of the levels that list each query.
 
     Typical debate use: level 0 = question prefix (all queries), level 1 = a receiver's history
     (a subgroup), then one level per query holding its own suffix (a decode query's suffix
-    includes its current token). Returns out [Nq, Hq, D] in q's dtype (plus fp32 lse [Nq, Hq] with
-    ``return_lse``); a query listed by no level gets 0. The triton path runs every level in one
-    launch and merges all partials with one scatter log-sum-exp; the torch path is the plain
-    loop "attend_partial per level, merge_states into the running result".
+    includes its current token, so no causal mask is needed: a query never sees a key after its
+    own position). ``window``/``q_pos`` mask each level per query row as in
+    :func:`attend_partial` (a level wholly outside a query's window contributes nothing);
+    ``sinks`` [Hq] are per-head sink logits applied after the merge (:func:`apply_sinks`).
+
+    Returns out [Nq, Hq, D] in q's dtype (plus, with ``return_lse``, the fp32 lse [Nq, Hq] of the
+    visible scores, including the sink when ``sinks`` is given); a query that sees no key (listed
+    by no level, or everything outside its window) gets 0. The triton path runs every level in one
+    launch and merges all partials with one scatter log-sum-exp; the torch path is the plain loop
+    "attend_partial per level, merge_states into the running result".
     """
     for lv in levels:
-        _check(q, k_cache, v_cache, lv.block_table, int(lv.kv_len))
+        _check(q, k_cache, v_cache, lv.block_table, int(lv.kv_len), int(lv.kv_start))
+    lo_abs = _window_lo(q, q_pos, window)
+    if sinks is not None and tuple(sinks.shape) != (q.shape[1],):
+        raise ValueError(f"sinks must have shape [Hq]=[{q.shape[1]}], got {list(sinks.shape)}")
     out = lse = None
     if resolve_impl(impl, q.device, "cascade_attention") == "triton":
         try:
-            out, lse = _cascade_triton(q, k_cache, v_cache, levels, scale, num_splits)
+            out, lse = _cascade_triton(q, k_cache, v_cache, levels, scale, num_splits, lo_abs, window)
         except Exception as err:
             if impl != "auto":
                 raise
@@ -104,56 +134,127 @@ def cascade_attention(q, k_cache, v_cache, levels: Sequence[Level], scale: float
             idx = lv.query_idx.to(q.device).long()
             if idx.numel() == 0:
                 continue
-            o, l = _attend_partial_torch(q[idx], k_cache, v_cache, lv.block_table, int(lv.kv_len), scale)
+            lo = None if lo_abs is None else lo_abs[idx] - int(lv.kv_start)
+            o, l = _attend_partial_torch(q[idx], k_cache, v_cache, lv.block_table, int(lv.kv_len), scale, lo)
             out[idx], lse[idx] = _merge_torch(out[idx], lse[idx], o, l)
+    if sinks is not None:
+        out, lse = apply_sinks(out, lse, sinks)
     out = out.to(q.dtype)
     return (out, lse) if return_lse else out
 
 
-def reference_attention(q_i, k_full, v_full, scale: float | None = None):
+def apply_sinks(out, lse, sinks):
+    """Add per-head attention sinks (GPT-OSS) to a finished attention result.
+
+    A sink is a logit ``s_h`` that joins the softmax denominator and has no value, so the output
+    over the keys shrinks by the share of the probability mass the sink takes:
+    ``out * sigmoid(lse - s_h)``, and the log partition function becomes ``logaddexp(lse, s_h)``.
+    ``out`` [..., H, D] (any float dtype; returned in it), ``lse`` [..., H] (natural log, heads last:
+    transpose a flash-attn [B, H, S] lse first), ``sinks`` [H]. A row that saw no key (lse -inf)
+    stays 0 whatever the sink; a sink of -inf changes nothing. Returns ``(out, lse fp32)``.
+    """
+    if lse.shape != out.shape[:-1] or sinks.shape != lse.shape[-1:]:
+        raise ValueError(f"apply_sinks needs out [..., H, D], lse [..., H], sinks [H]; got "
+                         f"{list(out.shape)}, {list(lse.shape)}, {list(sinks.shape)}")
+    lse = lse.float()
+    sinks = sinks.to(device=lse.device, dtype=torch.float32)
+    keep = torch.where(torch.isneginf(lse), torch.zeros_like(lse), torch.sigmoid(lse - sinks))
+    return (out.float() * keep[..., None]).to(out.dtype), torch.logaddexp(lse, sinks)
+
+
+def reference_attention(q_i, k_full, v_full, scale: float | None = None, *, window: int | None = None,
+                        q_pos=None, k_pos=None, sinks=None):
     """Naive attention for tests: q_i [..., Hq, D] against a plain (prefix copied) k/v
-    [L, Hkv, D]; GQA by repeating KV heads. Returns fp32 [..., Hq, D]."""
+    [L, Hkv, D]; GQA by repeating KV heads. Returns fp32 [..., Hq, D].
+
+    ``window`` with ``q_pos`` (shape ``q_i.shape[:-2]``) and ``k_pos`` [L] (absolute key positions,
+    default 0..L-1) masks keys with ``k_pos <= q_pos - window``. ``sinks`` [Hq] joins the softmax
+    as one extra column per head that is dropped afterwards (GPT-OSS's eager attention). A query
+    that sees no key gets 0."""
     hq, hkv = q_i.shape[-2], k_full.shape[1]
     scale = 1.0 / math.sqrt(q_i.shape[-1]) if scale is None else scale
     k = k_full.float().repeat_interleave(hq // hkv, dim=1)  # [L, Hq, D]
     v = v_full.float().repeat_interleave(hq // hkv, dim=1)
     scores = torch.einsum("...hd,lhd->...hl", q_i.float(), k) * scale
-    return torch.einsum("...hl,lhd->...hd", torch.softmax(scores, dim=-1), v)
+    if window is not None:
+        k_pos = torch.arange(k_full.shape[0]) if k_pos is None else k_pos
+        visible = k_pos.to(scores.device) > (torch.as_tensor(q_pos, device=scores.device)[..., None] - window)
+        scores = scores.masked_fill(~visible[..., None, :], float("-inf"))
+    if sinks is not None:
+        sink_col = sinks.float().to(scores.device)[:, None].expand(scores.shape[:-1] + (1,))
+        scores = torch.cat([scores, sink_col], dim=-1)
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # all -inf (no key, no sink): 0
+    if sinks is not None:
+        probs = probs[..., :-1]
+    return torch.einsum("...hl,lhd->...hd", probs, v)
 
 
 # ----------------------------------------------------------------------------------------------
 # Torch reference
 # ----------------------------------------------------------------------------------------------
 
-def _check(q, k_cache, v_cache, block_table, kv_len):
+def _check(q, k_cache, v_cache, block_table, kv_len, kv_start=0):
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError("need q [Nq,Hq,D] and k/v caches [blocks, block_size, Hkv, D]")
     if q.shape[2] != k_cache.shape[3] or q.shape[1] % k_cache.shape[2]:
         raise ValueError(f"head dim mismatch or Hq={q.shape[1]} not a multiple of Hkv={k_cache.shape[2]}")
     if not 0 <= kv_len <= block_table.numel() * k_cache.shape[1]:
         raise ValueError(f"kv_len={kv_len} exceeds the {block_table.numel()} blocks of the table")
+    if kv_start < 0:
+        raise ValueError(f"kv_start must be >= 0, got {kv_start}")
 
 
-def _gather_run(cache, block_table, kv_len):
-    """[kv_len, Hkv, D] tokens of one run (a copy: the torch path reads the run once)."""
-    nb = cdiv(kv_len, cache.shape[1])
-    blocks = cache[block_table[:nb].to(cache.device).long()]
-    return blocks.reshape(-1, *cache.shape[2:])[:kv_len]
+_POS_MAX = 2**31 - 1  # positions travel to the kernel as int32
 
 
-def _attend_partial_torch(q, k_cache, v_cache, block_table, kv_len, scale):
+def _window_lo(q, q_pos, window):
+    """Per query, the first visible absolute position ``q_pos - window + 1`` (int64 [Nq], clamped
+    to [0, 2^31 - 1]); None without a window."""
+    if window is None:
+        return None
+    try:
+        window = operator.index(window)
+    except TypeError:
+        window = None
+    if window is None or window < 1:
+        raise ValueError("window must be a positive int or None")
+    if q_pos is None:
+        raise ValueError("window needs q_pos (each query's absolute position)")
+    q_pos = torch.as_tensor(q_pos, device=q.device)
+    if q_pos.shape != q.shape[:1] or q_pos.is_floating_point() or q_pos.is_complex():
+        raise ValueError(f"q_pos must be an int tensor of shape [Nq]=[{q.shape[0]}], "
+                         f"got {q_pos.dtype} {list(q_pos.shape)}")
+    return (q_pos.long() - (window - 1)).clamp(0, _POS_MAX)
+
+
+def _gather_run(cache, block_table, kv_len, start=0):
+    """Tokens [start, kv_len) of one run as [kv_len - start, Hkv, D] (a copy: the torch path reads
+    the run once, and only the part some query can see)."""
+    bs = cache.shape[1]
+    first = start // bs
+    blocks = cache[block_table[first:cdiv(kv_len, bs)].to(cache.device).long()]
+    return blocks.reshape(-1, *cache.shape[2:])[start - first * bs:kv_len - first * bs]
+
+
+def _attend_partial_torch(q, k_cache, v_cache, block_table, kv_len, scale, lo=None):
+    """``lo`` [Nq] (optional): each query's first visible token index within the run (window)."""
     nq, hq, d = q.shape
     hkv = k_cache.shape[2]
-    if kv_len == 0 or nq == 0:
+    start = 0 if lo is None or nq == 0 else max(0, int(lo.min()))  # skip what no query sees
+    if kv_len <= start or nq == 0:
         return (q.new_zeros((nq, hq, d), dtype=torch.float32),
                 q.new_full((nq, hq), float("-inf"), dtype=torch.float32))
-    k = _gather_run(k_cache, block_table, kv_len).float()  # [L, Hkv, D]
-    v = _gather_run(v_cache, block_table, kv_len).float()
+    k = _gather_run(k_cache, block_table, kv_len, start).float()  # [L, Hkv, D]
+    v = _gather_run(v_cache, block_table, kv_len, start).float()
     # Stack every query and every GQA head of a KV head as rows: one [Nq*G, D] x [D, L] product.
     qg = q.float().reshape(nq, hkv, hq // hkv, d)
     scores = torch.einsum("nkgd,lkd->kngl", qg, k) * scale  # [Hkv, Nq, G, L]
-    lse = torch.logsumexp(scores, dim=-1)
-    out = torch.einsum("kngl,lkd->nkgd", torch.exp(scores - lse[..., None]), v)
+    if lo is not None:
+        hidden = torch.arange(start, kv_len, device=q.device) < lo.to(q.device)[:, None]  # [Nq, L]
+        scores = scores.masked_fill(hidden[None, :, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # -inf for a query that sees nothing here
+    shift = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)  # avoid -inf - -inf
+    out = torch.einsum("kngl,lkd->nkgd", torch.exp(scores - shift[..., None]), v)
     return out.reshape(nq, hq, d), lse.permute(1, 0, 2).reshape(nq, hq)
 
 
@@ -186,15 +287,22 @@ if HAS_TRITON:
 
     @triton.jit
     def _cascade_kernel(
-        Q, K, V, BT, LENS, N_ENT, ENT0, ENT_Q, ITEMS, O, LSE,
-        qk_scale, chunk, n_entries, hq,
+        Q, K, V, BT, LENS, STARTS, N_ENT, ENT0, ENT_Q, ITEMS, LO_ABS, O, LSE,
+        qk_scale, chunk, n_split, n_entries, hq,
         s_qn, s_qh, s_qd, s_kb, s_kt, s_kh, s_kd, s_vb, s_vt, s_vh, s_vd, s_bt,
         BLOCK_SIZE: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr,
+        WINDOW: tl.constexpr,
     ):
         """One program: a block of (query, GQA head) rows of one level x one KV head x one chunk of
-        that level's run. Flash-attention online softmax over the chunk, writing the chunk's
-        normalised output and lse (exp2 domain inside, natural log out)."""
+        the part of that level's run its rows can see. Flash-attention online softmax over the
+        chunk, writing the chunk's normalised output and lse (exp2 domain inside, natural log out).
+
+        With WINDOW, row r sees run tokens t >= lo_r (its first visible position, level-local). The
+        program's chunks start at its rows' smallest lo_r, so a window never reads the part of the
+        run no row sees; the last chunk runs to the end of the run, so any q_pos stays covered.
+        A tile (or chunk, or level) may hold no visible key for some rows: their running max stays
+        -inf and is replaced by 0 where it is subtracted, so they accumulate exactly nothing."""
         item = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -213,8 +321,12 @@ if HAS_TRITON:
                     mask=rmask[:, None] & dmask[None, :], other=0.0)
         if DOT_F32:
             q = q.to(tl.float32)
-        lo = split * chunk
-        hi = tl.minimum(lo + chunk, kv_len)
+        base = 0
+        if WINDOW:
+            row_lo = tl.load(LO_ABS + qn, mask=rmask, other=0) - tl.load(STARTS + level)
+            base = tl.maximum(tl.min(tl.where(rmask, row_lo, kv_len), axis=0), 0)
+        lo = base + split * chunk
+        hi = tl.where(split == n_split - 1, kv_len, tl.minimum(lo + chunk, kv_len))
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -236,17 +348,21 @@ if HAS_TRITON:
             else:
                 s = tl.dot(q, tl.trans(k))
             s = s * qk_scale  # log2 domain
-            s = tl.where(pmask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every tile has a valid key
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
+            visible = pmask[None, :]
+            if WINDOW:
+                visible = visible & (pos[None, :] >= row_lo[:, None])
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))  # -inf for a row with no visible key so far
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)  # never -inf - -inf
+            alpha = tl.exp2(m_i - m_sub)
+            p = tl.exp2(s - m_sub[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             if DOT_F32:
                 acc = tl.dot(p, v, acc * alpha[:, None], input_precision="ieee")
             else:
                 acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
             m_i = m_new
-        has = l_i > 0.0  # false for an empty chunk (run shorter than this split)
+        has = l_i > 0.0  # false for a row that saw no key in this chunk
         out = acc / tl.where(has, l_i, 1.0)[:, None]
         lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
         o_row = (split * n_entries + entry) * hq + head
@@ -287,7 +403,8 @@ def _merge_triton(out_a, lse_a, out_b, lse_b):
     return out, lse
 
 
-def _cascade_triton(q, k_cache, v_cache, levels, scale, num_splits):
+def _cascade_triton(q, k_cache, v_cache, levels, scale, num_splits, lo_abs=None, window=None):
+    """``lo_abs`` [Nq] (with ``window``): each query's first visible absolute position."""
     nq, hq, d = q.shape
     _, block_size, hkv, _ = k_cache.shape
     g = hq // hkv
@@ -312,22 +429,26 @@ def _cascade_triton(q, k_cache, v_cache, levels, scale, num_splits):
         start += n
     ent_q = torch.cat([lv.query_idx.to(dev).long() for lv in levels])
     as_t = lambda xs: torch.tensor(xs, dtype=torch.int32, device=dev)  # noqa: E731
-    max_len = max(lens)
+    # The part of a run a program reads: all of it, or with a window about `window` tokens (exactly
+    # that for decode queries, whose levels end at or before them); splits divide that part.
+    span = max(max(lens), 1) if window is None else min(max(lens), window)
     if num_splits is None:  # enough programs to fill the GPU (flash-decoding for long prefixes)
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
-        num_splits = min(cdiv(2 * sms, len(items) * hkv), cdiv(max_len, 512))
-    chunk = cdiv(cdiv(max(max_len, 1), max(1, num_splits)), block_n) * block_n
-    n_split = max(1, cdiv(max_len, chunk))
+        num_splits = min(cdiv(2 * sms, len(items) * hkv), cdiv(span, 512))
+    chunk = cdiv(cdiv(max(span, 1), max(1, num_splits)), block_n) * block_n
+    n_split = max(1, cdiv(span, chunk))
     n_e = ent_q.numel()
     o_part = torch.empty(n_split, n_e, hq, d, device=dev)
     l_part = torch.empty(n_split, n_e, hq, device=dev)
+    lo_t = ent_q if lo_abs is None else lo_abs.to(device=dev, dtype=torch.int32)  # unread without a window
     # fp32 inputs (exact ieee dot), mixed dtypes, or bf16 under the interpreter (its bf16 dot is wrong)
     dot_f32 = q.dtype == torch.float32 or q.dtype != k_cache.dtype or (interp and q.dtype == torch.bfloat16)
     _cascade_kernel[(len(items), hkv, n_split)](
-        q, k_cache, v_cache, bt, as_t(lens), as_t(n_ent), as_t(ent0), ent_q, as_t(items), o_part, l_part,
-        scale * 1.4426950408889634, chunk, n_e, hq,
+        q, k_cache, v_cache, bt, as_t(lens), as_t([int(lv.kv_start) for lv in levels]), as_t(n_ent), as_t(ent0),
+        ent_q, as_t(items), lo_t, o_part, l_part,
+        scale * 1.4426950408889634, chunk, n_split, n_e, hq,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), bt.stride(0),
         BLOCK_SIZE=block_size, G=g, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=max(16, next_pow2(d)), DOT_F32=dot_f32,
+        BLOCK_D=max(16, next_pow2(d)), DOT_F32=dot_f32, WINDOW=lo_abs is not None,
     )
     return _merge_indexed(o_part.reshape(-1, hq, d), l_part.reshape(-1, hq), ent_q.repeat(n_split), nq)

@@ -1,4 +1,5 @@
-"""kernels.prefix_attention: torch references vs naive attention, triton (interpreter) vs torch."""
+"""kernels.prefix_attention: torch references vs naive attention, triton (interpreter) vs torch;
+sliding windows and attention sinks against the naive oracle and transformers' GPT-OSS attention."""
 import math
 import os
 
@@ -9,7 +10,8 @@ os.environ["TRITON_INTERPRET"] = "1"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from svrmad_local.kernels import Level, attend_partial, cascade_attention, merge_states, reference_attention  # noqa: E402
+from svrmad_local.kernels import (Level, apply_sinks, attend_partial, cascade_attention, merge_states,  # noqa: E402
+                                  reference_attention)
 
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -174,3 +176,232 @@ def test_cascade_query_with_no_level(interp):
     for impl in ("torch", "triton"):
         out = cascade_attention(q, k, v, levels, 0.25, impl=impl)
         assert (out[1] == 0).all() and not torch.isnan(out).any()
+
+
+# ---------------------------------------------------------------------------------------------
+# sliding windows and attention sinks
+# ---------------------------------------------------------------------------------------------
+
+NEG_INF = float("-inf")
+WINDOWS = [1, 3, 9, 20, 1000]  # own token only, inside the suffix, cuts the history, cuts the prefix, > context
+
+
+def _naive_windowed(q, k, v, levels, scale, window=None, q_pos=None, sinks=None):
+    """Per query: concatenate the runs of its levels with their absolute key positions and hand them
+    to reference_attention; the lse straight from the masked scores (and the sink). Returns fp32
+    (out [Nq, Hq, D], lse [Nq, Hq])."""
+    nq, hq, d = q.shape
+    out = torch.zeros(nq, hq, d)
+    lse = torch.full((nq, hq), NEG_INF)
+    for i in range(nq):
+        mine = [lv for lv in levels if (lv.query_idx == i).any() and lv.kv_len]
+        if mine:
+            kf = torch.cat([_run(k, lv.block_table, lv.kv_len) for lv in mine])
+            vf = torch.cat([_run(v, lv.block_table, lv.kv_len) for lv in mine])
+            kp = torch.cat([lv.kv_start + torch.arange(lv.kv_len) for lv in mine])
+            qp = None if q_pos is None else q_pos[i]
+            out[i] = reference_attention(q[i], kf, vf, scale, window=window, q_pos=qp, k_pos=kp, sinks=sinks)
+            scores = torch.einsum("hd,lhd->hl", q[i].float(), kf.float().repeat_interleave(hq // k.shape[2], 1)) * scale
+            if window is not None:
+                scores[:, kp <= q_pos[i] - window] = NEG_INF
+            lse[i] = torch.logsumexp(scores, -1)
+    if sinks is not None:
+        lse = torch.logaddexp(lse, sinks.float())
+    return out, lse
+
+
+def _window_levels(nq, perm, block_size=4):
+    """Decode geometry with absolute positions: a 36-token prefix (all queries) -> a 16-token
+    history at 36.. (queries 0, 2, 3) -> each query's own suffix (lengths 1, 0, 6, 3, 7, 5...)
+    starting where its previous level ends; the last query (``nq - 1``, "blind") is listed only by
+    the prefix and sits at position 500, so a window below 465 hides every key from it.
+    Returns (levels, q_pos)."""
+    levels = [Level(torch.arange(nq), perm[0:9], 36, 0), Level(torch.tensor([0, 2, 3]), perm[9:13], 16, 36)]
+    lens = [1, 0, 6, 3, 7] + [5] * (nq - 6)
+    q_pos, blk = [], 13
+    for i, n in enumerate(lens):
+        start = 52 if i in (0, 2, 3) else 36
+        nb = max(1, math.ceil(n / block_size))
+        levels.append(Level(torch.tensor([i]), perm[blk:blk + nb], n, start))
+        blk += nb
+        q_pos.append(start + n - 1)  # the suffix ends with the query's own token
+    return levels, torch.tensor(q_pos + [500])
+
+
+def _sinks(hq, seed=11):
+    return torch.randn(hq, generator=torch.Generator().manual_seed(seed)) * 2
+
+
+def test_reference_matches_transformers_gpt_oss_eager():
+    """Our semantics are transformers': GPT-OSS eager attention (softmax over [scores, sink], sink
+    dropped) under a hand-built causal + sliding-window mask (masking_utils.sliding_window_overlay:
+    kv_idx > q_idx - window), read at a few rows, equals the cascade over paged levels with
+    q_pos / window / sinks, and the naive reference."""
+    gpt_oss = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
+    L, hq, hkv, d, window, bs = 23, 4, 2, 16, 6, 4
+    g = torch.Generator().manual_seed(21)
+    qs, ks, vs = (torch.randn(L, h, d, generator=g) for h in (hq, hkv, hkv))
+    sinks = torch.randn(hq, generator=g)
+    module = torch.nn.Module()
+    module.sinks, module.num_key_value_groups = torch.nn.Parameter(sinks), hq // hkv
+    module.eval()
+    i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
+    mask = torch.zeros(L, L).masked_fill(~((j <= i) & (j > i - window)), NEG_INF)
+    ref, _ = gpt_oss.eager_attention_forward(module, qs.transpose(0, 1)[None], ks.transpose(0, 1)[None],
+                                             vs.transpose(0, 1)[None], mask[None, None], scaling=d**-0.5)
+    ref = ref[0]  # [L, Hq, D]
+    # the sequence in a paged cache (blocks scattered); queries at rows 7, 8, 15, 22
+    perm = torch.randperm(8, generator=g)
+    k_cache, v_cache = torch.zeros(8, bs, hkv, d), torch.zeros(8, bs, hkv, d)
+    k_cache[perm[:6]] = ks.new_zeros(24, hkv, d).index_copy(0, torch.arange(L), ks).reshape(6, bs, hkv, d)
+    v_cache[perm[:6]] = vs.new_zeros(24, hkv, d).index_copy(0, torch.arange(L), vs).reshape(6, bs, hkv, d)
+    rows = torch.tensor([7, 8, 15, 22])
+    levels = [Level(torch.arange(4), perm[:2], 8, 0)]  # blocks [0, 2): shared by all four
+    levels += [Level(torch.tensor([n]), perm[2:6], int(r) + 1 - 8, 8) for n, r in enumerate(rows)]
+    levels[1] = Level(torch.tensor([0]), perm[2:6], 0, 8)  # row 7 sees only the shared level
+    with torch.no_grad():
+        got = cascade_attention(qs[rows], k_cache, v_cache, levels, d**-0.5, q_pos=rows, window=window,
+                                sinks=sinks, impl="torch")
+        naive = reference_attention(qs[rows], ks, vs, d**-0.5, window=window, q_pos=rows, sinks=sinks)
+    causal = [reference_attention(qs[r], ks[:r + 1], vs[:r + 1], d**-0.5, window=window, q_pos=r, sinks=sinks)
+              for r in rows]
+    torch.testing.assert_close(got, ref[rows], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.stack(causal), ref[rows], atol=1e-5, rtol=1e-5)
+    # no causal mask in reference_attention: keys after a query count, so it differs from `ref` ...
+    assert (naive - ref[rows]).abs().max() > 1e-2
+    # ... except for the last row, which has no later key
+    torch.testing.assert_close(naive[-1], ref[-1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("hq,hkv", [(4, 2), (8, 1)])
+def test_cascade_window_torch(dtype, window, hq, hkv):
+    k, v = _cache(num_blocks=40, hkv=hkv, dtype=dtype, seed=12)
+    q = torch.randn(7, hq, 16, generator=torch.Generator().manual_seed(13)).to(dtype)
+    levels, q_pos = _window_levels(7, torch.randperm(40, generator=torch.Generator().manual_seed(14)))
+    out, lse = cascade_attention(q, k, v, levels, 0.25, q_pos=q_pos, window=window, impl="torch", return_lse=True)
+    ref, ref_lse = _naive_windowed(q, k, v, levels, 0.25, window, q_pos)
+    assert out.dtype == dtype and not out.isnan().any()
+    torch.testing.assert_close(out.float(), ref, atol=OUT_ATOL[dtype], rtol=1e-2)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+    if window < 465:  # the blind query sees nothing
+        assert (out[-1] == 0).all() and torch.isneginf(lse[-1]).all()
+    if window == 1:  # exactly one key, the query's own position (query 1's: the prefix's last token)
+        assert torch.isfinite(lse[:6]).all()
+        own = torch.stack([_run(v, levels[2 + i].block_table, levels[2 + i].kv_len)[-1] for i in (0, 2, 3, 4, 5)])
+        own1 = _run(v, levels[0].block_table, 36)[-1:]
+        torch.testing.assert_close(out[[0, 2, 3, 4, 5, 1]].float(),
+                                   torch.cat([own, own1]).float().repeat_interleave(hq // hkv, 1),
+                                   atol=OUT_ATOL[dtype], rtol=1e-2)
+
+
+@pytest.mark.parametrize("dtype,splits", [(torch.float32, None), (torch.float32, 3), (torch.float16, 3),
+                                          (torch.bfloat16, 3)], ids=["fp32", "fp32-split3", "fp16-split3", "bf16-split3"])
+@pytest.mark.parametrize("window", WINDOWS)
+def test_cascade_window_triton(interp, dtype, window, splits):
+    k, v = _cache(num_blocks=40, hkv=2, dtype=dtype, seed=15)
+    q = torch.randn(7, 4, 16, generator=torch.Generator().manual_seed(16)).to(dtype)
+    levels, q_pos = _window_levels(7, torch.randperm(40, generator=torch.Generator().manual_seed(17)))
+    kw = dict(q_pos=q_pos, window=window, return_lse=True)
+    got, lse = cascade_attention(q, k, v, levels, 0.25, impl="triton", num_splits=splits, **kw)
+    ref, ref_lse = cascade_attention(q, k, v, levels, 0.25, impl="torch", **kw)
+    assert got.dtype == dtype and not got.isnan().any()
+    torch.testing.assert_close(got.float(), ref.float(), atol=OUT_ATOL[dtype], rtol=1e-2)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, _naive_windowed(q, k, v, levels, 0.25, window, q_pos)[0],
+                                   atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("window,splits", [(1, None), (5, None), (20, 2), (40, 3), (10**9, 2)])
+def test_attend_partial_window_per_row(request, impl, window, splits):
+    """Queries at different positions share one run (kv_start 8): row bounds differ inside a tile;
+    q_pos 9 sees keys after itself (no causal mask; the last split must run to the run's end);
+    q_pos 400 is outside every window but the huge one; splits > 1 leave some chunks masked."""
+    if impl == "triton":
+        request.getfixturevalue("interp")
+    k, v = _cache(num_blocks=24, hkv=2, seed=18)
+    q = torch.randn(5, 4, 16, generator=torch.Generator().manual_seed(19))
+    bt = torch.randperm(24, generator=torch.Generator().manual_seed(20))[:13]
+    q_pos = torch.tensor([57, 9, 44, 400, 58])
+    out, lse = attend_partial(q, k, v, bt, 50, 0.25, kv_start=8, q_pos=q_pos, window=window, impl=impl,
+                              num_splits=splits)
+    ref, ref_lse = _naive_windowed(q, k, v, [Level(torch.arange(5), bt, 50, 8)], 0.25, window, q_pos)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+    if window < 343:
+        assert (out[3] == 0).all() and torch.isneginf(lse[3]).all()
+
+
+def test_window_larger_than_context_equals_no_window():
+    k, v = _cache(num_blocks=40, seed=22)
+    q = torch.randn(7, 4, 16)
+    levels, q_pos = _window_levels(7, torch.randperm(40, generator=torch.Generator().manual_seed(23)))
+    plain = cascade_attention(q, k, v, levels, 0.25, impl="torch", return_lse=True)
+    wide = cascade_attention(q, k, v, levels, 0.25, q_pos=q_pos, window=501, impl="torch", return_lse=True)
+    torch.testing.assert_close(wide, plain, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_apply_sinks(dtype):
+    """Against the softmax over [scores, sink] with the sink dropped (reference_attention): random,
+    dominating (+30) and vanishing (-inf = no sink) sinks; a row that saw no key stays 0."""
+    k, v = _cache(hkv=2, dtype=dtype, seed=24)
+    q = torch.randn(3, 4, 16).to(dtype)
+    bt = torch.tensor([3, 8, 1])
+    kf, vf = _run(k, bt, 10), _run(v, bt, 10)
+    out, lse = attend_partial(q, k, v, bt, 10, 0.25, impl="torch")
+    for sinks in (_sinks(4), torch.tensor([30.0, -1.0, 0.0, 30.0]), torch.full((4,), NEG_INF)):
+        o, l = apply_sinks(out.to(dtype), lse, sinks)
+        assert o.dtype == dtype and l.dtype == torch.float32
+        ref = reference_attention(q, kf, vf, 0.25, sinks=sinks)
+        torch.testing.assert_close(o.float(), ref, atol=OUT_ATOL[dtype], rtol=1e-2)
+        torch.testing.assert_close(l, torch.logaddexp(lse, sinks), atol=0, rtol=0)
+    assert apply_sinks(out, lse, torch.tensor([30.0, 0, 0, 30]))[0][:, [0, 3]].abs().max() < 1e-6  # dominated
+    torch.testing.assert_close(apply_sinks(out, lse, torch.full((4,), NEG_INF)), (out, lse), atol=0, rtol=0)
+    empty_o, empty_l = apply_sinks(torch.zeros(2, 4, 16), torch.full((2, 4), NEG_INF), _sinks(4))
+    assert (empty_o == 0).all() and torch.equal(empty_l, _sinks(4).expand(2, 4))
+    both = apply_sinks(torch.zeros(1, 4, 16), torch.full((1, 4), NEG_INF), torch.full((4,), NEG_INF))
+    assert (both[0] == 0).all() and torch.isneginf(both[1]).all()
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("window", [None, 3, 20])
+@pytest.mark.parametrize("sink_kind", ["random", "dominant", "none"])
+def test_cascade_sinks_with_window(request, impl, window, sink_kind):
+    if impl == "triton":
+        request.getfixturevalue("interp")
+    k, v = _cache(num_blocks=40, hkv=2, seed=25)
+    q = torch.randn(7, 4, 16, generator=torch.Generator().manual_seed(26))
+    levels, q_pos = _window_levels(7, torch.randperm(40, generator=torch.Generator().manual_seed(27)))
+    sinks = {"random": _sinks(4), "dominant": torch.full((4,), 40.0), "none": torch.full((4,), NEG_INF)}[sink_kind]
+    kw = dict(q_pos=q_pos, window=window) if window else {}
+    out, lse = cascade_attention(q, k, v, levels, 0.25, sinks=sinks, impl=impl, num_splits=2, return_lse=True, **kw)
+    ref, ref_lse = _naive_windowed(q, k, v, levels, 0.25, window, q_pos if window else None, sinks)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+    if sink_kind == "none":
+        plain = cascade_attention(q, k, v, levels, 0.25, impl=impl, num_splits=2, return_lse=True, **kw)
+        torch.testing.assert_close((out, lse), plain, atol=0, rtol=0)
+    if window == 3:  # the blind query: out 0, lse = the sink alone
+        assert (out[-1] == 0).all() and torch.equal(lse[-1], sinks)
+
+
+def test_window_and_sink_errors():
+    k, v = _cache()
+    q = torch.randn(3, 4, 16)
+    lv = [Level(torch.arange(3), torch.tensor([1, 2]), 6, 0)]
+    bad = [(dict(window=4), "needs q_pos"), (dict(window=0, q_pos=torch.zeros(3, dtype=torch.long)), "positive"),
+           (dict(window=2.5, q_pos=torch.zeros(3, dtype=torch.long)), "positive"),
+           (dict(window=4, q_pos=torch.zeros(2, dtype=torch.long)), "q_pos must be"),
+           (dict(window=4, q_pos=torch.zeros(3)), "q_pos must be"), (dict(sinks=torch.zeros(3)), "sinks")]
+    for kw, msg in bad:
+        with pytest.raises(ValueError, match=msg):
+            cascade_attention(q, k, v, lv, 0.25, impl="torch", **kw)
+    with pytest.raises(ValueError, match="kv_start"):
+        cascade_attention(q, k, v, [lv[0]._replace(kv_start=-4)], 0.25, impl="torch")
+    with pytest.raises(ValueError, match="apply_sinks"):
+        apply_sinks(torch.zeros(3, 4, 16), torch.zeros(3, 4), torch.zeros(2))
