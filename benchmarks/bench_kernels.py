@@ -82,8 +82,8 @@ def _token_stats_child(cfg: dict) -> dict:
     if method == "full":
         fn = lambda: reference_token_stats(hidden, weight, targets, topk=20)  # noqa: E731
     else:
-        impl = "triton" if method == "fused" else "torch"
-        fn = lambda: token_stats(hidden, weight, targets, topk=20, impl=impl, chunk_tokens=cfg["chunk"])  # noqa: E731
+        kernel_impl = "triton" if method == "fused" else "torch"
+        fn = lambda: token_stats(hidden, weight, targets, topk=20, kernel_impl=kernel_impl, chunk_tokens=cfg["chunk"])  # noqa: E731
     if dev.type == "cuda":
         fn()  # compile / warm up, then measure a clean peak
         torch.cuda.synchronize()

@@ -6,7 +6,7 @@
   (cascade) attention over the paged KV cache, with optional sliding windows.
 * :func:`apply_sinks` - GPT-OSS attention sinks on any finished ``(out, lse)``.
 
-Every kernel function takes ``impl="auto"|"torch"|"triton"``; "auto" uses triton only when it is
+Every kernel function takes ``kernel_impl="auto"|"torch"|"triton"``; "auto" uses triton only when it is
 importable and the tensors are on CUDA (``SVRMAD_KERNELS=torch`` forces the torch reference).
 """
 from ._backend import HAS_TRITON, select_impl

@@ -1,8 +1,8 @@
-"""Backend selection shared by the kernels: optional triton import and the ``impl`` switch.
+"""Backend selection shared by the kernels: optional triton import and the ``kernel_impl`` switch.
 
 Triton is optional: every public function has a torch reference path, so the package imports
-and works (on CPU or GPU) when triton is missing. ``impl="auto"`` picks triton only where it pays
-off (CUDA tensors); tests force ``impl="triton"`` on CPU tensors under ``TRITON_INTERPRET=1``.
+and works (on CPU or GPU) when triton is missing. ``kernel_impl="auto"`` picks triton only where it pays
+off (CUDA tensors); tests force ``kernel_impl="triton"`` on CPU tensors under ``TRITON_INTERPRET=1``.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ _disabled: dict[str, str] = {}  # kernel name -> why "auto" stopped using its tr
 def interpreter_ready() -> bool:
     """True when triton itself was imported in interpreter mode (TRITON_INTERPRET=1 before the
     first ``import triton``; its own jit helpers are then interpreted): the only state in which
-    impl="triton" runs on CPU tensors. Setting the variable later does not switch an imported
+    kernel_impl="triton" runs on CPU tensors. Setting the variable later does not switch an imported
     triton over (note: importing torch._dynamo imports triton)."""
     return HAS_TRITON and type(tl.standard.zeros_like).__name__ == "InterpretedFunction"
 
@@ -41,35 +41,35 @@ def interpreting() -> bool:
     return interpreter_ready()
 
 
-def resolve_impl(impl: str, device, name: str) -> str:
-    """Map ``impl`` to "torch" or "triton" for a call whose tensors live on ``device``."""
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    if impl == "triton":
+def resolve_impl(kernel_impl: str, device, name: str) -> str:
+    """Map ``kernel_impl`` to "torch" or "triton" for a call whose tensors live on ``device``."""
+    if kernel_impl not in IMPLS:
+        raise ValueError(f"kernel_impl must be one of {IMPLS}, got {kernel_impl!r}")
+    if kernel_impl == "triton":
         if not HAS_TRITON:
-            raise RuntimeError("impl='triton' requested but triton is not importable")
+            raise RuntimeError("kernel_impl='triton' requested but triton is not importable")
         if device.type == "cpu" and not interpreter_ready():
-            raise RuntimeError("impl='triton' on CPU tensors needs triton's interpreter: set "
+            raise RuntimeError("kernel_impl='triton' on CPU tensors needs triton's interpreter: set "
                                "TRITON_INTERPRET=1 before triton is first imported")
         return "triton"
-    if impl == "torch":
+    if kernel_impl == "torch":
         return "torch"
     if os.environ.get(FORCE_ENV, "").lower() == "torch" or name in _disabled:
         return "torch"
     return "triton" if HAS_TRITON and device.type == "cuda" else "torch"
 
 
-def select_impl(impl: str, tensor_or_device, name: str = "token_stats") -> str:
-    """Which path ("torch" or "triton") a call of kernel ``name`` with ``impl`` would take for
+def select_impl(kernel_impl: str, tensor_or_device, name: str = "token_stats") -> str:
+    """Which path ("torch" or "triton") a call of kernel ``name`` with ``kernel_impl`` would take for
     tensors on that device; for callers that log or report the path they use."""
     dev = tensor_or_device.device if hasattr(tensor_or_device, "device") else torch.device(tensor_or_device)
-    return resolve_impl(impl, dev, name)
+    return resolve_impl(kernel_impl, dev, name)
 
 
 def disable_auto(name: str, err: BaseException) -> None:
-    """Called when the triton path of ``name`` failed under impl="auto" (e.g. a compile error on
+    """Called when the triton path of ``name`` failed under kernel_impl="auto" (e.g. a compile error on
     an untested GPU): warn once and serve later auto calls from the torch reference, so a kernel
-    problem degrades speed instead of stopping a run. Explicit impl="triton" still raises."""
+    problem degrades speed instead of stopping a run. Explicit kernel_impl="triton" still raises."""
     _disabled[name] = repr(err)
     warnings.warn(f"kernels.{name}: triton path failed ({err!r}); using the torch reference",
                   RuntimeWarning, stacklevel=3)

@@ -50,7 +50,7 @@ class Level(NamedTuple):
 # ----------------------------------------------------------------------------------------------
 
 def attend_partial(q, k_cache, v_cache, block_table, kv_len: int, scale: float, *, kv_start: int = 0,
-                   q_pos=None, window: int | None = None, impl: str = "auto", num_splits: int | None = None):
+                   q_pos=None, window: int | None = None, kernel_impl: str = "auto", num_splits: int | None = None):
     """All ``q`` [Nq, Hq, D] attend to the first ``kv_len`` tokens of one paged run.
 
     Without ``window`` there is no mask. With ``window`` W and ``q_pos`` [Nq] (each query's
@@ -67,37 +67,37 @@ def attend_partial(q, k_cache, v_cache, block_table, kv_len: int, scale: float, 
     kv_len, kv_start = int(kv_len), int(kv_start)
     _check(q, k_cache, v_cache, block_table, kv_len, kv_start)
     lo_abs = _window_lo(q, q_pos, window)
-    if resolve_impl(impl, q.device, "attend_partial") == "triton":
+    if resolve_impl(kernel_impl, q.device, "attend_partial") == "triton":
         try:
             idx = torch.arange(q.shape[0], device=q.device)
             return _cascade_triton(q, k_cache, v_cache, [Level(idx, block_table, kv_len, kv_start)], scale,
                                    num_splits, lo_abs, window)
         except Exception as err:
-            if impl != "auto":
+            if kernel_impl != "auto":
                 raise
             disable_auto("attend_partial", err)
     lo = None if lo_abs is None else lo_abs - kv_start
     return _attend_partial_torch(q, k_cache, v_cache, block_table, kv_len, scale, lo)
 
 
-def merge_states(out_a, lse_a, out_b, lse_b, *, impl: str = "auto"):
+def merge_states(out_a, lse_a, out_b, lse_b, *, kernel_impl: str = "auto"):
     """Exact merge of two partial attention results over disjoint key sets.
 
     out_* [N, H, D], lse_* [N, H] (natural log). Either side may be empty (lse -inf); both empty
     gives out 0, lse -inf. Returns fp32 ``(out, lse)``.
     """
-    if resolve_impl(impl, out_a.device, "merge_states") == "triton":
+    if resolve_impl(kernel_impl, out_a.device, "merge_states") == "triton":
         try:
             return _merge_triton(out_a, lse_a, out_b, lse_b)
         except Exception as err:
-            if impl != "auto":
+            if kernel_impl != "auto":
                 raise
             disable_auto("merge_states", err)
     return _merge_torch(out_a, lse_a, out_b, lse_b)
 
 
 def cascade_attention(q, k_cache, v_cache, levels: Sequence[Level], scale: float, *, q_pos=None,
-                      window: int | None = None, sinks=None, impl: str = "auto", num_splits: int | None = None,
+                      window: int | None = None, sinks=None, kernel_impl: str = "auto", num_splits: int | None = None,
                       return_lse: bool = False):
     """Attention of q [Nq, Hq, D] over the union of the levels that list each query.
 
@@ -120,11 +120,11 @@ def cascade_attention(q, k_cache, v_cache, levels: Sequence[Level], scale: float
     if sinks is not None and tuple(sinks.shape) != (q.shape[1],):
         raise ValueError(f"sinks must have shape [Hq]=[{q.shape[1]}], got {list(sinks.shape)}")
     out = lse = None
-    if resolve_impl(impl, q.device, "cascade_attention") == "triton":
+    if resolve_impl(kernel_impl, q.device, "cascade_attention") == "triton":
         try:
             out, lse = _cascade_triton(q, k_cache, v_cache, levels, scale, num_splits, lo_abs, window)
         except Exception as err:
-            if impl != "auto":
+            if kernel_impl != "auto":
                 raise
             disable_auto("cascade_attention", err)
     if out is None:

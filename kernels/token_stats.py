@@ -5,9 +5,9 @@ full-vocabulary softmax (``min_ll``, perplexity, mean entropy, top-k alternative
 ``log_softmax(hidden @ weight.T)`` for all T tokens materialises a [T, V] fp32 tensor (4k tokens x
 152k vocab = 2.5 GB, twice with the log_softmax output). Both paths here avoid that:
 
-* ``impl="torch"``: rows are processed ``chunk_tokens`` at a time, so the fp32 logits only ever
+* ``kernel_impl="torch"``: rows are processed ``chunk_tokens`` at a time, so the fp32 logits only ever
   exist for one chunk ([chunk_tokens, V]).
-* ``impl="triton"``: Cut-Cross-Entropy / Liger style. Each program owns a block of token rows and
+* ``kernel_impl="triton"``: Cut-Cross-Entropy / Liger style. Each program owns a block of token rows and
   a slice ("split") of the vocabulary, loops over vocab tiles computing the matmul tile in
   registers and keeps an online log-sum-exp (running max ``m``, running ``sum exp(l - m)``, running
   ``sum exp(l - m) * l`` for the entropy), the target logit, and a running top-k set of packed
@@ -41,13 +41,13 @@ class TokenStats(NamedTuple):
 
 
 def token_stats(hidden: torch.Tensor, weight: torch.Tensor, targets: Optional[torch.Tensor] = None,
-                topk: int = 20, *, impl: str = "auto", chunk_tokens: int = 1024,
+                topk: int = 20, *, kernel_impl: str = "auto", chunk_tokens: int = 1024,
                 softcap: Optional[float] = None) -> TokenStats:
     """Statistics of ``softmax(hidden @ weight.T)`` per token without a [T, V] fp32 tensor.
 
     hidden [T, H] (any float dtype; cast to ``weight.dtype`` first so both paths see the same
     inputs), weight [V, H] (LM head), targets [T] int or None. ``softcap`` applies Gemma-style
-    ``c * tanh(logits / c)`` before the softmax. ``impl``: "torch" (chunked reference), "triton"
+    ``c * tanh(logits / c)`` before the softmax. ``kernel_impl``: "torch" (chunked reference), "triton"
     (fused kernel) or "auto" (triton when importable and the tensors are on CUDA).
     ``chunk_tokens`` bounds the rows of fp32 logits alive at once in the torch path.
     """
@@ -57,11 +57,11 @@ def token_stats(hidden: torch.Tensor, weight: torch.Tensor, targets: Optional[to
         raise ValueError("targets must have shape [T]")
     if not 0 <= topk <= weight.shape[0]:
         raise ValueError(f"topk must be in [0, V={weight.shape[0]}]")
-    if resolve_impl(impl, hidden.device, "token_stats") == "triton":
+    if resolve_impl(kernel_impl, hidden.device, "token_stats") == "triton":
         try:
             return _token_stats_triton(hidden, weight, targets, topk, softcap)
         except Exception as err:
-            if impl != "auto":
+            if kernel_impl != "auto":
                 raise
             disable_auto("token_stats", err)
     return _token_stats_torch(hidden, weight, targets, topk, chunk_tokens, softcap)

@@ -257,7 +257,7 @@ def test_cascade_attention_in_the_engine_keeps_the_invariants(tiny_model, impl):
     q = rand_prompt(14, 60)
     params = SamplingParams(n=4, max_tokens=6, seed=2, ignore_eos=True)
     plain = engine(tiny_model).generate_sync([q], params)[0]
-    eng = engine(tiny_model, cascade="on", kernels=impl)
+    eng = engine(tiny_model, cascade="on", kernel_impl=impl)
     assert "cascade:" + impl in eng.info["attention"]
     got = eng.generate_sync([q], params)[0]
     assert [c.token_ids for c in got.completions] == [c.token_ids for c in plain.completions]

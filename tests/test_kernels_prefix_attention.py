@@ -72,7 +72,7 @@ def test_attend_partial_torch(dtype, hq, hkv, kv_len):
     k, v = _cache(hkv=hkv, dtype=dtype)
     q = torch.randn(5, hq, 16).to(dtype)
     bt = torch.tensor([7, 2, 19, 11])  # non-contiguous, unordered
-    out, lse = attend_partial(q, k, v, bt, kv_len, 0.25, impl="torch")
+    out, lse = attend_partial(q, k, v, bt, kv_len, 0.25, kernel_impl="torch")
     ref = reference_attention(q, _run(k, bt, kv_len), _run(v, bt, kv_len), 0.25)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     kf = _run(k, bt, kv_len).float().repeat_interleave(hq // hkv, 1)
@@ -82,34 +82,34 @@ def test_attend_partial_torch(dtype, hq, hkv, kv_len):
 
 def test_attend_partial_empty_run():
     k, v = _cache()
-    out, lse = attend_partial(torch.randn(3, 4, 16), k, v, torch.tensor([1]), 0, 0.25, impl="torch")
+    out, lse = attend_partial(torch.randn(3, 4, 16), k, v, torch.tensor([1]), 0, 0.25, kernel_impl="torch")
     assert (out == 0).all() and torch.isneginf(lse).all()
 
 
-@pytest.mark.parametrize("impl", ["torch", "triton"])
-def test_merge_states_is_exact(request, impl):
-    if impl == "triton":
+@pytest.mark.parametrize("kernel_impl", ["torch", "triton"])
+def test_merge_states_is_exact(request, kernel_impl):
+    if kernel_impl == "triton":
         request.getfixturevalue("interp")
     k, v = _cache()
     q = torch.randn(3, 4, 16)
     bt = torch.tensor([5, 9, 1, 3])
-    a = attend_partial(q, k, v, bt[:2], 6, 0.25, impl="torch")  # tokens 0..5
-    b = attend_partial(q, k, v, bt[2:], 8, 0.25, impl="torch")  # tokens 8..15 (disjoint)
-    out, lse = merge_states(*a, *b, impl=impl)
+    a = attend_partial(q, k, v, bt[:2], 6, 0.25, kernel_impl="torch")  # tokens 0..5
+    b = attend_partial(q, k, v, bt[2:], 8, 0.25, kernel_impl="torch")  # tokens 8..15 (disjoint)
+    out, lse = merge_states(*a, *b, kernel_impl=kernel_impl)
     kf = torch.cat([_run(k, bt[:2], 6), _run(k, bt[2:], 8)])
     vf = torch.cat([_run(v, bt[:2], 6), _run(v, bt[2:], 8)])
     torch.testing.assert_close(out, reference_attention(q, kf, vf, 0.25), atol=1e-5, rtol=1e-5)
-    full = attend_partial(q, k, v, torch.tensor([5, 9]), 8, 0.25, impl="torch")
-    _, lse_ab = merge_states(*attend_partial(q, k, v, torch.tensor([5]), 4, 0.25, impl="torch"),
-                             *attend_partial(q, k, v, torch.tensor([9]), 4, 0.25, impl="torch"), impl=impl)
+    full = attend_partial(q, k, v, torch.tensor([5, 9]), 8, 0.25, kernel_impl="torch")
+    _, lse_ab = merge_states(*attend_partial(q, k, v, torch.tensor([5]), 4, 0.25, kernel_impl="torch"),
+                             *attend_partial(q, k, v, torch.tensor([9]), 4, 0.25, kernel_impl="torch"), kernel_impl=kernel_impl)
     torch.testing.assert_close(lse_ab, full[1], atol=1e-5, rtol=1e-5)
     # -inf on either side is the identity; both sides empty stays empty and NaN-free
     empty = (torch.zeros_like(a[0]), torch.full_like(a[1], float("-inf")))
     for x, y in ((a, empty), (empty, a)):
-        o, l = merge_states(*x, *y, impl=impl)
+        o, l = merge_states(*x, *y, kernel_impl=kernel_impl)
         torch.testing.assert_close(o, a[0])
         torch.testing.assert_close(l, a[1])
-    o, l = merge_states(*empty, *empty, impl=impl)
+    o, l = merge_states(*empty, *empty, kernel_impl=kernel_impl)
     assert (o == 0).all() and torch.isneginf(l).all()
 
 
@@ -118,11 +118,11 @@ def test_cascade_torch_three_levels(dtype):
     k, v = _cache(num_blocks=40, hkv=2, dtype=dtype, seed=1)
     q = torch.randn(6, 4, 16).to(dtype)
     levels = _three_levels(6, torch.randperm(40, generator=torch.Generator().manual_seed(3)))
-    out = cascade_attention(q, k, v, levels, 0.25, impl="torch")
+    out = cascade_attention(q, k, v, levels, 0.25, kernel_impl="torch")
     assert out.dtype == dtype
     ref = _naive_cascade(q, k, v, levels, 0.25)
     torch.testing.assert_close(out.float(), ref, atol=OUT_ATOL[dtype], rtol=1e-2)
-    _, lse = cascade_attention(q, k, v, levels, 0.25, impl="torch", return_lse=True)
+    _, lse = cascade_attention(q, k, v, levels, 0.25, kernel_impl="torch", return_lse=True)
     assert torch.isfinite(lse).all()
 
 
@@ -137,8 +137,8 @@ def test_attend_partial_triton(interp, dtype, hq, hkv, d, kv_len, splits):
     k, v = _cache(hkv=hkv, d=d, dtype=dtype, seed=2)
     q = torch.randn(9, hq, d).to(dtype)  # 9 * G rows: ragged row blocks
     bt = torch.randperm(24, generator=torch.Generator().manual_seed(4))[:13]
-    out, lse = attend_partial(q, k, v, bt, kv_len, d**-0.5, impl="triton", num_splits=splits)
-    ref_out, ref_lse = attend_partial(q, k, v, bt, kv_len, d**-0.5, impl="torch")
+    out, lse = attend_partial(q, k, v, bt, kv_len, d**-0.5, kernel_impl="triton", num_splits=splits)
+    ref_out, ref_lse = attend_partial(q, k, v, bt, kv_len, d**-0.5, kernel_impl="torch")
     assert out.dtype == torch.float32 and lse.shape == (9, hq)
     torch.testing.assert_close(out, ref_out, atol=ATOL[dtype], rtol=1e-3)
     torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
@@ -148,8 +148,8 @@ def test_attend_partial_triton_strided_query(interp):
     k, v = _cache(seed=5)
     q = torch.randn(4, 16, 3)[:, :, 1].reshape(4, 1, 16).expand(4, 4, 16)  # odd strides, stride-0 heads
     bt = torch.tensor([3, 0, 8])
-    got = attend_partial(q, k, v, bt, 11, 0.3, impl="triton", num_splits=2)
-    ref = attend_partial(q, k, v, bt, 11, 0.3, impl="torch")
+    got = attend_partial(q, k, v, bt, 11, 0.3, kernel_impl="triton", num_splits=2)
+    ref = attend_partial(q, k, v, bt, 11, 0.3, kernel_impl="torch")
     torch.testing.assert_close(got[0], ref[0], atol=1e-5, rtol=1e-5)
 
 
@@ -160,8 +160,8 @@ def test_cascade_triton_three_levels(interp, dtype, splits):
     q = torch.randn(7, 4, 16).to(dtype)
     levels = _three_levels(7, torch.randperm(40, generator=torch.Generator().manual_seed(7)))
     levels.append(Level(torch.tensor([], dtype=torch.long), torch.tensor([0]), 3))  # nobody listed
-    got, lse = cascade_attention(q, k, v, levels, 0.25, impl="triton", num_splits=splits, return_lse=True)
-    ref, ref_lse = cascade_attention(q, k, v, levels, 0.25, impl="torch", return_lse=True)
+    got, lse = cascade_attention(q, k, v, levels, 0.25, kernel_impl="triton", num_splits=splits, return_lse=True)
+    ref, ref_lse = cascade_attention(q, k, v, levels, 0.25, kernel_impl="torch", return_lse=True)
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), ref.float(), atol=OUT_ATOL[dtype], rtol=1e-2)
     torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
@@ -173,8 +173,8 @@ def test_cascade_query_with_no_level(interp):
     k, v = _cache()
     q = torch.randn(3, 4, 16)
     levels = [Level(torch.tensor([0, 2]), torch.tensor([4, 1]), 5)]
-    for impl in ("torch", "triton"):
-        out = cascade_attention(q, k, v, levels, 0.25, impl=impl)
+    for kernel_impl in ("torch", "triton"):
+        out = cascade_attention(q, k, v, levels, 0.25, kernel_impl=kernel_impl)
         assert (out[1] == 0).all() and not torch.isnan(out).any()
 
 
@@ -261,7 +261,7 @@ def test_reference_matches_transformers_gpt_oss_eager():
     levels[1] = Level(torch.tensor([0]), perm[2:6], 0, 8)  # row 7 sees only the shared level
     with torch.no_grad():
         got = cascade_attention(qs[rows], k_cache, v_cache, levels, d**-0.5, q_pos=rows, window=window,
-                                sinks=sinks, impl="torch")
+                                sinks=sinks, kernel_impl="torch")
         naive = reference_attention(qs[rows], ks, vs, d**-0.5, window=window, q_pos=rows, sinks=sinks)
     causal = [reference_attention(qs[r], ks[:r + 1], vs[:r + 1], d**-0.5, window=window, q_pos=r, sinks=sinks)
               for r in rows]
@@ -280,7 +280,7 @@ def test_cascade_window_torch(dtype, window, hq, hkv):
     k, v = _cache(num_blocks=40, hkv=hkv, dtype=dtype, seed=12)
     q = torch.randn(7, hq, 16, generator=torch.Generator().manual_seed(13)).to(dtype)
     levels, q_pos = _window_levels(7, torch.randperm(40, generator=torch.Generator().manual_seed(14)))
-    out, lse = cascade_attention(q, k, v, levels, 0.25, q_pos=q_pos, window=window, impl="torch", return_lse=True)
+    out, lse = cascade_attention(q, k, v, levels, 0.25, q_pos=q_pos, window=window, kernel_impl="torch", return_lse=True)
     ref, ref_lse = _naive_windowed(q, k, v, levels, 0.25, window, q_pos)
     assert out.dtype == dtype and not out.isnan().any()
     torch.testing.assert_close(out.float(), ref, atol=OUT_ATOL[dtype], rtol=1e-2)
@@ -304,8 +304,8 @@ def test_cascade_window_triton(interp, dtype, window, splits):
     q = torch.randn(7, 4, 16, generator=torch.Generator().manual_seed(16)).to(dtype)
     levels, q_pos = _window_levels(7, torch.randperm(40, generator=torch.Generator().manual_seed(17)))
     kw = dict(q_pos=q_pos, window=window, return_lse=True)
-    got, lse = cascade_attention(q, k, v, levels, 0.25, impl="triton", num_splits=splits, **kw)
-    ref, ref_lse = cascade_attention(q, k, v, levels, 0.25, impl="torch", **kw)
+    got, lse = cascade_attention(q, k, v, levels, 0.25, kernel_impl="triton", num_splits=splits, **kw)
+    ref, ref_lse = cascade_attention(q, k, v, levels, 0.25, kernel_impl="torch", **kw)
     assert got.dtype == dtype and not got.isnan().any()
     torch.testing.assert_close(got.float(), ref.float(), atol=OUT_ATOL[dtype], rtol=1e-2)
     torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
@@ -314,19 +314,19 @@ def test_cascade_window_triton(interp, dtype, window, splits):
                                    atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("kernel_impl", ["torch", "triton"])
 @pytest.mark.parametrize("window,splits", [(1, None), (5, None), (20, 2), (40, 3), (10**9, 2)])
-def test_attend_partial_window_per_row(request, impl, window, splits):
+def test_attend_partial_window_per_row(request, kernel_impl, window, splits):
     """Queries at different positions share one run (kv_start 8): row bounds differ inside a tile;
     q_pos 9 sees keys after itself (no causal mask; the last split must run to the run's end);
     q_pos 400 is outside every window but the huge one; splits > 1 leave some chunks masked."""
-    if impl == "triton":
+    if kernel_impl == "triton":
         request.getfixturevalue("interp")
     k, v = _cache(num_blocks=24, hkv=2, seed=18)
     q = torch.randn(5, 4, 16, generator=torch.Generator().manual_seed(19))
     bt = torch.randperm(24, generator=torch.Generator().manual_seed(20))[:13]
     q_pos = torch.tensor([57, 9, 44, 400, 58])
-    out, lse = attend_partial(q, k, v, bt, 50, 0.25, kv_start=8, q_pos=q_pos, window=window, impl=impl,
+    out, lse = attend_partial(q, k, v, bt, 50, 0.25, kv_start=8, q_pos=q_pos, window=window, kernel_impl=kernel_impl,
                               num_splits=splits)
     ref, ref_lse = _naive_windowed(q, k, v, [Level(torch.arange(5), bt, 50, 8)], 0.25, window, q_pos)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
@@ -339,8 +339,8 @@ def test_window_larger_than_context_equals_no_window():
     k, v = _cache(num_blocks=40, seed=22)
     q = torch.randn(7, 4, 16)
     levels, q_pos = _window_levels(7, torch.randperm(40, generator=torch.Generator().manual_seed(23)))
-    plain = cascade_attention(q, k, v, levels, 0.25, impl="torch", return_lse=True)
-    wide = cascade_attention(q, k, v, levels, 0.25, q_pos=q_pos, window=501, impl="torch", return_lse=True)
+    plain = cascade_attention(q, k, v, levels, 0.25, kernel_impl="torch", return_lse=True)
+    wide = cascade_attention(q, k, v, levels, 0.25, q_pos=q_pos, window=501, kernel_impl="torch", return_lse=True)
     torch.testing.assert_close(wide, plain, atol=0, rtol=0)
 
 
@@ -352,7 +352,7 @@ def test_apply_sinks(dtype):
     q = torch.randn(3, 4, 16).to(dtype)
     bt = torch.tensor([3, 8, 1])
     kf, vf = _run(k, bt, 10), _run(v, bt, 10)
-    out, lse = attend_partial(q, k, v, bt, 10, 0.25, impl="torch")
+    out, lse = attend_partial(q, k, v, bt, 10, 0.25, kernel_impl="torch")
     for sinks in (_sinks(4), torch.tensor([30.0, -1.0, 0.0, 30.0]), torch.full((4,), NEG_INF)):
         o, l = apply_sinks(out.to(dtype), lse, sinks)
         assert o.dtype == dtype and l.dtype == torch.float32
@@ -367,24 +367,24 @@ def test_apply_sinks(dtype):
     assert (both[0] == 0).all() and torch.isneginf(both[1]).all()
 
 
-@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("kernel_impl", ["torch", "triton"])
 @pytest.mark.parametrize("window", [None, 3, 20])
 @pytest.mark.parametrize("sink_kind", ["random", "dominant", "none"])
-def test_cascade_sinks_with_window(request, impl, window, sink_kind):
-    if impl == "triton":
+def test_cascade_sinks_with_window(request, kernel_impl, window, sink_kind):
+    if kernel_impl == "triton":
         request.getfixturevalue("interp")
     k, v = _cache(num_blocks=40, hkv=2, seed=25)
     q = torch.randn(7, 4, 16, generator=torch.Generator().manual_seed(26))
     levels, q_pos = _window_levels(7, torch.randperm(40, generator=torch.Generator().manual_seed(27)))
     sinks = {"random": _sinks(4), "dominant": torch.full((4,), 40.0), "none": torch.full((4,), NEG_INF)}[sink_kind]
     kw = dict(q_pos=q_pos, window=window) if window else {}
-    out, lse = cascade_attention(q, k, v, levels, 0.25, sinks=sinks, impl=impl, num_splits=2, return_lse=True, **kw)
+    out, lse = cascade_attention(q, k, v, levels, 0.25, sinks=sinks, kernel_impl=kernel_impl, num_splits=2, return_lse=True, **kw)
     ref, ref_lse = _naive_windowed(q, k, v, levels, 0.25, window, q_pos if window else None, sinks)
     assert not out.isnan().any()
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
     if sink_kind == "none":
-        plain = cascade_attention(q, k, v, levels, 0.25, impl=impl, num_splits=2, return_lse=True, **kw)
+        plain = cascade_attention(q, k, v, levels, 0.25, kernel_impl=kernel_impl, num_splits=2, return_lse=True, **kw)
         torch.testing.assert_close((out, lse), plain, atol=0, rtol=0)
     if window == 3:  # the blind query: out 0, lse = the sink alone
         assert (out[-1] == 0).all() and torch.equal(lse[-1], sinks)
@@ -400,8 +400,8 @@ def test_window_and_sink_errors():
            (dict(window=4, q_pos=torch.zeros(3)), "q_pos must be"), (dict(sinks=torch.zeros(3)), "sinks")]
     for kw, msg in bad:
         with pytest.raises(ValueError, match=msg):
-            cascade_attention(q, k, v, lv, 0.25, impl="torch", **kw)
+            cascade_attention(q, k, v, lv, 0.25, kernel_impl="torch", **kw)
     with pytest.raises(ValueError, match="kv_start"):
-        cascade_attention(q, k, v, [lv[0]._replace(kv_start=-4)], 0.25, impl="torch")
+        cascade_attention(q, k, v, [lv[0]._replace(kv_start=-4)], 0.25, kernel_impl="torch")
     with pytest.raises(ValueError, match="apply_sinks"):
         apply_sinks(torch.zeros(3, 4, 16), torch.zeros(3, 4), torch.zeros(2))

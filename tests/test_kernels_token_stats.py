@@ -60,7 +60,7 @@ def _ref(hidden, weight, targets, topk, softcap=None):
 @pytest.mark.parametrize("softcap", [None, 5.0])
 def test_torch_chunked_matches_full_softmax(dtype, softcap):
     hidden, weight, targets = _inputs(T=50, H=32, V=301, dtype=dtype)
-    got = token_stats(hidden, weight, targets, topk=7, impl="torch", chunk_tokens=16, softcap=softcap)
+    got = token_stats(hidden, weight, targets, topk=7, kernel_impl="torch", chunk_tokens=16, softcap=softcap)
     _check(got, _ref(hidden, weight, targets, 7, softcap))
 
 
@@ -83,17 +83,17 @@ def test_torch_never_materialises_full_logits():
     T, H, V, chunk = 64, 16, 300, 16
     hidden, weight, targets = _inputs(T, H, V, torch.float32)
     with _LargestFloatTensor() as probe:
-        got = token_stats(hidden, weight, targets, topk=5, impl="torch", chunk_tokens=chunk)
+        got = token_stats(hidden, weight, targets, topk=5, kernel_impl="torch", chunk_tokens=chunk)
     assert probe.largest == chunk * V < T * V
     _check(got, _ref(hidden, weight, targets, 5))
 
 
 def test_targets_none_and_ignored_targets():
     hidden, weight, targets = _inputs(T=9, H=16, V=40, dtype=torch.float32)
-    assert token_stats(hidden, weight, None, topk=3, impl="torch").logprob is None
-    assert token_stats(hidden[:0], weight, targets[:0], topk=3, impl="torch").topk_ids.shape == (0, 3)
+    assert token_stats(hidden, weight, None, topk=3, kernel_impl="torch").logprob is None
+    assert token_stats(hidden[:0], weight, targets[:0], topk=3, kernel_impl="torch").topk_ids.shape == (0, 3)
     targets[2], targets[5] = -100, 40  # padding / out of range -> 0, never NaN
-    lp = token_stats(hidden, weight, targets, topk=3, impl="torch").logprob
+    lp = token_stats(hidden, weight, targets, topk=3, kernel_impl="torch").logprob
     assert lp[2] == 0 and lp[5] == 0 and not torch.isnan(lp).any() and (lp[[0, 1, 3]] < 0).all()
 
 
@@ -122,7 +122,7 @@ def test_package_works_without_triton():
         "o = kernels.cascade_attention(q, kc, kc, lv, 0.3)\n"
         "assert o.shape == q.shape and s.topk_ids.shape == (5, 3)\n"
         "try:\n"
-        "    kernels.token_stats(h, w, impl='triton')\n"
+        "    kernels.token_stats(h, w, kernel_impl='triton')\n"
         "    raise SystemExit('expected RuntimeError')\n"
         "except RuntimeError:\n"
         "    pass\n"
@@ -158,10 +158,10 @@ def test_triton_matches_reference(interp, dtype):
     # T not a multiple of the row block, V not a multiple of the vocab tile, H of the k tile
     hidden, weight, targets = _inputs(T=37, H=40, V=203, dtype=dtype, seed=1)
     targets[4] = -100
-    got = token_stats(hidden, weight, targets, topk=5, impl="triton")
+    got = token_stats(hidden, weight, targets, topk=5, kernel_impl="triton")
     ref = _ref(hidden, weight, targets, 5)
     _check(got, ref)
-    torch.testing.assert_close(got.logprob, token_stats(hidden, weight, targets, 5, impl="torch").logprob)
+    torch.testing.assert_close(got.logprob, token_stats(hidden, weight, targets, 5, kernel_impl="torch").logprob)
     assert got.logprob[4] == 0
 
 
@@ -177,10 +177,10 @@ def test_triton_no_targets_no_topk_noncontiguous(interp):
     hidden, weight, _ = _inputs(T=18, H=64, V=70, dtype=torch.float32, seed=3)
     hidden = hidden[:, ::2]  # strided rows are read in place
     weight = weight[:, ::2]
-    got = token_stats(hidden, weight, None, topk=0, impl="triton")
+    got = token_stats(hidden, weight, None, topk=0, kernel_impl="triton")
     ref = reference_token_stats(hidden, weight, None, topk=0)
     assert got.logprob is None and got.topk_ids.shape == (18, 0)
-    empty = token_stats(hidden[:0], weight, torch.zeros(0, dtype=torch.long), topk=3, impl="triton")
+    empty = token_stats(hidden[:0], weight, torch.zeros(0, dtype=torch.long), topk=3, kernel_impl="triton")
     assert empty.topk_ids.shape == (0, 3) and empty.logprob.shape == (0,)
     torch.testing.assert_close(got.entropy, ref.entropy, atol=2e-4, rtol=1e-4)
     torch.testing.assert_close(got.lse, ref.lse, atol=2e-4, rtol=1e-4)

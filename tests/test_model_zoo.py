@@ -114,7 +114,7 @@ def test_cascade_decode_keeps_the_architectures_exact(zoo):
     prompt = rand_prompt(2 * WINDOW + 5, 60)
     params = SamplingParams(n=3, max_tokens=NEW, seed=3, ignore_eos=True)
     plain = engine(model).generate_sync([prompt], params)[0]
-    eng = engine(model, cascade="on", kernels="torch")
+    eng = engine(model, cascade="on", kernel_impl="torch")
     got = eng.generate_sync([prompt], params)[0]
     assert [c.token_ids for c in got.completions] == [c.token_ids for c in plain.completions], name
     for a, b in zip(got.completions, plain.completions):
@@ -213,3 +213,23 @@ def test_flash_attn_path_passes_windows_and_sinks(monkeypatch, name):
     prompts = [rand_prompt(2 * WINDOW + 3, 70), rand_prompt(WINDOW + 1, 71)]
     outs = eng.generate_sync(prompts, GREEDY)
     assert [o.completions[0].token_ids for o in outs] == [loop_greedy(model, p) for p in prompts]
+
+
+@pytest.mark.parametrize("kernel_impl", ["torch", "triton"])
+def test_cascade_kernels_carry_windows_and_sinks_in_the_engine(kernel_impl):
+    """GPT-OSS decode through the cascade kernels (Triton in the interpreter): sliding layers pass
+    each query's position and the window, full layers the sinks."""
+    from svrmad_local import kernels
+
+    if kernel_impl == "triton" and not (kernels.HAS_TRITON and kernels._backend.interpreter_ready()):
+        pytest.skip("triton interpreter not available in this process")
+    model = make_zoo_model("gpt-oss")
+    prompt = rand_prompt(2 * WINDOW + 5, 80)
+    params = SamplingParams(n=3, max_tokens=6, seed=5, ignore_eos=True)
+    plain = engine(model).generate_sync([prompt], params)[0]
+    eng = engine(model, cascade="on", kernel_impl=kernel_impl)
+    assert "cascade:" + kernel_impl in eng.info["attention"]
+    got = eng.generate_sync([prompt], params)[0]
+    assert [c.token_ids for c in got.completions] == [c.token_ids for c in plain.completions]
+    for a, b in zip(got.completions, plain.completions):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)

@@ -14,7 +14,7 @@ which is why Llama, Qwen, Mistral, Gemma 3, Phi-3, GPT-OSS and DeepSeek-V3 need 
 Paths: flash-attn varlen (GPU, fp16/bf16, when installed); else SDPA: decode tokens batched in one
 call over a padded gather of their context, prefill chunks one call each with a bottom-right causal
 mask. A sliding-window layer gathers only the keys its queries can see. Sinks are applied from the
-log-sum-exp after attention (`apply_sinks`). With cascade on, decode tokens that share prefix blocks
+log-sum-exp after attention (`kernels.apply_sinks`). With cascade on, decode tokens that share prefix blocks
 attend to the shared blocks once (kernels.cascade_attention).
 """
 
@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
+
+from svrmad_local.kernels import apply_sinks, cascade_attention
 
 from .kv_cache import KVCache
 from .spec import LayerSpec, Probe
@@ -172,13 +174,6 @@ class PagedKV:
         return k.transpose(0, 1).unsqueeze(0).to(key.dtype), v.transpose(0, 1).unsqueeze(0).to(value.dtype)
 
 
-def apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
-    """Attention with a learned sink logit per head in the softmax denominator (GPT-OSS), from the
-    sink-free output and its log-sum-exp: out * sigmoid(lse - sink). `out` [..., H, D], `lse`
-    [..., H] (natural log), `sinks` [H]."""
-    return (out.float() * torch.sigmoid(lse.float() - sinks.float())[..., None]).to(out.dtype)
-
-
 def _sdpa(q, k, v, mask, scale, sinks, causal=False):
     """q [B, H, Q, D], k/v [B, Hkv, L, D], mask bool [.., Q, L] or None; sinks [H] or None.
     Returns [B, H, Q, Dv]."""
@@ -198,7 +193,7 @@ def _sdpa(q, k, v, mask, scale, sinks, causal=False):
         s = s.masked_fill(~mask, float("-inf"))
         lse = torch.logsumexp(s, -1)
         out = (torch.softmax(s, -1) @ vv).to(q.dtype)
-    return apply_sinks(out.transpose(1, 2), lse.transpose(1, 2), sinks).transpose(1, 2)
+    return apply_sinks(out.transpose(1, 2), lse.transpose(1, 2), sinks)[0].transpose(1, 2)
 
 
 class Attachment:
@@ -249,13 +244,11 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
         view = ctx.view(spec.window)
     out = q.new_empty(q.shape[0], q.shape[1], vc.shape[-1])
     nd = ctx.decode_rows
-    if nd and ctx.decode_levels is not None and spec.kind == "kv" and spec.window is None:
-        from svrmad_local.kernels import cascade_attention  # shared prefixes attended once
-
+    if nd and ctx.decode_levels is not None and spec.kind == "kv":  # shared prefixes attended once
         bs = ctx.cache.block_size
         paged = (kc.view(-1, bs, *kc.shape[1:]), vc.view(-1, bs, *vc.shape[1:]))
-        o = cascade_attention(q[:nd], *paged, ctx.decode_levels, scaling, impl=ctx.kernel_impl, return_lse=sinks is not None)
-        out[:nd] = o if sinks is None else apply_sinks(o[0], o[1], sinks)
+        out[:nd] = cascade_attention(q[:nd], *paged, ctx.decode_levels, scaling, q_pos=ctx.decode_pos,
+                                     window=spec.window, sinks=sinks, kernel_impl=ctx.kernel_impl)
     elif nd:
         k, v = _gather(ctx, kc, vc, layer, view.decode_index, spec.kind)
         qd = q[:nd].unsqueeze(2)  # [nd, H, 1, D]
@@ -287,7 +280,7 @@ def _flash(ctx: StepContext, layer: int, q, scaling, window, sinks):
     if sinks is None:
         return res
     out, lse = res[0], res[1]  # lse [H, T]
-    return apply_sinks(out, lse.transpose(0, 1), sinks)
+    return apply_sinks(out, lse.transpose(0, 1), sinks)[0]
 
 
 AttentionInterface.register(ATTN_NAME, paged_attention)

@@ -17,6 +17,8 @@ from typing import Union
 
 import torch
 
+from svrmad_local import kernels
+
 from .attention import Attachment
 from .kv_cache import BlockManager, KVCache
 from .memory import keep_freed_memory, kv_budget, parse_memory  # noqa: F401  (parse_memory: public)
@@ -36,7 +38,7 @@ Prompt = Union[list[int], str, list[dict]]
 class EngineConfig:
     """block_size: tokens per KV block. kv_cache_memory: the KV budget, as bytes (int), a fraction
     of the memory available after loading (float <= 1), or a string such as "2GiB"; None means
-    90% of free GPU memory, or 2 GiB on the CPU. kernels: "auto" | "torch" | "triton", the path of
+    90% of free GPU memory, or 2 GiB on the CPU. kernel_impl: "auto" | "torch" | "triton", the path of
     kernels/ (fused token statistics for scoring, cascade attention): "auto" takes Triton on a GPU,
     "torch" forces the references. cascade: "auto" (on where Triton runs) | "on" | "off"."""
 
@@ -45,7 +47,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     attention: str = "auto"
-    kernels: str = "auto"
+    kernel_impl: str = "auto"
     cascade: str = "auto"
     score_chunk: int = 1024
     signals: SignalConfig = field(default_factory=SignalConfig)
@@ -97,7 +99,7 @@ class Engine:
             keep_freed_memory()
         self.blocks = BlockManager(num_blocks, cfg.block_size)
         self.cache = KVCache(num_blocks, cfg.block_size, spec.layers, devices, spec.dtype)
-        self.runner = ModelRunner(model, attached, self.cache, spec, cfg.block_size, cfg.attention, cfg.cascade, cfg.kernels)
+        self.runner = ModelRunner(model, attached, self.cache, spec, cfg.block_size, cfg.attention, cfg.cascade, cfg.kernel_impl)
         self.scheduler = Scheduler(self.blocks, self.cache, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         mc = model.config.get_text_config()
         self.max_model_len = getattr(mc, "max_position_embeddings", None) or 1 << 30
@@ -360,11 +362,7 @@ class Engine:
             finished.append(req)
 
     def _stats_path(self) -> str:
-        try:
-            import svrmad_local.kernels as kernels
-        except ImportError:
-            return "torch (kernels/ not importable)"
-        return "kernels:" + kernels.select_impl(self.cfg.kernels, self.runner.lm_head.weight)
+        return "kernels:" + kernels.select_impl(self.cfg.kernel_impl, self.runner.lm_head.weight)
 
     def _score_rows(self, seq: Sequence, hidden: torch.Tensor, w: Work) -> None:
         """Statistics for the positions of this chunk that predict a continuation token."""
@@ -382,15 +380,11 @@ class Engine:
 
     def _token_stats(self, h: torch.Tensor, targets: torch.Tensor, k: int):
         """Teacher-forced statistics without [tokens x vocab] fp32 logits: the fused kernel (or its
-        chunked torch reference) of kernels/, else chunks of plain logits."""
-        try:
-            import svrmad_local.kernels as kernels
-        except ImportError:
-            kernels = None
+        chunked torch reference) of kernels/, else (an LM head with a bias) chunks of plain logits."""
         w = self.runner.lm_head
-        if kernels is not None and getattr(w, "bias", None) is None:
+        if getattr(w, "bias", None) is None:
             return kernels.token_stats(h.to(w.weight.device), w.weight, targets.to(w.weight.device), k,
-                                       impl=self.cfg.kernels, chunk_tokens=self.cfg.score_chunk, softcap=self.runner.softcap)
+                                       kernel_impl=self.cfg.kernel_impl, chunk_tokens=self.cfg.score_chunk, softcap=self.runner.softcap)
         parts = [stats_from_logits(self.runner.logits(h[c : c + self.cfg.score_chunk]), targets[c : c + self.cfg.score_chunk], k)
                  for c in range(0, h.shape[0], self.cfg.score_chunk)]
         return type(parts[0])(*(torch.cat([getattr(p, f) for p in parts]) for f in ("logprob", "entropy", "topk_logprobs", "topk_ids")))

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from svrmad_local import kernels
+
 from .attention import HAS_FLASH_ATTN, Attachment, PagedKV, Span, StepContext, set_context
 from .kv_cache import KVCache
 from .scheduler import Batch
@@ -17,7 +19,7 @@ from .spec import ModelSpec
 
 class ModelRunner:
     def __init__(self, model, attached: Attachment, cache: KVCache, spec: ModelSpec, block_size: int,
-                 attention: str = "auto", cascade: str = "auto", kernels_impl: str = "auto"):
+                 attention: str = "auto", cascade: str = "auto", kernel_impl: str = "auto"):
         self.model = model
         self.attached = attached
         self.body = model.base_model
@@ -34,10 +36,10 @@ class ModelRunner:
             raise ValueError("attention='flash' needs flash-attn installed, a CUDA device, fp16/bf16 weights and "
                              "no latent (MLA) layers")
         self.attention_path = "flash-attn" if want_flash else "sdpa"
-        self.kernels_impl = kernels_impl
-        self.cascade = _cascade_enabled(cascade, kernels_impl, self.device) and not want_flash
+        self.kernel_impl = kernel_impl
+        self.cascade = _cascade_enabled(cascade, kernel_impl, self.device) and not want_flash
         if self.cascade:
-            self.attention_path += "+cascade:" + _kernels().select_impl(kernels_impl, self.device, "cascade_attention")
+            self.attention_path += "+cascade:" + kernels.select_impl(kernel_impl, self.device, "cascade_attention")
         self.paged_kv = PagedKV()
 
     def _slots(self, seq: Sequence, end: int) -> torch.Tensor:
@@ -63,7 +65,7 @@ class ModelRunner:
             row += n
         dev = self.device
         runs = [Span(r.row0, r.row1, r.index.to(dev)) for r in runs]
-        ctx = StepContext(self.cache, self.spec.layers, torch.cat(slot_map).to(dev), runs, nd, kernel_impl=self.kernels_impl)
+        ctx = StepContext(self.cache, self.spec.layers, torch.cat(slot_map).to(dev), runs, nd, kernel_impl=self.kernel_impl)
         if self.spec.has_latent:  # latent layers get the step's context back from the cache hook, each
             # distinct slot once (forks share their prefix), to be expanded once by the model's own code
             ctx.latent_slots, inverse = torch.unique(torch.cat([r.index for r in runs]), return_inverse=True)
@@ -80,6 +82,7 @@ class ModelRunner:
         if self.cascade and nd >= 2:
             ctx.decode_levels = decode_levels([w.seq.blocks for w in work[:nd]], [w.end for w in work[:nd]],
                                               self.block_size, dev)
+            ctx.decode_pos = torch.tensor([w.end - 1 for w in work[:nd]], device=dev)
         set_context(ctx)
         try:
             with self.attached():
@@ -101,33 +104,21 @@ class ModelRunner:
         return logits
 
 
-def _kernels():
-    import svrmad_local.kernels as kernels
-
-    return kernels
-
-
-def _cascade_enabled(cascade: str, impl: str, device: torch.device) -> bool:
+def _cascade_enabled(cascade: str, kernel_impl: str, device: torch.device) -> bool:
     """"auto": on where the Triton kernel runs (CUDA + triton); on the CPU the torch reference
     costs more in per-level overhead than the shared gathers save for small models."""
     if cascade not in ("auto", "on", "off"):
         raise ValueError(f"cascade must be auto, on or off, got {cascade!r}")
     if cascade == "off":
         return False
-    try:
-        k = _kernels()
-    except ImportError:
-        if cascade == "on":
-            raise
-        return False
-    return cascade == "on" or k.select_impl(impl, device, "cascade_attention") == "triton"
+    return cascade == "on" or kernels.select_impl(kernel_impl, device, "cascade_attention") == "triton"
 
 
 def decode_levels(tables: list[list[int]], lens: list[int], bs: int, device) -> list:
     """Cascade levels for decode queries: runs of full blocks shared by a group of queries (same
     block ids at the same positions: shared full blocks are immutable), split recursively where the
     group diverges; each query's remaining tokens (its current one included) form its own level."""
-    Level = _kernels().Level
+    Level = kernels.Level
     levels: list = []
 
     def full(i: int, d: int):
@@ -136,7 +127,7 @@ def decode_levels(tables: list[list[int]], lens: list[int], bs: int, device) -> 
     def own(i: int, d: int) -> None:
         n_blocks = -(-lens[i] // bs)
         levels.append(Level(torch.tensor([i], device=device), torch.tensor(tables[i][d:n_blocks], device=device),
-                            lens[i] - d * bs))
+                            lens[i] - d * bs, d * bs))
 
     def split(group: list[int], d: int) -> None:
         start = d
@@ -144,7 +135,7 @@ def decode_levels(tables: list[list[int]], lens: list[int], bs: int, device) -> 
             d += 1
         if d > start:
             levels.append(Level(torch.tensor(group, device=device),
-                                torch.tensor(tables[group[0]][start:d], device=device), (d - start) * bs))
+                                torch.tensor(tables[group[0]][start:d], device=device), (d - start) * bs, start * bs))
         by: dict = {}
         for i in group:
             by.setdefault(full(i, d) if full(i, d) is not None else ("own", i), []).append(i)
