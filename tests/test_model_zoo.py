@@ -179,12 +179,20 @@ def test_unknown_attention_features_are_refused_at_engine_start():
     assert [s.window for s in engine(m).spec.layers] == [5, 5]
 
 
-def _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, window_size, return_attn_probs=False):
-    """flash_attn_varlen_func's contract, in plain torch (bottom-right causal, window (left, 0))."""
+def _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, window_size, return_attn_probs=False,
+                      block_table=None):
+    """flash_attn_varlen_func's contract, in plain torch (bottom-right causal, window (left, 0); with
+    a block table, k/v are [blocks, page, heads, dim] pages and sequence i's keys are its pages)."""
     assert causal
     outs, lses = [], []
     for i in range(len(cu_q) - 1):
-        qi, ki, vi = q[cu_q[i]:cu_q[i + 1]], k[cu_k[i]:cu_k[i + 1]], v[cu_k[i]:cu_k[i + 1]]
+        qi = q[cu_q[i]:cu_q[i + 1]]
+        if block_table is None:
+            ki, vi = k[cu_k[i]:cu_k[i + 1]], v[cu_k[i]:cu_k[i + 1]]
+        else:
+            n = int(cu_k[i + 1] - cu_k[i])
+            ki = k[block_table[i].long()].flatten(0, 1)[:n]
+            vi = v[block_table[i].long()].flatten(0, 1)[:n]
         g = qi.shape[1] // ki.shape[1]
         ki, vi = ki.repeat_interleave(g, 1), vi.repeat_interleave(g, 1)
         qn, L = qi.shape[0], ki.shape[0]
@@ -201,19 +209,21 @@ def _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, 
     return (out, lse, None) if return_attn_probs else out
 
 
+@pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("name", ["gpt-oss", "mistral-sliding", "llama"])
-def test_flash_attn_path_passes_windows_and_sinks(monkeypatch, name):
-    """The flash-attn wiring (GPU only in real use) against a torch stand-in with the same contract."""
+def test_flash_attn_path_passes_windows_sinks_and_block_tables(monkeypatch, name, paged):
+    """The flash-attn wiring (GPU only in real use) against a torch stand-in with the same contract:
+    over a gather of the context, or in place through the block table (pages of 256 tokens on a GPU;
+    the stand-in takes our small blocks)."""
     from svrmad_local.engine import attention
 
     model = make_zoo_model(name)
     monkeypatch.setattr(attention, "flash_attn_varlen_func", _reference_varlen)
     eng = engine(model)
-    eng.runner.attention_path = "flash-attn"
+    eng.runner.attention_path, eng.runner.flash_paged = "flash-attn", paged
     prompts = [rand_prompt(2 * WINDOW + 3, 70), rand_prompt(WINDOW + 1, 71)]
-    outs = eng.generate_sync(prompts, GREEDY)
-    assert [o.completions[0].token_ids for o in outs] == [loop_greedy(model, p) for p in prompts]
-
+    outs = eng.generate_sync(prompts + prompts[:1], GREEDY)  # the repeat reads a cached prefix
+    assert [o.completions[0].token_ids for o in outs] == [loop_greedy(model, p) for p in prompts + prompts[:1]]
 
 @pytest.mark.parametrize("kernel_impl", ["torch", "triton"])
 def test_cascade_kernels_carry_windows_and_sinks_in_the_engine(kernel_impl):

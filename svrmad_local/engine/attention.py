@@ -34,6 +34,7 @@ from .kv_cache import KVCache
 from .spec import LayerSpec, Probe
 
 ATTN_NAME = "svrmad_paged"
+FLASH_PAGE = 256  # flash-attn 2 reads a paged cache only in pages of a multiple of 256 tokens
 
 try:  # optional GPU extra
     from flash_attn import flash_attn_varlen_func  # type: ignore
@@ -109,7 +110,7 @@ class StepContext:
     decode_levels: list | None = None  # cascade: shared-prefix levels of the decode rows (kernels.Level)
     decode_pos: torch.Tensor | None = None  # cascade: each decode query's position
     kernel_impl: str = "auto"
-    flash: dict | None = None  # flash-attn: cu_q, cu_k, max_q, max_k, slots
+    flash: dict | None = None  # flash-attn: cu_q, cu_k, max_q, max_k, and block_table or slots
     _views: dict = field(default_factory=dict)
     _per_device: dict = field(default_factory=dict)
 
@@ -270,12 +271,18 @@ def _gather(ctx: StepContext, kc, vc, layer: int, index: torch.Tensor, kind: str
 
 
 def _flash(ctx: StepContext, layer: int, q, scaling, window, sinks):
+    """flash-attn varlen over the step: in place through the block table when the blocks are whole
+    flash-attn pages, else over a gather of each run's context."""
     f = ctx.flash
     kc, vc = ctx.cache.k[layer], ctx.cache.v[layer]
+    if "block_table" in f:
+        bs = ctx.cache.block_size
+        k, v, extra = kc.view(-1, bs, *kc.shape[1:]), vc.view(-1, bs, *vc.shape[1:]), {"block_table": f["block_table"]}
+    else:
+        k, v, extra = kc[f["slots"]], vc[f["slots"]], {}
     res = flash_attn_varlen_func(
-        q, kc[f["slots"]], vc[f["slots"]], f["cu_q"], f["cu_k"], f["max_q"], f["max_k"],
-        softmax_scale=scaling, causal=True, window_size=(-1, -1) if window is None else (window - 1, 0),
-        return_attn_probs=sinks is not None,
+        q, k, v, f["cu_q"], f["cu_k"], f["max_q"], f["max_k"], softmax_scale=scaling, causal=True,
+        window_size=(-1, -1) if window is None else (window - 1, 0), return_attn_probs=sinks is not None, **extra,
     )
     if sinks is None:
         return res

@@ -42,7 +42,7 @@ class EngineConfig:
     kernels/ (fused token statistics for scoring, cascade attention): "auto" takes Triton on a GPU,
     "torch" forces the references. cascade: "auto" (on where Triton runs) | "on" | "off"."""
 
-    block_size: int = 16
+    block_size: int = 16  # 256 (a flash-attn page) lets flash-attn read the cache in place
     kv_cache_memory: int | float | str | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048

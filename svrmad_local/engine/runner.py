@@ -10,7 +10,7 @@ import torch
 
 from svrmad_local import kernels
 
-from .attention import HAS_FLASH_ATTN, Attachment, PagedKV, Span, StepContext, set_context
+from .attention import FLASH_PAGE, HAS_FLASH_ATTN, Attachment, PagedKV, Span, StepContext, set_context
 from .kv_cache import KVCache
 from .scheduler import Batch
 from .sequence import Sequence
@@ -36,6 +36,9 @@ class ModelRunner:
             raise ValueError("attention='flash' needs flash-attn installed, a CUDA device, fp16/bf16 weights and "
                              "no latent (MLA) layers")
         self.attention_path = "flash-attn" if want_flash else "sdpa"
+        self.flash_paged = want_flash and block_size % FLASH_PAGE == 0
+        if self.flash_paged:
+            self.attention_path += " (paged)"
         self.kernel_impl = kernel_impl
         self.cascade = _cascade_enabled(cascade, kernel_impl, self.device) and not want_flash
         if self.cascade:
@@ -71,14 +74,20 @@ class ModelRunner:
             ctx.latent_slots, inverse = torch.unique(torch.cat([r.index for r in runs]), return_inverse=True)
             parts = inverse.split([r.index.shape[0] for r in runs])
             ctx.latent_runs = [Span(r.row0, r.row1, part) for r, part in zip(runs, parts)]
-        if self.attention_path == "flash-attn":
+        if self.attention_path.startswith("flash-attn"):
             lens = [r.index.shape[0] for r in runs]
             ctx.flash = {
                 "cu_q": torch.tensor([0] + [r.row1 for r in runs], dtype=torch.int32, device=dev),
                 "cu_k": torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=dev),
-                "slots": torch.cat([r.index for r in runs]), "max_q": max(r.row1 - r.row0 for r in runs),
-                "max_k": max(lens),
+                "max_q": max(r.row1 - r.row0 for r in runs), "max_k": max(lens),
             }
+            if self.flash_paged:  # flash-attn reads the blocks in place through the block table
+                tables = [w.seq.blocks[: -(-w.end // self.block_size)] for w in work]
+                width = max(len(t) for t in tables)
+                ctx.flash["block_table"] = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32,
+                                                        device=dev)
+            else:  # blocks smaller than flash-attn's 256-token pages: gather the context first
+                ctx.flash["slots"] = torch.cat([r.index for r in runs])
         if self.cascade and nd >= 2:
             ctx.decode_levels = decode_levels([w.seq.blocks for w in work[:nd]], [w.end for w in work[:nd]],
                                               self.block_size, dev)
