@@ -28,6 +28,7 @@ from .sampler import sample
 from .scheduler import RequestTooLarge, Scheduler, Work  # noqa: F401  (RequestTooLarge: public)
 from .sequence import Completion, Request, RequestOutput, ScoreOutput, Sequence
 from .spec import inspect_model
+from . import tp
 from .stats import SignalConfig, sequence_signals, stats_from_logits
 
 
@@ -92,6 +93,9 @@ class Engine:
         block_bytes = KVCache.bytes_per_block(spec.layers, cfg.block_size, spec.dtype)
         self.kv_budget_bytes = kv_budget(cfg.kv_cache_memory, devices[0])
         num_blocks = self.kv_budget_bytes // block_bytes
+        self.sharded = tp.is_sharded(model)
+        if self.sharded:
+            num_blocks = tp.agree_on_blocks(num_blocks, devices[0])
         if num_blocks < 2:
             raise ValueError(f"kv_cache_memory={cfg.kv_cache_memory!r} holds {num_blocks} blocks of {block_bytes} bytes; need at least 2")
         self.block_bytes = block_bytes
@@ -100,6 +104,17 @@ class Engine:
         self.blocks = BlockManager(num_blocks, cfg.block_size)
         self.cache = KVCache(num_blocks, cfg.block_size, spec.layers, devices, spec.dtype)
         self.runner = ModelRunner(model, attached, self.cache, spec, cfg.block_size, cfg.attention, cfg.cascade, cfg.kernel_impl)
+        self.rank = 0
+        if self.sharded:  # tensor parallel: rank 0 runs the engine, the others follow its steps
+            import torch.distributed as dist
+
+            self.rank = dist.get_rank()
+            self.runner.lm_head = tp.full_lm_head(self.runner.lm_head)
+            self._channel = tp.StepChannel()
+            if self.rank == 0:
+                self.runner.tp = self._channel
+            else:
+                self.cache.replay = True
         self.scheduler = Scheduler(self.blocks, self.cache, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         mc = model.config.get_text_config()
         self.max_model_len = getattr(mc, "max_position_embeddings", None) or 1 << 30
@@ -200,6 +215,20 @@ class Engine:
 
     def score_sync(self, prompt: Prompt, continuation: list[int] | str, topk: int = 20) -> ScoreOutput:
         return asyncio.run(self.score(prompt, continuation, topk))
+
+    def follow(self) -> None:
+        """Tensor-parallel ranks other than 0: run rank 0's steps until rank 0 calls `close()`."""
+        if not self.sharded or self.rank == 0:
+            raise RuntimeError("follow() is for tensor-parallel ranks other than 0")
+        while (step := self._channel.recv()) is not None:
+            self.runner.execute(step)
+
+    def close(self) -> None:
+        """Release the worker thread; with tensor parallelism, rank 0 also lets the followers go."""
+        if self.sharded and self.rank == 0 and self.runner.tp is not None:
+            self.runner.tp.send(None)
+            self.runner.tp = None
+        self._executor.shutdown(wait=False)
 
     # -- plumbing ---------------------------------------------------------------------------
     def _new_id(self) -> int:

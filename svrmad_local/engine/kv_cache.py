@@ -188,6 +188,8 @@ class KVCache:
         self.k = [torch.empty(slots, *s.k_shape, dtype=dtype, device=d) for s, d in zip(specs, layer_devices)]
         self.v = [torch.empty(slots, *s.v_shape, dtype=dtype, device=d) for s, d in zip(specs, layer_devices)]
         self._scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._copies: list[tuple[int, int, int]] = []
+        self.replay = False  # a tensor-parallel follower: copies arrive with the steps
 
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V rows of `slots` (any shape) as [*slots.shape, heads, dim], written into scratch
@@ -211,7 +213,24 @@ class KVCache:
         return block_size * sum(s.bytes_per_token(dtype) for s in specs)
 
     def copy_rows(self, src: int, dst: int, rows: int) -> None:
+        """Copy the first `rows` token rows of block `src` into block `dst`, in every layer. Done at
+        once, and remembered until the next step is prepared (`take_copies`), so that tensor-parallel
+        ranks, whose caches only the steps change, replay it in the same order."""
+        self._apply(src, dst, rows)
+        self._copies.append((src, dst, rows))
+
+    def _apply(self, src: int, dst: int, rows: int) -> None:
         s, d = src * self.block_size, dst * self.block_size
         for k, v in zip(self.k, self.v):
             k[d : d + rows] = k[s : s + rows]
             v[d : d + rows] = v[s : s + rows]
+
+    def take_copies(self) -> list[tuple[int, int, int]]:
+        copies, self._copies = self._copies, []
+        return copies
+
+    def apply_copies(self, copies: list[tuple[int, int, int]]) -> None:
+        """Replay copies made on another rank (a no-op for the copies this cache made itself)."""
+        if self.replay:
+            for c in copies:
+                self._apply(*c)

@@ -6,6 +6,8 @@ decode) and, in chunks, to the rows a scoring request asks about: never to every
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from svrmad_local import kernels
@@ -13,8 +15,18 @@ from svrmad_local import kernels
 from .attention import FLASH_PAGE, HAS_FLASH_ATTN, Attachment, PagedKV, Span, StepContext, set_context
 from .kv_cache import KVCache
 from .scheduler import Batch
-from .sequence import Sequence
 from .spec import ModelSpec
+
+
+@dataclass
+class StepInput:
+    """One step in plain numbers: the new token ids in row order; per run (start, end, block ids
+    covering [0, end)), decode runs first (`num_decode` of them); cache row copies to apply first."""
+
+    ids: list[int]
+    runs: list[tuple[int, int, list[int]]]
+    num_decode: int
+    copies: list[tuple[int, int, int]]
 
 
 class ModelRunner:
@@ -44,30 +56,42 @@ class ModelRunner:
         if self.cascade:
             self.attention_path += "+cascade:" + kernels.select_impl(kernel_impl, self.device, "cascade_attention")
         self.paged_kv = PagedKV()
+        self.tp = None  # set by engine.tp for tensor parallelism: sends each step to the other ranks
 
-    def _slots(self, seq: Sequence, end: int) -> torch.Tensor:
-        bs = self.block_size
-        blocks = torch.tensor(seq.blocks[: (end + bs - 1) // bs], dtype=torch.long)
-        return (blocks.unsqueeze(1) * bs + torch.arange(bs)).flatten()[:end]
+    def prepare(self, batch: Batch) -> StepInput:
+        """What every rank needs to run the step, in plain numbers (the tensor-parallel followers
+        receive it): new token ids and, per run, its positions and block table; the decode runs
+        first; and the cache copies (prefix and fork partial blocks) made since the last step."""
+        ids: list[int] = []
+        runs = []
+        for w in batch.work:
+            ids.extend(w.seq.tokens[w.start : w.end])
+            runs.append((w.start, w.end, w.seq.blocks[: -(-w.end // self.block_size)]))
+        return StepInput(ids, runs, len(batch.decode), self.cache.take_copies())
 
     @torch.inference_mode()
     def forward(self, batch: Batch) -> torch.Tensor:
         """Runs the model over the step's new tokens; returns the final hidden states [T, H] in the
         order of `batch.work` (the decode runs, then the prefill runs)."""
-        ids, pos, slot_map, runs = [], [], [], []
+        step = self.prepare(batch)
+        if self.tp is not None:
+            self.tp.send(step)
+        return self.execute(step)
+
+    @torch.inference_mode()
+    def execute(self, step: StepInput) -> torch.Tensor:
+        self.cache.apply_copies(step.copies)
+        dev, bs = self.device, self.block_size
+        ar = torch.arange(bs)
+        pos, slot_map, runs = [], [], []
         row = 0
-        work = batch.work
-        nd = len(batch.decode)
-        for w in work:
-            n = w.num_tokens
-            ids.extend(w.seq.tokens[w.start : w.end])
-            pos.extend(range(w.start, w.end))
-            slots = self._slots(w.seq, w.end)
-            slot_map.append(slots[w.start :])
-            runs.append(Span(row, row + n, slots))
-            row += n
-        dev = self.device
-        runs = [Span(r.row0, r.row1, r.index.to(dev)) for r in runs]
+        for start, end, blocks in step.runs:
+            slots = (torch.tensor(blocks, dtype=torch.long).unsqueeze(1) * bs + ar).flatten()[:end]
+            pos.extend(range(start, end))
+            slot_map.append(slots[start:])
+            runs.append(Span(row, row + end - start, slots.to(dev)))
+            row += end - start
+        nd = step.num_decode
         ctx = StepContext(self.cache, self.spec.layers, torch.cat(slot_map).to(dev), runs, nd, kernel_impl=self.kernel_impl)
         if self.spec.has_latent:  # latent layers get the step's context back from the cache hook, each
             # distinct slot once (forks share their prefix), to be expanded once by the model's own code
@@ -82,21 +106,21 @@ class ModelRunner:
                 "max_q": max(r.row1 - r.row0 for r in runs), "max_k": max(lens),
             }
             if self.flash_paged:  # flash-attn reads the blocks in place through the block table
-                tables = [w.seq.blocks[: -(-w.end // self.block_size)] for w in work]
+                tables = [blocks for _, _, blocks in step.runs]
                 width = max(len(t) for t in tables)
                 ctx.flash["block_table"] = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32,
                                                         device=dev)
             else:  # blocks smaller than flash-attn's 256-token pages: gather the context first
                 ctx.flash["slots"] = torch.cat([r.index for r in runs])
         if self.cascade and nd >= 2:
-            ctx.decode_levels = decode_levels([w.seq.blocks for w in work[:nd]], [w.end for w in work[:nd]],
-                                              self.block_size, dev)
-            ctx.decode_pos = torch.tensor([w.end - 1 for w in work[:nd]], device=dev)
+            decode = step.runs[:nd]
+            ctx.decode_levels = decode_levels([b for _, _, b in decode], [e for _, e, _ in decode], bs, dev)
+            ctx.decode_pos = torch.tensor([e - 1 for _, e, _ in decode], device=dev)
         set_context(ctx)
         try:
             with self.attached():
                 out = self.body(
-                    input_ids=torch.tensor([ids], device=dev),
+                    input_ids=torch.tensor([step.ids], device=dev),
                     position_ids=torch.tensor([pos], device=dev),
                     past_key_values=self.paged_kv,
                     use_cache=False,

@@ -45,9 +45,11 @@ def _parse_dtype(dtype: str | torch.dtype | None, device: str | None) -> torch.d
 
 
 def load_model(path: str | Path, *, dtype: str | torch.dtype | None = None, device: str | None = None,
-               device_map: str | dict | None = None) -> LoadedModel:
+               device_map: str | dict | None = None, tp: bool = False) -> LoadedModel:
     """`device`: "cpu", "cuda", "cuda:1"... (default: cuda if available). `device_map`: passed to
-    accelerate ("auto" spreads a model too large for one GPU over all visible GPUs)."""
+    accelerate ("auto" spreads a model too large for one GPU over all visible GPUs). `tp`: shard the
+    model over the initialised torch.distributed group with transformers' own tensor-parallel plan
+    (every rank calls this; see engine/tp.py)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -78,6 +80,12 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype | None = None, devi
     kwargs = dict(dtype=torch_dtype, local_files_only=True, output_loading_info=True)
     if device_map is not None:
         kwargs["device_map"] = device_map
+    if tp:
+        from transformers.distributed import DistributedConfig
+
+        if device_map is not None:
+            raise ModelLoadError("tensor parallelism and a device map do not mix: pass one of them")
+        kwargs["distributed_config"] = DistributedConfig(tp_plan="auto")
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()  # our own checks below report what matters, in our words
@@ -99,7 +107,7 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype | None = None, devi
     if bad:
         detail = "; ".join(f"{len(v)} weights {k} (e.g. {', '.join(list(v)[:3])})" for k, v in bad.items())
         raise ModelLoadError(f"checkpoint {path} does not match its config.json: {detail}")
-    if device_map is None:
+    if device_map is None and not tp:
         model = model.to(device)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
