@@ -16,6 +16,56 @@ CHATML = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+# Mimics of the reasoning templates (written from the public chat templates of openai/gpt-oss-20b,
+# Qwen/Qwen3-8B and deepseek-ai/DeepSeek-V3.1): the same template variables, defaults, special tokens,
+# generation prompts and treatment of earlier assistant turns; tools and system prompts left out.
+HARMONY = (
+    "{%- macro system_message() -%}"
+    "{%- if reasoning_effort is not defined %}{%- set reasoning_effort = 'medium' %}{%- endif %}"
+    "{{- 'You are ChatGPT.\nKnowledge cutoff: 2024-06\n\nReasoning: ' + reasoning_effort + '\n\n' }}"
+    "{{- '# Valid channels: analysis, commentary, final. Channel must be included for every message.' }}"
+    "{%- endmacro -%}"
+    "{{- '<|start|>system<|message|>' + system_message() + '<|end|>' }}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' %}{{- '<|start|>assistant<|channel|>final<|message|>' + m.content + '<|end|>' }}"
+    "{%- else %}{{- '<|start|>' + m.role + '<|message|>' + m.content + '<|end|>' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|start|>assistant{%- endif %}"
+)
+QWEN3 = (
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' %}"
+    "{%- set content = m.content.split('</think>')[-1].lstrip('\n') if '</think>' in m.content else m.content %}"
+    "{{- '<|im_start|>assistant\n' + content + '<|im_end|>\n' }}"
+    "{%- else %}{{- '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\n\n</think>\n\n' }}{%- endif %}"
+    "{%- endif %}"
+)
+DEEPSEEK_V31 = (
+    "{%- if not thinking is defined %}{%- if enable_thinking is defined %}{%- set thinking = enable_thinking %}"
+    "{%- else %}{%- set thinking = false %}{%- endif %}{%- endif %}"
+    "{{- bos_token }}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'user' %}{{- '<｜User｜>' + m.content }}"
+    "{%- elif m.role == 'assistant' %}"
+    "{%- set content = m.content.split('</think>', 1)[1] if '</think>' in m.content else m.content %}"
+    "{{- '<｜Assistant｜></think>' + content + '<｜end▁of▁sentence｜>' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<｜Assistant｜>' + ('<think>' if thinking else '</think>') }}{%- endif %}"
+)
+FAMILIES = {  # name -> (template, special tokens (id 2 = eos, as make_model's configs say), eos, bos, added tokens)
+    "chatml": (CHATML, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], "<|im_end|>", "<|endoftext|>", []),
+    "harmony": (HARMONY, ["<|endoftext|>", "<|start|>", "<|return|>", "<|end|>", "<|message|>", "<|channel|>",
+                          "<|call|>"], "<|return|>", "<|endoftext|>", []),
+    "qwen3": (QWEN3, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], "<|im_end|>", "<|endoftext|>",
+              ["<think>", "</think>"]),
+    "deepseek_v3.1": (DEEPSEEK_V31, ["<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜end▁of▁sentence｜>", "<｜Assistant｜>"],
+                      "<｜end▁of▁sentence｜>", "<｜begin▁of▁sentence｜>", ["<think>", "</think>"]),
+}
+
 _CORPUS = [
     "What is 2 + 3? The answer is 5. Answer: \\boxed{5}",
     "These are the solutions to the problem from other agents: one agent solution.",
@@ -23,23 +73,23 @@ _CORPUS = [
     "Confidence: 80%. The final answer is (B). Let me think step by step about the question.",
     "Janet has 16 eggs and sells them for $2 each, so she makes 18 dollars every day.",
 ] * 5
+_REASONING_CORPUS = ["assistant analysis final commentary Reasoning: low medium high"] * 5
 
 
-def build_tokenizer():
+def build_tokenizer(family: str = "chatml"):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
+    template, specials, eos, bos, added = FAMILIES[family]
     tk = Tokenizer(models.BPE(unk_token=None))
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tk.train_from_iterator(_CORPUS, trainer)
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", bos_token="<|endoftext|>",
-                                  pad_token="<|endoftext|>")
-    tok.chat_template = CHATML
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tk.train_from_iterator(_CORPUS + (_REASONING_CORPUS if family != "chatml" else []), trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token=eos, bos_token=bos, pad_token=specials[0])
+    tok.add_tokens(added)  # Qwen3's and DeepSeek's think tags are added tokens, not special ones
+    tok.chat_template = template
     return tok
 
 

@@ -24,12 +24,18 @@ def initial_messages(q: Question, elicit_confidence: bool = True) -> list[dict]:
     return [{"role": "user", "content": f"{q.question}\n\n{instruction(q, elicit_confidence)}"}]
 
 
+def shown(r: Response):
+    """What a peer's response shows: its final response, never hidden reasoning (as an API returns
+    it), as exact tokens where the backend has them."""
+    return r.final_tokens or r.text
+
+
 def debate_format(q: Question, peers: list[Response], brief: list[Response], elicit_confidence: bool = True) -> list:
     """The user turn that carries peers' full responses (and, for GroupDebate, other agents'
     final answers only), then asks the receiver to answer again."""
     parts: list = ["These are the solutions to the problem from other agents:"]
     for p in peers:
-        parts += ["\n\nOne agent solution: ```", p.tokens if p.tokens else p.text, "```"]
+        parts += ["\n\nOne agent solution: ```", shown(p), "```"]
     if brief:
         answers = ", ".join(str(b.answer) if b.answer is not None else "(no answer)" for b in brief)
         parts.append(f"\n\nFinal answers from the other agents: {answers}")

@@ -111,7 +111,8 @@ class RecordingBackend:
 
 def _tokens(r: Response) -> dict:
     return {"prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
-            "computed_tokens": r.computed_tokens, "signals": dict(r.signals), "text": r.text}
+            "computed_tokens": r.computed_tokens, "signals": dict(r.signals), "text": r.text,
+            "reasoning": r.reasoning, "final": r.final, "finish_reason": r.finish_reason}
 
 
 def trace_row(q: Question, initial: Sequence[Response], debates: Iterable[Response],
@@ -144,7 +145,9 @@ def _response(entry: dict, agent: int, round_: int = 0) -> Response:
                     prompt_tokens=int(entry.get("prompt_tokens") or 0),
                     completion_tokens=int(entry.get("completion_tokens") or 0),
                     computed_tokens=int(entry.get("computed_tokens") or 0), round=round_,
-                    peers=tuple(entry.get("peers", ())), brief=tuple(entry.get("brief", ())))
+                    peers=tuple(entry.get("peers", ())), brief=tuple(entry.get("brief", ())),
+                    reasoning=entry.get("reasoning", ""), final=entry.get("final", True),
+                    finish_reason=entry.get("finish_reason"))
 
 
 def row_question(row: dict) -> Question:

@@ -45,6 +45,12 @@ class Response:
     model after KV-cache reuse (replay and scripted backends report what was recorded, or 0).
     `signals` holds the prior/posterior numbers of `svrmad_local.signals` (min_ll, ppl,
     mean_entropy, conf_*, self_conf); a value may be None when it could not be computed.
+
+    For a reasoning model `text` is the final response (what an API returns as the message, what
+    peers see, where the answer and self-confidence are read) and `reasoning` the hidden part;
+    `tokens` is the whole completion, `final_tokens` the final response's exact tokens. `final` is
+    False when the completion ended inside its reasoning (no final response: answer None);
+    `finish_reason` is the engine's "stop" | "length" (None where not recorded).
     """
 
     id: str
@@ -59,6 +65,10 @@ class Response:
     round: int = 0
     peers: tuple[str, ...] = ()
     brief: tuple[str, ...] = ()
+    reasoning: str = ""
+    final_tokens: list[int] = field(default_factory=list)
+    final: bool = True
+    finish_reason: str | None = None
     # Backend-private handle (e.g. the prompt segments an engine backend needs to extend this
     # response's context in a later round). Never serialised.
     context: Any = field(default=None, repr=False, compare=False)

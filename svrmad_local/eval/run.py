@@ -26,6 +26,7 @@ from svrmad_local.debate.types import Question, Response
 from svrmad_local.eval.datasets import DatasetError, load_dataset
 from svrmad_local.debate.trace import read_jsonl
 from svrmad_local.methods import METHODS, accepted_params, run_method
+from svrmad_local.models.reasoning import EFFORTS
 from svrmad_local.signals import PRIORS, prior_score
 
 LIVE_DEFAULT = "svr-mad"
@@ -56,6 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-k", type=int, default=40)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--no-confidence", action="store_true", help="do not ask agents for a self-reported confidence")
+    g.add_argument("--reasoning-effort", choices=EFFORTS,
+                   help="through the chat template (paper: medium); default: the template's own")
     g = p.add_argument_group("methods")
     g.add_argument("--methods", default=LIVE_DEFAULT, help=f"comma list of {', '.join(METHODS)}; or 'all'")
     g.add_argument("--agents", type=int, default=6)
@@ -235,7 +238,12 @@ def main(args) -> int:
     engine_info = {}
     if todo:
         engine, model_path = build_engine(args)
-        backend = RecordingBackend(EngineBackend(engine, params, elicit_confidence=not args.no_confidence, seed=args.seed))
+        try:
+            backend = RecordingBackend(EngineBackend(engine, params, elicit_confidence=not args.no_confidence,
+                                                     seed=args.seed, reasoning_effort=args.reasoning_effort))
+        except ValueError as exc:  # an effort the chat template cannot take
+            print(f"svrmad run: {exc}", file=sys.stderr)
+            return 2
         (folder.out / "run.json").write_text(json.dumps({"config": {k: v for k, v in vars(args).items() if not k.startswith("_")},
                                                           "model": model_path}, indent=2))
 

@@ -3,8 +3,14 @@
 The model's chat template is rendered once with sentinel contents and cut at the sentinels; each
 template piece is tokenized on its own and each content part goes in as given: text is tokenized,
 a list of ints is inserted as is. An agent's own answer therefore re-enters a later prompt as the
-exact tokens it generated (no decode/re-encode round trip), and [question + own answer] in a debate
-prompt is the same token run whose KV was written while that answer was generated.
+exact tokens it generated (no decode/re-encode round trip).
+
+An assistant message marked `"generated": True` is a completion as the model produced it, right
+after the generation prompt of the messages before it: the prompt is then that earlier prompt,
+token for token, plus the completion, plus the template's text after the turn. So [question + own
+answer] in a debate prompt is the very token run whose KV was written while the answer was
+generated, whatever the template does to earlier assistant turns (a reasoning template rewrites
+them: GPT-OSS's drops the analysis channel and re-heads the turn as `final`).
 """
 
 from __future__ import annotations
@@ -18,7 +24,9 @@ _SENTINEL = "\x1e{}\x1f"
 
 
 class ChatFormat:
-    def __init__(self, tokenizer, eos_ids: set[int] | None = None):
+    def __init__(self, tokenizer, eos_ids: set[int] | None = None, template_kwargs: dict | None = None):
+        """`template_kwargs` go to every rendering of the template (e.g. `reasoning_effort`, see
+        `models.reasoning.effort_kwargs`)."""
         if tokenizer is None:
             raise ValueError("chat prompts need a tokenizer; the checkpoint folder has none")
         if not getattr(tokenizer, "chat_template", None):
@@ -26,6 +34,7 @@ class ChatFormat:
         self.tok = tokenizer
         eos = tokenizer.eos_token_id
         self.eos_ids = set(eos_ids or ()) | ({eos} if isinstance(eos, int) else set(eos or ()))
+        self.template_kwargs = dict(template_kwargs or {})
         self._piece_cache: dict[str, list[int]] = {}
 
     def _encode_text(self, text: str) -> list[int]:
@@ -33,14 +42,35 @@ class ChatFormat:
             self._piece_cache[text] = self.tok.encode(text, add_special_tokens=False)
         return self._piece_cache[text]
 
-    def encode(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """`messages`: [{"role": ..., "content": str | list[int] | list[str | list[int]]}]."""
+    def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        """The template's text with message i's content replaced by sentinel i."""
         placeholders = [{"role": m["role"], "content": _SENTINEL.format(i)} for i, m in enumerate(messages)]
-        text = self.tok.apply_chat_template(placeholders, tokenize=False, add_generation_prompt=add_generation_prompt)
-        ids: list[int] = []
-        rest = text
-        for i, m in enumerate(messages):
-            mark = _SENTINEL.format(i)
+        return self.tok.apply_chat_template(placeholders, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                            **self.template_kwargs)
+
+    def generation_prompt(self) -> str:
+        """The text the template appends to open the assistant's turn (e.g. "<|start|>assistant",
+        or "<｜Assistant｜><think>" for a template that opens the reasoning itself)."""
+        one = [{"role": "user", "content": ""}]
+        closed = self._render(one, False).split(_SENTINEL.format(0), 1)[1]
+        opened = self._render(one, True).split(_SENTINEL.format(0), 1)[1]
+        return opened[len(closed):] if opened.startswith(closed) else opened
+
+    def encode(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """`messages`: [{"role": ..., "content": str | list[int] | list[str | list[int]]}], an assistant
+        message optionally `"generated": True` (see the module docstring)."""
+        text = self._render(messages, add_generation_prompt)
+        last = max((i for i, m in enumerate(messages) if m.get("generated")), default=None)
+        if last is None:
+            ids, rest, start = [], text, 0
+        else:
+            ids = self.encode(messages[:last], add_generation_prompt=True) + self._content_ids(messages[last]["content"])
+            mark = _SENTINEL.format(last)
+            if mark not in text:
+                raise ValueError(f"the chat template dropped message {last} (assistant); cannot build segments")
+            rest, start = text.split(mark, 1)[1], last + 1
+        for i in range(start, len(messages)):
+            m, mark = messages[i], _SENTINEL.format(i)
             if mark not in rest:
                 raise ValueError(f"the chat template dropped message {i} ({m['role']}); cannot build segments")
             head, rest = rest.split(mark, 1)
