@@ -301,3 +301,22 @@ def test_public_api_from_pretrained_text_and_chat_prompts(tmp_path, tiny_model, 
         PublicEngine.from_pretrained(tmp_path, kv_cache_mem="1GiB")
     with pytest.raises(ValueError, match="2 SamplingParams for 1 prompts"):
         eng.generate_sync([ids], [GREEDY, GREEDY])
+
+
+def test_prefill_runs_of_one_step_share_one_padded_attention_call():
+    """Similar prefill runs go in one call (padded), a long one beside short ones alone."""
+    from svrmad_local.engine.attention import Span, _view
+
+    def span(row0, qn, L):
+        return Span(row0, row0 + qn, torch.arange(100, 100 + L))
+
+    v = _view([span(0, 1, 9), span(1, 5, 12), span(6, 6, 6), span(12, 4, 10)], 1, window=None)
+    assert v.decode.index.shape == (1, 9) and v.prefills == []
+    assert v.prefill.q_rows.shape == (3, 6) and v.prefill.dest.tolist() == list(range(1, 16))
+    # run 1: 5 queries at positions 7..11 over 12 keys, bottom-right causal
+    assert v.prefill.mask[0, 0, :5].tolist() == torch.ones(5, 12, dtype=torch.bool).tril(7).tolist()
+    assert v.prefill.mask[0, 0, 5].tolist() == [True] + [False] * 11  # a padding row sees one key
+    w = _view([span(0, 5, 12), span(5, 6, 6)], 0, window=3)  # windows trim the keys per run
+    assert w.prefill.index[0, :7].tolist() == list(range(105, 112))
+    lone = _view([span(0, 200, 200), span(200, 2, 30), span(202, 2, 30), span(204, 2, 30)], 0, window=None)
+    assert lone.prefill is None and [p[:2] for p in lone.prefills] == [(0, 200), (200, 202), (202, 204), (204, 206)]

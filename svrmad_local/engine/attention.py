@@ -57,45 +57,79 @@ class Span:
 
 
 @dataclass
-class View:
-    """The keys the runs of a step see under one window: decode rows batched (padded), prefill runs
-    one by one. `mask` None means plain causal over the whole index (no cached prefix, no window)."""
+class Padded:
+    """Runs of one attention call, padded to one shape: query rows `q_rows` [R, Q] of the flat
+    batch (padding repeats a real row), keys `index` [R, L] into the cache (or the expanded latent
+    context), `mask` [R, 1, Q, L] True = attend (a padding row sees its first key only, so no row is
+    empty), and `valid` [R, Q] the real query rows, whose outputs go back to `dest` (flat rows)."""
 
-    decode_index: torch.Tensor | None  # [nd, L] padded
-    decode_mask: torch.Tensor | None  # [nd, 1, 1, L] True = attend
-    prefills: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]  # (row0, row1, index, mask [qn, L])
+    q_rows: torch.Tensor
+    index: torch.Tensor
+    mask: torch.Tensor
+    valid: torch.Tensor
+    dest: torch.Tensor
+
+
+@dataclass
+class View:
+    """The keys the runs of a step see under one window: the decode rows in one padded call; the
+    prefill runs in one padded call when padding wastes little, else one call each
+    (`prefills`: (row0, row1, index, mask [qn, L] or None for plain causal))."""
+
+    decode: Padded | None
+    prefill: Padded | None
+    prefills: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]
+
+
+def _keys(r: Span, window: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The keys run `r` can see and its mask [qn, L] (None: plain causal from position 0). Query i sits
+    at position L - qn + i and sees keys p with p <= its position and p > its position - window."""
+    qn, L = r.row1 - r.row0, r.index.shape[0]
+    start = 0 if window is None else max(0, L - qn - window + 1)
+    if start == 0 and L == qn and (window is None or window >= qn):
+        return r.index, None
+    pos_q = torch.arange(L - qn, L, device=r.index.device).unsqueeze(1)
+    pos_k = torch.arange(start, L, device=r.index.device).unsqueeze(0)
+    mask = pos_k <= pos_q
+    if window is not None:
+        mask &= pos_k > pos_q - window
+    return r.index[start:], mask
+
+
+def _pad(runs: list[Span], window: int | None) -> Padded:
+    keys = [_keys(r, window) for r in runs]
+    qmax = max(r.row1 - r.row0 for r in runs)
+    lmax = max(k.shape[0] for k, _ in keys)
+    dev = runs[0].index.device
+    R = len(runs)
+    q_rows = torch.zeros(R, qmax, dtype=torch.long, device=dev)
+    index = torch.zeros(R, lmax, dtype=torch.long, device=dev)
+    mask = torch.zeros(R, 1, qmax, lmax, dtype=torch.bool, device=dev)
+    valid = torch.zeros(R, qmax, dtype=torch.bool, device=dev)
+    for i, (r, (k, m)) in enumerate(zip(runs, keys)):
+        qn, L = r.row1 - r.row0, k.shape[0]
+        q_rows[i] = r.row0
+        q_rows[i, :qn] = torch.arange(r.row0, r.row1, device=dev)
+        index[i, :L] = k
+        if m is None:
+            m = torch.ones(qn, L, dtype=torch.bool, device=dev).tril(L - qn)
+        mask[i, 0, :qn, :L] = m
+        mask[i, 0, qn:, 0] = True
+        valid[i, :qn] = True
+    return Padded(q_rows, index, mask, valid, q_rows[valid])
 
 
 def _view(runs: list[Span], nd: int, window: int | None) -> View:
-    """Keys under `window` for every run: a query at position p sees positions (p - window, p]."""
-    d_index = d_mask = None
-    if nd:
-        idx = []
-        for r in runs[:nd]:
-            idx.append(r.index if window is None else r.index[-window:])
-        lmax = max(i.shape[0] for i in idx)
-        dev = idx[0].device
-        d_index = torch.zeros(nd, lmax, dtype=torch.long, device=dev)
-        d_mask = torch.zeros(nd, 1, 1, lmax, dtype=torch.bool, device=dev)
-        for i, ix in enumerate(idx):
-            d_index[i, : ix.shape[0]] = ix
-            d_mask[i, 0, 0, : ix.shape[0]] = True
-    prefills = []
-    for r in runs[nd:]:
-        qn, L = r.row1 - r.row0, r.index.shape[0]
-        start = 0 if window is None else max(0, L - qn - window + 1)
-        if start == 0 and L == qn and (window is None or window >= qn):
-            prefills.append((r.row0, r.row1, r.index, None))
-            continue
-        # query i sits at position L - qn + i: keys start + j with j + start <= L - qn + i
-        # (causal) and j + start > L - qn + i - window (window)
-        pos_q = torch.arange(L - qn, L, device=r.index.device).unsqueeze(1)
-        pos_k = torch.arange(start, L, device=r.index.device).unsqueeze(0)
-        mask = pos_k <= pos_q
-        if window is not None:
-            mask &= pos_k > pos_q - window
-        prefills.append((r.row0, r.row1, r.index[start:], mask))
-    return View(d_index, d_mask, prefills)
+    """Keys under `window` for every run of the step."""
+    decode = _pad(runs[:nd], window) if nd else None
+    rest = runs[nd:]
+    if len(rest) > 1:  # one call for all prefill runs, unless padding would more than double the work
+        qmax = max(r.row1 - r.row0 for r in rest)
+        lmax = max(r.index.shape[0] for r in rest)
+        real = sum((r.row1 - r.row0) * r.index.shape[0] for r in rest)
+        if len(rest) * qmax * lmax <= 2 * real:
+            return View(decode, _pad(rest, window), [])
+    return View(decode, None, [(r.row0, r.row1, *_keys(r, window)) for r in rest])
 
 
 @dataclass
@@ -251,10 +285,9 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
         out[:nd] = cascade_attention(q[:nd], *paged, ctx.decode_levels, scaling, q_pos=ctx.decode_pos,
                                      window=spec.window, sinks=sinks, kernel_impl=ctx.kernel_impl)
     elif nd:
-        k, v = _gather(ctx, kc, vc, layer, view.decode_index, spec.kind)
-        qd = q[:nd].unsqueeze(2)  # [nd, H, 1, D]
-        o = _sdpa(qd, k.transpose(1, 2), v.transpose(1, 2), view.decode_mask, scaling, sinks)
-        out[:nd] = o.squeeze(2)
+        _attend_padded(ctx, q, kc, vc, layer, view.decode, spec.kind, scaling, sinks, out)
+    if view.prefill is not None:
+        _attend_padded(ctx, q, kc, vc, layer, view.prefill, spec.kind, scaling, sinks, out)
     for row0, row1, index, mask in view.prefills:
         k, v = _gather(ctx, kc, vc, layer, index, spec.kind)
         k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D]
@@ -262,6 +295,13 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
         o = _sdpa(qp, k, v, mask, scaling, sinks, causal=True)
         out[row0:row1] = o[0].transpose(0, 1)
     return out.unsqueeze(0), None
+
+
+def _attend_padded(ctx: StepContext, q, kc, vc, layer: int, p: Padded, kind: str, scaling, sinks, out) -> None:
+    k, v = _gather(ctx, kc, vc, layer, p.index, kind)  # [R, L, KVH, D]
+    qp = q[p.q_rows].transpose(1, 2)  # [R, H, Q, D]
+    o = _sdpa(qp, k.transpose(1, 2), v.transpose(1, 2), p.mask, scaling, sinks)  # [R, H, Q, Dv]
+    out[p.dest] = o.transpose(1, 2)[p.valid]
 
 
 def _gather(ctx: StepContext, kc, vc, layer: int, index: torch.Tensor, kind: str):
