@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterable, Sequence
 
-from svrmad_local.debate.answers import equivalent, is_correct
+from svrmad_local.grading import equivalent, is_correct
 from svrmad_local.debate.types import Backend, Question, Response, debate_id
 
 

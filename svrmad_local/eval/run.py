@@ -20,7 +20,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from svrmad_local.debate.answers import equivalent
+from svrmad_local.grading import equivalent
 from svrmad_local.debate.trace import RecordingBackend, read_trace
 from svrmad_local.debate.types import Question, Response
 from svrmad_local.eval.datasets import DatasetError, load_dataset

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Iterable, Sequence
 
-from svrmad_local.debate.answers import equivalent, is_correct
+from svrmad_local.grading import equivalent, is_correct
 from svrmad_local.debate.types import Question, Response
 
 

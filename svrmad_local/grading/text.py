@@ -1,0 +1,87 @@
+"""LaTeX as text: brace groups, unwrapping commands, splitting at top level.
+
+Model outputs can be any length and shape (a model stuck in a loop writes 200k characters of
+`\\boxed{` or newlines), so every function here makes one pass over its input: brace groups are
+matched once for the whole text with a stack, never by rescanning from each opening brace.
+"""
+
+from __future__ import annotations
+
+import re
+
+_BRACE_TOKEN = re.compile(r"\\.|[{}]", re.S)  # an escaped character (\{, \\) is never a brace
+
+
+def match_braces(text: str) -> dict[int, int]:
+    """{index of a '{': index of its matching '}'} for every balanced group of `text`."""
+    close: dict[int, int] = {}
+    stack: list[int] = []
+    for m in _BRACE_TOKEN.finditer(text):
+        c = m.group()
+        if c == "{":
+            stack.append(m.start())
+        elif c == "}" and stack:
+            close[stack.pop()] = m.start()
+    return close
+
+
+def unwrap(text: str, commands: tuple[str, ...]) -> str:
+    r"""Replace \cmd{X} by X for each command, nested ones too (`\text{\textbf{5}}` -> `5`)."""
+    pattern = re.compile(r"\\(?:%s)(?![A-Za-z])\s*" % "|".join(commands))
+    close = None
+    cuts: list[tuple[int, int]] = []
+    for m in pattern.finditer(text):
+        if close is None:
+            close = match_braces(text)
+        end = close.get(m.end())
+        if end is not None:
+            cuts += [(m.start(), m.end() + 1), (end, end + 1)]
+    if not cuts:
+        return text
+    out, pos = [], 0
+    for start, stop in sorted(cuts):
+        out.append(text[pos:start])
+        pos = stop
+    out.append(text[pos:])
+    return "".join(out)
+
+
+def split_top(text: str, seps: tuple[str, ...] = (",",)) -> list[str]:
+    """Split on separators outside any bracket; intervals like (a,b] count as balanced."""
+    parts, depth, last, i = [], 0, 0, 0
+    n = len(text)
+    while i < n:
+        c = text[i]
+        if c == "\\" and i + 1 < n and text[i + 1] in "{}\\":
+            if text[i + 1] != "\\":
+                depth += 1 if text[i + 1] == "{" else -1
+            i += 2
+            continue
+        if c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+        elif depth == 0:
+            for sep in seps:
+                end = i + len(sep)
+                if text.startswith(sep, i) and not (sep[0] == "\\" and text[end : end + 1].isalpha()):
+                    parts.append(text[last:i])
+                    last = end
+                    i = end - 1
+                    break
+        i += 1
+    parts.append(text[last:])
+    return parts
+
+
+def balanced(s: str) -> bool:
+    """Brackets of every kind close in order of depth (not of kind: "(0,1]" is balanced)."""
+    depth = 0
+    for c in s:
+        if c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+            if depth < 0:
+                return False
+    return depth == 0
