@@ -19,6 +19,7 @@ __all__ = ["extract_answer"]
 
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 MAX_CANDIDATES = 64  # boxes / answer lines looked at, from the last: a looping model writes thousands
+MAX_OPTION_CHARS = 4000  # of a box or an answer line, read for a letter or an option's text
 
 
 def extract_answer(text: str, answer_type: str, choices: list[str] | None = None) -> str | None:
@@ -156,7 +157,7 @@ def _extract_mc(text: str, choices: list[str] | None) -> str | None:
     label = re.compile(rf"^[ \t]*\**[ \t]*(?:\(({L})\)|({L})(?=$|[\s).:,;*]))")
 
     def letter_of(s: str) -> str | None:
-        s = unwrap(s, ("text", "textbf", "mathrm", "mathbf")).replace("$", "")
+        s = unwrap(s[:MAX_OPTION_CHARS], ("text", "textbf", "mathrm", "mathbf")).replace("$", "")
         m = label.match(s)
         if m:
             return m.group(1) or m.group(2)
@@ -203,7 +204,7 @@ def _option_in_line(line: str, keys: list[tuple[str, str]], valid: str) -> str |
     for tier, text in ((0, exact_line), (1, loose_line)):
         spans = {}
         for i, k in enumerate(keys):
-            if k[tier]:
+            if k[tier] and k[tier] in text:  # `in` first: a regex pass over a long line only when needed
                 found = [(m.start(), m.end()) for m in
                          re.finditer(rf"(?<![\w+\-]){re.escape(k[tier])}(?!\w)", text)]
                 if found:

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import importlib.util
 
-__all__ = ["INSTALL", "available", "require", "verify_answer", "verify_response"]
+__all__ = ["INSTALL", "GraderUnavailable", "available", "require", "verify_answer", "verify_response"]
 
 INSTALL = 'pip install -e ".[mathverify]"'
 
 
-class GraderUnavailable(RuntimeError):
-    pass
+class GraderUnavailable(ValueError):
+    """A grader was asked for whose optional package is not installed."""
 
 
 def available() -> bool:

@@ -7,6 +7,7 @@ matched once for the whole text with a stack, never by rescanning from each open
 
 from __future__ import annotations
 
+import functools
 import re
 
 _BRACE_TOKEN = re.compile(r"\\.|[{}]", re.S)  # an escaped character (\{, \\) is never a brace
@@ -46,30 +47,25 @@ def unwrap(text: str, commands: tuple[str, ...]) -> str:
     return "".join(out)
 
 
+@functools.lru_cache(maxsize=None)
+def _splitter(seps: tuple[str, ...]) -> re.Pattern:
+    alternatives = [r"\\[{}\\]"]  # \{ \} count as brackets; \\ (a row break) is no separator
+    alternatives += [re.escape(s) + (r"(?![A-Za-z])" if s[0] == "\\" else "") for s in seps]
+    return re.compile("|".join(alternatives + [r"[()\[\]{}]"]))
+
+
 def split_top(text: str, seps: tuple[str, ...] = (",",)) -> list[str]:
     """Split on separators outside any bracket; intervals like (a,b] count as balanced."""
-    parts, depth, last, i = [], 0, 0, 0
-    n = len(text)
-    while i < n:
-        c = text[i]
-        if c == "\\" and i + 1 < n and text[i + 1] in "{}\\":
-            if text[i + 1] != "\\":
-                depth += 1 if text[i + 1] == "{" else -1
-            i += 2
-            continue
-        if c in "([{":
+    parts, depth, last = [], 0, 0
+    for m in _splitter(seps).finditer(text):
+        t = m.group()
+        if t in ("(", "[", "{", "\\{"):
             depth += 1
-        elif c in ")]}":
+        elif t in (")", "]", "}", "\\}"):
             depth -= 1
-        elif depth == 0:
-            for sep in seps:
-                end = i + len(sep)
-                if text.startswith(sep, i) and not (sep[0] == "\\" and text[end : end + 1].isalpha()):
-                    parts.append(text[last:i])
-                    last = end
-                    i = end - 1
-                    break
-        i += 1
+        elif depth == 0 and t != "\\\\":
+            parts.append(text[last : m.start()])
+            last = m.end()
     parts.append(text[last:])
     return parts
 
