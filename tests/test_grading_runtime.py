@@ -5,6 +5,7 @@ import asyncio
 import importlib.util
 import os
 import subprocess
+import threading
 import sys
 import time
 from pathlib import Path
@@ -126,3 +127,36 @@ def test_cheap_pairs_never_reach_the_worker():
     assert not equivalent("(1,2)", "(2,1)", "math")
     assert equivalent(r"x \ge 2", r"[2, \infty)", "math")
     assert grading.stats["worker"] == asked
+
+
+def test_a_live_method_never_waits_for_sympy_on_the_event_loop(monkeypatch):
+    """RecordingBackend settles each answer as it arrives: every worker request is made from a
+    thread, and the method's own (sync) comparisons find their verdicts cached."""
+    from svrmad_local.debate.scripted import ScriptedBackend
+    from svrmad_local.debate.trace import RecordingBackend
+    from svrmad_local.debate.types import Question
+    from svrmad_local.grading import verdicts
+    from svrmad_local.methods import run_method
+
+    grading.clear_cache()
+    on_loop_thread = []
+    real = verdicts._from_worker
+
+    def spy(key):
+        on_loop_thread.append(threading.current_thread() is threading.main_thread())
+        return real(key)
+
+    monkeypatch.setattr(verdicts, "_from_worker", spy)
+    q = Question(id="q", question="?", gold="x^2-1", answer_type="math")
+    backend = RecordingBackend(ScriptedBackend(["(x-1)(x+1)", "x^2+1", "1-x^2", "x^2+1"],
+                                               {(0, 1): "(x+1)(x-1)", (0, 3): "x^2 - 1"}))
+
+    async def go():
+        initial = await backend.initial(q, 4)
+        results = [await run_method(m, q, initial, backend) for m in ("svr-mad", "all-to-all")]
+        return results, backend.trace_row(q)
+
+    results, row = asyncio.run(go())
+    assert on_loop_thread and not any(on_loop_thread)
+    assert row["agents"][0]["correct"] and not row["agents"][1]["correct"]
+    assert all(r.answer is not None for r in results)

@@ -157,6 +157,14 @@ def _strip_units(s: str) -> str:
     return m.group(1).strip()
 
 
+def _mixed_number(s: str) -> str:
+    """6\\frac{3}{4} -> \\frac{27}{4}: MATH writes mixed numbers so."""
+    m = re.fullmatch(r"(\d+)\\frac\{(\d+)\}\{(\d+)\}", s)
+    if m and len(s) < 100 and int(m.group(2)) < int(m.group(3)):
+        return r"\frac{%d}{%s}" % (int(m.group(1)) * int(m.group(3)) + int(m.group(2)), m.group(3))
+    return s
+
+
 def _strip_assignment(s: str) -> str:
     parts = split_top(s, ("=",))
     if len(parts) == 2 and not re.search(r"[<>]|\\(?:leq|geq|neq)", s):
@@ -181,15 +189,12 @@ def _normalize_math(s: str) -> str:
         if not any(is_prose(it) for it in items):
             s = ",".join(items)
     prose = is_prose(s)
-    m = re.fullmatch(r"(\d+)\s*\\frac\{(\d+)\}\{(\d+)\}", s)  # mixed number 6\frac{3}{4}
-    if m and len(s) < 100 and int(m.group(2)) < int(m.group(3)):
-        s = r"\frac{%d}{%s}" % (int(m.group(1)) * int(m.group(3)) + int(m.group(2)), m.group(3))
     if prose:
         s = s.lower()
     s = _squeeze(s)
     if s.startswith(r"\{") and s.endswith(r"\}") and balanced(s[2:-2]):
         s = s[2:-2]  # a whole-answer set {a,b} reads the same as the list a,b
-    items = [_strip_assignment(x) for x in split_top(s)]
+    items = [_mixed_number(_strip_assignment(x)) for x in split_top(s)]
     items = [canonical_number(x) if _PLAIN_NUMBER.fullmatch(x) else x for x in items]
     if len(items) > 1 and not prose and not any("..." in x for x in items):
         items = sorted(items)
