@@ -81,7 +81,7 @@ _NUMBER = re.compile(r"(?<![\d.])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?
 _MATH_SPAN = re.compile(r"\$\$(.+?)\$\$|\$(.+?)\$|\\\((.+?)\\\)|\\\[(.+?)\\\]")
 # After the answer, a sentence goes on: "$g$. I hope it is correct.", "42, as required."
 _SENTENCE_END = re.compile(r"\.(?:\s|$)|;|,\s+(?=(?:as|which|since|because|so|where|when|thus|hence|therefore|"
-                           r"but|i|we|this|that|it|if|for|given|using|by|with|note)\b)", re.I)
+                           r"but|we|this|that|it|if|for|given|using|by|with|note)\b)", re.I)
 
 
 def _after(text: str, marks: list[re.Match]) -> list[tuple[str, int]]:
@@ -117,13 +117,16 @@ def _extract_math(text: str) -> str | None:
 
 def answer_of_line(rest: str) -> str:
     """The answer at the start of what follows an answer marker: a leading $...$ (or \\(...\\),
-    \\[...\\]) span whole, else the text up to the end of its sentence, markdown and a wrapping
-    `$` stripped."""
+    \\[...\\]) span when it is the only span of its sentence, else the text up to the end of the
+    sentence, markdown and a wrapping `$` stripped."""
     s = rest.strip().strip("*").strip()
     s = re.sub(r"^[:\s*]+", "", s)
     span = _MATH_SPAN.match(s)
-    if span:
-        return next(g for g in span.groups() if g is not None).strip()
+    if span:  # "$g$. I hope it is correct." -> g; but "$5$ and $6$." is a sentence of two spans
+        end = _SENTENCE_END.search(s, span.end())
+        tail = s[span.end() : end.start() if end else len(s)]
+        if "$" not in tail and "\\(" not in tail:
+            return next(g for g in span.groups() if g is not None).strip()
     end = _SENTENCE_END.search(s)
     if end:
         s = s[: end.start()]

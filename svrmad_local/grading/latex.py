@@ -86,10 +86,17 @@ class _LatexParser:
             else:
                 return e
 
-    def unary(self):
+    def signed(self, inner):
+        """Leading signs, then `inner` (in a term a sign binds looser than ^, in an exponent tighter)."""
         if self.peek() in ("-", "+"):
-            return -self.unary() if self.take() == "-" else self.unary()
-        return self.power()
+            return -self.signed(inner) if self.take() == "-" else self.signed(inner)
+        return inner()
+
+    def unary(self):
+        return self.signed(self.power)
+
+    def exponent(self):
+        return self.signed(self.postfix)
 
     def power(self):
         base = self.postfix()
@@ -97,11 +104,6 @@ class _LatexParser:
             self.take()
             return self.pow(base, self.exponent())
         return base
-
-    def exponent(self):
-        if self.peek() in ("-", "+"):
-            return -self.exponent() if self.take() == "-" else self.exponent()
-        return self.postfix()
 
     def postfix(self):
         e = self.atom()

@@ -37,10 +37,18 @@ _ROW_BREAK = "\x00"  # `\\` (a matrix row break) while the other rules run: no r
 _MAX_EXACT_CHARS = 4000  # Decimal -> int is quadratic: longer numbers compare as canonical strings
 
 
-@functools.lru_cache(maxsize=65536)
 def normalize(answer: str | None, answer_type: str) -> str | None:
     """A canonical string for an answer (equal strings are equivalent answers; the converse needs
     `equivalent`). Usable as a grouping key for votes. None when nothing is left."""
+    if answer is not None and len(answer) > MAX_CACHED_CHARS:  # a looping model's "answer": not kept
+        return _normalize(answer, answer_type)
+    return _cached(answer, answer_type)
+
+
+MAX_CACHED_CHARS = 2000
+
+
+def _normalize(answer: str | None, answer_type: str) -> str | None:
     if answer is None:
         return None
     try:
@@ -50,6 +58,10 @@ def normalize(answer: str | None, answer_type: str) -> str | None:
     except Exception:
         log.debug("normalize failed on %.200r", answer, exc_info=True)
         return None
+
+
+_cached = functools.lru_cache(maxsize=65536)(_normalize)
+clear_cache = _cached.cache_clear
 
 
 def _normalize_mc(s: str) -> str | None:

@@ -22,7 +22,8 @@ from typing import Iterable
 
 from svrmad_local.grading import mathverify, worker
 from svrmad_local.grading.equivalence import CHEAP, NeedsSympy, decide
-from svrmad_local.grading.normalize import normalize
+from svrmad_local.grading.normalize import MAX_CACHED_CHARS, normalize
+from svrmad_local.grading.normalize import clear_cache as _forget_normalised
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,8 @@ def _mv_key(answer: str | None, gold: str, answer_type: str) -> bool | tuple[str
 
 
 def _remember(key: tuple, verdict: bool) -> bool:
+    if len(key[1]) + len(key[2]) > 2 * MAX_CACHED_CHARS:  # degenerate answers: decided, not kept
+        return verdict
     with _cache_lock:
         if len(_cache) >= CACHE_SIZE:
             del _cache[next(iter(_cache))]
@@ -132,7 +135,7 @@ def clear_cache() -> None:
     """Forget every verdict and normalisation (tests; a long-lived process after a code change)."""
     with _cache_lock:
         _cache.clear()
-    normalize.cache_clear()
+    _forget_normalised()
 
 
 # ----------------------------------------------------------------------------- the API
