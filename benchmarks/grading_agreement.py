@@ -59,14 +59,21 @@ def _core(g: str) -> tuple[str, bool]:
     return (s if prose else inner.strip()), prose
 
 
+def _items(s: str) -> list[str]:
+    """Top-level list items; MATH's thousands separators (`30,\\!240`, `1{,}234`) and `\\,` are no commas."""
+    if re.search(r"\d,\s*\\!|\{\s*,\s*\}|\\,", s) or re.fullmatch(r"\d{1,3}(?:,\d{3})+", s):
+        return [s]  # "15,600" is a number (3 of the 4 such MATH golds; "70,110" is a list of two)
+    return split_top(s)
+
+
 def positives(g: str) -> list[str]:
     """Rewrites of gold g that keep its value."""
     s, prose = _core(g)
     if prose:
         out = [s + ".", f"  {s}  ", s.replace(" ", "  ")]
-    else:
-        out = [f"${s}$", f"\\boxed{{{s}}}", re.sub(r"(?<![A-Za-z])\s+|\s+(?![A-Za-z])", "", s),
-               re.sub(r"\s*([+=,<>-])\s*", r" \1 ", s).strip()]
+    else:  # spacing: none (kept after a backslash and between letters), or around operators
+        out = [f"${s}$", f"\\boxed{{{s}}}", re.sub(r"(?<![A-Za-z\\])\s+|(?<=[A-Za-z])\s+(?![A-Za-z])", "", s),
+               re.sub(r"(?<![\\{^_])\s*([+=<>]|(?<![{^_])-)\s*", r" \1 ", s).strip()]
     if r"\frac" in s:
         out.append(s.replace(r"\frac", r"\dfrac"))
         out.append(re.sub(r"\\frac\{(\d)\}\{(\d)\}", r"\\frac\1\2", s))
@@ -74,11 +81,12 @@ def positives(g: str) -> list[str]:
         out.append(r"\left" + s[:-1] + r"\right)")
     if "^\\circ" in s:
         out.append(re.sub(r"\s*\^\s*\\circ", "", s))
-    items = split_top(s)
+    items = _items(s)
     if not prose and len(items) > 1 and not s.startswith(("(", "[", r"\{")) and "=" not in s:
         out.append(", ".join(reversed([i.strip() for i in items])))
-    if not prose and len(items) == 1 and not re.search(r"[=<>]|\\(?:[gl]eq?|neq?|in|text)(?![A-Za-z])", s):
-        out.append(f"x = {s}")
+    free = next((v for v in "xyzuvw" if v not in s), None)
+    if not prose and free and len(items) == 1 and not re.search(r"[=<>]|\\(?:[gl]eq?|neq?|in|text)(?![A-Za-z])", s):
+        out.append(f"{free} = {s}")
     if _INT.fullmatch(s):
         out.append(s + ".0")
         if len(s.lstrip("-")) > 3:
@@ -111,7 +119,7 @@ def negatives(g: str, integer_golds: list[str], rng: random.Random) -> list[str]
         m = _FIRST_NUMBER.search(s)
         if m:
             out.append(s[: m.start()] + str(int(m.group()) + 1) + s[m.end():])
-    items = split_top(s)
+    items = _items(s)
     if not prose and len(items) == 1 and s not in ("0", "-0") and not re.search(r"[<>=]|\\(?:leq|geq|in|cup)|[A-Za-z]{3}", s):
         out.append(s[1:] if s.startswith("-") else f"-{s}" if re.fullmatch(r"[\w\\{}^.]+", s) else f"-({s})")
     if s.startswith("(") and s.endswith(")"):

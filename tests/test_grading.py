@@ -79,7 +79,8 @@ MISSES_EQUAL = [
     (r"45^\circ,135^\circ", "45, 135"), (r"45^\circ, 135^\circ", r"135^\circ,45^\circ"), ("4°, 20°", r"4^\circ, 20^\circ"),
     # units after a fraction (MATH, GSM8K)
     (r"\frac{68}{3}\text{ pounds}", r"\frac{68}{3}"), (r"\frac{68}{3}\text{ pounds}", r"22\frac{2}{3}"),
-    (r"\dfrac{9}{2} \text{ cm}^2", "4.5"), ("1,234 dollars", "1234"),
+    (r"\dfrac{9}{2} \text{ cm}^2", "4.5"), ("1,234 dollars", "1234"), (r"5\text{cm}", "5"), ("12 apples", "12"),
+    (r"x = 15\mbox{ cm}^2", "15"), (r"111, \! 111, \! 111", "111111111"),
     # integers over 4,300 digits (IMO-style exact values)
     (BIG, BIG), (BIG, f"${BIG}$"), (BIG + ".0", BIG),
 ]
@@ -91,6 +92,7 @@ MISSES_UNEQUAL = [
     (r"45^\circ,135^\circ", "45135"), (r"45^\circ,135^\circ", "45"), (r"45^\circ,135^\circ", r"45^\circ,145^\circ"),
     (r"\frac{68}{3}\text{ pounds}", r"\frac{68}{5}"), (r"\frac{68}{3}\text{ pounds}", r"\frac{68}{3}x"),
     (BIG, BIG[:-1] + "8"), (BIG, BIG + "7"),
+    ("5xy", "5"), ("5 ab", "5"), ("2 \\pi", "2"), (r"111, \! 111", "111111111"),  # products are no units
 ]
 
 

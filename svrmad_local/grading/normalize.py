@@ -77,12 +77,12 @@ def _clean_latex(s: str) -> str:
     for k, v in _UNICODE.items():
         s = s.replace(k, v)
     s = s.replace("\\\\", _ROW_BREAK)
-    s = unwrap(s, _TEXT_CMDS)
+    s = unwrap(s, _TEXT_CMDS, space=True)
     s = s.replace(r"\$", "").replace("$", "")
     s = re.sub(r"\\[()\[\]]", "", s)  # \( \) \[ \] math delimiters
     s = re.sub(r"\\[dtc]frac(?![A-Za-z])", r"\\frac", s)
     s = re.sub(r"\\(?:left|right|bigl|bigr|Bigl|Bigr|big|Big|bigg|Bigg)(?![A-Za-z])\.?", "", s)
-    s = re.sub(r"(?<=\d)(?:,\\!|\{,\})(?=\d{3})", "", s)  # MATH's thousands 30,\!240 and 1{,}234
+    s = re.sub(r"(?<=\d)(?:,[ \t]*\\![ \t]*|\{[ \t]*,[ \t]*\})(?=\d{3})", "", s)  # MATH's 30,\!240, 1{,}234
     s = re.sub(r"\\[,;:! ]|\\q?quad(?![A-Za-z])|~", " ", s)
     s = re.sub(r"\\(?:displaystyle|textstyle)(?![A-Za-z])", "", s)
     s = s.replace(r"\lbrace", r"\{").replace(r"\rbrace", r"\}")
@@ -153,18 +153,22 @@ def canonical_number(s: str) -> str:
 
 
 _UNIT_HEAD = r"[-+]?(?:\d[\d,]*(?:\.\d+)?|\d+/\d+|\d+\s*\\frac\{\d+\}\{\d+\}|\\frac\{[^{}]*\}\{[^{}]*\})"
-_UNITS = re.compile(rf"({_UNIT_HEAD})\s*([A-Za-z][A-Za-z\s/^.\d]*)")
+_UNITS = re.compile(rf"({_UNIT_HEAD})\s+([A-Za-z][A-Za-z\s/^.\d]*)")  # a space before the words: 5xy is no unit
+_SHORT_UNITS = {"cm", "mm", "km", "kg", "mg", "ml", "ft", "yd", "mi", "hr", "lb", "oz", "in", "am", "pm"}
 
 
 def _strip_units(s: str) -> str:
-    r"""`18 dollars`, `5 cm^2`, `\frac{68}{3} pounds` -> the number, when the words look like units."""
+    r"""`18 dollars`, `5 cm^2`, `\frac{68}{3}\text{pounds}` -> the number, when the words look like
+    units: at most three, each of three letters or more (or a two-letter unit: cm, kg, ft, ...),
+    none a math word or a connective, after a space (`5 ab`, `5xy`, `2 \pi`, `3 n` keep theirs)."""
     m = _UNITS.fullmatch(s)
     if not m:
         return s
     words = re.findall(r"[A-Za-z]+", m.group(2))
     if "," in m.group(2) or len(words) > 3:
         return s
-    if any(len(w) < 2 or w.lower() in MATH_WORDS or w.lower() in _STOP_WORDS for w in words):
+    if any((len(w) < 3 and w.lower() not in _SHORT_UNITS) or w.lower() in MATH_WORDS or w.lower() in _STOP_WORDS
+           for w in words):
         return s
     return m.group(1).strip()
 
@@ -195,7 +199,10 @@ def _normalize_math(s: str) -> str:
     m = _THOUSANDS.fullmatch(s)
     if m:
         s = m.group(1).replace(",", "") + (m.group(2) or "")
-    s = _strip_units(_drop_marks(s).strip())
+    s = _drop_marks(s).strip()
+    if len(split_top(s)) == 1:
+        s = _strip_assignment(s)  # before the units: "x = 15 cm^2"
+    s = _strip_units(s)
     if re.search(r"\s+and\s+", s):  # "2 and 5", "1, 3 and 7" are lists
         items = re.split(r"\s*,\s*|\s+and\s+", s)
         if not any(is_prose(it) for it in items):

@@ -26,8 +26,9 @@ def match_braces(text: str) -> dict[int, int]:
     return close
 
 
-def unwrap(text: str, commands: tuple[str, ...]) -> str:
-    r"""Replace \cmd{X} by X for each command, nested ones too (`\text{\textbf{5}}` -> `5`)."""
+def unwrap(text: str, commands: tuple[str, ...], space: bool = False) -> str:
+    r"""Replace \cmd{X} by X for each command, nested ones too (`\text{\textbf{5}}` -> `5`); with
+    `space`, by " X" (`5\text{cm}` -> `5 cm`: a word that was text stays a word)."""
     pattern = re.compile(r"\\(?:%s)(?![A-Za-z])\s*" % "|".join(commands))
     close = None
     cuts: list[tuple[int, int]] = []
@@ -42,6 +43,8 @@ def unwrap(text: str, commands: tuple[str, ...]) -> str:
     out, pos = [], 0
     for start, stop in sorted(cuts):
         out.append(text[pos:start])
+        if space and text[start] == "\\":
+            out.append(" ")
         pos = stop
     out.append(text[pos:])
     return "".join(out)
