@@ -160,3 +160,19 @@ def test_a_live_method_never_waits_for_sympy_on_the_event_loop(monkeypatch):
     assert on_loop_thread and not any(on_loop_thread)
     assert row["agents"][0]["correct"] and not row["agents"][1]["correct"]
     assert all(r.answer is not None for r in results)
+
+
+def test_a_forked_child_starts_its_own_worker():
+    """A child forked while the parent's worker runs must not write to the parent's pipes."""
+    worker.call("ping")
+    parent_proc = worker._WORKER._proc
+    pid = os.fork()
+    if pid == 0:  # child
+        grading.clear_cache()
+        ok = worker._WORKER._proc is None and equivalent("x^2-1", "(x-1)(x+1)", "math") \
+            and worker._WORKER._proc is not parent_proc
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert worker._WORKER._proc is parent_proc and parent_proc.poll() is None
+    assert worker.call("ping") is True

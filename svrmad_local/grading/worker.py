@@ -96,6 +96,11 @@ class Worker:
             raise WorkerError(f"grading worker could not start: {exc}") from None
         self.restarts += 1
 
+    def forget(self) -> None:
+        """In a forked child: the parent's worker, pipes and lock are not this process's."""
+        self._proc = None
+        self._lock = threading.Lock()
+
     def stop(self) -> None:
         proc, self._proc = self._proc, None
         if proc is not None and proc.poll() is None:
@@ -104,6 +109,7 @@ class Worker:
 
 
 _WORKER = Worker()
+os.register_at_fork(after_in_child=_WORKER.forget)
 
 
 def call(op: str, *args):
