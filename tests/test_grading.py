@@ -164,6 +164,8 @@ CSQA_CUP = ["whirlpool bath", "coffee cup", "cup", "soft drink", "puddle"]
     ("The answer is E_av = 3.2 eV", MMLU_694, None),
     ("The answer is E.", MMLU_694, "E"),
     ("Answer: E=mc^2 gives (H)", MMLU_694, "H"),
+    # a dataset's duplicate options (CommonsenseQA has a few) are one option, the first
+    ("Therefore the answer is clumsy.", ["clumsy", "ineffectual", "dull", "clumsy", "stupid"], "A"),
 ])
 def test_extract_mc_issue_rows(text, choices, expected):
     assert extract_answer(text, "mc", choices) == expected

@@ -147,8 +147,10 @@ def option_keys(text: str) -> tuple[str, str]:
     return exact, loose
 
 
-def _unique(hits: set[int]) -> int | None:
-    return next(iter(hits)) if len(hits) == 1 else None
+def _unique(hits: set[int], keys: list[tuple[str, str]]) -> int | None:
+    """The one option hit; options with the very same text (a dataset's duplicates, as in a few
+    CommonsenseQA rows) count as one, the first."""
+    return min(hits) if hits and len({keys[i][0] for i in hits}) == 1 else None
 
 
 def _extract_mc(text: str, choices: list[str] | None) -> str | None:
@@ -167,7 +169,7 @@ def _extract_mc(text: str, choices: list[str] | None) -> str | None:
         if keys:
             exact, loose = option_keys(s)
             for tier, key in ((0, exact), (1, loose)):
-                hit = _unique({i for i, k in enumerate(keys) if key and k[tier] == key})
+                hit = _unique({i for i, k in enumerate(keys) if key and k[tier] == key}, keys)
                 if hit is not None:
                     return valid[hit]
         return None
@@ -214,7 +216,7 @@ def _option_in_line(line: str, keys: list[tuple[str, str]], valid: str) -> str |
                     spans[i] = found
         inside = {i for i in spans for j in spans if i != j and all(
             any(a2 <= a and b <= b2 and (a2, b2) != (a, b) for a2, b2 in spans[j]) for a, b in spans[i])}
-        hit = _unique(set(spans) - inside)
+        hit = _unique(set(spans) - inside, keys)
         if hit is not None:
             return valid[hit]
     return None
