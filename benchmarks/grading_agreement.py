@@ -55,7 +55,8 @@ def _core(g: str) -> tuple[str, bool]:
     some $a>0$"): such golds are rewritten only in ways that keep their words apart."""
     s = g.strip()
     inner = s[1:-1] if len(s) > 1 and s[0] == s[-1] == "$" else s
-    prose = "$" in inner or bool(re.search(r"(?<!\\)\b[A-Za-z]{3,}\b", re.sub(r"\\[A-Za-z]+", "", inner)))
+    bare = re.sub(r"\\[A-Za-z]+", "", re.sub(r"\\(?:text\w*|math\w+|mbox|begin|end|operatorname)\{[^{}]*\}", "", inner))
+    prose = "$" in inner.replace("\\$", "") or bool(re.search(r"\b[A-Za-z]{3,}\b", bare))  # words outside \text{}
     return (s if prose else inner.strip()), prose
 
 
@@ -69,11 +70,12 @@ def _items(s: str) -> list[str]:
 def positives(g: str) -> list[str]:
     """Rewrites of gold g that keep its value."""
     s, prose = _core(g)
-    if prose:
-        out = [s + ".", f"  {s}  ", s.replace(" ", "  ")]
+    if prose:  # a period only after the math ("odd $n$."), not inside it
+        out = ([s + "."] if s.endswith("$") else []) + [f"  {s}  ", s.replace(" ", "  ")]
     else:  # spacing: none (kept after a backslash and between letters), or around operators
-        out = [f"${s}$", f"\\boxed{{{s}}}", re.sub(r"(?<![A-Za-z\\])\s+|(?<=[A-Za-z])\s+(?![A-Za-z])", "", s),
-               re.sub(r"(?<![\\{^_])\s*([+=<>]|(?<![{^_])-)\s*", r" \1 ", s).strip()]
+        out = [f"${s}$", f"\\boxed{{{s}}}", re.sub(r"(?<![\\{^_])\s*([+=<>]|(?<![{^_])-)\s*", r" \1 ", s).strip()]
+        if "\\text" not in s:  # the words of \text{ and } keep their spaces
+            out.append(re.sub(r"(?<![A-Za-z\\])\s+|(?<=[A-Za-z])\s+(?![A-Za-z])", "", s))
     if r"\frac" in s:
         out.append(s.replace(r"\frac", r"\dfrac"))
         out.append(re.sub(r"\\frac\{(\d)\}\{(\d)\}", r"\\frac\1\2", s))

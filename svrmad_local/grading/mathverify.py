@@ -8,6 +8,7 @@ time limits make it load-dependent, one reason it is the second opinion and not 
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 __all__ = ["INSTALL", "GraderUnavailable", "available", "require", "verify_answer", "verify_response"]
@@ -19,6 +20,7 @@ class GraderUnavailable(ValueError):
     """A grader was asked for whose optional package is not installed."""
 
 
+@functools.lru_cache(maxsize=1)
 def available() -> bool:
     return importlib.util.find_spec("math_verify") is not None
 
