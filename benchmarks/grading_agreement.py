@@ -62,7 +62,7 @@ def _core(g: str) -> tuple[str, bool]:
 
 def _items(s: str) -> list[str]:
     """Top-level list items; MATH's thousands separators (`30,\\!240`, `1{,}234`) and `\\,` are no commas."""
-    if re.search(r"\d,\s*\\!|\{\s*,\s*\}|\\,", s) or re.fullmatch(r"\d{1,3}(?:,\d{3})+", s):
+    if re.search(r"\d,\s*\\!|\{\s*,\s*\}|\\,", s) or re.fullmatch(r"-?(?:\\\$)?\d{1,3}(?:,\d{3})+(?:\.\d+)?", s):
         return [s]  # "15,600" is a number (3 of the 4 such MATH golds; "70,110" is a list of two)
     return split_top(s)
 

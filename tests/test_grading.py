@@ -80,7 +80,7 @@ MISSES_EQUAL = [
     # units after a fraction (MATH, GSM8K)
     (r"\frac{68}{3}\text{ pounds}", r"\frac{68}{3}"), (r"\frac{68}{3}\text{ pounds}", r"22\frac{2}{3}"),
     (r"\dfrac{9}{2} \text{ cm}^2", "4.5"), ("1,234 dollars", "1234"), (r"5\text{cm}", "5"), ("12 apples", "12"),
-    (r"x = 15\mbox{ cm}^2", "15"), (r"111, \! 111, \! 111", "111111111"),
+    (r"x = 15\mbox{ cm}^2", "15"), ("x = 15,600", "15,600"), (r"111, \! 111, \! 111", "111111111"),
     # integers over 4,300 digits (IMO-style exact values)
     (BIG, BIG), (BIG, f"${BIG}$"), (BIG + ".0", BIG),
 ]

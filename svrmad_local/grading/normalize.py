@@ -195,14 +195,11 @@ _PLAIN_NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?")
 
 def _normalize_math(s: str) -> str:
     s = _clean_latex(s).strip().rstrip(".").strip()
-    s = re.sub(r"^(?:=|:)\s*", "", s)
+    s = _strip_assignment(re.sub(r"^(?:=|:)\s*", "", s))  # "x = 15,600", "x = 15 cm^2"
     m = _THOUSANDS.fullmatch(s)
     if m:
         s = m.group(1).replace(",", "") + (m.group(2) or "")
-    s = _drop_marks(s).strip()
-    if len(split_top(s)) == 1:
-        s = _strip_assignment(s)  # before the units: "x = 15 cm^2"
-    s = _strip_units(s)
+    s = _strip_units(_drop_marks(s).strip())
     if re.search(r"\s+and\s+", s):  # "2 and 5", "1, 3 and 7" are lists
         items = re.split(r"\s*,\s*|\s+and\s+", s)
         if not any(is_prose(it) for it in items):
