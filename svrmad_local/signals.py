@@ -16,7 +16,8 @@ import math
 import re
 from typing import Callable, Mapping
 
-__all__ = ["CONFIDENCE_INSTRUCTION", "PRIORS", "MISSING", "CONF_SCALE", "parse_self_confidence", "prior_score"]
+__all__ = ["CONFIDENCE_INSTRUCTION", "PRIORS", "MISSING", "CONF_SCALE", "parse_self_confidence", "prior_score",
+           "strip_confidence"]
 
 CONFIDENCE_INSTRUCTION = (
     'At the very end, on its own line, write "Confidence: N%" where N (0-100) is how sure you '
@@ -69,12 +70,13 @@ def prior_score(signals: Mapping[str, float | None] | None, name: str) -> float:
 
 _NUM = r"(\d+(?:\.\d+)?|\.\d+)"
 _SELF_CONF = re.compile(
-    r"confidence\b(?:\s*(?:level|score))?(?:\s*\([^)\n]*\))?[\s*_:=]*(?:-\s+)?[\s*]*(?:is\s+|of\s+|about\s+|~\s*)?"
+    r"confidence\b(?:\s*(?:level|score))?(?:\s*\([^)\n]*\))?[\s*_:=]*(?:-\s[\s*]*)?(?:is\s+|of\s+|about\s+|~\s*)?"
     + _NUM
     + r"\s*(%|percent\b|/\s*" + _NUM + r"|out\s+of\s+" + _NUM + r")?",
     re.I,
 )
-_CONFIDENT = re.compile(_NUM + r"\s*(%|percent\b)\s*(?:sure|confident|certain)", re.I)
+# (?<![\d.]): try a number only where it starts, so a long run of digits is scanned once, not once per digit
+_CONFIDENT = re.compile(r"(?<![\d.])" + _NUM + r"\s*(%|percent\b)\s*(?:sure|confident|certain)", re.I)
 
 
 def parse_self_confidence(text: str | None) -> float | None:
@@ -103,3 +105,21 @@ def parse_self_confidence(text: str | None) -> float | None:
         return value
     except (TypeError, ValueError):
         return None
+
+
+# A "Confidence: 85%" line, or a "90% confident" phrase anywhere. The line prefix may not span
+# newlines ([ \t], not \s): a run of blank lines must not be rescanned from each of its lines.
+_CONFIDENCE_STATEMENT = re.compile(
+    r"^[ \t*_#>-]*(?:my[ \t]+)?confidence\b[^\n]*"
+    r"|(?<![\d.])\d+(?:\.\d+)?[ \t]*(?:%|percent)[ \t]*(?:sure|confident|certain)",
+    re.I | re.M,
+)
+
+
+def strip_confidence(text: str) -> str:
+    """The text without its confidence statements (see CONFIDENCE_INSTRUCTION), so that an answer
+    extractor never reads the elicited confidence as the answer. Linear in len(text)."""
+    low = text.lower()
+    if "confidence" not in low and "%" not in low and "percent" not in low:
+        return text  # the usual case for a long reasoning text: no regex pass at all
+    return _CONFIDENCE_STATEMENT.sub("", text)

@@ -28,6 +28,7 @@ def test_build_report_writes_every_file(tmp_path):
                  "| SVR-MAD | **4.0** | **3.0** | **66.7** |", '"model": "tiny"']:
         assert link in page
     assert "| SVR-MAD | 2500 | 500 | 80.0 |" in (out / "kv_cache.md").read_text()
+    assert "Graders" not in page and not (out / "disagreements.md").exists()  # no row graded by both
 
 
 def test_dataset_size(tmp_path):

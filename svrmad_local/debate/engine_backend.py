@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import replace
 
-from svrmad_local.debate.answers import extract_answer
+from svrmad_local.grading import extract_answer
 from svrmad_local.debate.prompts import debate_format, initial_messages
 from svrmad_local.debate.types import Question, Response, debate_id
 from svrmad_local.engine.engine import Engine

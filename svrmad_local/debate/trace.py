@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterable, Sequence
 
-from svrmad_local.debate.answers import equivalent, is_correct
+from svrmad_local.grading import equivalent, is_correct, settle
 from svrmad_local.debate.types import Backend, Question, Response, debate_id
 
 
@@ -83,6 +83,7 @@ class RecordingBackend:
     async def initial(self, q: Question, n: int) -> list[Response]:
         out = await self._once((q.id, f"initial/{n}"), lambda: self.inner.initial(q, n))
         self.initials.setdefault(q.id, out)
+        await settle([r.answer for r in out], q.answer_type, gold=q.gold)  # sympy off the event loop
         return list(out)
 
     async def debate(self, q: Question, own: Response, peers: Sequence[Response],
@@ -92,6 +93,8 @@ class RecordingBackend:
         seen.setdefault(rid, None)
         resp = await self._once((q.id, rid), lambda: self.inner.debate(q, own, peers, brief))
         seen[rid] = resp
+        known = [*self.initials.get(q.id, []), *filter(None, seen.values())]  # settle: sympy off the event loop
+        await settle([resp.answer], q.answer_type, against=[r.answer for r in known], gold=q.gold)
         return resp
 
     def trace_row(self, q: Question, priors: Sequence[float | None] | None = None) -> dict:

@@ -237,6 +237,24 @@ def markdown(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join("| " + " | ".join(str(c) for c in r) + " |" for r in lines) + "\n"
 
 
+def grader_agreement(results: pd.DataFrame) -> tuple[dict[str, int], pd.DataFrame] | None:
+    """Rows graded by both graders (`--grader both`): the counts (rows, agree, ours only correct,
+    math-verify only correct) and the rows where the two disagree (id, method, answer, gold, ours,
+    math_verify). None when no row carries both verdicts."""
+    if "grades" not in results.columns:
+        return None
+    both = results[results["grades"].map(lambda g: isinstance(g, dict) and {"ours", "math-verify"} <= set(g))]
+    if both.empty:
+        return None
+    rows = both[["id", "method", "answer", "gold"]].copy()
+    rows["ours"] = both["grades"].map(lambda g: bool(g["ours"]))
+    rows["math_verify"] = both["grades"].map(lambda g: bool(g["math-verify"]))
+    differ = rows[rows["ours"] != rows["math_verify"]].reset_index(drop=True)
+    counts = {"rows": len(rows), "agree": len(rows) - len(differ), "ours_only": int(differ["ours"].sum()),
+              "math_verify_only": int(differ["math_verify"].sum())}
+    return counts, differ
+
+
 def summary_table_text(rows: list[dict]) -> str:
     """The per-method table of in-memory results rows, as plain text (what `svrmad run` prints)."""
     if not rows:

@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pandas as pd
 
+from svrmad_local import grading
 from svrmad_local.eval import figures
-from svrmad_local.eval.metrics import (TABLE1_COLUMNS, Run, best_cells, format_table, load_run,
-                                       markdown, method_name, summary, table1)
+from svrmad_local.eval.metrics import (TABLE1_COLUMNS, Run, best_cells, format_table, grader_agreement,
+                                       load_run, markdown, method_name, read_jsonl, summary, table1)
 
 
 def _num(value, fmt: str = "{:.1f}") -> str:
@@ -57,6 +58,37 @@ def _figure3_md(data: pd.DataFrame) -> str:
     return markdown(["posterior", "tau", "accepted (%)", "Tok (x10^3)", "Acc (%)"],
                     [[r.posterior, r.tau, _num(r.acceptance_rate), _num(r.tokens_k), _num(r.accuracy)]
                      for r in data.itertuples()])
+
+
+def regrade(run: Run, grader: str) -> None:
+    """Grade every result row again under `grader` (its answer against its gold; the answer type
+    from the run's trace, "math" when absent); with "both", record both verdicts in `grades`."""
+    grading.set_grader(grader)
+    types = {str(r["id"]): r.get("answer_type", "math") for r in read_jsonl(run.run_dir / "trace.jsonl")}
+    rows = run.results
+    at = [types.get(i, "math") for i in rows["id"]]
+    rows["correct"] = [grading.is_correct(a, g, t) for a, g, t in zip(rows["answer"], rows["gold"], at)]
+    if grader == "both":
+        rows["grades"] = [grading.grades(a, g, t) for a, g, t in zip(rows["answer"], rows["gold"], at)]
+    run.config = {**run.config, "regraded_by": grader}
+
+
+def _graders_md(out: Path, run: Run) -> list[str]:
+    """The graders section, and disagreements.md/.csv, when rows carry both graders' verdicts."""
+    agreement = grader_agreement(run.results)
+    if agreement is None:
+        return []
+    counts, differ = agreement
+    table = markdown(["id", "method", "answer", "gold", "ours", "math-verify"],
+                     [[r.id, method_name(r.method), f"`{r.answer}`", f"`{r.gold}`", r.ours, r.math_verify]
+                      for r in differ.itertuples()])
+    (out / "disagreements.md").write_text(table)
+    (out / "disagreements.csv").write_text(differ.to_csv(index=False))
+    return ["\n## Graders: ours vs math-verify\n",
+            f"{counts['rows']} result rows graded by both: {counts['agree']} agree; {counts['ours_only']} "
+            f"correct by ours only, {counts['math_verify_only']} by math-verify only. `correct` (and so every "
+            "table above) is ours. Rows where they disagree, also in [disagreements.csv](disagreements.csv):\n",
+            table if len(differ) else "(none)\n"]
 
 
 def write_report(run: Run) -> Path:
@@ -122,6 +154,7 @@ def write_report(run: Run) -> Path:
         "those the engine computed after reusing cached prefixes; KV saved = 1 - computed/billed.\n",
         kv_md,
     ]
+    parts += _graders_md(out, run)
     if run.config:
         parts += ["\n## Run configuration (run.json)\n", "```json", json.dumps(run.config, indent=2), "```\n"]
     path = out / "report.md"
@@ -137,11 +170,15 @@ def build_report(run_dir) -> Path:
 
 def add_arguments(parser) -> None:
     parser.add_argument("run_dir", metavar="RUN_DIR", type=Path, help="a folder written by `svrmad run --out`")
+    parser.add_argument("--grader", choices=grading.GRADERS,
+                        help="grade the answers again with this grader (default: the verdicts saved by the run)")
 
 
 def main(args) -> int:
     try:
         run = load_run(args.run_dir)
+        if args.grader:
+            regrade(run, args.grader)
     except (FileNotFoundError, ValueError) as exc:
         print(f"svrmad report: {exc}", file=sys.stderr)
         return 2

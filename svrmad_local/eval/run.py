@@ -20,7 +20,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from svrmad_local.debate.answers import equivalent
+from svrmad_local.grading import GRADERS, equivalent, set_grader
 from svrmad_local.debate.trace import RecordingBackend, read_trace
 from svrmad_local.debate.types import Question, Response
 from svrmad_local.eval.datasets import DatasetError, load_dataset
@@ -72,6 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also debate every pair (N(N-1) per question) and sweep Appendix B's posterior ablations")
     p.add_argument("--out", help="run folder (default runs/<dataset>); rerun with the same folder to resume")
     p.add_argument("--concurrency", type=int, default=16, help="questions in flight at once")
+    p.add_argument("--grader", choices=GRADERS, default="ours", help="who grades `correct` (docs/grading.md)")
 
 
 def parse_methods(text: str) -> list[str]:
@@ -219,6 +220,7 @@ def main(args) -> int:
     from svrmad_local.eval.metrics import summary_table_text
 
     try:
+        set_grader(args.grader)
         methods = parse_methods(args.methods)
         questions = load_dataset(args.dataset, limit=args.limit or None, seed=args.seed, category=args.category,
                                  on_error=args.on_error, data_dir=args.data_dir)

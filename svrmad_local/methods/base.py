@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Iterable, Sequence
 
-from svrmad_local.debate.answers import equivalent, is_correct
+from svrmad_local import grading
+from svrmad_local.grading import equivalent, is_correct
 from svrmad_local.debate.types import Question, Response
 
 
@@ -32,6 +33,7 @@ class MethodResult:
     scores: list[float] | None = None
     responses: list[str] = field(default_factory=list)
     params: dict[str, Any] = field(default_factory=dict)
+    grades: dict[str, bool] | None = None  # every grader's verdict, when the run grades with "both"
 
     def to_row(self, q: Question) -> dict[str, Any]:
         """The results.jsonl line (docs/formats.md)."""
@@ -41,6 +43,7 @@ class MethodResult:
             "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
             "computed_tokens": self.computed_tokens, "n_correct_initial": self.n_correct_initial,
             "accepted": self.accepted, "scores": self.scores, "params": self.params,
+            **({"grades": self.grades} if self.grades is not None else {}),
         }
 
 
@@ -54,6 +57,7 @@ def finish(method: str, q: Question, initial: Sequence[Response], debates: Itera
     completion = sum(r.completion_tokens for r in used.values())
     return MethodResult(
         method=method, answer=answer, correct=is_correct(answer, q.gold, q.answer_type),
+        grades=grading.grades(answer, q.gold, q.answer_type),
         ncomm=ncomm, tokens=prompt + completion, prompt_tokens=prompt,
         completion_tokens=completion, computed_tokens=sum(r.computed_tokens for r in used.values()),
         n_correct_initial=sum(is_correct(r.answer, q.gold, q.answer_type) for r in initial),

@@ -1,16 +1,18 @@
 """Answer extraction, normalisation and equivalence (docs/grading.md)."""
 
 import json
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from svrmad_local.debate import answers
-from svrmad_local.debate.answers import equivalent, extract_answer, is_correct, normalize
+from svrmad_local import grading
+from svrmad_local.grading import equivalent, extract_answer, is_correct, normalize, worker
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+ROOT = Path(__file__).resolve().parents[1]
+# ../shared/data next to the checkout (or next to the folder of worktrees)
+SHARED = next((p for p in (ROOT.parent / "shared" / "data", ROOT.parents[1] / "shared" / "data") if p.is_dir()),
+              ROOT.parent / "shared" / "data")
 
 # (a, b): the same answer. Many golds are IMO-AnswerBench "Short Answer" values verbatim.
 EQUIVALENT = [
@@ -60,6 +62,113 @@ NOT_EQUIVALENT = [
     ("(0,0)", "0"), (r"\lfloor x\rfloor", r"\lceil x\rceil"), ("|x|", "x"), ("x", "y"),
     (r"\frac{1}{n}4\cos^{2}\frac{\pi}{2n}", r"\frac{4}{n}\cos\frac{\pi}{2n}"),
 ]
+
+
+# Issue 12's misses, each in both directions, in the styles of public answer keys.
+BIG = "7" * 5000  # past Python's 4,300-digit int/str limit
+MISSES_EQUAL = [
+    # MATH's thousands separator ,\!
+    (r"30,\!240", "30240"), (r"30,\!240", "30,240"), (r"\$1,\!000,\!000", "1000000"), (r"5,\!460", "5460"),
+    # matrices and vectors (MATH): spacing, delimiters, entries in another form
+    (r"\begin{pmatrix} 1 & 0 & 0 \\ 0 & 1 & 0 \\ 0 & 0 & -1 \end{pmatrix}",
+     r"\begin{pmatrix}1&0&0\\0&1&0\\0&0&-1\end{pmatrix}"),
+    (r"\begin{pmatrix} -2 \\ 3 \\ 3 \end{pmatrix}", r"\begin{bmatrix}-2\\ 3\\ 3\end{bmatrix}"),
+    (r"\begin{pmatrix} 1/\sqrt{2} & 1/\sqrt{2} \\ -1/\sqrt{2} & 1/\sqrt{2} \end{pmatrix}",
+     r"\left(\begin{array}{cc}\frac{\sqrt2}{2} & \frac{\sqrt2}{2} \\ -\frac{\sqrt2}{2} & \frac{\sqrt2}{2}\end{array}\right)"),
+    # degree lists (MATH)
+    (r"45^\circ,135^\circ", "45, 135"), (r"45^\circ, 135^\circ", r"135^\circ,45^\circ"), ("4°, 20°", r"4^\circ, 20^\circ"),
+    # units after a fraction (MATH, GSM8K)
+    (r"\frac{68}{3}\text{ pounds}", r"\frac{68}{3}"), (r"\frac{68}{3}\text{ pounds}", r"22\frac{2}{3}"),
+    (r"\dfrac{9}{2} \text{ cm}^2", "4.5"), ("1,234 dollars", "1234"), (r"5\text{cm}", "5"), ("12 apples", "12"),
+    (r"x = 15\mbox{ cm}^2", "15"), ("x = 15,600", "15,600"), (r"111, \! 111, \! 111", "111111111"),
+    # integers over 4,300 digits (IMO-style exact values)
+    (BIG, BIG), (BIG, f"${BIG}$"), (BIG + ".0", BIG),
+]
+MISSES_UNEQUAL = [
+    (r"30,\!240", r"30,\!241"), (r"30,\!240", "3024"), (r"30,\!240", "30, 240"),
+    (r"\begin{pmatrix} 1 & 0 \\ 0 & -1 \end{pmatrix}", r"\begin{pmatrix}0&1\\-1&0\end{pmatrix}"),
+    (r"\begin{pmatrix} 1 & 2 \\ 3 & 4 \end{pmatrix}", r"\begin{pmatrix}1&2&3&4\end{pmatrix}"),
+    (r"\begin{pmatrix} 1 & 2 \\ 3 & 4 \end{pmatrix}", r"\begin{vmatrix}1&2\\3&4\end{vmatrix}"),
+    (r"45^\circ,135^\circ", "45135"), (r"45^\circ,135^\circ", "45"), (r"45^\circ,135^\circ", r"45^\circ,145^\circ"),
+    (r"\frac{68}{3}\text{ pounds}", r"\frac{68}{5}"), (r"\frac{68}{3}\text{ pounds}", r"\frac{68}{3}x"),
+    (BIG, BIG[:-1] + "8"), (BIG, BIG + "7"),
+    ("5xy", "5"), ("5 ab", "5"), ("2 \\pi", "2"), (r"111, \! 111", "111111111"),  # products are no units
+]
+
+
+@pytest.mark.parametrize("a,b", MISSES_EQUAL)
+def test_issue_misses_equal(a, b):
+    assert equivalent(a, b, "math") and equivalent(b, a, "math")
+
+
+@pytest.mark.parametrize("a,b", MISSES_UNEQUAL)
+def test_issue_misses_unequal(a, b):
+    assert not equivalent(a, b, "math") and not equivalent(b, a, "math")
+
+
+MINERVA = "Final Answer: The final answer is ${}$. I hope it is correct."
+AS_REQUIRED = "Therefore the answer is ${}$, as required."
+# MATH and IMO-AnswerBench golds; each with a wrong answer of the same shape
+GOLDS = [("30,\\!240", "30,\\!241"), (r"\frac{\sqrt{3}}{2}", r"\frac{\sqrt{3}}{3}"), ("(4,5)", "(5,4)"),
+         (r"120^\circ", r"60^\circ"), ("6r^2-4r-24", "6r^2-4r+24"), (r"2^{2024}+1", "2^{2024}"),
+         (r"\lfloor \log_{2}a\rfloor +1", r"\lceil \log_{2}a\rceil +1"), ("odd $n$", "even $n$")]
+
+
+@pytest.mark.parametrize("style", [MINERVA, AS_REQUIRED, "The answer is ${}$. This completes the proof.",
+                                   "**Final Answer:** ${}$ (after simplifying)."])
+@pytest.mark.parametrize("gold,wrong", GOLDS)
+def test_answer_lines_with_prose_after_the_answer(style, gold, wrong):
+    clean = gold.replace("$", "")
+    assert is_correct(extract_answer(style.format(clean), "math"), gold, "math")
+    assert not is_correct(extract_answer(style.format(wrong.replace("$", "")), "math"), gold, "math")
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("The answer is 42, as required.", "42"),
+    ("So the answer is 12 apples, since each box holds 3.", "12 apples"),
+    ("#### 1,234", "1,234"),
+    ("the answer is 3.5. Done", "3.5"),
+])
+def test_answer_line_ends_at_its_sentence(text, expected):
+    assert extract_answer(text, "math") == expected
+
+
+CSQA = ["bank", "library", "department store", "mall", "new york"]
+MMLU_694 = ["0.0", "-200.0", "-100.0", "50.0", "100.0", "1.0", "-1.0", "-50.0", "2.0", "200.0"]
+MMLU_2806 = ["bb bb", "Bb BB", "Bb Bb", "Bb bb", "BB Bb", "bb Bb", "BB BB", "Bb Bb Bb", "BB bb"]
+CSQA_SCHOOL = ["school bus", "boat", "house", "hospital", "school"]
+CSQA_CUP = ["whirlpool bath", "coffee cup", "cup", "soft drink", "puddle"]
+
+
+@pytest.mark.parametrize("text,choices,expected", [
+    # a last line "C) text" beats an (A) named in the reasoning
+    ("(A) bank is possible, but a door like that is for security.\nC) department store", CSQA, "C"),
+    ("Options (A) and (B) fail.\n\n**(D) mall**", CSQA, "D"),
+    ("(A) fits.\nC. is wrong, so:\n(A)", CSQA, "A"),
+    # one option's text inside another's
+    ("A fire extinguisher belongs in the school bus", CSQA_SCHOOL, "A"),
+    ("A fire extinguisher belongs in the school", CSQA_SCHOOL, "E"),
+    ("He should use a whirlpool bath", CSQA_CUP, "A"),
+    ("Pour it in a coffee cup", CSQA_CUP, "B"),
+    ("Pour it in a cup", CSQA_CUP, "C"),
+    # signs and case of option texts (MMLU-Pro)
+    ("The answer is -100.0", MMLU_694, "C"),
+    ("The answer is 100.0", MMLU_694, "E"),
+    ("So the change is -1.0", MMLU_694, "G"),
+    ("So the change is 1.0", MMLU_694, "F"),
+    ("The answer is Bb bb", MMLU_2806, "D"),
+    ("The answer is bb Bb", MMLU_2806, "F"),
+    ("The answer is BB bb.", MMLU_2806, "I"),
+    # a symbol that starts with an option letter is not that option
+    ("The answer is E_av = 3.2 eV, which matches option (B).", MMLU_694, "B"),
+    ("The answer is E_av = 3.2 eV", MMLU_694, None),
+    ("The answer is E.", MMLU_694, "E"),
+    ("Answer: E=mc^2 gives (H)", MMLU_694, "H"),
+    # a dataset's duplicate options (CommonsenseQA has a few) are one option, the first
+    ("Therefore the answer is clumsy.", ["clumsy", "ineffectual", "dull", "clumsy", "stupid"], "A"),
+])
+def test_extract_mc_issue_rows(text, choices, expected):
+    assert extract_answer(text, "mc", choices) == expected
 
 
 @pytest.mark.parametrize("a,b", EQUIVALENT)
@@ -140,7 +249,6 @@ def test_extract_math(text, expected):
     assert extract_answer(text, "math") == expected
 
 
-CSQA = ["bank", "library", "department store", "mall", "new york"]
 
 
 @pytest.mark.parametrize(
@@ -182,6 +290,7 @@ def test_garbage_latex_is_unequal_not_an_error():
 
 
 def test_huge_numbers_are_refused_fast():
+    worker.call("ping")  # started: its start-up is not what is timed
     start = time.monotonic()
     assert not equivalent("10^{10^{10}}", "10^{10^{10}}+1", "math")
     assert not equivalent("1000000!", "999999!", "math")
@@ -189,39 +298,12 @@ def test_huge_numbers_are_refused_fast():
     assert time.monotonic() - start < 2
 
 
-def test_timeout_in_main_thread():
-    """Equal, but proving it expands a degree-61 polynomial in 4 variables (about a minute):
-    the time limit wins and the answer is False."""
-    a, b = "(x+y+z+w)^{60}(x-y)", "(x+y+z+w)^{60}x-(x+y+z+w)^{60}y"
-    start = time.monotonic()
-    assert not equivalent(a, b, "math", timeout=0.3)
-    assert time.monotonic() - start < 1.5
-
-
-def test_timeout_off_main_thread(monkeypatch):
-    """Off the main thread there is no SIGALRM: the work runs in a thread that is abandoned."""
-    answers._equivalent_math.cache_clear()
-    monkeypatch.setattr(answers, "_same", lambda x, y: time.sleep(5) or True)
-    result = {}
-
-    def call():
-        start = time.monotonic()
-        result["value"] = equivalent("x+1", "1+x", "math", timeout=0.2)
-        result["seconds"] = time.monotonic() - start
-
-    worker = threading.Thread(target=call)
-    worker.start()
-    worker.join(5)
-    assert result["value"] is False and result["seconds"] < 1.5
-    answers._equivalent_math.cache_clear()
-
-
-def test_results_are_cached():
-    answers._equivalent_math.cache_clear()
-    equivalent("x^2-1", "(x-1)(x+1)", "math")
-    equivalent("(x-1)(x+1)", "x^2-1", "math")  # symmetric: same cache entry
-    info = answers._equivalent_math.cache_info()
-    assert info.hits == 1 and info.misses == 1
+def test_results_are_cached_by_the_normalised_pair():
+    grading.clear_cache()
+    before = dict(grading.stats)
+    assert equivalent("x^2-1", "(x-1)(x+1)", "math")
+    assert equivalent("$(x-1)(x+1)$", "x^2 - 1", "math")  # symmetric, and normalised: the same entry
+    assert grading.stats["worker"] - before.get("worker", 0) == 1
 
 
 @pytest.mark.skipif(not (SHARED / "imo_answerbench").is_dir(), reason="shared data not present")
