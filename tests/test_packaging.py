@@ -9,9 +9,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_every_package_folder_is_listed_in_pyproject():
+    """A folder of modules without __init__.py, or one missing from the explicit list, would be left
+    out of a wheel while an editable install still finds it."""
     cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     listed = set(cfg["packages"])
-    folders = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "svrmad_local").rglob("__init__.py")}
+    code = {p.parent for p in (ROOT / "svrmad_local").rglob("*.py") if "__pycache__" not in p.parts}
+    assert all((d / "__init__.py").exists() for d in code), sorted(str(d) for d in code if not (d / "__init__.py").exists())
+    folders = {".".join(d.relative_to(ROOT).parts) for d in code}
     assert folders <= listed, f"package folders missing from pyproject.toml: {sorted(folders - listed)}"
     assert cfg["package-dir"] == {"svrmad_local.kernels": "kernels"}
 
