@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+import warnings
+
+from svrmad_local.errors import UserError
 
 SUBCOMMANDS = {
     "run": ("svrmad_local.eval.run", "run SVR-MAD (and other methods) over a dataset on a local model"),
@@ -33,10 +37,31 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Errors that are the user's to fix (UserError, ValueError, OSError) print one line and exit 2;
+    Ctrl-C exits 130. SVRMAD_DEBUG=1 shows the traceback instead."""
     argv = sys.argv[1:] if argv is None else list(argv)
     chosen = next((a for a in argv if not a.startswith("-")), None)
     args = build_parser(chosen if chosen in SUBCOMMANDS else None).parse_args(argv)
-    return int(args._main(args) or 0)
+    warnings.formatwarning = lambda message, category, *rest: f"svrmad {args.command}: warning: {message}\n"
+    try:
+        return int(args._main(args) or 0)
+    except KeyboardInterrupt:
+        if os.environ.get("SVRMAD_DEBUG"):
+            raise
+        print(f"\nsvrmad {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except (UserError, ValueError, OSError) as exc:
+        if os.environ.get("SVRMAD_DEBUG"):
+            raise
+        print(f"svrmad {args.command}: {one_line(exc)}", file=sys.stderr)
+        return 2
+
+
+def one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    if isinstance(exc, OSError) and exc.filename and str(exc.filename) not in text:
+        text += f": {exc.filename}"
+    return text
 
 
 if __name__ == "__main__":

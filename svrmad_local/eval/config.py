@@ -254,6 +254,8 @@ class RunConfig:
             p.append(f"--grader {self.grader} is not available yet (only 'ours')")
         if self.device_map and self.tp > 1:
             p.append("--device-map and --tp exclude each other")
+        if self.model and not Path(self.model).expanduser().is_dir():
+            p.append(f"--model {self.model} is not a folder (expected config.json + *.safetensors)")
         p += _check_out(self.out_dir)
         if p:
             raise ValueError("; ".join(p))

@@ -13,8 +13,10 @@ from pathlib import Path
 
 import torch
 
+from svrmad_local.errors import UserError
 
-class ModelLoadError(RuntimeError):
+
+class ModelLoadError(UserError, RuntimeError):
     pass
 
 

@@ -1,0 +1,103 @@
+"""Issue 9: nothing lost, nothing silently wrong. The run layer under crashes, failing questions,
+changed settings and a second run on the same folder (scripted agents: see runharness.py)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+
+from svrmad_local.eval import folder as folder_mod
+
+from .runharness import SCRIPT, run, state, use_script
+
+
+class Crash(BaseException):
+    """The process dies here: nothing after it runs (not even `except Exception` handlers)."""
+
+
+@pytest.fixture
+def reference(tmp_path_factory, monkeypatch):
+    use_script(monkeypatch)
+    root = tmp_path_factory.mktemp("ref")
+    assert run(root, root / "out", "--ablations") == 0
+    return state(root / "out")
+
+
+def count_writes(monkeypatch) -> list:
+    calls = []
+    real_lines, real_json = folder_mod.write_lines, folder_mod.write_json
+
+    def lines(path, rows, sync=False):
+        rows = list(rows)
+        if rows:
+            calls.append(path.name)
+        real_lines(path, rows, sync)
+
+    def whole(path, obj):
+        calls.append(path.name)
+        real_json(path, obj)
+
+    monkeypatch.setattr(folder_mod, "write_lines", lines)
+    monkeypatch.setattr(folder_mod, "write_json", whole)
+    return calls
+
+
+def crash_at(monkeypatch, k: int, torn: bool) -> None:
+    """Die at the k-th write (1-based); `torn`: after writing the first half of its bytes."""
+    counter = itertools.count(1)
+    real_lines, real_json = folder_mod.write_lines, folder_mod.write_json
+
+    def lines(path, rows, sync=False):
+        rows = list(rows)
+        if rows and next(counter) == k:
+            if torn:
+                data = "".join(json.dumps(r) + "\n" for r in rows).encode()
+                with open(path, "ab") as f:
+                    f.write(data[: len(data) // 2])
+            raise Crash(path.name)
+        real_lines(path, rows, sync)
+
+    def whole(path, obj):
+        if next(counter) == k:
+            if torn:
+                path.with_name(path.name + ".tmp").write_text(json.dumps(obj)[:20])
+            raise Crash(path.name)
+        real_json(path, obj)
+
+    monkeypatch.setattr(folder_mod, "write_lines", lines)
+    monkeypatch.setattr(folder_mod, "write_json", whole)
+
+
+def test_a_crash_at_any_write_loses_nothing_and_duplicates_nothing(tmp_path, monkeypatch, reference):
+    use_script(monkeypatch)
+    with monkeypatch.context() as m:
+        writes = count_writes(m)
+        assert run(tmp_path, tmp_path / "count", "--ablations") == 0
+    # every kind of write point is exercised: commits, derived rows, post-hoc, run.json
+    assert {"trace.jsonl", "results.jsonl", "skipped.jsonl", "run.json", "ablations.jsonl.tmp"} <= set(writes)
+    for k, torn in itertools.product(range(1, len(writes) + 1), (False, True)):
+        out = tmp_path / f"crash{k}{'t' if torn else ''}"
+        with monkeypatch.context() as m:
+            crash_at(m, k, torn)
+            with pytest.raises(Crash):
+                run(tmp_path, out, "--ablations")
+        assert run(tmp_path, out, "--ablations") == 0, (k, torn)
+        got = state(out)
+        for part in ("trace", "skipped", "results", "ablations"):
+            assert got[part] == reference[part], (k, torn, writes[k - 1], part)
+        paths = ("--dataset", "--model")  # the reference ran from another folder
+        assert ({k: v for k, v in got["meta"]["fingerprint"].items() if k not in paths}
+                == {k: v for k, v in reference["meta"]["fingerprint"].items() if k not in paths})
+        assert got["meta"]["totals"]["questions"] == len(SCRIPT) and got["meta"]["totals"]["failed"] == 0
+
+
+def test_results_lost_after_the_commit_are_rebuilt_from_the_trace(tmp_path, monkeypatch, reference, capsys):
+    use_script(monkeypatch)
+    out = tmp_path / "out"
+    assert run(tmp_path, out, "--ablations") == 0
+    (out / "results.jsonl").write_text("")  # the crash window between a trace line and its results
+    assert run(tmp_path, out, "--ablations") == 0
+    assert "rebuilt 6 results rows from trace.jsonl" in capsys.readouterr().err
+    assert state(out)["results"] == reference["results"]
