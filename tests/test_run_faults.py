@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from svrmad_local.debate.trace import read_jsonl
 from svrmad_local.eval import folder as folder_mod
 
 from .runharness import SCRIPT, run, state, use_script
@@ -101,3 +102,24 @@ def test_results_lost_after_the_commit_are_rebuilt_from_the_trace(tmp_path, monk
     assert run(tmp_path, out, "--ablations") == 0
     assert "rebuilt 6 results rows from trace.jsonl" in capsys.readouterr().err
     assert state(out)["results"] == reference["results"]
+
+
+def test_a_failing_question_is_recorded_counted_and_retried(tmp_path, monkeypatch, reference, capsys):
+    out = tmp_path / "out"
+    use_script(monkeypatch, fail={"q1": "initial", "q3": "debate"})
+    assert run(tmp_path, out, "--ablations") == 1  # the run goes on, and says it is incomplete
+    printed = capsys.readouterr().out
+    assert "2 failed" in printed and "Run the same command again to retry them" in printed
+    errors = {e["id"]: e for e in read_jsonl(out / "errors.jsonl")}
+    assert set(errors) == {"q1", "q3"}
+    assert errors["q1"]["stage"] == "initial" and "does not fit the model's context" in errors["q1"]["message"]
+    assert errors["q3"]["stage"].startswith("method ") and "RuntimeError" in errors["q3"]["message"]
+    got = state(out)
+    assert set(got["trace"]) == {"q4"} and set(got["skipped"]) == {"q0", "q2"}
+    assert got["meta"]["totals"]["failed"] == 2
+    use_script(monkeypatch)  # the cause is gone: a rerun retries exactly the failed questions
+    assert run(tmp_path, out, "--ablations") == 0
+    got = state(out)
+    for part in ("trace", "skipped", "results", "ablations"):
+        assert got[part] == reference[part]
+    assert got["meta"]["totals"]["failed"] == 0 and got["meta"]["launches"][-1]["questions_run"] == 2

@@ -110,8 +110,11 @@ class RecordingBackend:
 # ---------------------------------------------------------------- rows <-> responses
 
 def _tokens(r: Response) -> dict:
-    return {"prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
-            "computed_tokens": r.computed_tokens, "signals": dict(r.signals), "text": r.text}
+    out = {"prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
+           "computed_tokens": r.computed_tokens, "signals": dict(r.signals), "text": r.text}
+    if r.finish_reason is not None:
+        out["finish_reason"] = r.finish_reason
+    return out
 
 
 def trace_row(q: Question, initial: Sequence[Response], debates: Iterable[Response],
@@ -144,7 +147,8 @@ def _response(entry: dict, agent: int, round_: int = 0) -> Response:
                     prompt_tokens=int(entry.get("prompt_tokens") or 0),
                     completion_tokens=int(entry.get("completion_tokens") or 0),
                     computed_tokens=int(entry.get("computed_tokens") or 0), round=round_,
-                    peers=tuple(entry.get("peers", ())), brief=tuple(entry.get("brief", ())))
+                    peers=tuple(entry.get("peers", ())), brief=tuple(entry.get("brief", ())),
+                    finish_reason=entry.get("finish_reason"))
 
 
 def row_question(row: dict) -> Question:

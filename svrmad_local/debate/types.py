@@ -59,6 +59,10 @@ class Response:
     round: int = 0
     peers: tuple[str, ...] = ()
     brief: tuple[str, ...] = ()
+    # Why generation ended: "stop", "length" (max tokens or the context's end), "context" (the
+    # prompt itself outgrew the model's context: nothing was generated, the answer is None), or
+    # None where the backend does not say (scripted).
+    finish_reason: str | None = None
     # Backend-private handle (e.g. the prompt segments an engine backend needs to extend this
     # response's context in a later round). Never serialised.
     context: Any = field(default=None, repr=False, compare=False)
