@@ -123,3 +123,43 @@ def test_a_failing_question_is_recorded_counted_and_retried(tmp_path, monkeypatc
     for part in ("trace", "skipped", "results", "ablations"):
         assert got[part] == reference[part]
     assert got["meta"]["totals"]["failed"] == 0 and got["meta"]["launches"][-1]["questions_run"] == 2
+
+
+def test_resume_with_other_settings_is_refused_naming_them(tmp_path, monkeypatch, capsys):
+    use_script(monkeypatch)
+    out = tmp_path / "out"
+    assert run(tmp_path, out, "--limit", "2") == 0
+    before = (out / "run.json").read_text()
+    capsys.readouterr()
+    assert run(tmp_path, out, "--agents", "3", "--C", "3") == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "--agents 4 in the folder, 3 now" in err and "svr-mad --C 2 in the folder, 3 now" in err
+    assert "--out" in err and "--concurrency" not in err
+    assert (out / "run.json").read_text() == before  # nothing touched
+    # settings that change no result may differ
+    assert run(tmp_path, out, "--concurrency", "1") == 0
+    assert len(state(out)["trace"]) + len(state(out)["skipped"]) == len(SCRIPT)
+
+
+def test_a_second_run_on_the_same_folder_is_refused(tmp_path, monkeypatch, capsys):
+    import subprocess
+    import sys
+
+    use_script(monkeypatch)
+    out = tmp_path / "out"
+    out.mkdir()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from svrmad_local.eval.folder import RunFolder; "
+         "f = RunFolder(sys.argv[1]); f.lock(); print('locked', flush=True); time.sleep(60)", str(out)],
+        stdout=subprocess.PIPE, text=True, cwd=str(__import__("pathlib").Path(__file__).parents[1]))
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        assert run(tmp_path, out) == 2
+        err = capsys.readouterr().err
+        assert f"is in use by another run (pid {holder.pid}" in err
+        assert not (out / "trace.jsonl").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert run(tmp_path, out) == 0  # the lock died with its process
