@@ -65,22 +65,27 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "m
 
 
 def parse_memory(value: int | float | str | None, available: int, default: int) -> int:
-    """Bytes from an int, a fraction of `available`, or a "2GiB"-style string."""
+    """Bytes from an int, a fraction of `available` (a float in (0, 1], also as a string: "0.9"),
+    or a "2GiB"-style string. A bare "1.5" is neither a fraction nor a whole number of bytes: error."""
     if value is None:
         return default
     if isinstance(value, str):
-        m = re.fullmatch(r"\s*([\d.]+)\s*([kmg]i?b|b)?\s*", value.lower())
+        m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmg]i?b|b)?\s*", value.lower())
         if not m:
-            try:
-                value = float(value)
-            except ValueError:
-                raise ValueError(f"kv_cache_memory {value!r}: expected bytes, a fraction or e.g. '2GiB'") from None
+            raise ValueError(f"kv_cache_memory {value!r}: expected bytes, a fraction or e.g. '2GiB'")
+        if m.group(2):
+            value = int(float(m.group(1)) * _UNITS[m.group(2)])
         else:
-            return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
-    if isinstance(value, float) and 0 < value <= 1:
-        return int(value * available)
+            value = float(m.group(1)) if "." in m.group(1) else int(m.group(1))
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"kv_cache_memory {value!r}: expected bytes, a fraction or e.g. '2GiB'")
     if value <= 0:
         raise ValueError(f"kv_cache_memory must be positive, got {value}")
+    if isinstance(value, float):
+        if value > 1:
+            raise ValueError(f"kv_cache_memory {value}: a fraction must be at most 1 and bytes a whole number "
+                             "(for gibibytes write e.g. '1.5GiB')")
+        return int(value * available)
     return int(value)
 
 
