@@ -42,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     chosen = next((a for a in argv if not a.startswith("-")), None)
     args = build_parser(chosen if chosen in SUBCOMMANDS else None).parse_args(argv)
-    warnings.formatwarning = lambda message, category, *rest: f"svrmad {args.command}: warning: {message}\n"
+    plain, warnings.formatwarning = warnings.formatwarning, (
+        lambda message, category, *rest: f"svrmad {args.command}: warning: {message}\n")
     try:
         return int(args._main(args) or 0)
     except KeyboardInterrupt:
@@ -55,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"svrmad {args.command}: {one_line(exc)}", file=sys.stderr)
         return 2
+    finally:
+        warnings.formatwarning = plain
 
 
 def one_line(exc: BaseException) -> str:

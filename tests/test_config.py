@@ -10,6 +10,7 @@ import pytest
 from svrmad_local.engine.engine import EngineConfig
 from svrmad_local.engine.params import SamplingParams
 from svrmad_local.eval import config as C
+from svrmad_local.eval import options as O
 from svrmad_local.eval import replay as replay_cli
 from svrmad_local.eval import run as run_cli
 from svrmad_local.methods import svr_mad
@@ -77,7 +78,7 @@ def test_round_trip_through_run_json():
 
 def test_run_and_replay_share_the_method_options():
     run_flags, replay_flags = parser_flags(run_cli.add_arguments), parser_flags(replay_cli.add_arguments)
-    method_flags = {o.flag for o in C.METHOD_OPTIONS} | {"--skip-rate", "--grader"}
+    method_flags = {o.flag for o in O.METHOD_OPTIONS} | {"--skip-rate", "--grader"}
     assert method_flags <= set(run_flags) and method_flags <= set(replay_flags)
     for flag in method_flags:  # the same action: same destination, choices and default
         a, b = run_flags[flag], replay_flags[flag]

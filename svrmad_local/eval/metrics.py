@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from svrmad_local.debate.trace import read_jsonl  # noqa: F401  (re-exported for eval modules)
+from svrmad_local.debate.trace import read_jsonl, read_trace  # read_jsonl is re-exported for eval modules
 
 # Paper order (Table 1); methods not listed here follow in order of first appearance.
 METHOD_NAMES = {
@@ -138,7 +138,9 @@ def load_run(run_dir) -> Run:
         skipped = skipped.drop_duplicates("id", keep="last").reset_index(drop=True)
     config_path = run_dir / "run.json"
     config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.exists() else {}
-    return Run(run_dir, results, agents_frame(read_jsonl(run_dir / "trace.jsonl")), skipped, config)
+    trace_path = run_dir / "trace.jsonl"
+    trace = read_trace(trace_path) if trace_path.exists() else []
+    return Run(run_dir, results, agents_frame(trace), skipped, config)
 
 
 # ---------------------------------------------------------------- the numbers

@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from typing import TYPE_CHECKING
 
 from svrmad_local.debate.trace import read_jsonl, read_trace, row_question
-from svrmad_local.eval.config import RunConfig
 from svrmad_local.eval.folder import RunFolder
+
+if TYPE_CHECKING:
+    from svrmad_local.eval.config import RunConfig
 
 POST_HOC = {"sid-et"}  # needs every question's initial responses: runs from the trace afterwards
 

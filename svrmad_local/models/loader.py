@@ -58,7 +58,7 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype | None = None, devi
                device_map: str | dict | None = None) -> LoadedModel:
     """`device`: "cpu", "cuda", "cuda:1"... (default: cuda if available). `device_map`: passed to
     accelerate ("auto" spreads a model too large for one GPU over all visible GPUs)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     path = Path(path).expanduser()
