@@ -3,7 +3,9 @@ resume, post-hoc) in milliseconds. `run_mod.make_backend` is the seam the harnes
 
 from __future__ import annotations
 
+import asyncio
 import json
+import sys
 from pathlib import Path
 
 from svrmad_local import cli
@@ -27,7 +29,7 @@ class PerQuestion:
     at which that question raises."""
 
     def __init__(self, fail: dict[str, str] | None = None):
-        self.fail = fail or {}
+        self.fail = fail or {}  # "hang": the debate never returns (to interrupt it)
         self.by_id = {qid: ScriptedBackend(ans, out, [{"min_ll": -0.2 - 0.3 * i - 0.05 * int(qid[1:])}
                                                       for i in range(len(ans))])
                       for qid, (ans, out, _) in SCRIPT.items()}
@@ -40,6 +42,9 @@ class PerQuestion:
     async def debate(self, q, own, peers, brief=()):
         if self.fail.get(q.id) == "debate":
             raise RuntimeError(f"scripted failure in a debate of {q.id}")
+        if self.fail.get(q.id) == "hang":
+            print(f"hanging in {q.id}", file=sys.stderr, flush=True)
+            await asyncio.sleep(3600)
         return await self.by_id[q.id].debate(q, own, peers, brief)
 
 
@@ -74,3 +79,10 @@ def state(out: Path) -> dict:
             "results": {(r["id"], r["method"]): r for r in results},
             "ablations": read_jsonl(out / "ablations.jsonl"),
             "meta": json.loads((out / "run.json").read_text())}
+
+
+if __name__ == "__main__":
+    # python -m tests.runharness HANG_ID svrmad-args...: `svrmad run` in this process over the script,
+    # the debates of question HANG_ID never returning (for a real Ctrl-C)
+    run_mod.make_backend = lambda cfg, device, path: (PerQuestion({sys.argv[1]: "hang"}), dict)
+    sys.exit(cli.main(sys.argv[2:]))

@@ -163,3 +163,53 @@ def test_a_second_run_on_the_same_folder_is_refused(tmp_path, monkeypatch, capsy
         holder.kill()
         holder.wait()
     assert run(tmp_path, out) == 0  # the lock died with its process
+
+
+def test_ctrl_c_says_what_was_saved_and_how_to_resume(tmp_path, monkeypatch, reference):
+    """A real SIGINT to a real process while a question is in flight."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from .runharness import METHODS, write_dataset
+
+    data, out = write_dataset(tmp_path / "qs.jsonl"), tmp_path / "out"
+    argv = ["run", "--model", str(tmp_path), "--dataset", str(data), "--out", str(out), "--agents", "4",
+            "--limit", "0", "--methods", METHODS, "--ablations", "--concurrency", "1"]
+    proc = subprocess.Popen([sys.executable, "-m", "tests.runharness", "q4", *argv], stderr=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[1])
+    for line in proc.stderr:
+        if line.startswith("hanging in q4"):
+            break
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr
+    saved = len(read_jsonl(out / "trace.jsonl")) + len(read_jsonl(out / "skipped.jsonl"))
+    assert saved == 4 and f"interrupted. {saved} questions are saved in {out}" in stderr
+    assert "run the same command again to resume" in stderr and "Traceback" not in stderr
+    use_script(monkeypatch)
+    assert run(tmp_path, out, "--ablations", "--concurrency", "1") == 0
+    got = state(out)
+    for part in ("trace", "skipped", "results", "ablations"):
+        assert got[part] == reference[part]
+
+
+def test_a_model_that_cannot_load_is_one_line(tmp_path, capsys):
+    from .runharness import write_dataset
+    from svrmad_local import cli
+
+    (tmp_path / "empty").mkdir()
+    data = write_dataset(tmp_path / "qs.jsonl")
+    assert cli.main(["run", "--model", str(tmp_path / "empty"), "--dataset", str(data), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"svrmad run: {tmp_path / 'empty'} has no config.json"
+
+
+def test_prepare_with_an_unusable_cache_dir_is_one_line(tmp_path, capsys):
+    from svrmad_local import cli
+
+    (tmp_path / "file").write_text("x")
+    assert cli.main(["prepare", "--cache-dir", str(tmp_path / "file")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("svrmad prepare: ") and len(err.splitlines()) == 1 and str(tmp_path / "file") in err
