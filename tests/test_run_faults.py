@@ -213,3 +213,44 @@ def test_prepare_with_an_unusable_cache_dir_is_one_line(tmp_path, capsys):
     assert cli.main(["prepare", "--cache-dir", str(tmp_path / "file")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("svrmad prepare: ") and len(err.splitlines()) == 1 and str(tmp_path / "file") in err
+
+
+def test_shards_merged_equal_one_run_with_sid_et_tuned_once(tmp_path, monkeypatch, reference, capsys):
+    from svrmad_local import cli
+
+    use_script(monkeypatch)
+    shards = [tmp_path / f"shard{k}" for k in range(2)]
+    for k, d in enumerate(shards):
+        assert run(tmp_path, d, "--ablations", "--shard", f"{k}/2") == 0
+    assert {r["id"] for r in read_jsonl(shards[0] / "trace.jsonl")} == {"q4"}  # q0, q2, q4 went to shard 0
+    merged = tmp_path / "merged"
+    assert cli.main(["merge", *map(str, shards), "--out", str(merged)]) == 0
+    got = state(merged)
+    for part in ("trace", "skipped", "results", "ablations"):
+        assert got[part] == reference[part], part
+    assert got["meta"]["post_hoc"]["questions"] == 3 and got["meta"]["totals"]["questions"] == 5
+    assert cli.main(["merge", *map(str, shards), "--out", str(merged)]) == 0  # again: nothing new, nothing twice
+    assert state(merged)["results"] == reference["results"]
+    # the same folders joined by hand: `svrmad report` tunes SID-ET once over all questions
+    by_hand = tmp_path / "by_hand"
+    by_hand.mkdir()
+    for name in ("trace.jsonl", "results.jsonl", "skipped.jsonl"):
+        (by_hand / name).write_text("".join((d / name).read_text() for d in shards if (d / name).exists()))
+    (by_hand / "run.json").write_text((shards[0] / "run.json").read_text())
+    capsys.readouterr()
+    assert cli.main(["report", str(by_hand)]) == 0
+    assert "tuning it again over all of its questions" in capsys.readouterr().err
+    sid = {k: v for k, v in state(by_hand)["results"].items() if k[1] == "sid-et"}
+    assert sid == {k: v for k, v in reference["results"].items() if k[1] == "sid-et"}
+
+
+def test_merge_refuses_folders_of_different_runs(tmp_path, monkeypatch, capsys):
+    from svrmad_local import cli
+
+    use_script(monkeypatch)
+    assert run(tmp_path, tmp_path / "a", "--shard", "0/2") == 0
+    assert run(tmp_path, tmp_path / "b", "--shard", "1/2", "--C", "3") == 0
+    capsys.readouterr()
+    assert cli.main(["merge", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "m")]) == 2
+    err = capsys.readouterr().err
+    assert "was run with other settings" in err and "svr-mad --C 2 in the folder, 3 now" in err

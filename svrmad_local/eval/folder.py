@@ -81,10 +81,11 @@ class RunFolder:
     """The files of one run folder. With `part`, question files go to parts/<part>/ (one writer per
     part: a data-parallel rank) and are merged into the folder's own files by `merge_parts`."""
 
-    def __init__(self, out: str | Path, part: str | None = None):
+    def __init__(self, out: str | Path, part: str | None = None, create: bool = True):
         self.out = Path(out)
         self.dir = self.out / PARTS / part if part else self.out
-        self.dir.mkdir(parents=True, exist_ok=True)
+        if create:
+            self.dir.mkdir(parents=True, exist_ok=True)
         self.trace, self.results = self.dir / TRACE, self.dir / RESULTS
         self.skipped, self.errors = self.dir / SKIPPED, self.dir / ERRORS
         self.run_json = self.out / RUN_JSON

@@ -17,7 +17,7 @@ import hashlib
 from typing import TYPE_CHECKING
 
 from svrmad_local.debate.trace import read_jsonl, read_trace, row_question
-from svrmad_local.eval.folder import RunFolder
+from svrmad_local.eval.folder import FolderBusy, RunFolder, note
 
 if TYPE_CHECKING:
     from svrmad_local.eval.config import RunConfig
@@ -96,3 +96,36 @@ def is_stale(folder: RunFolder, cfg: RunConfig) -> bool:
     done = folder.read_meta().get("post_hoc") or {}
     now = stamp(read_trace(folder.trace))
     return done.get("ids_sha256") != now["ids_sha256"]
+
+
+def refresh(out) -> None:
+    """What `svrmad report` does first, on a folder no run is using: merge part files an unfinished
+    data-parallel run left, rebuild results rows lost after their commit, and re-derive the post-hoc
+    parts when the trace changed since they were derived (e.g. folders joined by hand)."""
+    folder = RunFolder(out, create=False)
+    meta = folder.read_meta()
+    if "fingerprint" not in meta:  # not written by this version: nothing to check against
+        return
+    try:
+        folder.lock()
+    except FolderBusy:
+        note(f"a run is using {folder.out}: the report shows what it has saved so far")
+        return
+    try:
+        from svrmad_local.eval.config import RunConfig
+
+        cfg = RunConfig.from_dict(meta["config"])
+        folder.cut_torn_tails()
+        merged = folder.merge_parts()
+        if merged:
+            note(f"merged {merged} questions from the part files of an unfinished data-parallel run")
+        if merged or is_stale(folder, cfg):
+            if needs_post_hoc(cfg):
+                note("the trace changed since SID-ET was tuned: tuning it again over all of its questions")
+            finalize(folder, cfg)
+        else:
+            rebuilt = rebuild_results(folder, cfg)
+            if rebuilt:
+                note(f"rebuilt {rebuilt} results rows from trace.jsonl")
+    finally:
+        folder.unlock()

@@ -33,7 +33,7 @@ from svrmad_local.debate.types import Question, Response
 from svrmad_local.dist import Dist
 from svrmad_local.eval.config import RunConfig, add_run_arguments, diff_fingerprints, from_args, parse_shard
 from svrmad_local.eval.datasets import DatasetError, load_dataset
-from svrmad_local.eval.folder import RunFolder, note
+from svrmad_local.eval.folder import RunFolder, note, write_json
 from svrmad_local.eval.posthoc import finalize, live_methods, rebuild_results
 from svrmad_local.methods import run_method
 from svrmad_local.signals import prior_score
@@ -263,11 +263,16 @@ def _main(args, d: Dist, held: list) -> int:
         todo = [Question(**q) for q in start["todo"]]
     writer = RunFolder(cfg.out_dir, part=f"rank-{d.rank}") if d.enabled else folder
     rank_info = {"rank": d.rank, "host": socket.gethostname(), "pid": os.getpid(), "device": d.device(cfg.device)}
+    if d.enabled:
+        write_json(writer.dir / "rank.json", rank_info)  # who writes this part (and whose pid to signal)
     counts, engine_info = {"done": 0, "failed": 0}, {}
     try:
         if todo:
             inner, engine_counters = make_backend(cfg, rank_info["device"], path)
             backend = RecordingBackend(inner)
+            if d.enabled:  # nobody takes work before every engine is up, so early ranks do not take it all
+                d.store.add("ready", 1)
+                d.wait_count("ready", d.world_size)
             progress = Progress(len(todo), d)
             try:
                 counts = asyncio.run(work(todo, backend, cfg, writer, d, progress))
@@ -306,26 +311,26 @@ def _sum_engines(ranks: list[dict]) -> dict:
     return out
 
 
-def _finish(folder: RunFolder, cfg: RunConfig, questions: list[Question], ranks: list[dict], wall: float,
-            world_size: int) -> int:
+def tally(folder: RunFolder, ids: set[str] | None = None) -> tuple[dict, list[dict], dict[str, dict]]:
+    """(totals, results rows, failed questions) of the folder, restricted to `ids` if given."""
+    def keep(r: dict) -> bool:
+        return ids is None or str(r["id"]) in ids
+
+    rows = [r for r in read_jsonl(folder.results) if keep(r)]
+    skipped = {str(r["id"]) for r in read_jsonl(folder.skipped) if keep(r)}
+    failed = {k: e for k, e in folder.failed().items() if keep({"id": k})}
+    debated = {str(r["id"]) for r in rows}
+    total = len(ids) if ids is not None else len(skipped | debated | set(failed))
+    return ({"questions": total, "skipped_unanimous": len(skipped), "debated": len(debated), "failed": len(failed)},
+            rows, failed)
+
+
+def print_summary(folder: RunFolder, totals: dict, rows: list[dict], failed: dict[str, dict], wall: float | None,
+                  engine_info: dict, world_size: int = 1) -> None:
     from svrmad_local.eval.metrics import summary_table_text
 
-    finalize(folder, cfg)
-    ids = {q.id for q in questions}
-    rows = [r for r in read_jsonl(folder.results) if r["id"] in ids]
-    skipped = [r for r in read_jsonl(folder.skipped) if r["id"] in ids]
-    failed = {k: e for k, e in folder.failed().items() if k in ids}
-    engine_info = _sum_engines(ranks)
-    meta = folder.read_meta()
-    meta.update(world_size=world_size, ranks=ranks,
-                totals={"questions": len(questions), "skipped_unanimous": len(skipped),
-                        "debated": len({r["id"] for r in rows}), "failed": len(failed), "wall_s": round(wall, 1),
-                        "engine": engine_info})
-    meta.setdefault("launches", []).append({"world_size": world_size, "questions_run": sum(r["questions"] for r in ranks),
-                                            "failed": sum(r["failed"] for r in ranks), "wall_s": round(wall, 1)})
-    folder.write_meta(meta)
-    print(f"\n{len(questions)} questions: {len(skipped)} skipped as unanimous before debate, "
-          f"{len({r['id'] for r in rows})} debated, {len(failed)} failed. Wall time {wall:.1f} s.")
+    print(f"\n{totals['questions']} questions: {totals['skipped_unanimous']} skipped as unanimous before debate, "
+          f"{totals['debated']} debated, {totals['failed']} failed." + (f" Wall time {wall:.1f} s." if wall else ""))
     if rows:
         print(summary_table_text(rows))
     if engine_info:
@@ -338,4 +343,17 @@ def _finish(folder: RunFolder, cfg: RunConfig, questions: list[Question], ranks:
         print(f"{len(failed)} questions failed (e.g. {first['id']} at {first['stage']}: {first['message']}); "
               f"all are in {folder.errors}. Run the same command again to retry them.")
     print(f"trace: {folder.trace}\nresults: {folder.results}\nreport: svrmad report {folder.out}")
+
+
+def _finish(folder: RunFolder, cfg: RunConfig, questions: list[Question], ranks: list[dict], wall: float,
+            world_size: int) -> int:
+    finalize(folder, cfg)
+    totals, rows, failed = tally(folder, {q.id for q in questions})
+    engine_info = _sum_engines(ranks)
+    meta = folder.read_meta()
+    meta.update(world_size=world_size, ranks=ranks, totals={**totals, "wall_s": round(wall, 1), "engine": engine_info})
+    meta.setdefault("launches", []).append({"world_size": world_size, "questions_run": sum(r["questions"] for r in ranks),
+                                            "failed": sum(r["failed"] for r in ranks), "wall_s": round(wall, 1)})
+    folder.write_meta(meta)
+    print_summary(folder, totals, rows, failed, wall, engine_info, world_size)
     return 1 if failed else 0
