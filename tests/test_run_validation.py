@@ -45,6 +45,8 @@ def no_model(monkeypatch):
     (["--methods", "self-consistency", "--tau", "0.5"], "--tau given, but none of the methods"),
     (["--shard", "2/2"], "expected K/N"),
     (["--grader", "math-verify"], "not available yet"),
+    (["--tp", "2"], "tensor parallel is not available yet"),
+    (["--tp", "0"], "--tp must be >= 1"),
 ])
 def test_bad_settings_fail_in_one_line_before_loading(tmp_path, no_model, capsys, flags, says):
     assert run(tmp_path, tmp_path / "out", *flags) == 2

@@ -165,6 +165,8 @@ class RunConfig:
             p.append(f"--grader {self.grader} is not available yet (only 'ours')")
         if self.device_map and self.tp > 1:
             p.append("--device-map and --tp exclude each other")
+        if self.tp > 1:  # the engine side of tensor parallel is being built (issue 11, item 2)
+            p.append(f"--tp {self.tp}: tensor parallel is not available yet; use data parallel (torchrun without --tp)")
         if self.model and not Path(self.model).expanduser().is_dir():
             p.append(f"--model {self.model} is not a folder (expected config.json + *.safetensors)")
         p += _check_out(self.out_dir)

@@ -240,6 +240,9 @@ def _main(args, d: Dist, held: list) -> int:
         try:
             cfg = from_args(args)
             cfg.validate()
+            if d.enabled and cfg.device_map:
+                raise ValueError("--device-map with several processes would spread every process over every GPU; "
+                                 "run one process, or data parallel without --device-map")
             questions = load_questions(cfg)
             folder, todo = _prepare(cfg, questions, held)
             path = model_path(cfg) if todo else None
