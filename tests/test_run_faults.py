@@ -254,3 +254,18 @@ def test_merge_refuses_folders_of_different_runs(tmp_path, monkeypatch, capsys):
     assert cli.main(["merge", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "m")]) == 2
     err = capsys.readouterr().err
     assert "was run with other settings" in err and "svr-mad --C 2 in the folder, 3 now" in err
+
+
+def test_replay_of_sid_et_tunes_its_skip_rate_like_the_run(tmp_path, monkeypatch, capsys):
+    from svrmad_local import cli
+
+    use_script(monkeypatch)
+    out = tmp_path / "out"
+    assert run(tmp_path, out) == 0
+    capsys.readouterr()
+    assert cli.main(["replay", "--trace", str(out / "trace.jsonl"), "--method", "sid-et", "--json"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()][:-1]
+    live = state(out)["results"]
+    assert lines and all((x["answer"], x["ncomm"], x["tokens"]) == (live[x["id"], "sid-et"]["answer"],
+                                                                    live[x["id"], "sid-et"]["ncomm"],
+                                                                    live[x["id"], "sid-et"]["tokens"]) for x in lines)
