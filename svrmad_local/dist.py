@@ -83,6 +83,11 @@ class Dist:
     def count(self, key: str) -> int:
         return self.store.add(key, 0)
 
+    def barrier(self, name: str) -> None:
+        """Every rank reaches `name` before any goes on (the store wakes the waiters at once)."""
+        self.store.set(f"{name}/{self.rank}", "1")
+        self.store.wait([f"{name}/{r}" for r in range(self.world_size)])
+
     def wait_count(self, key: str, n: int, poll_s: float = 0.5) -> None:
         """Wait until counter `key` reaches n (polling: no store timeout however long it takes)."""
         while self.count(key) < n:

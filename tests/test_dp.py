@@ -126,10 +126,10 @@ def test_torchrun_on_the_embedded_default(tmp_path):
     from svrmad_local.models.default import ensure_default_model
 
     ensure_default_model()  # once, before two ranks look for it (downloads it on a fresh machine)
-    argv = ["--dataset", "gsm8k", "--limit", "2", "--agents", "3", "--max-tokens", "6", "--concurrency", "1",
+    argv = ["--dataset", "gsm8k", "--limit", "2", "--agents", "2", "--max-tokens", "4", "--concurrency", "1",
             "--device", "cpu", "--methods", "svr-mad"]
     finish(launch("torchrun", "run", "--out", str(tmp_path / "dp"), *argv))
     assert cli.main(["run", "--out", str(tmp_path / "single"), *argv]) == 0
     assert outcome(tmp_path / "dp") == outcome(tmp_path / "single")
     ranks = json.loads((tmp_path / "dp" / "run.json").read_text())["ranks"]
-    assert [r["questions"] for r in ranks] == [1, 1]
+    assert len(ranks) == 2 and sum(r["questions"] for r in ranks) == 2

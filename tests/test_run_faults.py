@@ -178,7 +178,9 @@ def test_ctrl_c_says_what_was_saved_and_how_to_resume(tmp_path, monkeypatch, ref
     argv = ["run", "--model", str(tmp_path), "--dataset", str(data), "--out", str(out), "--agents", "4",
             "--limit", "0", "--methods", METHODS, "--ablations", "--concurrency", "1"]
     proc = subprocess.Popen([sys.executable, "-m", "tests.runharness", "q4", *argv], stderr=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[1])
+                            stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[1],
+                            # a suite started in the background would hand down an ignored SIGINT
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     for line in proc.stderr:
         if line.startswith("hanging in q4"):
             break

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
+import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -191,8 +192,6 @@ def _check_out(out: Path) -> list[str]:
         probe = probe.parent
     if not probe.is_dir():
         return [f"--out {out}: {probe} is a file, not a folder"]
-    import os
-
     if not os.access(probe, os.W_OK | os.X_OK):
         return [f"--out {out}: {probe} is not writable"]
     return []

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from svrmad_local.debate.trace import read_jsonl, read_trace  # read_jsonl is re-exported for eval modules
+from svrmad_local.debate.trace import read_jsonl  # noqa: F401  (re-exported for eval modules)
 
 # Paper order (Table 1); methods not listed here follow in order of first appearance.
 METHOD_NAMES = {
@@ -96,8 +96,8 @@ def agents_frame(trace_rows: list[dict]) -> pd.DataFrame:
     latest = {str(r["id"]): r for r in trace_rows}
     flat = []
     for qid, row in latest.items():
-        for a in row.get("agents", []):
-            rec = {"id": qid, "agent": int(a["agent"]), "correct": bool(a.get("correct")),
+        for i, a in enumerate(row.get("agents", [])):  # the minimal form indexes agents by position
+            rec = {"id": qid, "agent": int(a.get("agent", i)), "correct": bool(a.get("correct")),
                    "answer": a.get("answer"), "prompt_tokens": a.get("prompt_tokens"),
                    "completion_tokens": a.get("completion_tokens"),
                    "computed_tokens": a.get("computed_tokens")}
@@ -138,9 +138,7 @@ def load_run(run_dir) -> Run:
         skipped = skipped.drop_duplicates("id", keep="last").reset_index(drop=True)
     config_path = run_dir / "run.json"
     config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.exists() else {}
-    trace_path = run_dir / "trace.jsonl"
-    trace = read_trace(trace_path) if trace_path.exists() else []
-    return Run(run_dir, results, agents_frame(trace), skipped, config)
+    return Run(run_dir, results, agents_frame(read_jsonl(run_dir / "trace.jsonl")), skipped, config)
 
 
 # ---------------------------------------------------------------- the numbers

@@ -274,8 +274,7 @@ def _main(args, d: Dist, held: list) -> int:
             inner, engine_counters = make_backend(cfg, rank_info["device"], path)
             backend = RecordingBackend(inner)
             if d.enabled:  # nobody takes work before every engine is up, so early ranks do not take it all
-                d.store.add("ready", 1)
-                d.wait_count("ready", d.world_size)
+                d.barrier("ready")
             progress = Progress(len(todo), d)
             try:
                 counts = asyncio.run(work(todo, backend, cfg, writer, d, progress))
