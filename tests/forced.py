@@ -20,6 +20,7 @@ class ForcedEngine:
         """`script(prompt_ids, index) -> (completion ids, finish_reason)`."""
         self.engine, self.script = engine, script
         self.tokenizer, self.eos_ids, self.model, self.cfg = engine.tokenizer, engine.eos_ids, engine.model, engine.cfg
+        self.max_model_len = engine.max_model_len
         self.prompts: list[list[int]] = []
 
     async def generate(self, prompt, params: SamplingParams) -> RequestOutput:

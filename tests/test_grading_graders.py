@@ -42,10 +42,9 @@ def test_missing_math_verify_fails_in_one_line_naming_the_extra(no_math_verify, 
 
 
 def test_svrmad_run_with_missing_math_verify_exits_2_with_one_line(no_math_verify, tmp_path, capsys):
-    parser = argparse.ArgumentParser()
-    run_mod.add_arguments(parser)
-    args = parser.parse_args(["--dataset", "gsm8k", "--grader", "math-verify", "--out", str(tmp_path / "r")])
-    assert run_mod.main(args) == 2
+    from svrmad_local import cli
+
+    assert cli.main(["run", "--dataset", "gsm8k", "--grader", "math-verify", "--out", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "mathverify" in err[0] and err[0].startswith("svrmad run:")
     assert not (tmp_path / "r").exists()  # nothing started

@@ -123,3 +123,50 @@ def test_shard_splits_questions_disjointly():
     assert sorted(sum(parts, [])) == qs and parts[1] == [1, 4, 7]
     with pytest.raises(ValueError, match="K/N"):
         run_mod.shard(qs, "3/3")
+
+
+def test_an_over_long_question_fails_alone(setup, capsys):
+    ck, data, out = setup
+    rows = [json.loads(x) for x in data.read_text().splitlines()][:3]
+    rows.insert(1, {"id": "long", "question": "What is 2 + 3? " * 600, "gold": "5", "answer_type": "math"})
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert run(ck, data, out, "--limit", "0", "--methods", "svr-mad") == 1
+    assert "1 failed" in capsys.readouterr().out
+    errors = read_jsonl(out / "errors.jsonl")
+    assert [(e["id"], e["stage"]) for e in errors] == [("long", "initial")]
+    assert "does not fit the model's context" in errors[0]["message"]
+    done = {r["id"] for r in read_jsonl(out / "trace.jsonl")} | {r["id"] for r in read_jsonl(out / "skipped.jsonl")}
+    assert done == {"q0", "q1", "q2"}
+    meta = json.loads((out / "run.json").read_text())
+    assert meta["totals"]["failed"] == 1 and meta["totals"]["questions"] == 4
+
+
+def test_a_debate_that_outgrows_the_context_gets_no_answer(tiny_model, tiny_tokenizer):
+    import asyncio
+
+    from svrmad_local.debate.engine_backend import EngineBackend
+    from svrmad_local.debate.replay import ReplayBackend
+    from svrmad_local.debate.trace import RecordingBackend, row_initial
+    from svrmad_local.debate.types import Question
+    from svrmad_local.engine.engine import Engine, EngineConfig
+    from svrmad_local.engine.params import SamplingParams
+    from svrmad_local.methods import svr_mad
+
+    engine = Engine(tiny_model, tiny_tokenizer, EngineConfig(kv_cache_memory="4MiB", block_size=4))
+    rec = RecordingBackend(EngineBackend(engine, SamplingParams(max_tokens=10, ignore_eos=True), seed=1))
+    q = Question("q", "What is 2 + 3?", "5")
+    initial = asyncio.run(rec.initial(q, 3))
+    for r, a in zip(initial, ["5", "6", "7"]):  # they disagree (the recorded responses too)
+        r.answer = a
+    # the initial prompts fit; a debate prompt (own answer + a peer's + instructions) does not
+    engine.max_model_len = initial[0].prompt_tokens + initial[0].completion_tokens + 4
+    d = asyncio.run(rec.debate(q, initial[0], [initial[1]]))
+    assert (d.answer, d.finish_reason, d.prompt_tokens, d.completion_tokens, d.computed_tokens) == (None, "context", 0, 0, 0)
+    assert engine.info["requests"] == 1  # nothing was sent for it
+    res = asyncio.run(svr_mad.run(q, initial, rec, priors=[0.9, 0.5, 0.1], S=1, C=1))
+    assert res.ncomm >= 1 and not res.accepted  # every debate "changed": nobody accepted, the fallback vote decides
+    row = rec.trace_row(q, [0.9, 0.5, 0.1])
+    assert all(x["finish_reason"] == "context" and x["outcome"] == "changed" for x in row["debates"])
+    assert row["agents"][0]["finish_reason"] == "length"
+    again = asyncio.run(svr_mad.run(q, row_initial(row), ReplayBackend(row), priors=[0.9, 0.5, 0.1], S=1, C=1))
+    assert (again.answer, again.ncomm, again.tokens) == (res.answer, res.ncomm, res.tokens)

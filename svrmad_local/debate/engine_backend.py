@@ -113,6 +113,16 @@ class EngineBackend:
             {"role": "user", "content": debate_format(q, list(peers), list(brief), self.elicit)},
         ]
         prompt = self.chat.encode(messages)
+        if len(prompt) >= self.engine.max_model_len:
+            return self._context_overflow(rid, own, peers, brief, messages)
         out = await self.engine.generate(prompt, replace(self.params, n=1, seed=_seed(self.seed, q.id, rid)))
         return self._response(rid, own.agent, q, out.completions[0], len(prompt), out.usage.computed_tokens,
                               messages, own.round + 1, [p.id for p in peers], [b.id for b in brief])
+
+    @staticmethod
+    def _context_overflow(rid: str, own: Response, peers, brief, messages: list) -> Response:
+        """A debate whose prompt outgrew the model's context is not sent (an API would refuse it):
+        the receiver gives no answer, as when its answer cannot be parsed, and nothing is billed
+        (docs/formats.md, "finish_reason")."""
+        return Response(id=rid, agent=own.agent, answer=None, round=own.round + 1, peers=tuple(p.id for p in peers),
+                        brief=tuple(b.id for b in brief), context=messages, finish_reason="context")

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import warnings
+from collections import Counter
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Iterable, Sequence
+from typing import Any, Awaitable, Callable, Iterable, Iterator, Sequence
 
 from svrmad_local.grading import equivalent, is_correct, settle
-from svrmad_local.debate.types import Backend, Question, Response, debate_id
+from svrmad_local.debate.types import ANSWER_TYPES, Backend, Question, Response, debate_id
 
 
 def split_id(rid: str) -> tuple[str, list[str], list[str]]:
@@ -113,9 +115,12 @@ class RecordingBackend:
 # ---------------------------------------------------------------- rows <-> responses
 
 def _tokens(r: Response) -> dict:
-    return {"prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
-            "computed_tokens": r.computed_tokens, "signals": dict(r.signals), "text": r.text,
-            "reasoning": r.reasoning, "final": r.final, "finish_reason": r.finish_reason}
+    out = {"prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
+           "computed_tokens": r.computed_tokens, "signals": dict(r.signals), "text": r.text,
+           "reasoning": r.reasoning, "final": r.final}
+    if r.finish_reason is not None:
+        out["finish_reason"] = r.finish_reason
+    return out
 
 
 def trace_row(q: Question, initial: Sequence[Response], debates: Iterable[Response],
@@ -188,31 +193,141 @@ def write_trace(path: str | Path, rows: Iterable[dict]) -> None:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
-def read_jsonl(path: str | Path) -> list[dict]:
-    """Rows of a JSONL file; [] when absent. A torn last line (a run killed mid-write) is dropped;
-    a bad line elsewhere is an error naming the line."""
+class TraceError(ValueError):
+    """A malformed line of a run file, named by file, line and field."""
+
+
+class TornLineWarning(UserWarning):
+    """A last line without its end (a run stopped while writing it): ignored."""
+
+
+def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict]]:
+    """(line number, object) of a JSONL file; nothing when absent. A torn last line is skipped with a
+    TornLineWarning; any other line that is not a JSON object is a TraceError naming it."""
     path = Path(path)
     if not path.exists():
-        return []
-    rows = []
-    lines = path.read_text(encoding="utf-8").splitlines()
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
+        return
+    lines = path.read_bytes().split(b"\n")
+    torn = lines.pop()  # after the last newline: b"" unless the last write was cut short
+    for i, raw in enumerate(lines, 1):
+        if raw.strip():
+            yield i, _parse(path, i, raw)
+    if torn.strip():
         try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            if i != len(lines) - 1:
-                raise ValueError(f"{path}:{i + 1}: not valid JSON") from None
-    return rows
+            row = json.loads(torn)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            warnings.warn(f"{path}:{len(lines) + 1}: the last line is incomplete (a run stopped while writing it?); "
+                          "ignored", TornLineWarning, stacklevel=3)
+            return
+        if not isinstance(row, dict):
+            raise TraceError(f"{path}:{len(lines) + 1}: not a JSON object")
+        yield len(lines) + 1, row
+
+
+def _parse(path: Path, line: int, raw: bytes) -> dict:
+    try:
+        row = json.loads(raw)
+    except UnicodeDecodeError:
+        raise TraceError(f"{path}:{line}: not UTF-8") from None
+    except json.JSONDecodeError as exc:
+        raise TraceError(f"{path}:{line}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+    if not isinstance(row, dict):
+        raise TraceError(f"{path}:{line}: not a JSON object")
+    return row
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """Rows of a JSONL file; [] when absent (see iter_jsonl for torn and malformed lines)."""
+    return [row for _, row in iter_jsonl(path)]
 
 
 def read_trace(path: str | Path) -> list[dict]:
-    """Trace lines in file order; a later line for an id replaces an earlier one."""
+    """Trace lines in file order, each checked and completed by `normalize_row`; a later line for an
+    id replaces an earlier one."""
     if not Path(path).exists():
         raise FileNotFoundError(f"trace {path} does not exist")
     rows: dict[str, dict] = {}
-    for row in read_jsonl(path):
-        rows.pop(str(row["id"]), None)
-        rows[str(row["id"])] = row
+    for line, row in iter_jsonl(path):
+        row = normalize_row(row, f"{path}:{line}")
+        rows.pop(row["id"], None)
+        rows[row["id"]] = row
     return list(rows.values())
+
+
+def normalize_row(row: dict, where: str = "trace line") -> dict:
+    """Check a trace line and fill in what the minimal form leaves out: agents are indexed by their
+    position when they have no "agent" (and no "id": then str(index)); a pairwise debate without an
+    "id" gets "r<s" from its receiver and sender ("r<s#k" for the k-th debate of the same pair, or
+    its "repeat": k). A problem is a TraceError naming `where` and the field."""
+
+    def bad(field: str, problem: str):
+        raise TraceError(f"{where}: {field}: {problem}")
+
+    def count(obj: dict, field: str, name: str) -> None:
+        v = obj.get(name)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            bad(f"{field}.{name}", f"expected a count, got {v!r}")
+
+    def response(obj, field: str) -> None:
+        if not isinstance(obj, dict):
+            bad(field, "not a JSON object")
+        if "answer" not in obj:
+            bad(f"{field}.answer", "missing")
+        for name in ("prompt_tokens", "completion_tokens", "computed_tokens"):
+            count(obj, field, name)
+        if obj.get("signals") is not None and not isinstance(obj["signals"], dict):
+            bad(f"{field}.signals", "not a JSON object")
+
+    for name in ("id", "gold"):
+        if row.get(name) is None:
+            bad(name, "missing")
+    if row.get("answer_type", "math") not in ANSWER_TYPES:
+        bad("answer_type", f"{row['answer_type']!r} is not one of {', '.join(ANSWER_TYPES)}")
+    agents = row.get("agents")
+    if not isinstance(agents, list):
+        bad("agents", "missing or not a list")
+    n, out_agents = len(agents), []
+    for i, a in enumerate(agents):
+        response(a, f"agents[{i}]")
+        k = a.get("agent", i)
+        if isinstance(k, bool) or not isinstance(k, int):
+            bad(f"agents[{i}].agent", f"expected an agent index, got {k!r}")
+        prior = a.get("prior")
+        if prior is not None and (isinstance(prior, bool) or not isinstance(prior, (int, float))):
+            bad(f"agents[{i}].prior", f"expected a number, got {prior!r}")
+        out_agents.append({**a, "agent": k, "id": str(a.get("id", k))})
+    if sorted(a["agent"] for a in out_agents) != list(range(n)):
+        bad("agents", f"agent indices {sorted(a['agent'] for a in out_agents)} are not 0..{n - 1}")
+    debates = row.get("debates") or []
+    if not isinstance(debates, list):
+        bad("debates", "not a list")
+    out_debates, pairs = [], Counter()
+
+    def agent_index(value, field: str) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < n:
+            bad(field, f"expected an agent index 0..{n - 1}, got {value!r}")
+        return value
+
+    for j, d in enumerate(debates):
+        field = f"debates[{j}]"
+        response(d, field)
+        sender, receiver, rid = d.get("sender"), d.get("receiver"), d.get("id")
+        if sender is not None:
+            agent_index(sender, f"{field}.sender")
+        if rid is None:
+            if sender is None or receiver is None:
+                bad(field, "no 'id', and no 'sender' and 'receiver' to tell which debate it is")
+            agent_index(receiver, f"{field}.receiver")
+            pairs[sender, receiver] += 1
+            repeat = d.get("repeat", pairs[sender, receiver])
+            rid = debate_id(str(receiver), [str(sender)]) + (f"#{repeat}" if repeat != 1 else "")
+        rid = str(rid)
+        if receiver is None:
+            try:
+                receiver = agent_of(rid)
+            except ValueError as exc:
+                bad(f"{field}.id", str(exc))
+        agent_index(receiver, f"{field}.receiver")
+        peers = d.get("peers") or ([str(sender)] if sender is not None else [])
+        out_debates.append({**d, "id": rid, "receiver": receiver, "round": d.get("round", 1), "peers": peers})
+    return {**row, "id": str(row["id"]), "agents": out_agents, "debates": out_debates}

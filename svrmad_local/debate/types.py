@@ -68,6 +68,9 @@ class Response:
     reasoning: str = ""
     final_tokens: list[int] = field(default_factory=list)
     final: bool = True
+    # Why generation ended: "stop", "length" (max tokens or the context's end), "context" (the
+    # prompt itself outgrew the model's context: nothing was generated, the answer is None), or
+    # None where the backend does not say (scripted).
     finish_reason: str | None = None
     # Backend-private handle (e.g. the prompt segments an engine backend needs to extend this
     # response's context in a later round). Never serialised.

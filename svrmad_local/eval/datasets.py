@@ -45,6 +45,9 @@ class _BadRow(Exception):
     pass
 
 
+_NOT_UTF8 = re.compile("[\udc80-\udcff]")
+
+
 # ----------------------------------------------------------------------------- reading rows
 
 
@@ -74,18 +77,26 @@ def _read_rows(path: Path, report: _Reporter) -> Iterator[tuple[str, int, dict]]
         for i, row in enumerate(pd.read_parquet(path).to_dict("records")):
             yield f"row {i + 1}", i, row
     elif suffix == ".csv":
-        with open(path, newline="", encoding="utf-8") as f:
+        # bytes that are not UTF-8 become lone surrogates here, so the row that holds them is named
+        with open(path, newline="", encoding="utf-8", errors="surrogateescape") as f:
             reader = csv.DictReader(f)
             start = 2
             for i, row in enumerate(reader):
                 if None in row or any(v is None for v in row.values()):
                     report.bad(str(start), f"expected {len(reader.fieldnames or [])} columns")
+                elif any(_NOT_UTF8.search(v) for v in row.values()):
+                    report.bad(str(start), "not UTF-8")
                 else:
                     yield str(start), i, row
                 start = reader.line_num + 1
     else:
-        with open(path, encoding="utf-8") as f:
-            for i, line in enumerate(f):
+        with open(path, "rb") as f:
+            for i, raw in enumerate(f):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    report.bad(str(i + 1), f"not UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})")
+                    continue
                 if not line.strip():
                     continue
                 try:

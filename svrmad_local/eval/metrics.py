@@ -96,8 +96,8 @@ def agents_frame(trace_rows: list[dict]) -> pd.DataFrame:
     latest = {str(r["id"]): r for r in trace_rows}
     flat = []
     for qid, row in latest.items():
-        for a in row.get("agents", []):
-            rec = {"id": qid, "agent": int(a["agent"]), "correct": bool(a.get("correct")),
+        for i, a in enumerate(row.get("agents", [])):  # the minimal form indexes agents by position
+            rec = {"id": qid, "agent": int(a.get("agent", i)), "correct": bool(a.get("correct")),
                    "answer": a.get("answer"), "prompt_tokens": a.get("prompt_tokens"),
                    "completion_tokens": a.get("completion_tokens"),
                    "computed_tokens": a.get("computed_tokens")}

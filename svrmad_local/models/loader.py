@@ -1,8 +1,11 @@
 """Load a local checkpoint directly: a folder with config.json and *.safetensors, never a hub.
 
 Errors name what is wrong (missing folder, no weights, an architecture transformers cannot build as
-a causal LM, weights that do not match the config) instead of letting transformers silently fill
-missing weights with random values.
+a causal LM, weights that do not match the config, a config or tokenizer that cannot be read)
+instead of letting transformers silently fill missing weights with random values.
+
+A checkpoint's own Python code never runs (`trust_remote_code=False` on every load: no "run the
+custom code? [y/N]" prompt) and pickled weights are never read (`use_safetensors=True`).
 """
 
 from __future__ import annotations
@@ -13,9 +16,16 @@ from pathlib import Path
 
 import torch
 
+from svrmad_local.errors import UserError
 
-class ModelLoadError(RuntimeError):
+
+class ModelLoadError(UserError, RuntimeError):
     pass
+
+
+# Every from_pretrained call: a local folder only, and never the folder's own Python code.
+SAFE = {"local_files_only": True, "trust_remote_code": False}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 
 
 @dataclass
@@ -50,7 +60,7 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype | None = None, devi
     accelerate ("auto" spreads a model too large for one GPU over all visible GPUs). `tp`: shard the
     model over the initialised torch.distributed group with transformers' own tensor-parallel plan
     (every rank calls this; see engine/tp.py)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     path = Path(path).expanduser()
@@ -66,9 +76,17 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype | None = None, devi
         hint = f" (found {other}; convert to safetensors)" if other else ""
         raise ModelLoadError(f"{path} holds no *.safetensors weights{hint}")
     try:
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"{path}/config.json is not valid JSON: {exc}") from None
+    try:
+        config = AutoConfig.from_pretrained(path, **SAFE)
     except Exception as exc:
-        raise ModelLoadError(f"{path}/config.json cannot be read: {exc}") from exc
+        if isinstance(raw, dict) and raw.get("auto_map"):
+            raise ModelLoadError(
+                f"{path} needs its own Python code (auto_map in config.json), which svrmad-local never runs; "
+                "use a checkpoint of an architecture transformers ships") from None
+        raise ModelLoadError(f"{path}/config.json cannot be used: {' '.join(str(exc).split())}") from exc
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise ModelLoadError(
             f"architecture {config.model_type!r} ({json.dumps(getattr(config, 'architectures', None))}) is not a "
@@ -77,7 +95,7 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype | None = None, devi
     if device is None and device_map is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     torch_dtype = _parse_dtype(dtype, device)
-    kwargs = dict(dtype=torch_dtype, local_files_only=True, output_loading_info=True)
+    kwargs = dict(SAFE, dtype=torch_dtype, use_safetensors=True, output_loading_info=True)
     if device_map is not None:
         kwargs["device_map"] = device_map
     if tp:
@@ -109,11 +127,22 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype | None = None, devi
         raise ModelLoadError(f"checkpoint {path} does not match its config.json: {detail}")
     if device_map is None and not tp:
         model = model.to(device)
+    return LoadedModel(model.eval(), load_tokenizer(path), path)
+
+
+def load_tokenizer(path: Path):
+    """The folder's tokenizer; None when it has no tokenizer files (token-level use still works,
+    chat prompts need one). Files that are there but cannot be loaded are an error."""
+    from transformers import AutoTokenizer
+
+    present = [name for name in TOKENIZER_FILES if (path / name).exists()]
+    if not present:
+        return None
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except Exception:
-        tokenizer = None  # token-level use still works; chat prompts need one
-    return LoadedModel(model.eval(), tokenizer, path)
+        return AutoTokenizer.from_pretrained(path, **SAFE)
+    except Exception as exc:
+        raise ModelLoadError(f"the tokenizer in {path} ({', '.join(present)}) cannot be loaded: "
+                             f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}") from None
 
 
 def _shape_mismatches(path: Path, config) -> list[str]:
@@ -122,7 +151,8 @@ def _shape_mismatches(path: Path, config) -> list[str]:
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()}
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+        expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     out = []
     for f in sorted(path.glob("*.safetensors")):
         with safe_open(f, "pt") as sf:

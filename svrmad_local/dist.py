@@ -1,0 +1,101 @@
+"""Data parallel over processes started by torchrun or `accelerate launch`: who this process is, and
+the c10d store they share.
+
+The launcher sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT; `torch.distributed`'s
+env:// rendezvous turns them into a TCPStore (torchrun's own, when its agent hosts one). The store's
+atomic `add` is the shared work queue (each rank takes the next question index when it has a free
+slot), and its set/get hands rank 0's decisions (the RunConfig, the questions to run) to the other
+ranks without a collective, so a rank that idles for an hour waiting on a long question never hits
+a collective timeout. The process group itself is initialised too (gloo on CPU, nccl on CUDA, each
+rank on cuda:LOCAL_RANK) for what needs collectives (tensor parallel).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+STORE_TIMEOUT = timedelta(hours=2)  # how long a rank waits for rank 0's start message
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    store: Any = None  # a torch.distributed Store (None in a single process)
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def from_env(cls) -> Dist:
+        """The launcher's process group, or a single process when there is none."""
+        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+        if world <= 1:
+            return cls()
+        import torch
+        import torch.distributed as dist
+
+        rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+        store, rank, world = next(dist.rendezvous("env://", rank, world, timeout=STORE_TIMEOUT))
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.set_device(local_rank)
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if cuda else "gloo", store=dist.PrefixStore("pg", store),
+                                    rank=rank, world_size=world)
+        # torchrun restarts a failed group with the same store: keep each attempt's keys apart
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        return cls(rank, world, local_rank, dist.PrefixStore(f"svrmad/{attempt}", store))
+
+    def device(self, asked: str | None) -> str | None:
+        """This rank's device: cuda:LOCAL_RANK for "cuda" or the default on a GPU machine."""
+        if not self.enabled:
+            return asked
+        import torch
+
+        if asked in (None, "cuda") and torch.cuda.is_available():
+            return f"cuda:{self.local_rank}"
+        return asked
+
+    # -- the shared store ---------------------------------------------------------------------
+    def publish(self, key: str, value: Any) -> None:
+        self.store.set(key, json.dumps(value, default=str))
+
+    def fetch(self, key: str) -> Any:
+        """Blocks until `key` is published (up to STORE_TIMEOUT)."""
+        return json.loads(self.store.get(key))
+
+    def take(self, key: str) -> int:
+        """The next value of a shared counter (0, 1, 2, ... across all ranks)."""
+        return self.store.add(key, 1) - 1
+
+    def count(self, key: str) -> int:
+        return self.store.add(key, 0)
+
+    def barrier(self, name: str) -> None:
+        """Every rank reaches `name` before any goes on (the store wakes the waiters at once)."""
+        self.store.set(f"{name}/{self.rank}", "1")
+        self.store.wait([f"{name}/{r}" for r in range(self.world_size)])
+
+    def wait_count(self, key: str, n: int, poll_s: float = 0.5) -> None:
+        """Wait until counter `key` reaches n (polling: no store timeout however long it takes)."""
+        while self.count(key) < n:
+            time.sleep(poll_s)
+
+    def close(self) -> None:
+        if self.enabled:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()

@@ -1,0 +1,310 @@
+"""One run's settings: `RunConfig`, built once from the command line and then passed around whole.
+
+It holds the dataset, the model, the agents, the methods and their parameters, plus the engine's
+`EngineConfig` and the sampler's `SamplingParams`. Defaults are not repeated here: they are read
+from those dataclasses and from the methods' signatures (the one deliberate exception is
+`RUN_MAX_TOKENS`). A RunConfig is written into run.json, handed to every rank of a data-parallel
+run, and its result-affecting part is the settings fingerprint that a resume compares
+(docs/formats.md). `svrmad run` and `svrmad replay` share one group of method options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import os
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from svrmad_local.engine.engine import EngineConfig, parse_memory
+from svrmad_local.engine.params import SamplingParams
+from svrmad_local.eval.options import (METHODS, add_method_arguments, method_default, method_flag,
+                                       method_options, parse_methods, stray_options)
+from svrmad_local.methods import accepted_params
+from svrmad_local.models.reasoning import EFFORTS
+
+# The run's own --max-tokens default. The paper uses 16,384 (--paper-settings); 256 is what the
+# embedded 135M default can afford on a CPU and still box an answer. SamplingParams' own default
+# (512) is for library callers and does not apply to runs.
+RUN_MAX_TOKENS = 256
+
+# The paper's Appendix A ("LLM settings") and Section 5's S/C per model: any checkpoint may use them.
+_PAPER_SAMPLING = {"temperature": 1.0, "top_p": 0.95, "top_k": 40, "max_tokens": 16384,
+                   "reasoning_effort": "medium"}
+PAPER_SETTINGS: dict[str, dict[str, Any]] = {
+    "gpt-oss": {**_PAPER_SAMPLING, "S": 2, "C": 2},
+    "deepseek": {**_PAPER_SAMPLING, "S": 3, "C": 3},
+}
+
+
+
+# ---------------------------------------------------------------- the config
+
+
+def _meta(flag: str, affects: bool = False) -> dict:
+    """flag: how a message names this setting; affects: part of the settings fingerprint."""
+    return {"flag": flag, "affects": affects}
+
+
+@dataclass
+class RunConfig:
+    # data
+    dataset: str = field(default="gsm8k", metadata=_meta("--dataset", True))
+    data_dir: str | None = field(default=None, metadata=_meta("--data-dir"))
+    limit: int = field(default=8, metadata=_meta("--limit"))
+    category: str | None = field(default=None, metadata=_meta("--category", True))
+    shard: str | None = field(default=None, metadata=_meta("--shard"))
+    on_error: str = field(default="skip", metadata=_meta("--on-error"))
+    # model and engine
+    model: str | None = field(default=None, metadata=_meta("--model", True))
+    cache_dir: str | None = field(default=None, metadata=_meta("--cache-dir"))
+    device: str | None = field(default=None, metadata=_meta("--device"))
+    device_map: str | None = field(default=None, metadata=_meta("--device-map"))
+    dtype: str | None = field(default=None, metadata=_meta("--dtype", True))
+    tp: int = field(default=1, metadata=_meta("--tp"))
+    engine: EngineConfig = field(default_factory=EngineConfig, metadata=_meta("engine"))
+    # sampling and prompts
+    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(max_tokens=RUN_MAX_TOKENS),
+                                     metadata=_meta("sampling"))
+    seed: int = field(default=0, metadata=_meta("--seed", True))
+    reasoning_effort: str | None = field(default=None, metadata=_meta("--reasoning-effort", True))
+    elicit_confidence: bool = field(default=True, metadata=_meta("confidence asked (--no-confidence)", True))
+    paper_settings: str | None = field(default=None, metadata=_meta("--paper-settings"))
+    # methods
+    methods: list[str] = field(default_factory=lambda: ["svr-mad"], metadata=_meta("--methods", True))
+    agents: int = field(default=6, metadata=_meta("--agents", True))
+    method_params: dict[str, Any] = field(default_factory=dict, metadata=_meta("method options"))
+    skip_rate: float | None = field(default=None, metadata=_meta("--skip-rate"))
+    grader: str = field(default="ours", metadata=_meta("--grader", True))
+    ablations: bool = field(default=False, metadata=_meta("--ablations", True))
+    # the run itself (never changes a result)
+    out: str | None = field(default=None, metadata=_meta("--out"))
+    concurrency: int = field(default=16, metadata=_meta("--concurrency"))
+
+    # -- derived -----------------------------------------------------------------------------
+    @property
+    def out_dir(self) -> Path:
+        return Path(self.out or f"runs/{Path(self.dataset).stem}")
+
+    @property
+    def prior(self) -> str:
+        """The signal the recorded priors are computed from."""
+        return self.method_params.get("prior") or method_default("prior")
+
+    def params_for(self, method: str) -> dict[str, Any]:
+        """Keyword arguments for `method`: the given method options it takes, and the run's seed."""
+        taken = accepted_params(method)
+        out = {k: v for k, v in self.method_params.items() if k in taken}
+        if "seed" in taken:
+            out["seed"] = self.seed
+        return out
+
+    # -- run.json ----------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> RunConfig:
+        return _from_dict(cls, data)
+
+    def fingerprint(self) -> dict[str, Any]:
+        """The settings that change a question's result, keyed by the flag that sets them. Method
+        parameters are each method's effective values (defaults filled in), so giving a default
+        explicitly changes nothing."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            if f.metadata.get("affects"):
+                out[f.metadata["flag"]] = getattr(self, f.name)
+        out["--methods"] = sorted(self.methods)
+        s = self.sampling
+        out.update({"--max-tokens": s.max_tokens, "--temperature": s.temperature, "--top-p": s.top_p,
+                    "--top-k": s.top_k})
+        out["signals"] = dataclasses.asdict(self.engine.signals)
+        for m in sorted(self.methods):
+            for k, v in _effective_params(m, self.params_for(m)).items():
+                out[f"{m} {method_flag(k)}"] = v
+        return out
+
+    # -- checks before anything is loaded ----------------------------------------------------
+    def validate(self) -> None:
+        """Raise ValueError naming every bad setting (one line)."""
+        p: list[str] = []
+        mp = self.method_params
+        for flag, value, low in (("--agents", self.agents, 2), ("--max-tokens", self.sampling.max_tokens, 1),
+                                 ("--limit", self.limit, 0), ("--concurrency", self.concurrency, 1),
+                                 ("--block-size", self.engine.block_size, 1),
+                                 ("--max-num-seqs", self.engine.max_num_seqs, 1), ("--tp", self.tp, 1),
+                                 ("--S", mp.get("S", 1), 1), ("--C", mp.get("C", 1), 1),
+                                 ("--budget", mp.get("budget", 1), 1), ("--rounds", mp.get("rounds", 1), 1),
+                                 ("--consensus", mp.get("consensus", 1), 1)):
+            if value is not None and value < low:
+                p.append(f"{flag} must be >= {low}, got {value}")
+        for name, mem in (("--kv-cache-memory", self.engine.kv_cache_memory),):
+            try:
+                parse_memory(mem, available=1 << 40, default=1)
+            except ValueError as exc:
+                p.append(f"{name}: {exc}")
+        if self.shard is not None:
+            try:
+                parse_shard(self.shard)
+            except ValueError as exc:
+                p.append(str(exc))
+        if self.skip_rate is not None and not 0 <= self.skip_rate <= 1:
+            p.append(f"--skip-rate must be in [0, 1], got {self.skip_rate}")
+        if "group-debate" in self.methods:
+            groups = mp.get("groups") or method_default("groups")
+            sizes = [int(s) for s in str(groups).split("-") if s.isdigit()]
+            if len(sizes) != len(str(groups).split("-")) or sum(sizes) != self.agents or min(sizes) < 1:
+                p.append(f"--groups {groups} does not split --agents {self.agents} (e.g. 3-3 for 6 agents)")
+        stray = stray_options(self.methods, mp)
+        if stray:
+            p.append(f"{', '.join(stray)} given, but none of the methods ({', '.join(self.methods)}) takes it")
+        if self.device_map and self.tp > 1:
+            p.append("--device-map and --tp exclude each other")
+        if self.model and not Path(self.model).expanduser().is_dir():
+            p.append(f"--model {self.model} is not a folder (expected config.json + *.safetensors)")
+        p += _check_out(self.out_dir)
+        if p:
+            raise ValueError("; ".join(p))
+
+
+def parse_shard(spec: str) -> tuple[int, int]:
+    try:
+        k, n = (int(x) for x in spec.split("/"))
+        assert 0 <= k < n
+    except (ValueError, AssertionError):
+        raise ValueError(f"--shard {spec!r}: expected K/N with 0 <= K < N, e.g. 0/4") from None
+    return k, n
+
+
+def _check_out(out: Path) -> list[str]:
+    if out.exists() and not out.is_dir():
+        return [f"--out {out} is a file, not a folder"]
+    probe = out
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        return [f"--out {out}: {probe} is a file, not a folder"]
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return [f"--out {out}: {probe} is not writable"]
+    return []
+
+
+def _effective_params(method: str, given: dict[str, Any]) -> dict[str, Any]:
+    """`method`'s keyword parameters with defaults filled in (only JSON-like values)."""
+    out = {}
+    for p in inspect.signature(METHODS[method]).parameters.values():
+        if p.kind is not inspect.Parameter.KEYWORD_ONLY or p.name == "priors":
+            continue
+        v = given.get(p.name, p.default)
+        if v is None or isinstance(v, (bool, int, float, str)):
+            out[p.name] = v
+    return out
+
+
+def diff_fingerprints(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """'flag: old -> new' for every setting that differs."""
+    keys = list(dict.fromkeys([*old, *new]))
+    return [f"{k} {_show(old.get(k))} in the folder, {_show(new.get(k))} now" for k in keys if old.get(k) != new.get(k)]
+
+
+def _show(v: Any) -> str:
+    return ",".join(map(str, v)) if isinstance(v, list) else str(v)
+
+
+def _from_dict(cls, data: dict):
+    """A dataclass from asdict() output, nested dataclasses included."""
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in data:
+            continue
+        value, tp = data[f.name], hints[f.name]
+        if dataclasses.is_dataclass(tp) and isinstance(value, dict):
+            value = _from_dict(tp, value)
+        kwargs[f.name] = value
+    return cls(**kwargs)
+
+
+# ---------------------------------------------------------------- the command line of `svrmad run`
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """Options left at None are filled from --paper-settings, then from the dataclass defaults."""
+    rc, ec, sp = RunConfig(), EngineConfig(), SamplingParams()
+    g = p.add_argument_group("data")
+    g.add_argument("--dataset", default=rc.dataset,
+                   help="gsm8k | commonsenseqa | imo-answerbench | mmlu-pro | math | hle | PATH")
+    g.add_argument("--data-dir", help="folder with the full datasets (default: $SVRMAD_DATA_DIR, else bundled samples)")
+    g.add_argument("--limit", type=int, default=rc.limit, help=f"number of questions (default {rc.limit}; 0 = all)")
+    g.add_argument("--category", help="category filter (IMO-AnswerBench, MMLU-Pro, HLE)")
+    g.add_argument("--shard", help="K/N: run every N-th question starting at K (schedulers without "
+                                   "torch.distributed; join the folders with `svrmad merge`)")
+    g.add_argument("--on-error", choices=["skip", "fail"], default=rc.on_error, help="malformed dataset rows")
+    g = p.add_argument_group("model and engine")
+    g.add_argument("--model", help="local checkpoint folder (default: the embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--cache-dir", help="where the embedded default is converted (default ~/.cache/svrmad-local)")
+    g.add_argument("--device", help="cpu | cuda | cuda:N (default: cuda if available; under torchrun cuda:LOCAL_RANK)")
+    g.add_argument("--device-map", help="accelerate device map, e.g. auto (a model larger than one GPU)")
+    g.add_argument("--dtype", help="fp32 | bf16 | fp16 (default: fp32 on CPU, bf16 on GPU)")
+    g.add_argument("--tp", type=int, default=rc.tp, help="tensor-parallel ranks (launch with torchrun)")
+    g.add_argument("--kv-cache-memory", help="KV-cache budget: bytes, a fraction (0.9) or e.g. 4GiB")
+    g.add_argument("--block-size", type=int, default=ec.block_size)
+    g.add_argument("--max-num-seqs", type=int, default=ec.max_num_seqs)
+    g = p.add_argument_group(
+        "sampling (the paper's Appendix A values, except --max-tokens: the paper uses 16,384, "
+        "see --paper-settings)")
+    g.add_argument("--paper-settings", choices=sorted(PAPER_SETTINGS),
+                   help="the paper's settings for that model (max tokens 16384, reasoning effort medium, "
+                        "S/C 2/2 for gpt-oss or 3/3 for deepseek, temperature 1.0, top-p 0.95, top-k 40); "
+                        "explicit flags override it")
+    g.add_argument("--max-tokens", type=int,
+                   help=f"per response (default {RUN_MAX_TOKENS}: practical for the embedded 135M model on a CPU)")
+    g.add_argument("--temperature", type=float, help=f"(default {sp.temperature})")
+    g.add_argument("--top-p", type=float, help=f"(default {sp.top_p})")
+    g.add_argument("--top-k", type=int, help=f"(default {sp.top_k})")
+    g.add_argument("--seed", type=int, default=rc.seed, help="sampling and GroupDebate grouping seed")
+    g.add_argument("--reasoning-effort", choices=EFFORTS,
+                   help="for chat templates that take one (default: the template's own)")
+    g.add_argument("--no-confidence", action="store_true", help="do not ask agents for a self-reported confidence")
+    g = p.add_argument_group("methods")
+    g.add_argument("--methods", default=",".join(rc.methods), help=f"comma list of {', '.join(METHODS)}; or 'all'")
+    g.add_argument("--agents", type=int, default=rc.agents)
+    g.add_argument("--ablations", action="store_true",
+                   help="also debate every pair (N(N-1) per question) and sweep Appendix B's posterior ablations")
+    add_method_arguments(p)
+    g = p.add_argument_group("the run")
+    g.add_argument("--out", help="run folder (default runs/<dataset>); rerun with the same folder to resume")
+    g.add_argument("--concurrency", type=int, default=rc.concurrency, help="questions in flight at once (per rank)")
+
+
+def from_args(args: argparse.Namespace) -> RunConfig:
+    """The RunConfig of a `svrmad run` command line: explicit flags, then --paper-settings, then defaults.
+    Raises ValueError for an unknown method."""
+    preset = dict(PAPER_SETTINGS.get(args.paper_settings or "", {}))
+
+    def pick(name: str, fallback: Any) -> Any:
+        value = getattr(args, name, None)
+        return value if value is not None else preset.get(name, fallback)
+
+    sp = SamplingParams()
+    sampling = dataclasses.replace(sp, max_tokens=pick("max_tokens", RUN_MAX_TOKENS),
+                                   temperature=pick("temperature", sp.temperature),
+                                   top_p=pick("top_p", sp.top_p), top_k=pick("top_k", sp.top_k))
+    engine = EngineConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+                          max_num_seqs=args.max_num_seqs, seed=args.seed)
+    params = method_options(args)
+    methods = parse_methods(args.methods)
+    for k in ("S", "C"):  # the preset's S/C go to the methods that take them, explicit flags win
+        if k in preset and k not in params and any(k in accepted_params(m) for m in methods):
+            params[k] = preset[k]
+    return RunConfig(
+        dataset=args.dataset, data_dir=args.data_dir, limit=args.limit, category=args.category, shard=args.shard,
+        on_error=args.on_error, model=args.model, cache_dir=args.cache_dir, device=args.device,
+        device_map=args.device_map, dtype=args.dtype, tp=args.tp, engine=engine, sampling=sampling, seed=args.seed,
+        reasoning_effort=pick("reasoning_effort", None), elicit_confidence=not args.no_confidence,
+        paper_settings=args.paper_settings, methods=methods, agents=args.agents, method_params=params,
+        skip_rate=args.skip_rate, grader=args.grader or "ours", ablations=args.ablations, out=args.out,
+        concurrency=args.concurrency)

@@ -1,0 +1,227 @@
+"""A run folder on disk (docs/formats.md): its files, the per-question commit rule, the lock, and
+the merge of the part files that data-parallel ranks (or shards) write.
+
+The commit rule: a question is done exactly when its line is complete in trace.jsonl (debated) or
+in skipped.jsonl (unanimous). That line is a single write of a single line, flushed and fsynced
+before anything else about the question is written, so it is the one record that decides. The
+question's results.jsonl rows are written after it and are derived data: rows a crash left out
+are rebuilt from the trace by replay, without a model (`eval.posthoc.rebuild_results`). A torn
+last line (a crash in the middle of a write) is cut when the folder is opened; its question is
+then simply not done and runs again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import sys
+from pathlib import Path
+from typing import Iterable
+
+from svrmad_local.debate.trace import read_jsonl
+from svrmad_local.errors import UserError
+
+TRACE, RESULTS, SKIPPED, ERRORS = "trace.jsonl", "results.jsonl", "skipped.jsonl", "errors.jsonl"
+DATA_FILES = (TRACE, RESULTS, SKIPPED, ERRORS)
+RUN_JSON, LOCK, PARTS = "run.json", "run.lock", "parts"
+
+
+class FolderBusy(UserError, RuntimeError):
+    """Another live run holds the folder's lock."""
+
+
+def write_lines(path: Path, rows: Iterable[dict], sync: bool = False) -> None:
+    """Append rows as JSONL in one write; `sync` also fsyncs (a commit record)."""
+    data = "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in rows)
+    if not data:
+        return
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(data)
+        f.flush()
+        if sync:
+            os.fsync(f.fileno())
+
+
+def write_json(path: Path, obj: dict) -> None:
+    """Replace a JSON file atomically: a crash leaves the old or the new one, never half of one."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, default=str), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def cut_torn_tail(path: Path) -> bool:
+    """Cut a last line without its newline (a run killed mid-write); True if there was one."""
+    if not path.exists():
+        return False
+    with open(path, "rb+") as f:
+        size = f.seek(0, os.SEEK_END)
+        if size == 0:
+            return False
+        f.seek(size - 1)
+        if f.read(1) == b"\n":
+            return False
+        # find the last newline, reading backwards in chunks
+        pos, keep = size, 0
+        while pos > 0:
+            step = min(1 << 16, pos)
+            pos -= step
+            f.seek(pos)
+            chunk = f.read(step)
+            i = chunk.rfind(b"\n")
+            if i >= 0:
+                keep = pos + i + 1
+                break
+        f.truncate(keep)
+    return True
+
+
+class RunFolder:
+    """The files of one run folder. With `part`, question files go to parts/<part>/ (one writer per
+    part: a data-parallel rank) and are merged into the folder's own files by `merge_parts`."""
+
+    def __init__(self, out: str | Path, part: str | None = None, create: bool = True):
+        self.out = Path(out)
+        self.dir = self.out / PARTS / part if part else self.out
+        if create:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        self.trace, self.results = self.dir / TRACE, self.dir / RESULTS
+        self.skipped, self.errors = self.dir / SKIPPED, self.dir / ERRORS
+        self.run_json = self.out / RUN_JSON
+        self._lock_file = None
+        self._broken: BaseException | None = None
+
+    def _write(self, path: Path, rows: Iterable[dict], sync: bool = False) -> None:
+        """Every append goes through here: after a write that failed (it may have left half a line),
+        nothing more is appended, so the torn line stays the last one and is cut on the next open."""
+        if self._broken is not None:
+            raise RuntimeError(f"an earlier write to {self.dir} failed ({self._broken!r}); not writing more")
+        try:
+            write_lines(path, rows, sync)
+        except BaseException as exc:
+            self._broken = exc
+            raise
+
+    # -- opening ------------------------------------------------------------------------------
+    def cut_torn_tails(self) -> list[str]:
+        """Cut torn last lines of this folder's files; the names of the files that had one."""
+        return [name for name in DATA_FILES if cut_torn_tail(self.dir / name)]
+
+    def lock(self) -> None:
+        """Hold an exclusive lock on the folder for this process's lifetime (released by the OS
+        when it exits, crash included). Raises FolderBusy naming the holder."""
+        import fcntl
+
+        f = open(self.out / LOCK, "a+", encoding="utf-8")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            f.close()
+            raise FolderBusy(f"{self.out} is in use by another run ({holder}); wait for it to finish, "
+                             "or pass another --out") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        f.flush()
+        self._lock_file = f
+
+    def unlock(self) -> None:
+        if self._lock_file is not None:
+            self._lock_file.close()
+            self._lock_file = None
+
+    # -- the commit rule ----------------------------------------------------------------------
+    def committed_ids(self) -> set[str]:
+        """Questions done: a complete line in trace.jsonl or skipped.jsonl."""
+        return {str(r["id"]) for name in (TRACE, SKIPPED) for r in read_jsonl(self.dir / name)}
+
+    def commit_skipped(self, row: dict) -> None:
+        self._write(self.skipped, [row], sync=True)
+
+    def commit_debated(self, trace_row: dict, result_rows: list[dict]) -> None:
+        self._write(self.trace, [trace_row], sync=True)  # the commit
+        self._write(self.results, result_rows)  # derived: rebuilt from the trace if lost
+
+    def append_results(self, rows: list[dict]) -> None:
+        self._write(self.results, rows)
+
+    def replace_file(self, name: str, rows: list[dict]) -> None:
+        """Write a whole derived file (ablations.jsonl) atomically."""
+        path = self.out / name
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.unlink(missing_ok=True)
+        self._write(tmp, rows, sync=True)
+        os.replace(tmp, path)
+
+    def record_error(self, qid: str, stage: str, message: str, **extra) -> None:
+        self._write(self.errors, [{"id": qid, "stage": stage, "message": message, **extra}], sync=True)
+
+    def failed(self) -> dict[str, dict]:
+        """The last error of each question that failed and is still not done."""
+        done = self.committed_ids()
+        return {str(e["id"]): e for e in read_jsonl(self.errors) if str(e["id"]) not in done}
+
+    # -- run.json -----------------------------------------------------------------------------
+    def read_meta(self) -> dict:
+        if not self.run_json.exists():
+            return {}
+        try:
+            return json.loads(self.run_json.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{self.run_json} is not valid JSON ({exc.msg}, line {exc.lineno})") from None
+
+    def write_meta(self, meta: dict) -> None:
+        write_json(self.run_json, meta)
+
+    # -- merging ------------------------------------------------------------------------------
+    def merge_from(self, src: Path, drop_methods: Iterable[str] = ()) -> dict[str, int]:
+        """Append the question lines of folder `src` that this folder lacks: trace and skipped lines
+        of questions not committed here (commit records first, then their results), results rows
+        whose (id, method) is new, error lines not yet here. Idempotent, so a merge cut short by a
+        crash is simply done again. `drop_methods`: result rows not to take (SID-ET's, tuned per
+        folder, are re-tuned on the merged one). Returns lines added per file."""
+        src = Path(src)
+        for name in DATA_FILES:
+            cut_torn_tail(src / name)
+        done = self.committed_ids()
+        added = {}
+        for name in (TRACE, SKIPPED):
+            rows = [r for r in read_jsonl(src / name) if str(r["id"]) not in done]
+            rows = list({str(r["id"]): r for r in rows}.values())
+            self._write(self.dir / name, rows, sync=True)
+            added[name] = len(rows)
+        have = {(str(r["id"]), r.get("method")) for r in read_jsonl(self.results)}
+        drop = set(drop_methods)
+        rows = [r for r in read_jsonl(src / RESULTS)
+                if r.get("method") not in drop and (str(r["id"]), r.get("method")) not in have]
+        self._write(self.results, rows)
+        added[RESULTS] = len(rows)
+        seen = {json.dumps(e, sort_keys=True) for e in read_jsonl(self.errors)}
+        rows = [e for e in read_jsonl(src / ERRORS) if json.dumps(e, sort_keys=True) not in seen]
+        self._write(self.errors, rows)
+        added[ERRORS] = len(rows)
+        return added
+
+    def part_dirs(self) -> list[Path]:
+        root = self.out / PARTS
+        return sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+
+    def merge_parts(self) -> int:
+        """Merge every parts/<part>/ into the folder's files, then delete it. Returns the number
+        of question lines taken."""
+        taken = 0
+        for part in self.part_dirs():
+            added = self.merge_from(part)
+            taken += added[TRACE] + added[SKIPPED]
+            shutil.rmtree(part)
+        root = self.out / PARTS
+        if root.is_dir() and not any(root.iterdir()):
+            root.rmdir()
+        return taken
+
+
+def note(message: str) -> None:
+    print(f"svrmad: {message}", file=sys.stderr)

@@ -1,0 +1,68 @@
+"""`svrmad merge DIRS... --out DIR`: join the folders of one run split by `--shard K/N` (replicas
+started by a scheduler without torch.distributed, e.g. a SLURM array) into one run folder.
+
+The folders must share their settings fingerprint. Questions are taken once each under the commit
+rule (eval/folder.py), so merging again, or after new shards finish, adds only what is new. SID-ET's
+rows are not taken: each shard tuned its skip rate on its own questions, and the merged folder
+tunes it once on all of them (with the ablation sweeps, eval/posthoc.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from svrmad_local.eval.config import RunConfig, diff_fingerprints
+from svrmad_local.eval.folder import RUN_JSON, RunFolder, note
+from svrmad_local.eval.posthoc import POST_HOC, finalize
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("dirs", nargs="+", type=Path, metavar="DIR", help="run folders of the same run (e.g. its shards)")
+    p.add_argument("--out", required=True, type=Path, help="the merged run folder (created, or extended)")
+
+
+def main(args) -> int:
+    sources = [RunFolder(d, create=False) for d in dict.fromkeys(args.dirs) if d.resolve() != args.out.resolve()]
+    out = RunFolder(args.out)
+    held = [out]
+    try:
+        out.lock()
+        for src in sources:  # a folder whose run is still going is not merged half-way
+            if not src.run_json.is_file():
+                raise ValueError(f"{src.out} is not a run folder (no {RUN_JSON})")
+            src.lock()
+            held.append(src)
+        metas = [src.read_meta() for src in sources]
+        own = out.read_meta()
+        named = [(src.out, m) for src, m in zip(sources, metas)] + [(out.out, own)] * bool(own)
+        for d, m in named:
+            if "fingerprint" not in m or "config" not in m:
+                raise ValueError(f"{d / RUN_JSON} records no settings (an older run): cannot check it matches the others")
+            diff = diff_fingerprints(named[0][1]["fingerprint"], m["fingerprint"])
+            if diff:
+                raise ValueError(f"{d} was run with other settings than {named[0][0]} ({'; '.join(diff)}); "
+                                 "only folders of one run can be merged")
+        out.cut_torn_tails()
+        out.merge_parts()
+        for src in sources:
+            taken = [out.merge_from(p, drop_methods=POST_HOC) for p in (src.out, *src.part_dirs())]
+            note(f"{src.out}: took {sum(t['trace.jsonl'] + t['skipped.jsonl'] for t in taken)} questions")
+        first = named[0][1]
+        cfg = RunConfig.from_dict(first["config"])
+        cfg.shard, cfg.out = None, str(out.out)
+        own.update(config=cfg.to_dict(), fingerprint=first["fingerprint"], paper_settings=cfg.paper_settings,
+                   merged_from=sorted({*own.get("merged_from", []), *(str(s.out) for s in sources)}))
+        out.write_meta(own)
+        finalize(out, cfg)
+        from svrmad_local.eval.run import print_summary, tally
+
+        totals, rows, failed = tally(out)
+        meta = out.read_meta()
+        meta["totals"] = totals
+        out.write_meta(meta)
+        print_summary(out, totals, rows, failed, None, {})
+    finally:
+        for folder in held:
+            folder.unlock()
+    return 0
