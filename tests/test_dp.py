@@ -133,3 +133,13 @@ def test_torchrun_on_the_embedded_default(tmp_path):
     assert outcome(tmp_path / "dp") == outcome(tmp_path / "single")
     ranks = json.loads((tmp_path / "dp" / "run.json").read_text())["ranks"]
     assert len(ranks) == 2 and sum(r["questions"] for r in ranks) == 2
+
+
+def test_torchrun_tensor_parallel_run_equals_one_process(tiny):
+    """`--tp 2`: one engine over both processes (the model sharded by transformers' tp_plan), rank 0
+    running the questions; the folder is the single-process one (no parts, world size recorded)."""
+    ck, data, root = tiny
+    out = root / "tp"
+    finish(launch("torchrun", "run", "--model", str(ck), "--dataset", str(data), "--out", str(out), "--tp", "2", *RUN))
+    assert outcome(out) == outcome(root / "single")
+    assert json.loads((out / "run.json").read_text())["config"]["tp"] == 2
