@@ -21,8 +21,8 @@ from svrmad_local.methods.sid_et import threshold_for_skip_rate
 from svrmad_local.signals import PRIORS
 
 # option dest -> method keyword (only passed to methods that take it)
-OPTIONS = ("S", "C", "budget", "tau", "check", "spend", "prior", "accept_exhausted", "rounds",
-           "consensus", "groups", "seed", "ncomm_brief", "threshold", "skip_answer")
+OPTIONS = ("S", "C", "budget", "tau", "check", "spend", "prior", "repeat_pairs", "accept_exhausted",
+           "rounds", "consensus", "groups", "seed", "ncomm_brief", "threshold", "skip_answer")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -38,6 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--spend", choices=["S", "actual"])
     g.add_argument("--prior", choices=list(PRIORS),
                    help="recompute priors from this signal (default: the recorded prior)")
+    g.add_argument("--no-repeat-pairs", dest="repeat_pairs", action="store_false", default=None,
+                   help="debate each pair at most once (traces recorded before repeated pairs)")
     g.add_argument("--accept-exhausted", action="store_true", default=None)
     g = p.add_argument_group("round-based baselines")
     g.add_argument("--rounds", type=int)
