@@ -26,6 +26,7 @@ from svrmad_local.debate.types import Question, Response
 from svrmad_local.eval.datasets import DatasetError, load_dataset
 from svrmad_local.debate.trace import read_jsonl
 from svrmad_local.methods import METHODS, accepted_params, run_method
+from svrmad_local.methods.svr_mad import possible_debates
 from svrmad_local.signals import PRIORS, prior_score
 
 LIVE_DEFAULT = "svr-mad"
@@ -63,10 +64,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--C", type=int, default=2, help="SVR-MAD challengers to survive before acceptance")
     g.add_argument("--budget", type=int, help="SVR-MAD budget (default S*(k+m))")
     g.add_argument("--prior", default="min_ll", choices=sorted(PRIORS), help="SVR-MAD's starting score")
+    g.add_argument("--no-repeat-pairs", dest="repeat_pairs", action="store_false",
+                   help="SVR-MAD debates each pair at most once (default: Algorithm 1 as written, pairs repeat)")
     g.add_argument("--groups", default="3-3", help="GroupDebate split: 3-3 or 2-2-2")
     g.add_argument("--skip-rate", type=float, help="SID-ET skip rate (default: tuned by Algorithm 2 against SVR-MAD)")
     g.add_argument("--ablations", action="store_true",
-                   help="also debate every pair (N(N-1) per question) and sweep Appendix B's posterior ablations")
+                   help="also debate every disagreeing pair, with the repeats the budget allows, and sweep Appendix B's "
+                        "posterior ablations")
     p.add_argument("--out", help="run folder (default runs/<dataset>); rerun with the same folder to resume")
     p.add_argument("--concurrency", type=int, default=16, help="questions in flight at once")
 
@@ -90,7 +94,7 @@ def shard(questions: list, spec: str) -> list:
 
 def method_params(name: str, args) -> dict:
     given = {"S": args.S, "C": args.C, "budget": args.budget, "prior": args.prior, "groups": args.groups,
-             "seed": args.seed}
+             "seed": args.seed, "repeat_pairs": getattr(args, "repeat_pairs", True)}
     taken = accepted_params(name)
     return {k: v for k, v in given.items() if k in taken and v is not None}
 
@@ -144,9 +148,11 @@ async def run_question(q: Question, backend: RecordingBackend, methods: list[str
     if "sid-et" in methods and "all-to-all" not in live:
         live.append("all-to-all")  # SID-ET debates all-to-all when it does not skip: record those rounds
     results = await asyncio.gather(*(run_method(m, q, initial, backend, **method_params(m, args)) for m in live))
-    if args.ablations:  # every ordered pair, so any SVR-MAD variant can be replayed from the trace
-        await asyncio.gather(*(backend.debate(q, initial[r], [initial[s]])
-                               for r in range(len(initial)) for s in range(len(initial)) if r != s))
+    if args.ablations:  # every debate an SVR-MAD variant may ask for, so any (posterior, tau) replays
+        svr = method_params("svr-mad", args)
+        wanted = possible_debates([r.answer for r in initial], q.answer_type, svr["S"], svr.get("budget"),
+                                  repeat_pairs=svr["repeat_pairs"])
+        await asyncio.gather(*(backend.debate(q, initial[r], [initial[s]], repeat=k) for s, r, k in wanted))
     priors = [prior_score(r.signals, args.prior) for r in initial]
     rows = [r.to_row(q) for r in results if r.method in methods]
     folder.append(folder.trace, [backend.trace_row(q, priors)])
