@@ -318,3 +318,15 @@ def test_posterior_ablations_run_with_repeats(monkeypatch):
     res, b = play(["A", "B"], signals=sig, priors=[0.9, 0.0], posterior="ppl", tau=0.4)
     assert b.calls == ["0<1", "0<1#2"]  # mean 0.4 over both debates
     assert res.accepted and res.scores[0] == pytest.approx(0.4)
+
+
+def test_possible_debates_bounds_what_any_variant_asks():
+    answers = ["A"] * 5 + ["B"]
+    every = svr_mad.possible_debates(answers, "mc", S=2)  # B = 2 * (2 + 5) = 14: 7 iterations
+    assert len(every) == 10 * 7 and (5, 0, 7) in every and (0, 5, 1) in every
+    assert (5, 0, 8) not in every and (1, 0, 1) not in every  # agreeing pairs never debate
+    assert len(svr_mad.possible_debates(answers, "mc", S=2, spend="actual")) == 10 * 14
+    assert svr_mad.possible_debates(answers, "mc", S=2, repeat_pairs=False) == [
+        (5, r, 1) for r in range(5)] + [(s, 5, 1) for s in range(5)]
+    assert svr_mad.possible_debates([None, "A"], "mc", S=1) == [(0, 1, k) for k in (1, 2, 3)]
+    assert svr_mad.possible_debates(answers, "mc", S=2, budget=0) == []
