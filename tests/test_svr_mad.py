@@ -197,8 +197,8 @@ def test_random_scripts_stay_within_budget(repeat_pairs):
         # the budget bounds the loop, repeats or not: a failed receiver cannot be re-selected forever
         assert res.ncomm == len(b.calls) <= res.params["budget"]
         assert len(set(b.calls)) == len(b.calls)  # every debate is a distinct call
-        possible = svr_mad.possible_debates(answers, "mc", S, params.get("budget"),
-                                            params["spend"], repeat_pairs)
+        possible = svr_mad.possible_debates(answers, "mc", S=S, budget=params.get("budget"),
+                                            spend=params["spend"], repeat_pairs=repeat_pairs)
         seen: dict[tuple[int, int], int] = {}
         for rid in b.calls:
             base, k = split_repeat(rid)

@@ -150,8 +150,8 @@ async def run_question(q: Question, backend: RecordingBackend, methods: list[str
     results = await asyncio.gather(*(run_method(m, q, initial, backend, **method_params(m, args)) for m in live))
     if args.ablations:  # every debate an SVR-MAD variant may ask for, so any (posterior, tau) replays
         svr = method_params("svr-mad", args)
-        wanted = possible_debates([r.answer for r in initial], q.answer_type, svr["S"], svr.get("budget"),
-                                  repeat_pairs=svr["repeat_pairs"])
+        wanted = possible_debates([r.answer for r in initial], q.answer_type,
+                                  **{k: svr[k] for k in ("S", "budget", "spend", "repeat_pairs") if k in svr})
         await asyncio.gather(*(backend.debate(q, initial[r], [initial[s]], repeat=k) for s, r, k in wanted))
     priors = [prior_score(r.signals, args.prior) for r in initial]
     rows = [r.to_row(q) for r in results if r.method in methods]

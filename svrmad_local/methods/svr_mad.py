@@ -33,13 +33,13 @@ def _disagree(y: Sequence[str | None], answer_type: str) -> list[list[int]]:
             for r in range(len(y))]
 
 
-def possible_debates(answers: Sequence[str | None], answer_type: str, S: int,
+def possible_debates(answers: Sequence[str | None], answer_type: str, *, S: int = 2,
                      budget: int | None = None, spend: str = "S",
                      repeat_pairs: bool = True) -> list[tuple[int, int, int]]:
-    """Every (sender, receiver, repeat) debate that a run with these S/budget/spend/repeat_pairs
-    may ask for, whatever its tau, C, check, priors or posterior: each disagreeing ordered pair
-    with an answering receiver, repeated up to the number of iterations the budget allows
-    (ceil(B/S) charged S each, B charged per debate). `svrmad run --ablations` records them so
+    """Every (sender, receiver, repeat) debate that `run` with these S/budget/spend/repeat_pairs
+    (same defaults) may ask for, whatever its tau, C, check, priors or posterior: each
+    disagreeing ordered pair with an answering receiver, repeated up to the number of iterations
+    the budget allows (ceil(B/S) charged S each, B charged per debate). `svrmad run --ablations` records them so
     every Appendix B variant replays."""
     B = budget_for(answers, answer_type, S) if budget is None else int(budget)
     most = min(B, 1) if not repeat_pairs else (-(-B // S) if spend == "S" else B)
