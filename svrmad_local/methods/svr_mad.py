@@ -39,8 +39,8 @@ def possible_debates(answers: Sequence[str | None], answer_type: str, *, S: int 
     """Every (sender, receiver, repeat) debate that `run` with these S/budget/spend/repeat_pairs
     (same defaults) may ask for, whatever its tau, C, check, priors or posterior: each
     disagreeing ordered pair with an answering receiver, repeated up to the number of iterations
-    the budget allows (ceil(B/S) charged S each, B charged per debate). `svrmad run --ablations` records them so
-    every Appendix B variant replays."""
+    the budget allows (ceil(B/S) charged S each, B charged per debate). `svrmad run --ablations`
+    records them so every Appendix B variant replays."""
     B = budget_for(answers, answer_type, S) if budget is None else int(budget)
     most = min(B, 1) if not repeat_pairs else (-(-B // S) if spend == "S" else B)
     pairs = [(s, r) for r, ds in enumerate(_disagree(answers, answer_type))
