@@ -39,13 +39,13 @@ class PerQuestion:
             raise ValueError(f"prompt of 5000 tokens does not fit the model's context of 2048 ({q.id})")
         return await self.by_id[q.id].initial(q, n)
 
-    async def debate(self, q, own, peers, brief=()):
+    async def debate(self, q, own, peers, brief=(), repeat=1):
         if self.fail.get(q.id) == "debate":
             raise RuntimeError(f"scripted failure in a debate of {q.id}")
         if self.fail.get(q.id) == "hang":
             print(f"hanging in {q.id}", file=sys.stderr, flush=True)
             await asyncio.sleep(3600)
-        return await self.by_id[q.id].debate(q, own, peers, brief)
+        return await self.by_id[q.id].debate(q, own, peers, brief, repeat=repeat)
 
 
 def write_dataset(path: Path, ids=SCRIPT) -> Path:

@@ -29,7 +29,7 @@ def by_round(answer_of_round):
 def test_registry_names():
     assert {"svr-mad", "self-consistency", "all-to-all", "group-debate", "sid-et",
             "s2-mad"} <= set(METHODS)
-    assert {"svr-mad:min_ll", "svr-mad:ppl", "svr-mad:self_conf"} <= set(METHODS)
+    assert {"svr-mad:min_ll", "svr-mad:ppl", "svr-mad:self_conf", "s2-mad:distinct"} <= set(METHODS)
     assert {"S", "C", "budget", "priors"} <= accepted_params("svr-mad")
     with pytest.raises(KeyError):
         asyncio.run(run_method("nope", Q, [], None))
@@ -116,6 +116,29 @@ def test_s2_mad_embedding_hook():
                   rounds=1)
     assert res.params["mode"] == "embedding"
     assert b.calls == ["0<2", "1<2", "2<0+1"] and res.ncomm == 4
+
+
+def test_s2_mad_distinct_hears_one_peer_per_answer():
+    # 3 hears one A (the lowest-indexed, agent 0) instead of three: 4 links instead of 6
+    res, b = play("s2-mad:distinct", ["A", "A", "A", "B"], {"3<0": "A"})
+    assert b.calls == ["0<3", "1<3", "2<3", "3<0"]
+    assert (res.ncomm, res.answer, res.method, res.params["peers"]) == (4, "A", "s2-mad:distinct",
+                                                                         "distinct")
+    answers = ["A", "A", "B", "C", "C", "C"]
+    res, b = play("s2-mad", answers, peers="distinct")  # nobody moves: 2 links each, twice
+    assert res.ncomm == 2 * 12 and b.calls[:6] == ["0<2+3", "1<2+3", "2<0+3", "3<0+2", "4<0+2",
+                                                    "5<0+2"]
+    all_peers, _ = play("s2-mad", answers)
+    assert (all_peers.ncomm, all_peers.answer) == (2 * 22, res.answer)
+
+
+def test_s2_mad_distinct_with_embeddings_and_bad_value():
+    vec = {"agent 0 says A": [1, 0], "agent 1 says B": [1, 0.01], "agent 2 says C": [0, 1]}
+    res, b = play("s2-mad", ["A", "B", "C"], embed=lambda text: vec.get(text, [0.5, 0.5]),
+                  rounds=1, peers="distinct")
+    assert b.calls == ["0<2", "1<2", "2<0"] and res.ncomm == 3  # 0 and 1 are one view for 2
+    with pytest.raises(ValueError, match="peers"):
+        play("s2-mad", ["A", "B"], peers="some")
 
 
 def _initial(min_lls):

@@ -162,3 +162,51 @@ def test_replay_cli_prior_recomputes_from_signals(tmp_path, capsys, monkeypatch)
         assert (line["answer"], line["ncomm"], line["tokens"]) == (want.answer, want.ncomm,
                                                                    want.tokens)
     assert by_recorded.answer != by_signal.answer
+
+
+def old_trace(tmp_path):
+    """A 5-1 question recorded the way runs were before repeated pairs (each pair at most once)."""
+    q = Question(id="q7", question="?", gold="A", answer_type="mc")
+    priors = [0.9, 0.8, 0.7, 0.6, 0.5, 0.4]
+    rec = RecordingBackend(ScriptedBackend(["A"] * 5 + ["B"]))
+
+    async def go():
+        initial = await rec.initial(q, 6)
+        return await svr_mad.run(q, initial, rec, priors=priors, repeat_pairs=False)
+
+    live = asyncio.run(go())
+    path = tmp_path / "trace.jsonl"
+    write_trace(path, [rec.trace_row(q, priors)])
+    return path, live
+
+
+def test_replay_of_a_trace_without_repeats_names_the_missing_repeat(tmp_path, capsys):
+    path, live = old_trace(tmp_path)
+    assert (live.answer, live.ncomm) == ("B", 7)
+    assert cli("--trace", str(path), "--method", "svr-mad") == 1
+    err = capsys.readouterr().err
+    assert ("question 'q7': the trace holds no debate '0<5#2' (sender 5 -> receiver 0, repeat 2)"
+            in err and "--no-repeat-pairs" in err)
+    assert cli("--trace", str(path), "--method", "svr-mad", "--no-repeat-pairs", "--json") == 0
+    line = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert (line["answer"], line["ncomm"], line["tokens"], line["accepted"]) == (
+        "B", 7, live.tokens, True)
+    assert cli("--trace", str(path), "--method", "s2-mad", "--no-repeat-pairs") == 2  # not its option
+
+
+def test_repeats_are_recorded_and_replay(tmp_path):
+    q = Question(id="q7", question="?", gold="A", answer_type="mc")
+    rec = RecordingBackend(ScriptedBackend(["A"] * 5 + ["B"], {(5, 0, 2): "A"}))
+
+    async def go():
+        initial = await rec.initial(q, 6)
+        return await svr_mad.run(q, initial, rec, priors=[0.9, 0.8, 0.7, 0.6, 0.5, 0.4])
+
+    live = asyncio.run(go())
+    row = json.loads(json.dumps(rec.trace_row(q)))
+    assert [(d["id"], d["sender"], d["receiver"], d["repeat"]) for d in row["debates"]] == [
+        ("0<5", 5, 0, 1), ("0<5#2", 5, 0, 2)]
+    assert row["debates"][1]["prompt_tokens"] == row["debates"][0]["prompt_tokens"]
+    again = asyncio.run(svr_mad.run(q, row_initial(row), ReplayBackend(row),
+                                    priors=[0.9, 0.8, 0.7, 0.6, 0.5, 0.4]))
+    assert again == live and live.ncomm == 2

@@ -170,3 +170,21 @@ def test_a_debate_that_outgrows_the_context_gets_no_answer(tiny_model, tiny_toke
     assert row["agents"][0]["finish_reason"] == "length"
     again = asyncio.run(svr_mad.run(q, row_initial(row), ReplayBackend(row), priors=[0.9, 0.5, 0.1], S=1, C=1))
     assert (again.answer, again.ncomm, again.tokens) == (res.answer, res.ncomm, res.tokens)
+
+
+@pytest.mark.parametrize("repeats", [True, False])
+def test_ablations_record_what_every_variant_needs(setup, repeats):
+    """--ablations records every debate an SVR-MAD variant may ask for (with repeats when pairs
+    repeat), so the Appendix B sweep replays; its SVR point at tau=1 is the live SVR-MAD."""
+    ck, data, out = setup
+    extra = [] if repeats else ["--no-repeat-pairs"]
+    assert run(ck, data, out, "--limit", "3", "--methods", "svr-mad", "--ablations", *extra) == 0
+    trace, results = read_jsonl(out / "trace.jsonl"), read_jsonl(out / "results.jsonl")
+    if not results:
+        pytest.fail("every question was unanimous with this random model")
+    repeats_seen = max(d["repeat"] for row in trace for d in row["debates"])
+    assert (repeats_seen > 1) == repeats
+    assert all(r["params"]["repeat_pairs"] == repeats for r in results)
+    point = next(p for p in read_jsonl(out / "ablations.jsonl") if p["posterior"] == "svr" and p["tau"] == 1.0)
+    assert point["ncomm_mean"] == pytest.approx(sum(r["ncomm"] for r in results) / len(results))
+    assert point["tokens_mean"] == pytest.approx(sum(r["tokens"] for r in results) / len(results))

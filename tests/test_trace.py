@@ -8,7 +8,7 @@ import pytest
 from svrmad_local.debate.scripted import ScriptedBackend
 from svrmad_local.debate.trace import (RecordingBackend, agent_of, append_trace, read_trace,
                                        row_debates, row_initial, row_priors, row_question,
-                                       split_id, trace_row, write_trace)
+                                       split_id, split_repeat, trace_row, write_trace)
 from svrmad_local.debate.types import Question, debate_id
 from svrmad_local.methods import run_method
 
@@ -31,6 +31,35 @@ def test_split_id_inverts_debate_id(own, peers, brief):
 def test_split_id_rejects_initial_ids():
     with pytest.raises(ValueError):
         split_id("3")
+
+
+def test_repeat_ids():
+    assert debate_id("0", ["5"]) == "0<5" and debate_id("0", ["5"], repeat=1) == "0<5"
+    assert debate_id("0", ["5"], repeat=2) == "0<5#2"
+    assert split_id("0<5#2") == ("0", ["5"], []) and agent_of("0<5#12") == 0
+    assert split_repeat("0<5#2") == ("0<5", 2) and split_repeat("0<5") == ("0<5", 1)
+    # a repeat used as a peer or own response is parenthesised like any compound id
+    rid = debate_id("0<5#3", ["1<2#2"], repeat=2)
+    assert rid == "(0<5#3)<(1<2#2)#2"
+    assert split_id(rid) == ("0<5#3", ["1<2#2"], []) and split_repeat(rid) == ("(0<5#3)<(1<2#2)", 2)
+    for bad in ("0<5#1", "0<5#x", "0<5#2#3"):
+        with pytest.raises(ValueError):
+            split_repeat(bad)
+    with pytest.raises(ValueError):
+        debate_id("0", ["5"], repeat=0)
+
+
+def test_recording_backend_keeps_repeats_apart():
+    rec = RecordingBackend(ScriptedBackend(["A", "B"], {(1, 0, 2): "B"}))
+
+    async def go():
+        initial = await rec.initial(Q, 2)
+        return [await rec.debate(Q, initial[0], [initial[1]], repeat=k) for k in (1, 2, 2)]
+
+    first, second, again = asyncio.run(go())
+    assert rec.inner.calls == ["0<1", "0<1#2"] and second is again
+    assert (first.answer, second.answer) == ("A", "B")
+    assert [d["repeat"] for d in rec.trace_row(Q)["debates"]] == [1, 2]
 
 
 def record(answers, outcomes, methods, priors):

@@ -104,10 +104,12 @@ class EngineBackend:
         return [self._response(str(i), i, q, c, len(prompt), shares[i], messages)
                 for i, c in enumerate(out.completions)]
 
-    async def debate(self, q: Question, own: Response, peers, brief=()) -> Response:
+    async def debate(self, q: Question, own: Response, peers, brief=(), *, repeat: int = 1) -> Response:
+        """A repeat (repeat > 1) has the first's prompt token for token, so the engine serves it
+        from the KV-cache; its seed comes from its own id, so it is a new sample."""
         if own.context is None:
             raise ValueError(f"question {q.id}: response {own.id} has no context to continue (recorded, not live?)")
-        rid = debate_id(own.id, [p.id for p in peers], [b.id for b in brief])
+        rid = debate_id(own.id, [p.id for p in peers], [b.id for b in brief], repeat)
         messages = own.context + [
             self._own_turn(own),
             {"role": "user", "content": debate_format(q, list(peers), list(brief), self.elicit)},

@@ -16,10 +16,13 @@ from svrmad_local.debate.types import Question, Response, debate_id
 class MissingDebate(KeyError):
     """The trace holds no response for a debate a method asked for."""
 
-    def __init__(self, qid: str, rid: str, detail: str):
-        self.qid, self.rid = qid, rid
-        super().__init__(f"question {qid!r}: the trace holds no debate {rid!r} ({detail}); "
-                         "re-run live with this method/parameters to record it")
+    def __init__(self, qid: str, rid: str, detail: str, repeat: int = 1):
+        self.qid, self.rid, self.repeat = qid, rid, repeat
+        hint = "re-run live with this method/parameters to record it"
+        if repeat > 1:  # traces written before repeated pairs existed hold first debates only
+            hint += ("; a trace recorded without repeated pairs replays SVR-MAD with "
+                     "repeat_pairs=False (svrmad replay --no-repeat-pairs)")
+        super().__init__(f"question {qid!r}: the trace holds no debate {rid!r} ({detail}); {hint}")
 
     def __str__(self) -> str:
         return str(self.args[0])
@@ -45,9 +48,9 @@ class ReplayBackend:
         return self._initial[:n]
 
     async def debate(self, q: Question, own: Response, peers: Sequence[Response],
-                     brief: Sequence[Response] = ()) -> Response:
+                     brief: Sequence[Response] = (), *, repeat: int = 1) -> Response:
         self._check(q)
-        rid = debate_id(own.id, [p.id for p in peers], [b.id for b in brief])
+        rid = debate_id(own.id, [p.id for p in peers], [b.id for b in brief], repeat)
         try:
             return self._debates[rid]
         except KeyError:
@@ -55,4 +58,6 @@ class ReplayBackend:
                 detail = f"sender {peers[0].agent} -> receiver {own.agent}"
             else:
                 detail = f"receiver {own.agent} hearing {len(peers)} peers, {len(brief)} brief"
-            raise MissingDebate(q.id, rid, detail) from None
+            if repeat > 1:
+                detail += f", repeat {repeat}"
+            raise MissingDebate(q.id, rid, detail, repeat) from None

@@ -3,7 +3,9 @@
 `RecordingBackend` sits between the methods and the real backend. Response ids say what a call
 is, so it memoises by (question id, response id): the same debate asked for by several methods
 (SID-ET's and all-to-all's rounds, SVR-MAD's and S2-MAD's one-peer debates) is computed once,
-while each method still receives, and counts, the full response. The trace it writes is what
+while each method still receives, and counts, the full response. A repeat of a call ("#k" in its
+id, SVR-MAD re-selecting a pair) is a different id, so a new sample, never the memoised first one;
+two methods asking for the same repeat share it. The trace it writes is what
 `ReplayBackend` serves, so any method can be re-run without a model.
 """
 
@@ -20,29 +22,43 @@ from svrmad_local.grading import equivalent, is_correct, settle
 from svrmad_local.debate.types import ANSWER_TYPES, Backend, Question, Response, debate_id
 
 
-def split_id(rid: str) -> tuple[str, list[str], list[str]]:
-    """The inverse of `debate_id`: (own id, peer ids, brief ids) of a debate response id."""
+def _top_split(s: str, sep: str) -> list[str]:
+    """`s` split at the `sep`s outside parentheses."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(s):
+        depth += (ch == "(") - (ch == ")")
+        if ch == sep and depth == 0:
+            parts.append(s[start:i])
+            start = i + 1
+    parts.append(s[start:])
+    return parts
 
-    def top_split(s: str, sep: str) -> list[str]:
-        parts, depth, start = [], 0, 0
-        for i, ch in enumerate(s):
-            depth += (ch == "(") - (ch == ")")
-            if ch == sep and depth == 0:
-                parts.append(s[start:i])
-                start = i + 1
-        parts.append(s[start:])
-        return parts
+
+def split_repeat(rid: str) -> tuple[str, int]:
+    """(the id without its repeat mark, the repeat number k >= 1) of a response id: "0<5#2" ->
+    ("0<5", 2), "0<5" -> ("0<5", 1)."""
+    head = _top_split(rid, "#")
+    if len(head) == 1:
+        return rid, 1
+    if len(head) != 2 or not head[1].isdigit() or int(head[1]) < 2:
+        raise ValueError(f"bad repeat mark in response id {rid!r}")
+    return head[0], int(head[1])
+
+
+def split_id(rid: str) -> tuple[str, list[str], list[str]]:
+    """The inverse of `debate_id`: (own id, peer ids, brief ids) of a debate response id; a
+    repeat mark ("#k", see `split_repeat`) is not part of them."""
 
     def unwrap(s: str) -> str:
         return s[1:-1] if s.startswith("(") else s
 
-    head = top_split(rid, "<")
+    head = _top_split(split_repeat(rid)[0], "<")
     if len(head) != 2:
         raise ValueError(f"not a debate response id: {rid!r}")
     own, rest = head
-    full, *brief = top_split(rest, "|")
-    peers = [unwrap(p) for p in top_split(full, "+")]
-    return unwrap(own), peers, [unwrap(b) for b in top_split(brief[0], "+")] if brief else []
+    full, *brief = _top_split(rest, "|")
+    peers = [unwrap(p) for p in _top_split(full, "+")]
+    return unwrap(own), peers, [unwrap(b) for b in _top_split(brief[0], "+")] if brief else []
 
 
 def agent_of(rid: str) -> int:
@@ -89,11 +105,12 @@ class RecordingBackend:
         return list(out)
 
     async def debate(self, q: Question, own: Response, peers: Sequence[Response],
-                     brief: Sequence[Response] = ()) -> Response:
-        rid = debate_id(own.id, [p.id for p in peers], [b.id for b in brief])
+                     brief: Sequence[Response] = (), *, repeat: int = 1) -> Response:
+        rid = debate_id(own.id, [p.id for p in peers], [b.id for b in brief], repeat)
         seen = self.debates.setdefault(q.id, {})
         seen.setdefault(rid, None)
-        resp = await self._once((q.id, rid), lambda: self.inner.debate(q, own, peers, brief))
+        resp = await self._once((q.id, rid),
+                                lambda: self.inner.debate(q, own, peers, brief, repeat=repeat))
         seen[rid] = resp
         known = [*self.initials.get(q.id, []), *filter(None, seen.values())]  # settle: sympy off the event loop
         await settle([resp.answer], q.answer_type, against=[r.answer for r in known], gold=q.gold)
@@ -126,8 +143,9 @@ def _tokens(r: Response) -> dict:
 def trace_row(q: Question, initial: Sequence[Response], debates: Iterable[Response],
               priors: Sequence[float | None] | None = None) -> dict:
     """One trace.jsonl line. A debate's `sender` is the agent of its single peer when it has
-    exactly one full peer and no brief ones (a pairwise debate), else null; `outcome` compares the
-    new answer with the receiver's previous one (the `own` response it continued)."""
+    exactly one full peer and no brief ones (a pairwise debate), else null; `repeat` is k for the
+    k-th time its call was asked (1 for most); `outcome` compares the new answer with the
+    receiver's previous one (the `own` response it continued)."""
     at = q.answer_type
     by_id = {r.id: r for r in initial}
     agents = [{"agent": r.agent, "id": r.id, "answer": r.answer,
@@ -141,7 +159,8 @@ def trace_row(q: Question, initial: Sequence[Response], debates: Iterable[Respon
         outcome = None if prev is None else (
             "retained" if equivalent(d.answer, prev.answer, at) else "changed")
         rows.append({"id": d.id, "sender": agent_of(peers[0]) if len(peers) == 1 and not brief
-                     else None, "receiver": d.agent, "round": d.round, "peers": list(d.peers),
+                     else None, "receiver": d.agent, "repeat": split_repeat(d.id)[1],
+                     "round": d.round, "peers": list(d.peers),
                      "brief": list(d.brief), "answer": d.answer, "outcome": outcome, **_tokens(d)})
     return {"id": q.id, "gold": q.gold, "answer_type": at, "question": q.question,
             "agents": agents, "debates": rows}

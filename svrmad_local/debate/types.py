@@ -12,6 +12,9 @@ the structure of the call alone:
         "2<4"            agent 2 (own initial "2") after hearing agent 4's initial response
         "0<1+2+3+4+5"    all-to-all round 1 for agent 0
         "(0<1+2)<(1<0+2)+(2<0+1)"   round 2 (ids of compound responses are parenthesised)
+  - a repeat of a debate (the same call asked again as a new, independent sample: SVR-MAD
+    re-selecting a pair) appends "#k" for its k-th time, k = 2, 3, ...; the first is unmarked:
+        "2<4#2"          agent 2's second debate against agent 4's initial response
 """
 
 from __future__ import annotations
@@ -85,12 +88,15 @@ def _wrap(rid: str) -> str:
     return f"({rid})" if ("<" in rid or "|" in rid) else rid
 
 
-def debate_id(own: str, peers: Sequence[str], brief: Sequence[str] = ()) -> str:
-    """The id of the response `own`'s agent gives after seeing `peers` (full) and `brief` (answers only)."""
+def debate_id(own: str, peers: Sequence[str], brief: Sequence[str] = (), repeat: int = 1) -> str:
+    """The id of the response `own`'s agent gives after seeing `peers` (full) and `brief` (answers
+    only), the `repeat`-th time this call is asked (1-based)."""
+    if repeat < 1:
+        raise ValueError(f"repeat must be >= 1, got {repeat}")
     rid = f"{_wrap(own)}<{'+'.join(_wrap(p) for p in peers)}"
     if brief:
         rid += "|" + "+".join(_wrap(b) for b in brief)
-    return rid
+    return rid if repeat == 1 else f"{rid}#{repeat}"
 
 
 class Backend(Protocol):
@@ -101,10 +107,13 @@ class Backend(Protocol):
         ...
 
     async def debate(
-        self, q: Question, own: Response, peers: Sequence[Response], brief: Sequence[Response] = ()
+        self, q: Question, own: Response, peers: Sequence[Response], brief: Sequence[Response] = (),
+        *, repeat: int = 1,
     ) -> Response:
         """`own.agent` (the receiver) continues its own context `own` after a DebateFormat message
         carrying the full `peers` responses and the final answers only of `brief`; returns its new
-        response, id `debate_id(own.id, [p.id...], [b.id...])`, round = own.round + 1.
-        A pairwise debate sender -> receiver is `debate(q, initial[receiver], [initial[sender]])`."""
+        response, id `debate_id(own.id, [p.id...], [b.id...], repeat)`, round = own.round + 1.
+        A pairwise debate sender -> receiver is `debate(q, initial[receiver], [initial[sender]])`.
+        `repeat` = k > 1 asks the same call for the k-th time: the same prompt, a new independent
+        sample (its own id, so its own seed and its own trace entry)."""
         ...

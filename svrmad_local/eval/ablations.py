@@ -1,7 +1,8 @@
 """Appendix B from a trace: SVR-MAD's control flow with the posterior score swapped, thresholds swept.
 
-Needs a trace holding every pairwise debate (`svrmad run --ablations`), so each (signal, tau)
-variant is a model-free replay. Thresholds are taken at quantiles of the scores the signal can
+Needs a trace holding every debate a variant may ask for (`svrmad run --ablations` records
+`svr_mad.possible_debates`: every disagreeing pair, with the repeats the budget allows when pairs
+repeat), so each (signal, tau) variant is a model-free replay with the run's own control flow. Thresholds are taken at quantiles of the scores the signal can
 take, so the points span acceptance rates from low to high (the paper shows 10%..90%).
 """
 

@@ -22,6 +22,7 @@ METHOD_NAMES = {
     "group-debate": "GroupDebate",
     "sid-et": "SID-ET",
     "s2-mad": "S2-MAD",
+    "s2-mad:distinct": "S2-MAD (distinct peers)",
     "svr-mad": "SVR-MAD",
 }
 # No-debate reference: its NComm/Tok are not candidates for "best" (Table 1 caption).

@@ -36,6 +36,7 @@ from svrmad_local.eval.datasets import DatasetError, load_dataset
 from svrmad_local.eval.folder import RunFolder, note, write_json
 from svrmad_local.eval.posthoc import finalize, live_methods, rebuild_results
 from svrmad_local.methods import run_method
+from svrmad_local.methods.svr_mad import possible_debates
 from svrmad_local.signals import prior_score
 
 
@@ -102,10 +103,11 @@ async def run_question(q: Question, backend: RecordingBackend, cfg: RunConfig, f
     if "sid-et" in cfg.methods and "all-to-all" not in live:
         live.append("all-to-all")  # SID-ET debates all-to-all when it does not skip: record those rounds
     results = await _all(_stage(f"method {m}", run_method(m, q, initial, backend, **cfg.params_for(m))) for m in live)
-    if cfg.ablations:  # every ordered pair, so any SVR-MAD variant can be replayed from the trace
-        n = len(initial)
-        await _all(_stage("ablations", backend.debate(q, initial[r], [initial[s]]))
-                   for r in range(n) for s in range(n) if r != s)
+    if cfg.ablations:  # every debate an SVR-MAD variant may ask for, so any (posterior, tau) replays
+        svr = cfg.params_for("svr-mad")
+        wanted = possible_debates([r.answer for r in initial], q.answer_type,
+                                  **{k: svr[k] for k in ("S", "budget", "spend", "repeat_pairs") if k in svr})
+        await _all(_stage("ablations", backend.debate(q, initial[r], [initial[s]], repeat=k)) for s, r, k in wanted)
     priors = [prior_score(r.signals, cfg.prior) for r in initial]
     rows = [r.to_row(q) for r in results if r.method in cfg.methods]
     folder.commit_debated(backend.trace_row(q, priors), rows)

@@ -1,7 +1,9 @@
 """The method registry: name -> `async run(q, initial, backend, **params) -> MethodResult`.
 
-Ablations of SVR-MAD (Appendix B) are named "svr-mad:<posterior signal>". Every method is pure
-control flow against the `Backend` protocol, so the same code runs live, replayed or scripted."""
+Ablations of SVR-MAD (Appendix B) are named "svr-mad:<posterior signal>". "s2-mad:distinct" is
+S2-MAD hearing one peer per distinct answer: a name of its own, so one live run can record both
+S2-MAD variants' debates and each replays. Every method is pure control flow against the
+`Backend` protocol, so the same code runs live, replayed or scripted."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ METHODS: dict[str, Method] = {
     "group-debate": group_debate.run,
     "sid-et": sid_et.run,
     "s2-mad": s2_mad.run,
+    "s2-mad:distinct": partial(s2_mad.run, peers="distinct"),
     **{f"svr-mad:{p}": partial(svr_mad.run, posterior=p) for p in svr_mad.POSTERIORS if p != "svr"},
 }
 

@@ -67,10 +67,16 @@ def finish(method: str, q: Question, initial: Sequence[Response], debates: Itera
 def cluster(answers: Sequence[str | None], answer_type: str) -> list[list[int]]:
     """Indices grouped by answer equivalence, groups in order of first appearance; each member is
     compared with its group's first member. A None answer equals nothing, so it is a group alone."""
+    return group(answers, lambda a, b: equivalent(a, b, answer_type))
+
+
+def group(items: Sequence[Any], same: Callable[[Any, Any], bool]) -> list[list[int]]:
+    """Indices of `items` grouped greedily: each joins the first group whose first member it is
+    `same` as, else starts a new group (groups in order of first appearance)."""
     groups: list[list[int]] = []
-    for i, a in enumerate(answers):
+    for i, a in enumerate(items):
         for g in groups:
-            if equivalent(answers[g[0]], a, answer_type):
+            if same(items[g[0]], a):
                 g.append(i)
                 break
         else:
