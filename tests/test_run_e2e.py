@@ -188,3 +188,18 @@ def test_ablations_record_what_every_variant_needs(setup, repeats):
     point = next(p for p in read_jsonl(out / "ablations.jsonl") if p["posterior"] == "svr" and p["tau"] == 1.0)
     assert point["ncomm_mean"] == pytest.approx(sum(r["ncomm"] for r in results) / len(results))
     assert point["tokens_mean"] == pytest.approx(sum(r["tokens"] for r in results) / len(results))
+
+
+def test_progress_moves_inside_a_question_with_the_engine_counters():
+    from svrmad_local.dist import Dist
+
+    info = {"generated_tokens": 0, "in_flight": 3}
+    progress = run_mod.Progress(4, Dist(), lambda: dict(info))
+    progress.refresh()
+    info["generated_tokens"] = 500
+    progress.refresh()  # no question finished, but the bar says what the engine is doing
+    assert progress.bar.n == 0 and "3 requests in flight, 500 tokens" in progress.bar.postfix
+    assert " tok/s" in progress.bar.postfix and not progress.bar.postfix.startswith("0 tok/s")
+    progress.done_one()
+    assert progress.bar.n == 1
+    progress.close()

@@ -148,6 +148,7 @@ class Engine:
             "kv_budget_bytes": self.kv_budget_bytes,
             "peak_kv_bytes": self.blocks.peak_used * self.block_bytes,
             "evictions": self.blocks.evictions,
+            "in_flight": len(self._live),
             **self.totals.as_dict(),
         }
 

@@ -146,11 +146,14 @@ def _prepare(cfg: RunConfig, questions: list[Question], held: list) -> tuple[Run
 
 
 class Progress:
-    """One bar on rank 0 counting the questions every rank has finished."""
+    """One bar on rank 0 counting the questions every rank has finished, refreshed every 2 s with
+    the engine's live counters (tokens/s, requests in flight), so it moves inside a long question."""
 
-    def __init__(self, total: int, d: Dist):
+    def __init__(self, total: int, d: Dist, counters=None):
         self.d = d
+        self.counters = counters  # () -> engine.info of this process
         self.bar = tqdm(total=total, desc="questions", unit="q", file=sys.stderr) if d.is_main else None
+        self._last: tuple[float, int] | None = None
 
     def done_one(self) -> None:
         if self.d.enabled:
@@ -162,9 +165,17 @@ class Progress:
             return
         if self.d.enabled:
             self.bar.n = self.d.count("completed")
-            self.bar.refresh()
         else:
-            self.bar.update(own)
+            self.bar.n += own
+        info = self.counters() if self.counters is not None else {}
+        if "generated_tokens" in info:
+            now = time.perf_counter()
+            last, self._last = self._last, (now, info["generated_tokens"])
+            rate = (info["generated_tokens"] - last[1]) / max(now - last[0], 1e-9) if last else 0.0
+            where = " on rank 0" if self.d.enabled else ""
+            self.bar.set_postfix_str(f"{rate:.0f} tok/s{where}, {info['in_flight']} requests in flight, "
+                                     f"{info['generated_tokens']} tokens", refresh=False)
+        self.bar.refresh()
 
     def close(self) -> None:
         if self.bar is not None:
@@ -198,7 +209,7 @@ async def work(todo: list[Question], backend: RecordingBackend, cfg: RunConfig, 
             await asyncio.sleep(2)
             progress.refresh()
 
-    ticker = asyncio.create_task(refresher()) if d.enabled and d.is_main else None
+    ticker = asyncio.create_task(refresher()) if d.is_main else None
     try:
         await asyncio.gather(*(slot() for _ in range(max(1, min(cfg.concurrency, len(todo))))))
     finally:
@@ -299,7 +310,7 @@ def _main(args, d: Dist, held: list) -> int:
                 backend = RecordingBackend(inner)
                 if d.enabled:  # nobody takes work before every engine is up, so early ranks do not take it all
                     d.barrier("ready")
-                progress = Progress(len(todo), d)
+                progress = Progress(len(todo), d, engine_counters)
                 try:
                     counts = asyncio.run(work(todo, backend, cfg, writer, d, progress))
                 finally:
