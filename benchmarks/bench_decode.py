@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from bench_vs_vllm import VLLM_DTYPES, VllmWorker, vllm_unavailable
+from bench_vs_vllm import VLLM_DTYPES, VllmWorker, vllm_settings, vllm_unavailable
 from svrmad_local.engine.engine import Engine, EngineConfig
 from svrmad_local.engine.params import SamplingParams
 from svrmad_local.models.default import ensure_default_model
@@ -149,9 +149,7 @@ def main() -> int:
     if not why_not:
         del lm, engine
         vdtype = args.vllm_dtype or VLLM_DTYPES[args.dtype]
-        worker = VllmWorker(args.vllm_python, {"model": model_path, "dtype": vdtype, "block_size": 32,
-                                               "max_num_seqs": max(batches),
-                                               "hf_overrides": {"architectures": ["LlamaForCausalLM"]}})
+        worker = VllmWorker(args.vllm_python, vllm_settings(model_path, vdtype))
 
         def vllm_generate(prompts, params):
             return [len(o["token_ids"][0]) for o in worker.generate(prompts, params)["outputs"]]

@@ -23,15 +23,19 @@ import json
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
-from svrmad_local.engine.engine import Engine, EngineConfig
-from svrmad_local.engine.params import SamplingParams
-from svrmad_local.eval.datasets import load_dataset
-from svrmad_local.models.chat import ChatFormat
-from svrmad_local.models.default import ensure_default_model
-from svrmad_local.models.loader import load_model
+# this checkout's svrmad_local, not whichever one is installed (the other benchmarks import this first)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from svrmad_local.engine.engine import Engine, EngineConfig  # noqa: E402
+from svrmad_local.engine.params import SamplingParams  # noqa: E402
+from svrmad_local.eval.datasets import load_dataset  # noqa: E402
+from svrmad_local.models.chat import ChatFormat  # noqa: E402
+from svrmad_local.models.default import ensure_default_model  # noqa: E402
+from svrmad_local.models.loader import load_model  # noqa: E402
 
 
 class Trie:

