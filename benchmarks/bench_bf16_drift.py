@@ -9,7 +9,8 @@ states and weights). Reported: mean / p99 / max absolute difference per token of
 token's logprob and the entropy; per response of min-LL, perplexity (relative), mean entropy and of
 the prior scores SVR-MAD compares (signals.py);
 how often the top-1 (greedy) token differs; how often the top-ranked of a question's N responses
-changes under each prior, and how often two responses of a question swap order. Self-check: fp32
+changes under each prior, and how often two responses of a question swap order. Then the generation
+path alone: samples generated in bf16 against the same tokens scored in bf16. Self-check: fp32
 scoring reproduces the fp32 generation's own logprobs. Last line: one JSON object.
 """
 
@@ -42,13 +43,27 @@ def score_all(engine: Engine, pairs: list[tuple[list[int], list[int]]]) -> list:
     return asyncio.run(run())
 
 
+def generate(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]):
+    """(prompt, tokens) pairs of every non-empty sample, their Completions, and each question's indices."""
+    pairs, completions, groups = [], [], []
+    for p, o in zip(prompts, engine.generate_sync(prompts, params)):
+        groups.append([])
+        for c in o.completions:
+            if c.token_ids:
+                groups[-1].append(len(pairs))
+                pairs.append((p, c.token_ids))
+                completions.append(c)
+    return pairs, completions, groups
+
+
 def summary(x: torch.Tensor) -> dict:
     x = x.double().abs()
     return {"mean": float(x.mean()), "p99": float(x.quantile(0.99)), "max": float(x.max())}
 
 
 def drift(a: list, b: list, groups: list[list[int]]) -> dict:
-    """Differences between two lists of ScoreOutputs of the same (prompt, continuation) pairs;
+    """Differences between two lists of results (ScoreOutput or Completion: logprobs, entropies,
+    topk_ids, signals) for the same (prompt, continuation) pairs;
     `groups` lists the response indices of each question, for top-ranked-response changes."""
     lp = torch.tensor([x for s in a for x in s.logprobs]) - torch.tensor([x for s in b for x in s.logprobs])
     ent = torch.tensor([x for s in a for x in s.entropies]) - torch.tensor([x for s in b for x in s.entropies])
@@ -85,6 +100,8 @@ def main() -> int:
     ap.add_argument("--questions", type=int, default=8)
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--gen-questions", type=int, default=2,
+                    help="questions whose samples are also generated in bf16, to compare with scoring them")
     args = ap.parse_args()
     path = str(args.model or ensure_default_model())
 
@@ -95,24 +112,22 @@ def main() -> int:
     engine = Engine(lm.model, lm.tokenizer, EngineConfig(max_num_seqs=128))
     prompts = [wl.initial_prompt(i) for i in range(len(wl.questions))]
     params = [SamplingParams(**{**wl.initial_sampling(i), "ignore_eos": False}) for i in range(len(prompts))]
-    outs = engine.generate_sync(prompts, params)
-    pairs, generated, groups = [], [], []
-    for p, o in zip(prompts, outs):
-        groups.append([])
-        for c in o.completions:
-            if c.token_ids:
-                groups[-1].append(len(pairs))
-                pairs.append((p, c.token_ids))
-                generated.append(c.logprobs)
+    pairs, generated, groups = generate(engine, prompts, params)
     fp32 = score_all(engine, pairs)
-    replay = max(abs(x - y) for g, s in zip(generated, fp32) for x, y in zip(g, s.logprobs))
+    replay = max(abs(x - y) for g, sc in zip(generated, fp32) for x, y in zip(g.logprobs, sc.logprobs))
     if replay > 1e-3:
         raise SystemExit(f"fp32 scoring does not reproduce the generation's logprobs (max difference {replay:.2e})")
     del engine, lm
     lm16 = load_model(path, dtype="bf16")
-    bf16 = score_all(Engine(lm16.model, lm16.tokenizer, EngineConfig(max_num_seqs=128)), pairs)
+    engine16 = Engine(lm16.model, lm16.tokenizer, EngineConfig(max_num_seqs=128))
+    bf16 = score_all(engine16, pairs)
     d = drift(fp32, bf16, groups)
-    d.update(replay_max_abs_logprob=replay, seconds=round(time.perf_counter() - t0, 1), model=path)
+    # the generation path on its own: bf16 samples' statistics vs the same tokens scored in bf16
+    k = min(args.gen_questions, len(prompts))
+    pairs16, generated16, groups16 = generate(engine16, prompts[:k], params[:k])
+    head = drift(generated16, score_all(engine16, pairs16), groups16)
+    d.update(bf16_generation_vs_scoring={key: head[key] for key in ("tokens", "token_logprob", "token_entropy", "min_ll")},
+             replay_max_abs_logprob=replay, seconds=round(time.perf_counter() - t0, 1), model=path)
 
     def line(name: str, s: dict, fmt: str = ".4f") -> str:
         return f"  {name:32s} mean {s['mean']:{fmt}}   p99 {s['p99']:{fmt}}   max {s['max']:{fmt}}"
@@ -131,6 +146,10 @@ def main() -> int:
         print(line(f"prior {name} (in [-1, 1])", p["abs_diff"]) +
               f"   top response changed in {p['top_response_changed']}/{p['questions']} questions, "
               f"pair order flipped {p['pair_order_flipped']:.1%}")
+    h = d["bf16_generation_vs_scoring"]
+    print(f"bf16 generation vs bf16 scoring of the same {h['tokens']} tokens (the generation path's own rounding):")
+    print(line("logprob (nats)", h["token_logprob"]))
+    print(line("entropy (nats)", h["token_entropy"]))
     print(json.dumps(d))
     return 0
 
