@@ -134,6 +134,8 @@ class VllmWorker:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
         self.log.close()
+        if self.proc.returncode == 0:  # kept when something went wrong
+            os.unlink(self.log.name)
 
 
 def counter_delta(after: dict, before: dict, name: str) -> int | None:
