@@ -12,9 +12,10 @@ The limit: a decode step reads every weight once whatever B is (the body's matri
 head; of the input embedding only B rows), plus each sequence's KV so far. The machine's read
 bandwidth is measured with a large tensor sum (best of several), so
     limit tokens/s = B * bandwidth / (weight bytes + B * KV bytes at the mean context).
-A compute limit is printed beside it (a large fp32/bf16 matmul's FLOP/s over 2 FLOPs per weight
-per token); the fraction reached is of the lower of the two. With --vllm-python the same prompts
-run through vLLM (bench_vs_vllm's worker) too. Last line: one JSON object.
+Beside it, what torch's matmuls alone allow: B / (seconds of every nn.Linear of the model, LM head
+included, on B rows in its dtype), i.e. a step with no attention, no sampling and no overhead; on a
+CPU without bf16 instructions this, not the bandwidth, bounds bf16. With --vllm-python the same prompts run through vLLM (bench_vs_vllm's worker) too. Last line: one
+JSON object.
 """
 
 from __future__ import annotations
@@ -49,20 +50,22 @@ def read_bandwidth(mib: int = 512, repeat: int = 7) -> float:
     return x.numel() * 4 / best_of(lambda: x.sum(), repeat)
 
 
-def matmul_flops(dtype: torch.dtype, n: int = 1024, repeat: int = 5) -> float:
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    a @ b
-    return 2 * n**3 / best_of(lambda: a @ b, repeat)
+def linears_seconds(model, rows: int, repeat: int = 3) -> float:
+    """Seconds of one pass of every nn.Linear of the model (LM head included) over `rows` tokens, in
+    its own dtype and shapes, best of `repeat`: a decode step's matmuls and nothing else. Timed as
+    whole passes so each weight comes from memory, as in a step, not from a cache warmed by a repeat."""
+    layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    xs = [torch.randn(rows, m.in_features).to(m.weight.dtype) for m in layers]
+    return best_of(lambda: [torch.nn.functional.linear(x, m.weight, m.bias) for x, m in zip(xs, layers)], repeat)
 
 
-def weight_bytes_per_step(model) -> tuple[int, int]:
-    """(bytes, matmul weights) read by one decode step: every parameter once, except an input
-    embedding that is not also the LM head (only B of its rows are read)."""
+def weight_bytes_per_step(model) -> int:
+    """Bytes of weights one decode step reads: every parameter once, except an input embedding that
+    is not also the LM head (only B of its rows are read)."""
     emb = model.get_input_embeddings().weight
     head = model.get_output_embeddings().weight
     skip = emb.data_ptr() != head.data_ptr()
-    params = [p for p in model.parameters() if not (skip and p.data_ptr() == emb.data_ptr())]
-    return sum(p.numel() * p.element_size() for p in params), sum(p.numel() for p in params if p.dim() == 2)
+    return sum(p.numel() * p.element_size() for p in model.parameters() if not (skip and p.data_ptr() == emb.data_ptr()))
 
 
 def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
@@ -121,12 +124,11 @@ def main() -> int:
         return [len(o.completions[0].token_ids) for o in outs]
 
     bw = read_bandwidth()
-    flops = matmul_flops(dtype)
-    w_bytes, w_matmul = weight_bytes_per_step(lm.model)
+    w_bytes = weight_bytes_per_step(lm.model)
     kv_tok = kv_bytes_per_token(lm.model.config, dtype)
     mean_ctx = args.prompt_tokens + args.new_tokens / 2
-    print(f"machine: read bandwidth {bw / 1e9:.1f} GB/s, {str(dtype)[6:]} matmul {flops / 1e9:.0f} GFLOP/s; "
-          f"model: {w_bytes / 1e6:.0f} MB of weights read per step, {kv_tok} KV bytes per token")
+    print(f"machine: read bandwidth {bw / 1e9:.1f} GB/s; model: {w_bytes / 1e6:.0f} MB of {str(dtype)[6:]} weights "
+          f"read per step, {kv_tok} KV bytes per token")
 
     gen = torch.Generator().manual_seed(0)
     timed_pair(engine_generate, gen, 2, argparse.Namespace(**{**vars(args), "new_tokens": 4}), vocab)  # warm-up
@@ -135,17 +137,18 @@ def main() -> int:
         steps0 = engine.totals.steps
         t_pre, t_full = timed_pair(engine_generate, gen, B, args, vocab)
         tps = B * args.new_tokens / (t_full - t_pre)
-        limit_bw = B * bw / (w_bytes + B * mean_ctx * kv_tok)
-        limit_fl = flops / (2 * w_matmul)
+        limit = B * bw / (w_bytes + B * mean_ctx * kv_tok)
+        gemm = B / linears_seconds(lm.model, B)
         row = {"batch": B, "engine_tok_s": round(tps, 1), "engine_steps": engine.totals.steps - steps0,
-               "limit_bandwidth_tok_s": round(limit_bw, 1), "limit_compute_tok_s": round(limit_fl, 1),
-               "fraction_of_limit": round(tps / min(limit_bw, limit_fl), 3), "prefill_s": round(t_pre, 3)}
+               "limit_bandwidth_tok_s": round(limit, 1), "fraction_of_limit": round(tps / limit, 3),
+               "linears_only_tok_s": round(gemm, 1), "fraction_of_linears_only": round(tps / gemm, 3),
+               "prefill_s": round(t_pre, 3)}
         rows.append(row)
-        print(f"batch {B:3d}: engine {tps:7.1f} tok/s   limit {min(limit_bw, limit_fl):7.1f} tok/s "
-              f"(bandwidth {limit_bw:.1f}, compute {limit_fl:.1f})   {row['fraction_of_limit']:.0%} of it")
-    result = {"dtype": args.dtype, "bandwidth_gb_s": round(bw / 1e9, 2), "matmul_gflop_s": round(flops / 1e9, 1),
-              "weight_bytes_per_step": w_bytes, "kv_bytes_per_token": kv_tok, "prompt_tokens": args.prompt_tokens,
-              "new_tokens": args.new_tokens, "greedy": args.greedy, "rows": rows}
+        print(f"batch {B:3d}: engine {tps:7.1f} tok/s   weight-streaming limit {limit:7.1f} tok/s ({tps / limit:.0%} of it)"
+              f"   the step's matmuls alone {gemm:7.1f} tok/s ({tps / gemm:.0%} of it)")
+    result = {"dtype": args.dtype, "bandwidth_gb_s": round(bw / 1e9, 2), "weight_bytes_per_step": w_bytes,
+              "kv_bytes_per_token": kv_tok, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
+              "greedy": args.greedy, "rows": rows}
     if not why_not:
         del lm, engine
         vdtype = args.vllm_dtype or VLLM_DTYPES[args.dtype]

@@ -154,15 +154,28 @@ def test_vllm_worker_runs_both_phases_through_a_fake_vllm(tmp_path, tiny_tokeniz
 def test_weight_bytes_read_per_decode_step(tiny_model):
     emb = tiny_model.get_input_embeddings().weight
     total = sum(p.numel() * 4 for p in tiny_model.parameters())
-    matmul = sum(p.numel() for p in tiny_model.parameters() if p.dim() == 2)
-    assert weight_bytes_per_step(tiny_model) == (total - emb.numel() * 4, matmul - emb.numel())
+    assert weight_bytes_per_step(tiny_model) == total - emb.numel() * 4  # untied: B embedding rows only
     tied = make_model("llama", vocab=400)
     tied.lm_head.weight = tied.model.embed_tokens.weight  # one tensor: read in full as the LM head
-    assert weight_bytes_per_step(tied) == (sum(p.numel() * 4 for p in tied.parameters()),
-                                           sum(p.numel() for p in tied.parameters() if p.dim() == 2))
+    assert weight_bytes_per_step(tied) == sum(p.numel() * 4 for p in tied.parameters())
     cfg = tiny_model.config  # 2 layers, 2 KV heads of 16 dims
     assert kv_bytes_per_token(cfg, torch.float32) == 2 * 2 * 2 * 16 * 4
     assert kv_bytes_per_token(cfg, torch.bfloat16) == 2 * 2 * 2 * 16 * 2
+
+
+def test_linears_seconds_times_every_projection_and_the_lm_head(tiny_model, monkeypatch):
+    import bench_decode
+
+    shapes = []
+
+    def fake_best_of(fn, repeat):
+        shapes.extend(tuple(y.shape) for y in fn())
+        return 1.0
+
+    monkeypatch.setattr(bench_decode, "best_of", fake_best_of)
+    assert bench_decode.linears_seconds(tiny_model, rows=3) == 1.0
+    assert len(shapes) == 2 * 7 + 1  # q k v o gate up down per layer, and the LM head
+    assert (3, 400) in shapes and all(s[0] == 3 for s in shapes)
 
 
 def _scored(logprobs, entropies, top1):
