@@ -5,6 +5,8 @@ question N initial samples of the question prompt, then R receivers x S pairwise
 (prompt = [question + receiver's own answer] + DebateFormat(sender's answer)). The engine runs every
 question concurrently (asyncio) with prefix reuse; the baseline is what one writes without an
 engine: one `model.generate` call per agent response, in a loop, recomputing every prompt.
+`DebateWorkload` and `run_engine` are shared with bench_vs_vllm.py, which runs the same workload
+through vLLM.
 
 Prints both times, their ratio, the prompt tokens each computed and the lower bound on computed
 prompt tokens (the unique-prefix count: tokens of every prompt not already a prefix of something
@@ -20,15 +22,20 @@ import asyncio
 import json
 import sys
 import time
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
-from svrmad_local.engine.engine import Engine, EngineConfig
-from svrmad_local.engine.params import SamplingParams
-from svrmad_local.eval.datasets import load_dataset
-from svrmad_local.models.chat import ChatFormat
-from svrmad_local.models.default import ensure_default_model
-from svrmad_local.models.loader import load_model
+# this checkout's svrmad_local, not whichever one is installed (the other benchmarks import this first)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from svrmad_local.engine.engine import Engine, EngineConfig  # noqa: E402
+from svrmad_local.engine.params import SamplingParams  # noqa: E402
+from svrmad_local.eval.datasets import load_dataset  # noqa: E402
+from svrmad_local.models.chat import ChatFormat  # noqa: E402
+from svrmad_local.models.default import ensure_default_model  # noqa: E402
+from svrmad_local.models.loader import load_model  # noqa: E402
 
 
 class Trie:
@@ -57,15 +64,131 @@ def debate_messages(question: str, own: list[int], peer: list[int]) -> list[dict
     ]
 
 
+@dataclass
+class DebateWorkload:
+    """The workload, built the same way for every engine under test: prompts are token ids, and a
+    question's debate prompts are built from the answers that engine itself gave (sampling settings
+    are plain dicts, so a vLLM worker can take them as they are)."""
+
+    chat: ChatFormat
+    questions: list[str]
+    n: int = 6
+    receivers: int = 2
+    S: int = 2
+    initial_tokens: int = 64
+    debate_tokens: int = 48
+
+    @staticmethod
+    def add_arguments(ap: argparse.ArgumentParser) -> None:
+        ap.add_argument("--model", help="checkpoint folder (default: the embedded SmolLM2-135M-Instruct)")
+        ap.add_argument("--questions", type=int, default=4)
+        ap.add_argument("--n", type=int, default=6)
+        ap.add_argument("--receivers", type=int, default=2)
+        ap.add_argument("--S", type=int, default=2)
+        ap.add_argument("--initial-tokens", type=int, default=64)
+        ap.add_argument("--debate-tokens", type=int, default=48)
+
+    @classmethod
+    def from_args(cls, args, tokenizer) -> "DebateWorkload":
+        if args.receivers > args.n or args.S >= args.n:
+            raise SystemExit(f"--receivers ({args.receivers}) must be <= --n and --S ({args.S}) < --n ({args.n})")
+        questions = [q.question for q in load_dataset("gsm8k", limit=args.questions)]
+        return cls(ChatFormat(tokenizer), questions, args.n, args.receivers, args.S, args.initial_tokens, args.debate_tokens)
+
+    def initial_prompt(self, qi: int) -> list[int]:
+        return self.chat.encode([{"role": "user", "content": self.questions[qi]}])
+
+    def initial_sampling(self, qi: int) -> dict:
+        return dict(n=self.n, max_tokens=self.initial_tokens, ignore_eos=True, seed=qi,
+                    temperature=1.0, top_p=0.95, top_k=40)
+
+    def debate_prompts(self, qi: int, answers: list[list[int]]) -> list[list[int]]:
+        """Receiver r is debated by senders (r + s) % n for s = 1..S."""
+        q = self.questions[qi]
+        return [self.chat.encode(debate_messages(q, answers[r], answers[(r + s) % self.n]))
+                for r in range(self.receivers) for s in range(1, self.S + 1)]
+
+    def debate_sampling(self, qi: int, j: int) -> dict:
+        return dict(n=1, max_tokens=self.debate_tokens, ignore_eos=True, seed=1000 + qi * 100 + j,
+                    temperature=1.0, top_p=0.95, top_k=40)
+
+    @property
+    def expected_generated(self) -> int:
+        return len(self.questions) * (self.n * self.initial_tokens + self.receivers * self.S * self.debate_tokens)
+
+    def describe(self) -> str:
+        return (f"{len(self.questions)} questions x {self.n} samples of {self.initial_tokens} tokens, "
+                f"{self.receivers} receivers x S={self.S} debates of {self.debate_tokens} tokens")
+
+
+@dataclass
+class QuestionRun:
+    """What one engine did on one question: its prompt, answers, debate prompts and replies."""
+
+    prompt: list[int]
+    answers: list[list[int]] = field(default_factory=list)
+    debate_prompts: list[list[int]] = field(default_factory=list)
+    replies: list[list[int]] = field(default_factory=list)
+
+
+def run_engine(engine: Engine, wl: DebateWorkload) -> tuple[float, list[QuestionRun]]:
+    """Every question concurrently (one coroutine each, as the debate layer does); wall seconds."""
+    runs = [QuestionRun(wl.initial_prompt(i)) for i in range(len(wl.questions))]
+
+    async def one_question(qi: int) -> None:
+        run = runs[qi]
+        out = await engine.generate(run.prompt, SamplingParams(**wl.initial_sampling(qi)))
+        run.answers = [c.token_ids for c in out.completions]
+        run.debate_prompts = wl.debate_prompts(qi, run.answers)
+        outs = await asyncio.gather(*(engine.generate(dp, SamplingParams(**wl.debate_sampling(qi, j)))
+                                      for j, dp in enumerate(run.debate_prompts)))
+        run.replies = [o.completions[0].token_ids for o in outs]
+
+    async def run_all() -> None:
+        await asyncio.gather(*(one_question(i) for i in range(len(runs))))
+
+    t0 = time.perf_counter()
+    asyncio.run(run_all())
+    return time.perf_counter() - t0, runs
+
+
+def check_runs(runs: list[QuestionRun], wl: DebateWorkload, who: str) -> int:
+    """Generated tokens, after checking every response has its fixed length (ignore_eos)."""
+    for qi, run in enumerate(runs):
+        got = [len(a) for a in run.answers] + [len(r) for r in run.replies]
+        want = [wl.initial_tokens] * wl.n + [wl.debate_tokens] * (wl.receivers * wl.S)
+        if got != want:
+            raise SystemExit(f"{who}: question {qi} produced response lengths {got}, expected {want}")
+    return sum(len(a) for r in runs for a in r.answers + r.replies)
+
+
+def prefill_lower_bound(runs: list[QuestionRun]) -> int:
+    """Unique-prefix count: every initial prompt, then every debate prompt (at least its last token,
+    whose logits are needed), with each answer's written KV (all but its last token) counted as cached."""
+    trie, lower = Trie(), 0
+    for run in runs:
+        lower += trie.add(run.prompt)
+        for a in run.answers:
+            trie.add(run.prompt + a[:-1])
+    for run in runs:
+        for dp in run.debate_prompts:
+            lower += max(1, trie.add(dp))
+    return lower
+
+
+def calls(runs: list[QuestionRun]) -> list[tuple[str, list[int], int]]:
+    """(kind, prompt, new tokens) of every response; a question's initial calls are consecutive."""
+    out = []
+    for run in runs:
+        out += [("initial", run.prompt, len(a)) for a in run.answers]
+    for run in runs:
+        out += [("debate", dp, len(r)) for dp, r in zip(run.debate_prompts, run.replies)]
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", help="checkpoint folder (default: the embedded SmolLM2-135M-Instruct)")
-    ap.add_argument("--questions", type=int, default=4)
-    ap.add_argument("--n", type=int, default=6)
-    ap.add_argument("--receivers", type=int, default=2)
-    ap.add_argument("--S", type=int, default=2)
-    ap.add_argument("--initial-tokens", type=int, default=64)
-    ap.add_argument("--debate-tokens", type=int, default=48)
+    DebateWorkload.add_arguments(ap)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--skip-naive", action="store_true", help="engine only (no baseline timing)")
     ap.add_argument("--batched-baseline", action="store_true",
@@ -73,53 +196,22 @@ def main() -> int:
     args = ap.parse_args()
     torch.manual_seed(0)
     lm = load_model(args.model or ensure_default_model())
-    chat = ChatFormat(lm.tokenizer)
-    questions = [q.question for q in load_dataset("gsm8k", limit=args.questions)]
+    wl = DebateWorkload.from_args(args, lm.tokenizer)
     engine = Engine(lm.model, lm.tokenizer, EngineConfig(block_size=args.block_size, max_num_seqs=128))
-    init_p = lambda i: SamplingParams(n=args.n, max_tokens=args.initial_tokens, ignore_eos=True, seed=i)  # noqa: E731
-    deb_p = lambda i: SamplingParams(max_tokens=args.debate_tokens, ignore_eos=True, seed=1000 + i)  # noqa: E731
-    calls: list[tuple[str, list[int], int]] = []  # (kind, prompt, new tokens) in issue order
-    trie, lower = Trie(), 0
-
-    async def one_question(qi: int, q: str):
-        nonlocal lower
-        prompt = chat.encode([{"role": "user", "content": q}])
-        out = await engine.generate(prompt, init_p(qi))
-        answers = [c.token_ids for c in out.completions]
-        lower += trie.add(prompt)
-        for a in answers:
-            trie.add(prompt + a[:-1])  # the KV written while generating it
-            calls.append(("initial", prompt, len(a)))
-        jobs = []
-        for r in range(args.receivers):
-            for s in range(1, args.S + 1):
-                sender = (r + s) % args.n
-                dp = chat.encode(debate_messages(q, answers[r], answers[sender]))
-                jobs.append(dp)
-        outs = await asyncio.gather(*(engine.generate(dp, deb_p(qi * 100 + j)) for j, dp in enumerate(jobs)))
-        for dp, o in zip(jobs, outs):
-            lower += max(1, trie.add(dp))
-            calls.append(("debate", dp, len(o.completions[0].token_ids)))
-
-    async def run_all():
-        await asyncio.gather(*(one_question(i, q) for i, q in enumerate(questions)))
-
-    t0 = time.perf_counter()
-    asyncio.run(run_all())
-    t_engine = time.perf_counter() - t0
+    t_engine, runs = run_engine(engine, wl)
+    gen_tokens = check_runs(runs, wl, "engine")
     prefill_engine = engine.totals.computed_tokens
-    prefill_naive = sum(len(p) for _, p, _ in calls)
-    gen_tokens = sum(n for _, _, n in calls)
-    print(f"workload: {len(questions)} questions x {args.n} samples of {args.initial_tokens} tokens, "
-          f"{args.receivers} receivers x S={args.S} debates of {args.debate_tokens} tokens; {len(calls)} responses, "
-          f"{gen_tokens} generated tokens")
+    lower = prefill_lower_bound(runs)
+    work = calls(runs)
+    prefill_naive = sum(len(p) for _, p, _ in work)
+    print(f"workload: {wl.describe()}; {len(work)} responses, {gen_tokens} generated tokens")
     print(f"engine:      {t_engine:8.1f} s   prompt tokens computed {prefill_engine:7d}   ({engine.info['attention']} attention)")
     t_naive = float("nan")
     if not args.skip_naive:
         t0 = time.perf_counter()
         model = lm.model
         with torch.inference_mode():
-            for i, (_, prompt, n) in enumerate(calls):
+            for i, (_, prompt, n) in enumerate(work):
                 torch.manual_seed(i)
                 model.generate(torch.tensor([prompt]), do_sample=True, temperature=1.0, top_p=0.95, top_k=40,
                                max_new_tokens=n, min_new_tokens=n, pad_token_id=lm.tokenizer.pad_token_id or 0)
@@ -130,8 +222,8 @@ def main() -> int:
         t0 = time.perf_counter()
         with torch.inference_mode():
             i = 0
-            while i < len(calls):
-                kind, prompt, n = calls[i]
+            while i < len(work):
+                kind, prompt, n = work[i]
                 k = args.n if kind == "initial" else 1  # a question's N initial calls are consecutive
                 torch.manual_seed(i)
                 lm.model.generate(torch.tensor([prompt]), do_sample=True, temperature=1.0, top_p=0.95, top_k=40,
@@ -149,7 +241,7 @@ def main() -> int:
         "batched_naive_s": round(t_batched, 2), "speedup_vs_batched": round(t_batched / t_engine, 3),
         "prefill_computed": prefill_engine, "prefill_lower_bound": lower, "prefill_naive": prefill_naive,
         "prefill_ratio_to_bound": round(prefill_engine / lower, 4), "generated_tokens": gen_tokens,
-        "responses": len(calls), "peak_kv_bytes": engine.info["peak_kv_bytes"], "device": str(engine.runner.device),
+        "responses": len(work), "peak_kv_bytes": engine.info["peak_kv_bytes"], "device": str(engine.runner.device),
     }))
     return 0
 

@@ -1,0 +1,175 @@
+"""Decode tokens/s of our engine at batch 1, 8 and 32, next to this machine's weight-streaming limit.
+
+    python benchmarks/bench_decode.py [--model PATH] [--dtype fp32|bf16] [--batches 1,8,32]
+        [--prompt-tokens 32] [--new-tokens 128] [--greedy] [--vllm-python PATH [--vllm-dtype D]]
+
+Each batch size B runs twice on fresh random prompts (distinct, so no prefix reuse): once with
+1 new token (prefill + first sample) and once with 1 + new_tokens; decode tokens/s is
+B * new_tokens / (difference of the two wall times). Sampling is the paper's (temperature 1.0,
+top-p 0.95, top-k 40, a seed per request) unless --greedy; lengths are fixed (ignore_eos).
+
+The limit: a decode step reads every weight once whatever B is (the body's matrices and the LM
+head; of the input embedding only B rows), plus each sequence's KV so far. The machine's read
+bandwidth is measured with a large tensor sum (best of several), so
+    limit tokens/s = B * bandwidth / (weight bytes + B * KV bytes at the mean context).
+Beside it, what torch's matmuls alone allow: B / (seconds of every nn.Linear of the model, LM head
+included, on B rows in its dtype), i.e. a step with no attention, no sampling and no overhead; on a
+CPU without bf16 instructions this, not the bandwidth, bounds bf16. With --vllm-python the same prompts run through vLLM (bench_vs_vllm's worker) too. Last line: one
+JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from bench_vs_vllm import VLLM_DTYPES, VllmWorker, vllm_settings, vllm_unavailable
+from svrmad_local.engine.engine import Engine, EngineConfig
+from svrmad_local.engine.params import SamplingParams
+from svrmad_local.models.default import ensure_default_model
+from svrmad_local.models.loader import load_model
+
+
+def best_of(fn, repeat: int) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def read_bandwidth(mib: int = 512, repeat: int = 7) -> float:
+    """Bytes/s of a sum over a tensor far larger than any cache."""
+    x = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
+    x.sum()
+    return x.numel() * 4 / best_of(lambda: x.sum(), repeat)
+
+
+def linears_seconds(model, rows: int, repeat: int = 3) -> float:
+    """Seconds of one pass of every nn.Linear of the model (LM head included) over `rows` tokens, in
+    its own dtype and shapes, best of `repeat`: a decode step's matmuls and nothing else. Timed as
+    whole passes so each weight comes from memory, as in a step, not from a cache warmed by a repeat."""
+    layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    xs = [torch.randn(rows, m.in_features).to(m.weight.dtype) for m in layers]
+    return best_of(lambda: [torch.nn.functional.linear(x, m.weight, m.bias) for x, m in zip(xs, layers)], repeat)
+
+
+def weight_bytes_per_step(model) -> int:
+    """Bytes of weights one decode step reads: every parameter once, except an input embedding that
+    is not also the LM head (only B of its rows are read)."""
+    emb = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    skip = emb.data_ptr() != head.data_ptr()
+    return sum(p.numel() * p.element_size() for p in model.parameters() if not (skip and p.data_ptr() == emb.data_ptr()))
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * config.num_hidden_layers * heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def random_prompts(gen: torch.Generator, count: int, length: int, vocab: int) -> list[list[int]]:
+    return torch.randint(100, vocab, (count, length), generator=gen).tolist()
+
+
+def sampling(i: int, max_tokens: int, greedy: bool) -> dict:
+    return dict(n=1, max_tokens=max_tokens, ignore_eos=True, seed=i, temperature=0.0 if greedy else 1.0,
+                top_p=0.95, top_k=40)
+
+
+def timed_pair(generate, gen, B: int, args, vocab: int) -> tuple[float, float]:
+    """(prefill-only seconds, full seconds) for B fresh prompts each; checks every output's length."""
+    times = []
+    for max_tokens in (1, 1 + args.new_tokens):
+        prompts = random_prompts(gen, B, args.prompt_tokens, vocab)
+        t0 = time.perf_counter()
+        lengths = generate(prompts, [sampling(i, max_tokens, args.greedy) for i in range(B)])
+        times.append(time.perf_counter() - t0)
+        if lengths != [max_tokens] * B:
+            raise SystemExit(f"batch {B}: got output lengths {lengths}, expected {max_tokens} each")
+    return times[0], times[1]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", help="checkpoint folder (default: the embedded SmolLM2-135M-Instruct)")
+    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--prompt-tokens", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--greedy", action="store_true")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--vllm-python", help="also run vLLM (see bench_vs_vllm.py)")
+    ap.add_argument("--vllm-dtype", choices=["float32", "bfloat16"], help="default: the same as --dtype")
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+
+    why_not = vllm_unavailable(args.vllm_python) if args.vllm_python else "no --vllm-python given"
+    if why_not:
+        print(f"vLLM skipped: {why_not}")
+    model_path = str(args.model or ensure_default_model())
+    lm = load_model(model_path, dtype=args.dtype)
+    dtype = next(lm.model.parameters()).dtype
+    vocab = lm.model.get_output_embeddings().weight.shape[0]
+    engine = Engine(lm.model, lm.tokenizer, EngineConfig(block_size=args.block_size, max_num_seqs=max(batches)))
+
+    def engine_generate(prompts, params):
+        outs = engine.generate_sync(prompts, [SamplingParams(**p) for p in params])
+        return [len(o.completions[0].token_ids) for o in outs]
+
+    bw = read_bandwidth()
+    w_bytes = weight_bytes_per_step(lm.model)
+    kv_tok = kv_bytes_per_token(lm.model.config, dtype)
+    mean_ctx = args.prompt_tokens + args.new_tokens / 2
+    print(f"machine: read bandwidth {bw / 1e9:.1f} GB/s; model: {w_bytes / 1e6:.0f} MB of {str(dtype)[6:]} weights "
+          f"read per step, {kv_tok} KV bytes per token")
+
+    gen = torch.Generator().manual_seed(0)
+    timed_pair(engine_generate, gen, 2, argparse.Namespace(**{**vars(args), "new_tokens": 4}), vocab)  # warm-up
+    rows = []
+    for B in batches:
+        steps0 = engine.totals.steps
+        t_pre, t_full = timed_pair(engine_generate, gen, B, args, vocab)
+        tps = B * args.new_tokens / (t_full - t_pre)
+        limit = B * bw / (w_bytes + B * mean_ctx * kv_tok)
+        gemm = B / linears_seconds(lm.model, B)
+        row = {"batch": B, "engine_tok_s": round(tps, 1), "engine_steps": engine.totals.steps - steps0,
+               "limit_bandwidth_tok_s": round(limit, 1), "fraction_of_limit": round(tps / limit, 3),
+               "linears_only_tok_s": round(gemm, 1), "fraction_of_linears_only": round(tps / gemm, 3),
+               "prefill_s": round(t_pre, 3)}
+        rows.append(row)
+        print(f"batch {B:3d}: engine {tps:7.1f} tok/s   weight-streaming limit {limit:7.1f} tok/s ({tps / limit:.0%} of it)"
+              f"   the step's matmuls alone {gemm:7.1f} tok/s ({tps / gemm:.0%} of it)")
+    result = {"dtype": args.dtype, "bandwidth_gb_s": round(bw / 1e9, 2), "weight_bytes_per_step": w_bytes,
+              "kv_bytes_per_token": kv_tok, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
+              "greedy": args.greedy, "rows": rows}
+    if not why_not:
+        del lm, engine
+        vdtype = args.vllm_dtype or VLLM_DTYPES[args.dtype]
+        worker = VllmWorker(args.vllm_python, vllm_settings(model_path, vdtype))
+
+        def vllm_generate(prompts, params):
+            return [len(o["token_ids"][0]) for o in worker.generate(prompts, params)["outputs"]]
+
+        gen = torch.Generator().manual_seed(0)  # the engine's prompts again
+        try:
+            timed_pair(vllm_generate, gen, 2, argparse.Namespace(**{**vars(args), "new_tokens": 4}), vocab)
+            for row in rows:
+                t_pre, t_full = timed_pair(vllm_generate, gen, row["batch"], args, vocab)
+                row["vllm_tok_s"] = round(row["batch"] * args.new_tokens / (t_full - t_pre), 1)
+                print(f"batch {row['batch']:3d}: vLLM {row['vllm_tok_s']:7.1f} tok/s ({vdtype})")
+        finally:
+            worker.close()
+        result.update(vllm_version=worker.ready["vllm"], vllm_dtype=vdtype)
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

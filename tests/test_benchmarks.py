@@ -1,0 +1,199 @@
+"""The benchmark scripts' own logic: the shared debate workload, the vLLM worker protocol (against a
+fake vllm package), the decode-limit arithmetic and the bf16 drift summary."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+from bench_bf16_drift import drift  # noqa: E402
+from bench_decode import kv_bytes_per_token, weight_bytes_per_step  # noqa: E402
+from bench_engine import DebateWorkload, QuestionRun, check_runs, prefill_lower_bound, run_engine  # noqa: E402
+from bench_vs_vllm import VllmWorker, engine_once, run_vllm, vllm_once, vllm_unavailable  # noqa: E402
+
+from svrmad_local.engine.engine import Engine, EngineConfig  # noqa: E402
+from svrmad_local.engine.sequence import ScoreOutput, Usage  # noqa: E402
+from svrmad_local.engine.stats import sequence_signals  # noqa: E402
+from svrmad_local.models.chat import ChatFormat  # noqa: E402
+
+from .conftest import make_model  # noqa: E402
+
+QUESTIONS = ["What is 2 + 3?", "Janet has 16 eggs and sells them for $2 each."]
+
+
+def contains(seq: list[int], sub: list[int]) -> bool:
+    return any(seq[i : i + len(sub)] == sub for i in range(len(seq) - len(sub) + 1))
+
+
+def workload(tok) -> DebateWorkload:
+    return DebateWorkload(ChatFormat(tok), QUESTIONS, n=3, receivers=2, S=2, initial_tokens=6, debate_tokens=5)
+
+
+def test_engine_runs_the_workload_at_the_prefill_lower_bound(tiny_model, tiny_tokenizer):
+    wl = workload(tiny_tokenizer)
+    engine = Engine(tiny_model, tiny_tokenizer, EngineConfig(block_size=4, max_num_seqs=64))
+    _, runs = run_engine(engine, wl)
+    assert check_runs(runs, wl, "engine") == wl.expected_generated == 2 * (3 * 6 + 4 * 5)
+    assert [len(r.debate_prompts) for r in runs] == [4, 4]
+    # receiver r's debates with senders r+1, r+2 carry both answers' tokens as generated
+    run = runs[0]
+    for j, (r, sender) in enumerate([(0, 1), (0, 2), (1, 2), (1, 0)]):
+        assert contains(run.debate_prompts[j], run.answers[r][:-1]) and contains(run.debate_prompts[j], run.answers[sender][:-1])
+    assert engine.totals.computed_tokens == prefill_lower_bound(runs)
+
+
+def test_each_timed_engine_run_starts_cold_after_a_warm_up(tiny_model, tiny_tokenizer):
+    wl = workload(tiny_tokenizer)
+    lm = SimpleNamespace(model=tiny_model, tokenizer=tiny_tokenizer)
+    first, second = engine_once(lm, wl, 4), engine_once(lm, wl, 4)
+    assert first["computed"] == first["lower_bound"] == second["computed"]  # nothing reused across runs
+    assert first["generated"] == wl.expected_generated
+
+
+def test_check_runs_names_a_response_of_the_wrong_length(tiny_tokenizer):
+    wl = workload(tiny_tokenizer)
+    run = QuestionRun([1, 2], answers=[[5] * 6] * 3, replies=[[5] * 5] * 3 + [[5] * 4])
+    with pytest.raises(SystemExit, match="vLLM: question 0 produced response lengths"):
+        check_runs([run], wl, "vLLM")
+
+
+def test_prefill_lower_bound_counts_unique_prefixes():
+    run = QuestionRun([1, 2, 3], answers=[[4, 5, 6], [4, 7, 8]],
+                      debate_prompts=[[1, 2, 3, 4, 5, 9], [1, 2, 3, 4, 5, 9, 10], [1, 2, 3]])
+    # 3 prompt tokens; the answers' KV covers [1,2,3,4,5] and [1,2,3,4,7]; debates add 9, then 10,
+    # and a fully cached prompt still computes its last token
+    assert prefill_lower_bound([run]) == 3 + 1 + 1 + 1
+
+
+def test_vllm_unavailable_says_why(tmp_path, monkeypatch):
+    assert vllm_unavailable(None) == "no --vllm-python given"
+    assert "does not exist" in vllm_unavailable(str(tmp_path / "python"))
+    fake = tmp_path / "site"
+    fake.mkdir()
+    (fake / "vllm.py").write_text("raise ImportError('broken build')\n")
+    monkeypatch.setenv("PYTHONPATH", str(fake))
+    assert "cannot import vllm (ImportError: broken build)" in vllm_unavailable(sys.executable)
+
+
+FAKE_VLLM = '''
+__version__ = "0.0-fake"
+
+class SamplingParams:
+    def __init__(self, n=1, max_tokens=16, ignore_eos=False, seed=None, temperature=1.0, top_p=1.0, top_k=0, logprobs=None):
+        self.n, self.max_tokens, self.ignore_eos, self.seed = n, max_tokens, ignore_eos, seed
+
+class _Obj:
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+class LLM:
+    def __init__(self, model, **kw):
+        assert kw["enable_prefix_caching"] and kw["disable_log_stats"] is False
+        self.prompt_tokens = self.generated = 0
+
+    def generate(self, prompts, params, use_tqdm=True):
+        outs = []
+        for p, sp in zip(prompts, params):
+            ids = p["prompt_token_ids"]
+            # the full length only when asked to ignore EOS with a seed, as the benchmark does
+            length = sp.max_tokens if sp.ignore_eos and sp.seed is not None else 1
+            samples = [_Obj(index=j, token_ids=[(sum(ids) + 7 * j + k) % 50 + 10 for k in range(length)]) for j in range(sp.n)]
+            self.prompt_tokens += len(ids) * sp.n
+            self.generated += length * sp.n
+            outs.append(_Obj(outputs=samples[::-1], prompt_token_ids=ids, num_cached_tokens=0))
+        return outs
+
+    def get_metrics(self):
+        return [_Obj(name="vllm:prompt_tokens", value=self.prompt_tokens, labels={}),
+                _Obj(name="vllm:prompt_tokens_by_source", value=self.prompt_tokens, labels={"source": "local_compute"}),
+                _Obj(name="vllm:generation_tokens", value=self.generated, labels={})]
+
+    def reset_prefix_cache(self):
+        return True
+'''
+
+
+def test_vllm_worker_runs_both_phases_through_a_fake_vllm(tmp_path, tiny_tokenizer, monkeypatch):
+    pkg = tmp_path / "vllm"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(textwrap.dedent(FAKE_VLLM))
+    (pkg / "inputs.py").write_text("def TokensPrompt(prompt_token_ids):\n    return {'prompt_token_ids': prompt_token_ids}\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    wl = workload(tiny_tokenizer)
+    worker = VllmWorker(sys.executable, {"model": "m"}, preload="none")
+    try:
+        assert worker.ready["vllm"] == "0.0-fake"
+        _, runs, stats = run_vllm(worker, wl, seeded=True, logprobs=0)
+        again = vllm_once(worker, wl, seeded=True, logprobs=0)  # resets the prefix cache, checks the counts
+    finally:
+        worker.close()
+    assert worker.proc.returncode == 0
+    assert check_runs(runs, wl, "vLLM") == stats["generated"] == again["generated"] == wl.expected_generated
+    prompt_tokens = sum(3 * len(r.prompt) + sum(len(d) for d in r.debate_prompts) for r in runs)
+    assert stats["prompt_tokens"] == stats["computed"] == again["computed"] == prompt_tokens
+    assert again["lower_bound"] == prefill_lower_bound(runs)
+    for qi, run in enumerate(runs):  # samples in index order; debates built from vLLM's own answers
+        assert run.answers[1][0] == (sum(run.prompt) + 7) % 50 + 10
+        assert run.debate_prompts == wl.debate_prompts(qi, run.answers)
+    with pytest.raises(SystemExit, match="vLLM: question 0"):  # without seeds the fake stops early
+        worker = VllmWorker(sys.executable, {"model": "m"}, preload="none")
+        try:
+            _, runs, _ = run_vllm(worker, wl, seeded=False, logprobs=0)
+        finally:
+            worker.close()
+        check_runs(runs, wl, "vLLM")
+
+
+def test_weight_bytes_read_per_decode_step(tiny_model):
+    emb = tiny_model.get_input_embeddings().weight
+    total = sum(p.numel() * 4 for p in tiny_model.parameters())
+    assert weight_bytes_per_step(tiny_model) == total - emb.numel() * 4  # untied: B embedding rows only
+    tied = make_model("llama", vocab=400)
+    tied.lm_head.weight = tied.model.embed_tokens.weight  # one tensor: read in full as the LM head
+    assert weight_bytes_per_step(tied) == sum(p.numel() * 4 for p in tied.parameters())
+    cfg = tiny_model.config  # 2 layers, 2 KV heads of 16 dims
+    assert kv_bytes_per_token(cfg, torch.float32) == 2 * 2 * 2 * 16 * 4
+    assert kv_bytes_per_token(cfg, torch.bfloat16) == 2 * 2 * 2 * 16 * 2
+
+
+def test_linears_seconds_times_every_projection_and_the_lm_head(tiny_model, monkeypatch):
+    import bench_decode
+
+    shapes = []
+
+    def fake_best_of(fn, repeat):
+        shapes.extend(tuple(y.shape) for y in fn())
+        return 1.0
+
+    monkeypatch.setattr(bench_decode, "best_of", fake_best_of)
+    assert bench_decode.linears_seconds(tiny_model, rows=3) == 1.0
+    assert len(shapes) == 2 * 7 + 1  # q k v o gate up down per layer, and the LM head
+    assert (3, 400) in shapes and all(s[0] == 3 for s in shapes)
+
+
+def _scored(logprobs, entropies, top1):
+    return ScoreOutput(logprobs, entropies, [[t] for t in logprobs], [[t] for t in top1],
+                       sequence_signals(logprobs, entropies, [[t] for t in logprobs]), Usage())
+
+
+def test_drift_summary():
+    a = [_scored([-0.1, -2.0], [0.5, 1.0], [3, 4]), _scored([-0.5, -0.5], [0.2, 0.2], [5, 6])]
+    assert drift(a, a, [[0, 1]])["token_logprob"]["max"] == 0.0
+    b = [_scored([-0.1, -2.5], [0.5, 1.1], [3, 9]), _scored([-0.5, -0.5], [0.2, 0.2], [5, 6])]
+    d = drift(a, b, [[0, 1]])
+    assert d["tokens"] == 4 and d["responses"] == 2
+    assert d["token_logprob"]["max"] == pytest.approx(0.5) and d["token_logprob"]["mean"] == pytest.approx(0.125)
+    assert d["token_entropy"]["max"] == pytest.approx(0.1)
+    assert d["top1_differs"] == 0.25
+    assert d["min_ll"]["max"] == pytest.approx(0.5)
+    # min-LL ranks response 1 (-0.5) above response 0 (-2.0, then -2.5): no change at the top
+    assert d["priors"]["min_ll"]["top_response_changed"] == 0 and d["priors"]["min_ll"]["pair_order_flipped"] == 0
+    c = [_scored([-0.1, -0.2], [0.5, 1.0], [3, 4]), a[1]]  # response 0 now the most likely
+    assert drift(a, c, [[0, 1]])["priors"]["min_ll"]["top_response_changed"] == 1
