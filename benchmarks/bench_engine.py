@@ -35,7 +35,7 @@ from svrmad_local.engine.params import SamplingParams  # noqa: E402
 from svrmad_local.eval.datasets import load_dataset  # noqa: E402
 from svrmad_local.models.chat import ChatFormat  # noqa: E402
 from svrmad_local.models.default import ensure_default_model  # noqa: E402
-from svrmad_local.models.loader import load_model  # noqa: E402
+from svrmad_local.models.loader import LoadedModel, load_model, load_tokenizer  # noqa: E402
 
 
 class Trie:
@@ -186,18 +186,36 @@ def calls(runs: list[QuestionRun]) -> list[tuple[str, list[int], int]]:
     return out
 
 
+def load_bench_model(args) -> LoadedModel:
+    path = args.model or ensure_default_model()
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(args.dtype)
+    if not args.random_weights:
+        return load_model(path, dtype=dtype, device=args.device)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device(args.device or "cpu"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype or torch.float32)
+    return LoadedModel(model.eval(), load_tokenizer(Path(path)), Path(path))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     DebateWorkload.add_arguments(ap)
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--device", help="cpu, cuda... (default: load_model's choice)")
+    ap.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="weights (default: load_model's choice)")
+    ap.add_argument("--cascade", choices=["auto", "on", "off"], default="auto", help="EngineConfig.cascade")
+    ap.add_argument("--random-weights", action="store_true",
+                    help="random weights from --model's config (a checkpoint's shape without its weights: timing only)")
     ap.add_argument("--skip-naive", action="store_true", help="engine only (no baseline timing)")
     ap.add_argument("--batched-baseline", action="store_true",
                     help="also time a kinder baseline: each question's N initial samples in one generate call")
     args = ap.parse_args()
     torch.manual_seed(0)
-    lm = load_model(args.model or ensure_default_model())
+    lm = load_bench_model(args)
     wl = DebateWorkload.from_args(args, lm.tokenizer)
-    engine = Engine(lm.model, lm.tokenizer, EngineConfig(block_size=args.block_size, max_num_seqs=128))
+    engine = Engine(lm.model, lm.tokenizer, EngineConfig(block_size=args.block_size, max_num_seqs=128,
+                                                         cascade=args.cascade))
     t_engine, runs = run_engine(engine, wl)
     gen_tokens = check_runs(runs, wl, "engine")
     prefill_engine = engine.totals.computed_tokens
@@ -213,7 +231,7 @@ def main() -> int:
         with torch.inference_mode():
             for i, (_, prompt, n) in enumerate(work):
                 torch.manual_seed(i)
-                model.generate(torch.tensor([prompt]), do_sample=True, temperature=1.0, top_p=0.95, top_k=40,
+                model.generate(torch.tensor([prompt], device=model.device), do_sample=True, temperature=1.0, top_p=0.95, top_k=40,
                                max_new_tokens=n, min_new_tokens=n, pad_token_id=lm.tokenizer.pad_token_id or 0)
         t_naive = time.perf_counter() - t0
         print(f"plain loop:  {t_naive:8.1f} s   prompt tokens computed {prefill_naive:7d}   (one model.generate per response)")
@@ -226,7 +244,7 @@ def main() -> int:
                 kind, prompt, n = work[i]
                 k = args.n if kind == "initial" else 1  # a question's N initial calls are consecutive
                 torch.manual_seed(i)
-                lm.model.generate(torch.tensor([prompt]), do_sample=True, temperature=1.0, top_p=0.95, top_k=40,
+                lm.model.generate(torch.tensor([prompt], device=lm.model.device), do_sample=True, temperature=1.0, top_p=0.95, top_k=40,
                                   num_return_sequences=k, max_new_tokens=n, min_new_tokens=n,
                                   pad_token_id=lm.tokenizer.pad_token_id or 0)
                 i += k

@@ -1,0 +1,187 @@
+"""The GPU paths, on a CUDA device (skipped without one; CI has none, a lent GPU runs them):
+
+* every architecture of the zoo token-exact against a cache-free transformers loop on the GPU, through
+  the SDPA path and through the compiled Triton cascade kernels (fp32, TF32 off: exactness is a
+  statement about the same arithmetic, not about reduced-precision matmuls);
+* the compiled Triton kernels (cascade attention with windows and sinks, merge, token statistics)
+  against their torch references on CUDA tensors in fp32, fp16 and bf16.
+
+Run on a GPU machine, from a process where triton was not imported in interpreter mode:
+    TRITON_INTERPRET=0 python -m pytest -q tests/test_gpu.py
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+from svrmad_local import kernels  # noqa: E402
+from svrmad_local.engine.engine import Engine, EngineConfig  # noqa: E402
+from svrmad_local.engine.params import SamplingParams  # noqa: E402
+from svrmad_local.kernels import Level, cascade_attention, merge_states, reference_token_stats, token_stats  # noqa: E402
+
+from .model_zoo import EXACT, WINDOW, make_zoo_model  # noqa: E402
+
+NEW = 10
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+CUDA = torch.device("cuda")
+
+
+def _compiled_triton():
+    if not kernels.HAS_TRITON:
+        pytest.skip("triton is not installed")
+    if kernels._backend.interpreter_ready():
+        pytest.skip("triton was imported in interpreter mode (run with TRITON_INTERPRET=0)")
+
+
+@pytest.fixture(autouse=True)
+def _exact_fp32():
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def rand_prompt(n, seed):
+    r = random.Random(seed)
+    return [r.randrange(3, 400) for _ in range(n)]
+
+
+@torch.no_grad()
+def loop_greedy(model, prompt, n=NEW):
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(model(torch.tensor([ids], device=CUDA), use_cache=False).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+@pytest.fixture(scope="module", params=EXACT)
+def zoo(request):
+    return request.param, make_zoo_model(request.param).to(CUDA)
+
+
+@pytest.mark.parametrize("path", ["sdpa", "cascade-triton"])
+def test_zoo_is_token_exact_on_the_gpu(zoo, path):
+    name, model = zoo
+    kw = dict(kv_cache_memory=8 * 2**20, block_size=4)
+    if path == "cascade-triton":
+        _compiled_triton()
+        kw.update(cascade="on", kernel_impl="triton")
+    eng = Engine(model, None, EngineConfig(**kw))
+    assert eng.runner.device.type == "cuda"
+    head = rand_prompt(3 * WINDOW + 1, 1)
+    prompts = [head + rand_prompt(n, 10 + n) for n in (2, 7, 13)] + [rand_prompt(2 * WINDOW + 5, 2)]
+    refs = [loop_greedy(model, p) for p in prompts]
+    assert [o.completions[0].token_ids for o in eng.generate_sync(prompts, GREEDY)] == refs, name
+    assert [o.completions[0].token_ids for o in eng.generate_sync(prompts[:3], GREEDY)] == refs[:3], name
+    forks = eng.generate_sync([prompts[1]], SamplingParams(n=3, temperature=0, max_tokens=NEW, ignore_eos=True))[0]
+    assert [c.token_ids for c in forks.completions] == [refs[1]] * 3, name
+    # teacher-forced statistics on the GPU equal log_softmax of a plain forward
+    cont = rand_prompt(WINDOW + 3, 41)
+    got = eng.score_sync(prompts[3], cont, topk=4)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompts[3] + cont], device=CUDA), use_cache=False).logits[0].float()
+    rows = torch.log_softmax(logits, -1)[len(prompts[3]) - 1: len(prompts[3]) + len(cont) - 1].cpu()
+    assert got.logprobs == pytest.approx([rows[i, t].item() for i, t in enumerate(cont)], abs=1e-4), name
+
+
+DTYPES = {"fp32": (torch.float32, 1e-5), "fp16": (torch.float16, 2e-2), "bf16": (torch.bfloat16, 3e-2)}
+
+
+def _naive(q, k, v, levels, scale, q_pos, window, sinks):
+    """Every query over the concatenation of its levels' runs, in float64 on the CPU."""
+    q, k, v = q.double().cpu(), k.double().cpu(), v.double().cpu()
+    bs, g = k.shape[1], q.shape[1] // k.shape[2]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for i in range(q.shape[0]):
+        keys, vals, pos = [], [], []
+        for lv in levels:
+            if (lv.query_idx.cpu() == i).any() and lv.kv_len:
+                keys.append(k[lv.block_table.cpu()].flatten(0, 1)[:lv.kv_len])
+                vals.append(v[lv.block_table.cpu()].flatten(0, 1)[:lv.kv_len])
+                pos.append(torch.arange(lv.kv_len) + lv.kv_start)
+        kf, vf, pf = torch.cat(keys).repeat_interleave(g, 1), torch.cat(vals).repeat_interleave(g, 1), torch.cat(pos)
+        s = torch.einsum("hd,khd->hk", q[i], kf) * scale
+        if window is not None:
+            s[:, pf <= int(q_pos[i]) - window] = float("-inf")
+        if sinks is not None:
+            s = torch.cat([s, sinks.double().cpu()[:, None]], 1)
+            vf = torch.cat([vf, torch.zeros(1, *vf.shape[1:], dtype=vf.dtype)])
+        out[i] = torch.einsum("hk,khd->hd", torch.softmax(s, -1), vf)
+    return out
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("window,sinks", [(None, False), (40, False), (None, True), (24, True)])
+def test_triton_cascade_on_cuda_matches_float64(dtype, window, sinks):
+    """A shared prefix, a subgroup's history and one suffix per query, blocks scattered in the cache."""
+    _compiled_triton()
+    dt, tol = DTYPES[dtype]
+    g = torch.Generator(device=CUDA).manual_seed(0)
+    nq, hq, hkv, d, bs, nblocks = 6, 8, 2, 64, 16, 64
+    k = torch.randn(nblocks, bs, hkv, d, generator=g, device=CUDA).to(dt)
+    v = torch.randn(nblocks, bs, hkv, d, generator=g, device=CUDA).to(dt)
+    q = torch.randn(nq, hq, d, generator=g, device=CUDA).to(dt)
+    perm = torch.randperm(nblocks, generator=g, device=CUDA)
+    levels = [Level(torch.arange(nq, device=CUDA), perm[:5], 75, 0),  # 4.7 blocks of question
+              Level(torch.tensor([0, 2, 3], device=CUDA), perm[5:8], 40, 80)]
+    q_pos = torch.zeros(nq, dtype=torch.long, device=CUDA)
+    start = 8
+    for i in range(nq):
+        first = 128 if i in (0, 2, 3) else 80  # block-aligned, after the history
+        n = 1 + 7 * i
+        levels.append(Level(torch.tensor([i], device=CUDA), perm[start:start + 4], n, first))
+        q_pos[i] = first + n - 1
+        start += 4
+    sk = torch.randn(hq, generator=g, device=CUDA) * 2 if sinks else None
+    scale = d ** -0.5
+    ref = _naive(q, k, v, levels, scale, q_pos, window, sk)
+    for impl in ("torch", "triton"):
+        got = cascade_attention(q, k, v, levels, scale, q_pos=q_pos, window=window, sinks=sk, kernel_impl=impl)
+        err = ((got.double().cpu() - ref).norm() / ref.norm()).item()
+        assert err < tol, (impl, err)
+
+
+def test_triton_merge_on_cuda_matches_torch():
+    _compiled_triton()
+    g = torch.Generator(device=CUDA).manual_seed(1)
+    oa, ob = (torch.randn(33, 8, 64, generator=g, device=CUDA) for _ in range(2))
+    la, lb = (torch.randn(33, 8, generator=g, device=CUDA) for _ in range(2))
+    la[3], lb[5], la[7], lb[7] = float("-inf"), float("-inf"), float("-inf"), float("-inf")
+    o1, l1 = merge_states(oa, la, ob, lb, kernel_impl="triton")
+    o2, l2 = merge_states(oa, la, ob, lb, kernel_impl="torch")
+    torch.testing.assert_close(o1, o2, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(l1, l2, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_triton_token_stats_on_cuda_match_the_reference(dtype, softcap):
+    _compiled_triton()
+    dt = DTYPES[dtype][0]
+    g = torch.Generator(device=CUDA).manual_seed(2)
+    T, H, V = 37, 256, 50_000  # V not a multiple of any tile
+    hidden = torch.randn(T, H, generator=g, device=CUDA).to(dt)
+    weight = (torch.randn(V, H, generator=g, device=CUDA) * H ** -0.5 * 4).to(dt)
+    targets = torch.randint(0, V, (T,), generator=g, device=CUDA)
+    got = token_stats(hidden, weight, targets, topk=20, kernel_impl="triton", softcap=softcap)
+    ref = reference_token_stats(hidden, weight, targets, topk=20, softcap=softcap)
+    for name in ("logprob", "entropy", "lse"):
+        torch.testing.assert_close(getattr(got, name), getattr(ref, name), atol=2e-4, rtol=1e-4, msg=name)
+    torch.testing.assert_close(got.topk_logprobs, ref.topk_logprobs, atol=2e-4, rtol=1e-4)
+    same = (got.topk_ids == ref.topk_ids).float().mean().item()
+    assert same > 0.99, same  # ids may swap only where two logits tie to rounding
+
+
+def test_auto_uses_triton_on_cuda_and_the_engine_reports_it():
+    _compiled_triton()
+    assert kernels.select_impl("auto", CUDA) == "triton"
+    eng = Engine(make_zoo_model("llama").to(CUDA), None, EngineConfig(kv_cache_memory=4 * 2**20, block_size=4,
+                                                                        cascade="on"))
+    assert "cascade:triton" in eng.info["attention"], eng.info["attention"]
+    assert os.environ.get("SVRMAD_KERNELS", "") != "torch"
