@@ -3,18 +3,20 @@
 * :func:`token_stats` - fused LM-head statistics (target log-prob, entropy, top-k, lse) without a
   [T, V] fp32 logits tensor.
 * :func:`attend_partial`, :func:`merge_states`, :func:`cascade_attention` - shared-prefix
-  (cascade) attention over the paged KV cache, with optional sliding windows.
+  (cascade) attention over the paged KV cache, with optional sliding windows; :func:`cascade_plan`
+  builds its Triton bookkeeping once for many calls (the layers of a step).
 * :func:`apply_sinks` - GPT-OSS attention sinks on any finished ``(out, lse)``.
 
 Every kernel function takes ``kernel_impl="auto"|"torch"|"triton"``; "auto" uses triton only when it is
 importable and the tensors are on CUDA (``SVRMAD_KERNELS=torch`` forces the torch reference).
 """
 from ._backend import HAS_TRITON, select_impl
-from .prefix_attention import (Level, apply_sinks, attend_partial, cascade_attention, merge_states,
-                               reference_attention)
+from .prefix_attention import (CascadePlan, Level, apply_sinks, attend_partial, cascade_attention, cascade_plan,
+                               merge_states, reference_attention)
 from .token_stats import TokenStats, reference_token_stats, token_stats
 
 __all__ = [
     "HAS_TRITON", "select_impl", "TokenStats", "token_stats", "reference_token_stats",
-    "Level", "attend_partial", "merge_states", "cascade_attention", "apply_sinks", "reference_attention",
+    "Level", "attend_partial", "merge_states", "cascade_attention", "cascade_plan", "CascadePlan", "apply_sinks",
+    "reference_attention",
 ]

@@ -70,8 +70,9 @@ def attend_partial(q, k_cache, v_cache, block_table, kv_len: int, scale: float, 
     if resolve_impl(kernel_impl, q.device, "attend_partial") == "triton":
         try:
             idx = torch.arange(q.shape[0], device=q.device)
-            return _cascade_triton(q, k_cache, v_cache, [Level(idx, block_table, kv_len, kv_start)], scale,
-                                   num_splits, lo_abs, window)
+            plan = cascade_plan(q, k_cache, [Level(idx, block_table, kv_len, kv_start)], q_pos=q_pos, window=window,
+                                num_splits=num_splits)
+            return _cascade_triton(q, k_cache, v_cache, plan, scale)
         except Exception as err:
             if kernel_impl != "auto":
                 raise
@@ -98,7 +99,7 @@ def merge_states(out_a, lse_a, out_b, lse_b, *, kernel_impl: str = "auto"):
 
 def cascade_attention(q, k_cache, v_cache, levels: Sequence[Level], scale: float, *, q_pos=None,
                       window: int | None = None, sinks=None, kernel_impl: str = "auto", num_splits: int | None = None,
-                      return_lse: bool = False):
+                      return_lse: bool = False, plan: CascadePlan | None = None):
     """Attention of q [Nq, Hq, D] over the union of the levels that list each query.
 
     Typical debate use: level 0 = question prefix (all queries), level 1 = a receiver's history
@@ -112,7 +113,9 @@ def cascade_attention(q, k_cache, v_cache, levels: Sequence[Level], scale: float
     visible scores, including the sink when ``sinks`` is given); a query that sees no key (listed
     by no level, or everything outside its window) gets 0. The triton path runs every level in one
     launch and merges all partials with one scatter log-sum-exp; the torch path is the plain loop
-    "attend_partial per level, merge_states into the running result".
+    "attend_partial per level, merge_states into the running result". ``plan``: the Triton path's
+    bookkeeping from :func:`cascade_plan` for the same levels, window and q_pos, reused across calls
+    (the engine builds one per step and window); None builds it here.
     """
     for lv in levels:
         _check(q, k_cache, v_cache, lv.block_table, int(lv.kv_len), int(lv.kv_start))
@@ -122,7 +125,8 @@ def cascade_attention(q, k_cache, v_cache, levels: Sequence[Level], scale: float
     out = lse = None
     if resolve_impl(kernel_impl, q.device, "cascade_attention") == "triton":
         try:
-            out, lse = _cascade_triton(q, k_cache, v_cache, levels, scale, num_splits, lo_abs, window)
+            plan = plan or cascade_plan(q, k_cache, levels, q_pos=q_pos, window=window, num_splits=num_splits)
+            out, lse = _cascade_triton(q, k_cache, v_cache, plan, scale)
         except Exception as err:
             if kernel_impl != "auto":
                 raise
@@ -403,23 +407,40 @@ def _merge_triton(out_a, lse_a, out_b, lse_b):
     return out, lse
 
 
-def _cascade_triton(q, k_cache, v_cache, levels, scale, num_splits, lo_abs=None, window=None):
-    """``lo_abs`` [Nq] (with ``window``): each query's first visible absolute position."""
-    nq, hq, d = q.shape
+class CascadePlan(NamedTuple):
+    """The Triton path's host-side bookkeeping for one set of levels: block tables padded into one
+    int32 table, the (level, query) entries, the row-block work items and the split of the runs. It
+    depends on the levels, the window and the shapes, not on q/k/v's values, so it is the same for
+    every layer of an engine step: build it once (:func:`cascade_plan`) and pass it to each call.
+    Rebuilding it per call costs dozens of small host-to-device copies, which on a GPU cost more
+    than the attention itself."""
+
+    nq: int
+    hq: int
+    hkv: int
+    block_size: int
+    meta: dict  # device tensors: bt, lens, starts, n_ent, ent0, ent_q, items, lo, ent_q_split (int64)
+    n_items: int
+    chunk: int
+    n_split: int
+    block_m: int
+    block_n: int
+    window: bool
+
+
+def cascade_plan(q, k_cache, levels: Sequence[Level], *, q_pos=None, window: int | None = None,
+                 num_splits: int | None = None) -> CascadePlan:
+    """The Triton path's bookkeeping for :func:`cascade_attention` with these levels, window and
+    shapes (q [Nq, Hq, D] and k_cache [blocks, block_size, Hkv, D] are read for their shapes and
+    device only). Block tables and query indices may live on the host: everything travels to the
+    device in two copies."""
+    nq, hq, _ = q.shape
     _, block_size, hkv, _ = k_cache.shape
-    g = hq // hkv
-    dev = q.device
+    g, dev = hq // hkv, q.device
+    lo_abs = _window_lo(q, q_pos, window)
     levels = [lv for lv in levels if lv.query_idx.numel()]
-    out = torch.zeros(nq, hq, d, device=dev)
-    lse = torch.full((nq, hq), float("-inf"), device=dev)
-    if not levels or nq == 0:
-        return out, lse
-    interp = interpreting()
-    block_m, block_n = (16, 16) if interp else (64, 64)
-    # Host-side bookkeeping: padded block tables, entries (level, query) and row-block work items.
+    block_m, block_n = (16, 16) if interpreting() else (64, 64)
     lens = [int(lv.kv_len) for lv in levels]
-    tables = [lv.block_table[:max(1, cdiv(n, block_size))].long() for lv, n in zip(levels, lens)]
-    bt = torch.nn.utils.rnn.pad_sequence(tables, batch_first=True).to(device=dev, dtype=torch.int32)
     n_ent, ent0, items, start = [], [], [], 0
     for i, lv in enumerate(levels):
         n = lv.query_idx.numel()
@@ -427,28 +448,52 @@ def _cascade_triton(q, k_cache, v_cache, levels, scale, num_splits, lo_abs=None,
         ent0.append(start)
         items += [(i, r) for r in range(0, n * g, block_m)]
         start += n
-    ent_q = torch.cat([lv.query_idx.to(dev).long() for lv in levels])
-    as_t = lambda xs: torch.tensor(xs, dtype=torch.int32, device=dev)  # noqa: E731
     # The part of a run a program reads: all of it, or with a window about `window` tokens (exactly
     # that for decode queries, whose levels end at or before them); splits divide that part.
-    span = max(max(lens), 1) if window is None else min(max(lens), window)
+    span = max(max(lens, default=1), 1) if window is None else min(max(lens, default=1), window)
     if num_splits is None:  # enough programs to fill the GPU (flash-decoding for long prefixes)
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
-        num_splits = min(cdiv(2 * sms, len(items) * hkv), cdiv(span, 512))
+        num_splits = min(cdiv(2 * sms, max(1, len(items)) * hkv), cdiv(span, 512))
     chunk = cdiv(cdiv(max(span, 1), max(1, num_splits)), block_n) * block_n
     n_split = max(1, cdiv(span, chunk))
+    nl = len(levels)
+    tables = [lv.block_table[:max(1, cdiv(n, block_size))].to("cpu", torch.int32) for lv, n in zip(levels, lens)]
+    width = max((t.numel() for t in tables), default=1)
+    ent_q = torch.cat([lv.query_idx.to("cpu", torch.int32) for lv in levels]) if levels else torch.zeros(0, dtype=torch.int32)
+    host = torch.cat([torch.tensor(lens + [int(lv.kv_start) for lv in levels] + n_ent + ent0, dtype=torch.int32),
+                      ent_q, torch.tensor(items, dtype=torch.int32).flatten(),
+                      torch.stack([torch.nn.functional.pad(t, (0, width - t.numel())) for t in tables]).flatten()
+                      if tables else torch.zeros(0, dtype=torch.int32)])
+    flat = host.to(dev, non_blocking=dev.type == "cuda" and host.is_pinned())
     n_e = ent_q.numel()
-    o_part = torch.empty(n_split, n_e, hq, d, device=dev)
-    l_part = torch.empty(n_split, n_e, hq, device=dev)
-    lo_t = ent_q if lo_abs is None else lo_abs.to(device=dev, dtype=torch.int32)  # unread without a window
+    parts = flat.split([nl, nl, nl, nl, n_e, 2 * len(items), nl * width])
+    meta = dict(lens=parts[0], starts=parts[1], n_ent=parts[2], ent0=parts[3], ent_q=parts[4],
+                items=parts[5], bt=parts[6].view(nl, width))
+    meta["lo"] = meta["ent_q"] if lo_abs is None else lo_abs.to(torch.int32)  # unread without a window
+    meta["ent_q_split"] = meta["ent_q"].long().repeat(n_split)
+    return CascadePlan(nq, hq, hkv, block_size, meta, len(items), chunk, n_split, block_m, block_n,
+                       lo_abs is not None)
+
+
+def _cascade_triton(q, k_cache, v_cache, plan: CascadePlan, scale):
+    nq, hq, d = q.shape
+    dev = q.device
+    if (nq, hq, k_cache.shape[2], k_cache.shape[1]) != (plan.nq, plan.hq, plan.hkv, plan.block_size):
+        raise ValueError(f"the cascade plan was built for Nq, Hq, Hkv, block_size = {plan[:4]}, got "
+                         f"{(nq, hq, k_cache.shape[2], k_cache.shape[1])}")
+    if plan.n_items == 0 or nq == 0:
+        return torch.zeros(nq, hq, d, device=dev), torch.full((nq, hq), float("-inf"), device=dev)
+    m = plan.meta
+    n_e = m["ent_q"].numel()
+    o_part = torch.empty(plan.n_split, n_e, hq, d, device=dev)
+    l_part = torch.empty(plan.n_split, n_e, hq, device=dev)
     # fp32 inputs (exact ieee dot), mixed dtypes, or bf16 under the interpreter (its bf16 dot is wrong)
-    dot_f32 = q.dtype == torch.float32 or q.dtype != k_cache.dtype or (interp and q.dtype == torch.bfloat16)
-    _cascade_kernel[(len(items), hkv, n_split)](
-        q, k_cache, v_cache, bt, as_t(lens), as_t([int(lv.kv_start) for lv in levels]), as_t(n_ent), as_t(ent0),
-        ent_q, as_t(items), lo_t, o_part, l_part,
-        scale * 1.4426950408889634, chunk, n_split, n_e, hq,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), bt.stride(0),
-        BLOCK_SIZE=block_size, G=g, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=max(16, next_pow2(d)), DOT_F32=dot_f32, WINDOW=lo_abs is not None,
+    dot_f32 = q.dtype == torch.float32 or q.dtype != k_cache.dtype or (interpreting() and q.dtype == torch.bfloat16)
+    _cascade_kernel[(plan.n_items, plan.hkv, plan.n_split)](
+        q, k_cache, v_cache, m["bt"], m["lens"], m["starts"], m["n_ent"], m["ent0"], m["ent_q"], m["items"], m["lo"],
+        o_part, l_part, scale * 1.4426950408889634, plan.chunk, plan.n_split, n_e, hq,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), m["bt"].stride(0),
+        BLOCK_SIZE=plan.block_size, G=hq // plan.hkv, D=d, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
+        BLOCK_D=max(16, next_pow2(d)), DOT_F32=dot_f32, WINDOW=plan.window,
     )
-    return _merge_indexed(o_part.reshape(-1, hq, d), l_part.reshape(-1, hq), ent_q.repeat(n_split), nq)
+    return _merge_indexed(o_part.reshape(-1, hq, d), l_part.reshape(-1, hq), m["ent_q_split"], nq)

@@ -169,6 +169,28 @@ def test_cascade_triton_three_levels(interp, dtype, splits):
         torch.testing.assert_close(got, _naive_cascade(q, k, v, levels, 0.25), atol=1e-5, rtol=1e-5)
 
 
+def test_a_cascade_plan_serves_every_layer_of_a_step(interp):
+    """One plan (built once, as the engine does per step and window) gives each layer's q/k/v the same
+    result as a plan built inside the call; a plan for other shapes is refused."""
+    from svrmad_local.kernels import cascade_plan
+
+    levels, q_pos = _window_levels(7, torch.randperm(40, generator=torch.Generator().manual_seed(27)))
+    q0 = torch.randn(7, 4, 16)
+    plan = cascade_plan(q0, _cache(num_blocks=40, hkv=2)[0], levels, q_pos=q_pos, window=9)
+    for layer in range(3):
+        k, v = _cache(num_blocks=40, hkv=2, seed=30 + layer)
+        q = torch.randn(7, 4, 16, generator=torch.Generator().manual_seed(40 + layer))
+        kw = dict(q_pos=q_pos, window=9, kernel_impl="triton")
+        torch.testing.assert_close(cascade_attention(q, k, v, levels, 0.25, plan=plan, **kw),
+                                   cascade_attention(q, k, v, levels, 0.25, **kw), atol=0, rtol=0)
+        torch.testing.assert_close(cascade_attention(q, k, v, levels, 0.25, plan=plan, **kw),
+                                   cascade_attention(q, k, v, levels, 0.25, q_pos=q_pos, window=9, kernel_impl="torch"),
+                                   atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="plan was built for"):
+        cascade_attention(torch.randn(7, 2, 16), k[:, :, :1], v[:, :, :1], levels, 0.25, plan=plan, q_pos=q_pos,
+                          window=9, kernel_impl="triton")
+
+
 def test_cascade_query_with_no_level(interp):
     k, v = _cache()
     q = torch.randn(3, 4, 16)

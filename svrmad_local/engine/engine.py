@@ -41,7 +41,7 @@ class EngineConfig:
     of the memory available after loading (float <= 1), or a string such as "2GiB"; None means
     90% of free GPU memory, or 2 GiB on the CPU. kernel_impl: "auto" | "torch" | "triton", the path of
     kernels/ (fused token statistics for scoring, cascade attention): "auto" takes Triton on a GPU,
-    "torch" forces the references. cascade: "auto" (on where Triton runs) | "on" | "off"."""
+    "torch" forces the references. cascade: "auto" (off: measured slower, see runner._cascade_enabled) | "on" | "off"."""
 
     block_size: int = 16  # 256 (a flash-attn page) lets flash-attn read the cache in place
     kv_cache_memory: int | float | str | None = None

@@ -55,6 +55,8 @@ class ModelRunner:
         self.cascade = _cascade_enabled(cascade, kernel_impl, self.device) and not want_flash
         if self.cascade:
             self.attention_path += "+cascade:" + kernels.select_impl(kernel_impl, self.device, "cascade_attention")
+        # the Triton path reads the levels' block tables on the host (cascade_plan moves them once a step)
+        self.levels_device = self.device if "cascade:torch" in self.attention_path else torch.device("cpu")
         self.paged_kv = PagedKV()
         self.tp = None  # set by engine.tp for tensor parallelism: sends each step to the other ranks
 
@@ -114,7 +116,8 @@ class ModelRunner:
                 ctx.flash["slots"] = torch.cat([r.index for r in runs])
         if self.cascade and nd >= 2:
             decode = step.runs[:nd]
-            ctx.decode_levels = decode_levels([b for _, _, b in decode], [e for _, e, _ in decode], bs, dev)
+            ctx.decode_levels = decode_levels([b for _, _, b in decode], [e for _, e, _ in decode], bs,
+                                              self.levels_device)
             ctx.decode_pos = torch.tensor([e - 1 for _, e, _ in decode], device=dev)
         set_context(ctx)
         try:
@@ -138,13 +141,14 @@ class ModelRunner:
 
 
 def _cascade_enabled(cascade: str, kernel_impl: str, device: torch.device) -> bool:
-    """"auto": on where the Triton kernel runs (CUDA + triton); on the CPU the torch reference
-    costs more in per-level overhead than the shared gathers save for small models."""
+    """"auto" is off, as measured: on the CPU the torch reference costs more in per-level overhead
+    than the shared gathers save; on an H100 the Triton path (one plan per step) made bench_engine's
+    debate workload slower (1.7B shape: 12.4 s vs 8.1 s), and the kernel alone breaks even with
+    attention over per-query copies only at a 16k-token prefix shared by 32 queries (docs/kernels.md).
+    "on" turns it on anywhere (Triton on CUDA, the torch reference elsewhere)."""
     if cascade not in ("auto", "on", "off"):
         raise ValueError(f"cascade must be auto, on or off, got {cascade!r}")
-    if cascade == "off":
-        return False
-    return cascade == "on" or kernels.select_impl(kernel_impl, device, "cascade_attention") == "triton"
+    return cascade == "on"
 
 
 def decode_levels(tables: list[list[int]], lens: list[int], bs: int, device) -> list:
