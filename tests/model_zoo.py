@@ -8,6 +8,8 @@ engine must reproduce token for token; `REFUSED` maps the others to the refusal 
 
 from __future__ import annotations
 
+import random
+
 import torch
 
 WINDOW = 8  # shorter than every test prompt, so sliding layers really slide
@@ -69,3 +71,39 @@ def make_zoo_model(name: str, seed: int = 0):
             elif "sinks" in n:
                 p.normal_(0.0, 2.0)  # sinks that matter: some heads give the sink most of the mass
     return model.eval()
+
+
+def rand_prompt(n: int, seed: int) -> list[int]:
+    r = random.Random(seed)
+    return [r.randrange(3, 400) for _ in range(n)]
+
+
+@torch.no_grad()
+def loop_greedy(model, prompt, n: int) -> list[int]:
+    """The reference: no cache at all, the model's own attention, one full forward per token."""
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(model(torch.tensor([ids], device=model.device), use_cache=False).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+@torch.no_grad()
+def full_logprobs(model, tokens) -> torch.Tensor:
+    """log_softmax of one plain forward, fp32, on the CPU."""
+    logits = model(torch.tensor([tokens], device=model.device), use_cache=False).logits[0].float()
+    return torch.log_softmax(logits, -1).cpu()
+
+
+def assert_cascade_matches_plain(make_engine, model, prompt, params, impl: str):
+    """Forks decoded through the cascade kernels (`impl`) equal the plain path's, tokens and
+    log-probs; returns the cascade engine for further checks."""
+    import pytest
+
+    plain = make_engine(model).generate_sync([prompt], params)[0]
+    eng = make_engine(model, cascade="on", kernel_impl=impl)
+    assert "cascade:" + impl in eng.info["attention"]
+    got = eng.generate_sync([prompt], params)[0]
+    assert [c.token_ids for c in got.completions] == [c.token_ids for c in plain.completions]
+    for a, b in zip(got.completions, plain.completions):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+    return eng

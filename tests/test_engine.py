@@ -15,6 +15,7 @@ from svrmad_local.engine.params import SamplingParams
 from svrmad_local.engine.scheduler import RequestTooLarge
 
 from .conftest import make_model
+from .model_zoo import assert_cascade_matches_plain
 
 BLOCK_BYTES = 2 * 2 * 4 * 2 * 16 * 4  # tiny model: layers x (K, V) x block_size 4 x kv_heads x head_dim x fp32
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -255,14 +256,8 @@ def test_cascade_attention_in_the_engine_keeps_the_invariants(tiny_model, impl):
     if impl == "triton" and not (kernels.HAS_TRITON and kernels._backend.interpreter_ready()):
         pytest.skip("triton interpreter not available in this process")
     q = rand_prompt(14, 60)
-    params = SamplingParams(n=4, max_tokens=6, seed=2, ignore_eos=True)
-    plain = engine(tiny_model).generate_sync([q], params)[0]
-    eng = engine(tiny_model, cascade="on", kernel_impl=impl)
-    assert "cascade:" + impl in eng.info["attention"]
-    got = eng.generate_sync([q], params)[0]
-    assert [c.token_ids for c in got.completions] == [c.token_ids for c in plain.completions]
-    for a, b in zip(got.completions, plain.completions):
-        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+    eng = assert_cascade_matches_plain(engine, tiny_model, q, SamplingParams(n=4, max_tokens=6, seed=2, ignore_eos=True),
+                                       impl)
     assert eng.generate_sync([q], GREEDY)[0].completions[0].token_ids == hf_greedy(tiny_model, q, 12)
     if impl == "triton":
         s = eng.score_sync(q, rand_prompt(5, 61), topk=3)

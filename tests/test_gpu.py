@@ -13,7 +13,6 @@ Run on a GPU machine, from a process where triton was not imported in interprete
 from __future__ import annotations
 
 import os
-import random
 
 import pytest
 import torch
@@ -25,7 +24,7 @@ from svrmad_local.engine.engine import Engine, EngineConfig  # noqa: E402
 from svrmad_local.engine.params import SamplingParams  # noqa: E402
 from svrmad_local.kernels import Level, cascade_attention, merge_states, reference_token_stats, token_stats  # noqa: E402
 
-from .model_zoo import EXACT, WINDOW, make_zoo_model  # noqa: E402
+from .model_zoo import EXACT, WINDOW, full_logprobs, loop_greedy, make_zoo_model, rand_prompt  # noqa: E402
 
 NEW = 10
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
@@ -47,19 +46,6 @@ def _exact_fp32():
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
-def rand_prompt(n, seed):
-    r = random.Random(seed)
-    return [r.randrange(3, 400) for _ in range(n)]
-
-
-@torch.no_grad()
-def loop_greedy(model, prompt, n=NEW):
-    ids = list(prompt)
-    for _ in range(n):
-        ids.append(int(model(torch.tensor([ids], device=CUDA), use_cache=False).logits[0, -1].argmax()))
-    return ids[len(prompt):]
-
-
 @pytest.fixture(scope="module", params=EXACT)
 def zoo(request):
     return request.param, make_zoo_model(request.param).to(CUDA)
@@ -76,7 +62,7 @@ def test_zoo_is_token_exact_on_the_gpu(zoo, path):
     assert eng.runner.device.type == "cuda"
     head = rand_prompt(3 * WINDOW + 1, 1)
     prompts = [head + rand_prompt(n, 10 + n) for n in (2, 7, 13)] + [rand_prompt(2 * WINDOW + 5, 2)]
-    refs = [loop_greedy(model, p) for p in prompts]
+    refs = [loop_greedy(model, p, NEW) for p in prompts]
     assert [o.completions[0].token_ids for o in eng.generate_sync(prompts, GREEDY)] == refs, name
     assert [o.completions[0].token_ids for o in eng.generate_sync(prompts[:3], GREEDY)] == refs[:3], name
     forks = eng.generate_sync([prompts[1]], SamplingParams(n=3, temperature=0, max_tokens=NEW, ignore_eos=True))[0]
@@ -84,9 +70,7 @@ def test_zoo_is_token_exact_on_the_gpu(zoo, path):
     # teacher-forced statistics on the GPU equal log_softmax of a plain forward
     cont = rand_prompt(WINDOW + 3, 41)
     got = eng.score_sync(prompts[3], cont, topk=4)
-    with torch.no_grad():
-        logits = model(torch.tensor([prompts[3] + cont], device=CUDA), use_cache=False).logits[0].float()
-    rows = torch.log_softmax(logits, -1)[len(prompts[3]) - 1: len(prompts[3]) + len(cont) - 1].cpu()
+    rows = full_logprobs(model, prompts[3] + cont)[len(prompts[3]) - 1: len(prompts[3]) + len(cont) - 1]
     assert got.logprobs == pytest.approx([rows[i, t].item() for i, t in enumerate(cont)], abs=1e-4), name
 
 
@@ -96,7 +80,7 @@ DTYPES = {"fp32": (torch.float32, 1e-5), "fp16": (torch.float16, 2e-2), "bf16": 
 def _naive(q, k, v, levels, scale, q_pos, window, sinks):
     """Every query over the concatenation of its levels' runs, in float64 on the CPU."""
     q, k, v = q.double().cpu(), k.double().cpu(), v.double().cpu()
-    bs, g = k.shape[1], q.shape[1] // k.shape[2]
+    g = q.shape[1] // k.shape[2]
     out = torch.zeros(q.shape, dtype=torch.float64)
     for i in range(q.shape[0]):
         keys, vals, pos = [], [], []

@@ -7,8 +7,6 @@ warm cache) and go through preemption; teacher-forced statistics equal log_softm
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
@@ -16,29 +14,15 @@ from svrmad_local.engine.engine import Engine, EngineConfig
 from svrmad_local.engine.params import SamplingParams
 from svrmad_local.engine.spec import UnsupportedModel
 
-from .model_zoo import EXACT, REFUSED, WINDOW, make_zoo_model
+from .model_zoo import EXACT, REFUSED, WINDOW, assert_cascade_matches_plain, full_logprobs, make_zoo_model, rand_prompt
+from .model_zoo import loop_greedy as zoo_loop_greedy
 
 NEW = 10
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
 
 
-def rand_prompt(n, seed):
-    r = random.Random(seed)
-    return [r.randrange(3, 400) for _ in range(n)]
-
-
-@torch.no_grad()
 def loop_greedy(model, prompt, n=NEW):
-    """The reference: no cache at all, the model's own attention, one full forward per token."""
-    ids = list(prompt)
-    for _ in range(n):
-        ids.append(int(model(torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
-    return ids[len(prompt):]
-
-
-@torch.no_grad()
-def full_logprobs(model, tokens):
-    return torch.log_softmax(model(torch.tensor([tokens]), use_cache=False).logits[0].float(), -1)
+    return zoo_loop_greedy(model, prompt, n)
 
 
 @pytest.fixture(scope="module", params=EXACT)
@@ -233,13 +217,5 @@ def test_cascade_kernels_carry_windows_and_sinks_in_the_engine(kernel_impl):
 
     if kernel_impl == "triton" and not (kernels.HAS_TRITON and kernels._backend.interpreter_ready()):
         pytest.skip("triton interpreter not available in this process")
-    model = make_zoo_model("gpt-oss")
-    prompt = rand_prompt(2 * WINDOW + 5, 80)
-    params = SamplingParams(n=3, max_tokens=6, seed=5, ignore_eos=True)
-    plain = engine(model).generate_sync([prompt], params)[0]
-    eng = engine(model, cascade="on", kernel_impl=kernel_impl)
-    assert "cascade:" + kernel_impl in eng.info["attention"]
-    got = eng.generate_sync([prompt], params)[0]
-    assert [c.token_ids for c in got.completions] == [c.token_ids for c in plain.completions]
-    for a, b in zip(got.completions, plain.completions):
-        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+    assert_cascade_matches_plain(engine, make_zoo_model("gpt-oss"), rand_prompt(2 * WINDOW + 5, 80),
+                                 SamplingParams(n=3, max_tokens=6, seed=5, ignore_eos=True), kernel_impl)
