@@ -432,8 +432,8 @@ def cascade_plan(q, k_cache, levels: Sequence[Level], *, q_pos=None, window: int
                  num_splits: int | None = None) -> CascadePlan:
     """The Triton path's bookkeeping for :func:`cascade_attention` with these levels, window and
     shapes (q [Nq, Hq, D] and k_cache [blocks, block_size, Hkv, D] are read for their shapes and
-    device only). Block tables and query indices may live on the host: everything travels to the
-    device in two copies."""
+    device only). Block tables and query indices may live on the host: they travel to the device in
+    one copy."""
     nq, hq, _ = q.shape
     _, block_size, hkv, _ = k_cache.shape
     g, dev = hq // hkv, q.device
@@ -464,7 +464,7 @@ def cascade_plan(q, k_cache, levels: Sequence[Level], *, q_pos=None, window: int
                       ent_q, torch.tensor(items, dtype=torch.int32).flatten(),
                       torch.stack([torch.nn.functional.pad(t, (0, width - t.numel())) for t in tables]).flatten()
                       if tables else torch.zeros(0, dtype=torch.int32)])
-    flat = host.to(dev, non_blocking=dev.type == "cuda" and host.is_pinned())
+    flat = host.to(dev)
     n_e = ent_q.numel()
     parts = flat.split([nl, nl, nl, nl, n_e, 2 * len(items), nl * width])
     meta = dict(lens=parts[0], starts=parts[1], n_ent=parts[2], ent0=parts[3], ent_q=parts[4],
