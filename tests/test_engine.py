@@ -315,3 +315,20 @@ def test_prefill_runs_of_one_step_share_one_padded_attention_call():
     assert w.prefill.index[0, :7].tolist() == list(range(105, 112))
     lone = _view([span(0, 200, 200), span(200, 2, 30), span(202, 2, 30), span(204, 2, 30)], 0, window=None)
     assert lone.prefill is None and [p[:2] for p in lone.prefills] == [(0, 200), (200, 202), (202, 204), (204, 206)]
+
+
+def test_every_forward_of_the_engine_runs_on_its_one_worker_thread(tiny_model):
+    """The probe included: a forward on the caller's thread would start a second OpenMP team, and
+    with more OpenMP threads than cores every step's barriers sleep instead of spinning (1.7x slower
+    on 2 cores, docs/engine.md)."""
+    import threading
+
+    threads = []
+    hook = tiny_model.base_model.register_forward_pre_hook(lambda *_: threads.append(threading.get_ident()))
+    try:
+        eng = engine(tiny_model)
+        eng.generate_sync([rand_prompt(9, 3), rand_prompt(5, 4)], GREEDY)
+        eng.close()
+    finally:
+        hook.remove()
+    assert len(threads) > 2 and len(set(threads)) == 1 and threads[0] != threading.get_ident()

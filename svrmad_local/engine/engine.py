@@ -87,7 +87,13 @@ class Engine:
         self.model = model.eval()
         self.tokenizer = tokenizer
         attached = Attachment(model)
-        self.spec = spec = inspect_model(model, attached)  # raises UnsupportedModel, naming the feature
+        # Every forward of the engine, the probe included, runs on its one worker thread: with the
+        # GNU OpenMP that torch uses, each thread that runs a parallel op keeps its own team of
+        # threads, and once more threads are kept than there are cores, every team stops spinning
+        # at its barriers and sleeps instead (1.7x slower steps on a 2-core CPU, docs/engine.md).
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="svrmad-engine")
+        # raises UnsupportedModel, naming the feature
+        self.spec = spec = self._executor.submit(inspect_model, model, attached).result()
         layers = model.base_model.layers if hasattr(model.base_model, "layers") else None
         devices = [_layer_device(model, layers, i) for i in range(len(spec.layers))]
         block_bytes = KVCache.bytes_per_block(spec.layers, cfg.block_size, spec.dtype)
@@ -122,7 +128,6 @@ class Engine:
         self.totals = EngineTotals()
         self._rng = random.Random(cfg.seed)
         self._next_id = 0
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="svrmad-engine")
         self._loop_task: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
         self._live: dict[int, Request] = {}
