@@ -99,6 +99,8 @@ def test_fingerprint_fills_defaults_and_names_flags():
     a = C.from_args(run_args())
     b = C.from_args(run_args("--S", str(svr_mad.run.__kwdefaults__["S"]), "--concurrency", "3"))
     assert a.fingerprint() == b.fingerprint()  # a default given explicitly, or a non-result setting
+    assert C.from_args(run_args("--cascade", "on")).engine.cascade == "on"
+    assert C.from_args(run_args("--cascade", "on")).fingerprint() == a.fingerprint()  # exact either way
     c = C.from_args(run_args("--agents", "3", "--max-tokens", "12", "--C", "3"))
     diff = C.diff_fingerprints(a.fingerprint(), c.fingerprint())
     assert any(d.startswith("--agents 6 in the folder, 3 now") for d in diff)

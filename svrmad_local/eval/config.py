@@ -253,6 +253,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", help="KV-cache budget: bytes, a fraction (0.9) or e.g. 4GiB")
     g.add_argument("--block-size", type=int, default=ec.block_size)
     g.add_argument("--max-num-seqs", type=int, default=ec.max_num_seqs)
+    g.add_argument("--cascade", choices=["auto", "on", "off"], default=ec.cascade,
+                   help="decode attention over shared prefix blocks once (kernels.cascade_attention); auto is off, "
+                        "as measured (docs/engine.md); exact either way")
     g = p.add_argument_group(
         "sampling (the paper's Appendix A values, except --max-tokens: the paper uses 16,384, "
         "see --paper-settings)")
@@ -294,7 +297,7 @@ def from_args(args: argparse.Namespace) -> RunConfig:
                                    temperature=pick("temperature", sp.temperature),
                                    top_p=pick("top_p", sp.top_p), top_k=pick("top_k", sp.top_k))
     engine = EngineConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-                          max_num_seqs=args.max_num_seqs, seed=args.seed)
+                          max_num_seqs=args.max_num_seqs, seed=args.seed, cascade=args.cascade)
     params = method_options(args)
     methods = parse_methods(args.methods)
     for k in ("S", "C"):  # the preset's S/C go to the methods that take them, explicit flags win
