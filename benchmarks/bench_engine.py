@@ -35,7 +35,7 @@ from svrmad_local.engine.params import SamplingParams  # noqa: E402
 from svrmad_local.eval.datasets import load_dataset  # noqa: E402
 from svrmad_local.models.chat import ChatFormat  # noqa: E402
 from svrmad_local.models.default import ensure_default_model  # noqa: E402
-from svrmad_local.models.loader import LoadedModel, load_model, load_tokenizer  # noqa: E402
+from svrmad_local.models.loader import LoadedModel, load_model, load_tokenizer, parse_dtype  # noqa: E402
 
 
 class Trie:
@@ -188,13 +188,13 @@ def calls(runs: list[QuestionRun]) -> list[tuple[str, list[int], int]]:
 
 def load_bench_model(args) -> LoadedModel:
     path = args.model or ensure_default_model()
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(args.dtype)
     if not args.random_weights:
-        return load_model(path, dtype=dtype, device=args.device)
+        return load_model(path, dtype=args.dtype, device=args.device)
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    with torch.device(args.device or "cpu"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype or torch.float32)
+    device = args.device or "cpu"
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=parse_dtype(args.dtype, device))
     return LoadedModel(model.eval(), load_tokenizer(Path(path)), Path(path))
 
 

@@ -53,10 +53,11 @@ class ModelRunner:
             self.attention_path += " (paged)"
         self.kernel_impl = kernel_impl
         self.cascade = _cascade_enabled(cascade, kernel_impl, self.device) and not want_flash
+        cascade_impl = kernels.select_impl(kernel_impl, self.device, "cascade_attention")
         if self.cascade:
-            self.attention_path += "+cascade:" + kernels.select_impl(kernel_impl, self.device, "cascade_attention")
+            self.attention_path += "+cascade:" + cascade_impl
         # the Triton path reads the levels' block tables on the host (cascade_plan moves them once a step)
-        self.levels_device = self.device if "cascade:torch" in self.attention_path else torch.device("cpu")
+        self.levels_device = self.device if cascade_impl == "torch" else torch.device("cpu")
         self.paged_kv = PagedKV()
         self.tp = None  # set by engine.tp for tensor parallelism: sends each step to the other ranks
 

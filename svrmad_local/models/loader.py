@@ -42,7 +42,7 @@ def default_dtype(device: str | None) -> torch.dtype:
     return torch.float32
 
 
-def _parse_dtype(dtype: str | torch.dtype | None, device: str | None) -> torch.dtype:
+def parse_dtype(dtype: str | torch.dtype | None, device: str | None) -> torch.dtype:
     if dtype is None or dtype == "auto":
         return default_dtype(device)
     if isinstance(dtype, torch.dtype):
@@ -94,7 +94,7 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype | None = None, devi
         )
     if device is None and device_map is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    torch_dtype = _parse_dtype(dtype, device)
+    torch_dtype = parse_dtype(dtype, device)
     kwargs = dict(SAFE, dtype=torch_dtype, use_safetensors=True, output_loading_info=True)
     if device_map is not None:
         kwargs["device_map"] = device_map
