@@ -97,16 +97,18 @@ def test_packing_does_not_keep_the_dense_weights():
 
 
 @needs_onednn
-def test_a_tied_lm_head_is_packed_only_within_the_allowance():
+def test_a_tied_lm_head_runs_on_the_shared_dense_matrix():
     model = make_zoo_model("llama")
-    model.lm_head.weight = model.model.embed_tokens.weight  # tied: 400 x 64 of ~0.2M parameters (> 10%)
+    model.lm_head.weight = model.model.embed_tokens.weight
+    before = weight_bytes(model)
+    x = torch.randn(3, 64)
+    want = x @ model.lm_head.weight.detach().T
     what = select_linear(model, "auto")
-    assert type(model.lm_head) is torch.nn.Linear and "tied LM head stays on F.linear" in what
-    forced = make_zoo_model("llama")
-    forced.lm_head.weight = forced.model.embed_tokens.weight
-    select_linear(forced, "onednn")
-    assert isinstance(forced.lm_head, OneDNNLinear)
-    assert type(forced.model.embed_tokens) is torch.nn.Embedding  # the lookup keeps its dense table
+    assert "the tied LM head on its shared dense weight" in what
+    head = model.lm_head
+    assert isinstance(head, OneDNNLinear) and not head.packed and head.weight is model.model.embed_tokens.weight
+    assert weight_bytes(model) == before  # no second copy of the matrix
+    torch.testing.assert_close(head(x), want, rtol=1e-5, atol=1e-5)
 
 
 def test_fallbacks_say_why_and_bad_choices_are_refused(monkeypatch):
@@ -146,7 +148,7 @@ def test_engine_is_token_exact_against_a_reference_on_the_same_backend(name):
 
 @needs_onednn
 def test_token_statistics_of_the_default_checkpoint_on_packed_linears():
-    """The embedded default (tied LM head, packed too with linear='onednn'): the statistics the engine
+    """The embedded default (its LM head is tied to the embedding): the statistics the engine
     reports are log_softmax of the logits it sampled from (1e-4), and stay within LOGPROB_TOL of a plain
     transformers forward on F.linear."""
     from svrmad_local.models.default import ensure_default_model
@@ -155,7 +157,7 @@ def test_token_statistics_of_the_default_checkpoint_on_packed_linears():
     path = ensure_default_model()
     lm, plain = load_model(path, device="cpu"), load_model(path, device="cpu")
     eng = Engine(lm.model, lm.tokenizer, EngineConfig(kv_cache_memory=64 * 2**20, linear="onednn"))
-    assert "tied" not in eng.info["linear"] and isinstance(lm.model.lm_head, OneDNNLinear)
+    assert "tied LM head" in eng.info["linear"] and isinstance(lm.model.lm_head, OneDNNLinear)
     seen = []
     logits_of = eng.runner.logits
     eng.runner.logits = lambda h: seen.append(logits_of(h)) or seen[-1]

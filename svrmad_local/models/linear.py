@@ -5,9 +5,9 @@
   the module computes with `mkldnn._linear_pointwise` (the pair that inductor's freezing pass
   uses, and what vLLM's CPU backend does). At the engine's shapes (M = the rows of a step, 1-64)
   MKL's fp32 GEMM runs 2-4.5x slower than oneDNN on a packed weight, on AVX2 and AVX-512 alike
-  (benchmarks/bench_linear.py). The packed weight *replaces* the dense one (same bytes); a
-  tied LM head (it shares the embedding's matrix, which the lookup still needs dense) is packed
-  only while its extra copy stays within `TIED_ALLOWANCE` of the weights' bytes.
+  (benchmarks/bench_linear.py). The packed weight *replaces* the dense one (same bytes). A tied LM
+  head shares its matrix with the embedding, whose lookup needs it dense: it runs through oneDNN on
+  that same dense matrix, unpacked (no second copy; at M = 12-24 still 2.5-3x faster than F.linear).
 - Packed quantized modules (models/quant: MXFP4 experts, FP8 linears) are not `nn.Linear`s: they
   own their matmul and are left alone here.
 
@@ -29,7 +29,6 @@ log = logging.getLogger("svrmad_local")
 
 CHOICES = ("auto", "onednn", "aten")
 BATCH_HINT = 24  # oneDNN picks its blocking for this M; other M's build their own primitive once
-TIED_ALLOWANCE = 0.10  # extra bytes a tied LM head's packed copy may add, as a share of the weights
 
 _reorder = torch.ops.mkldnn._reorder_linear_weight  # a module attribute, so a test can count the calls
 
@@ -39,17 +38,20 @@ class OneDNNLinear(nn.Module):
     (code that asks `.weight.dtype` or `.device` still works) but is an mkldnn tensor: any other
     use of it fails loudly rather than computing with a layout it does not understand."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, pack: bool = True):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = nn.Parameter(_reorder(linear.weight.detach(), BATCH_HINT), requires_grad=False)
+        self.packed = pack
+        # unpacked: the very same Parameter (a tied LM head keeps sharing it with the embedding)
+        self.weight = nn.Parameter(_reorder(linear.weight.detach(), BATCH_HINT), requires_grad=False) if pack \
+            else linear.weight
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
     def dense_weight(self) -> torch.Tensor:
-        return self.weight.to_dense()
+        return self.weight.to_dense() if self.packed else self.weight
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         """state_dict() and save_pretrained() see the plain weight, so a packed model saves as usual."""
@@ -58,7 +60,8 @@ class OneDNNLinear(nn.Module):
             destination[prefix + "bias"] = self.bias.detach()
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, oneDNN"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"oneDNN{'' if self.packed else ' (dense weight)'}")
 
 
 def dense_weight(linear: nn.Module) -> torch.Tensor:
@@ -125,16 +128,10 @@ def select_linear(model: nn.Module, choice: str = "auto") -> str:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     tied = head is not None and emb is not None and head.weight is emb.weight
-    note = ""
-    if tied and choice == "auto":
-        share = head.weight.numel() * head.weight.element_size() / max(1, weight_bytes(model))
-        if share > TIED_ALLOWANCE:
-            linears = [(n, m) for n, m in linears if m is not head]
-            note = (f"; the tied LM head stays on F.linear (a packed copy would add {share:.0%} of the weights; "
-                    "linear='onednn' packs it anyway)")
     for name, m in linears:
         parent, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, leaf, OneDNNLinear(m))
+        setattr(model.get_submodule(parent) if parent else model, leaf, OneDNNLinear(m, pack=not (tied and m is head)))
+    note = "; the tied LM head on its shared dense weight" if tied and any(m is head for _, m in linears) else ""
     return _said(f"oneDNN packed ({len(linears)} linears, {str(p.dtype).removeprefix('torch.')}){note}", packed_q)
 
 
