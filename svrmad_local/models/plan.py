@@ -163,7 +163,9 @@ def header_weights(path: Path, cfg: dict) -> tuple[list[Weight], list[Path]] | N
 
 
 def config_weights(cfg: dict) -> list[Weight]:
-    """The weights transformers builds for this config, in the published names and formats."""
+    """The weights transformers builds for this config, in the published names and formats. Each
+    builder yields (name, logical shape, kind): "linear" or "experts" where a quantization may pack
+    it, a dtype where the checkpoints publish it so whatever the rest is, False for plain weights."""
     mt = cfg.get("model_type")
     build = {"gpt_oss": _gpt_oss, "deepseek_v3": _deepseek_v3, **{d: _dense for d in DENSE}}.get(mt)
     if build is None:
@@ -176,8 +178,8 @@ def config_weights(cfg: dict) -> list[Weight]:
     block = tuple(qc.get("weight_block_size") or (128, 128))
     out = []
     for name, shape, quantizable in build(cfg):
-        fmt = plain
-        if quantizable and not any(_matches(name, p) for p in skip):
+        fmt = quantizable if quantizable in DTYPE_BYTES else plain  # a dtype: published so, always
+        if quantizable in ("linear", "experts") and not any(_matches(name, p) for p in skip):
             fmt = {"mxfp4": "mxfp4", "fp8": "fp8"}.get(qc.get("quant_method"), plain)
         if quantizable == "experts" and fmt == "fp8" or quantizable == "linear" and fmt == "mxfp4":
             fmt = plain  # MXFP4 packs only the MoE experts; FP8 every projection
@@ -277,7 +279,7 @@ def _deepseek_v3(cfg):
             yield from _mlp(f"{p}.mlp", h, cfg["intermediate_size"])
             continue
         yield f"{p}.mlp.gate.weight", (e, h), False
-        yield f"{p}.mlp.gate.e_score_correction_bias", (e,), False
+        yield f"{p}.mlp.gate.e_score_correction_bias", (e,), "F32"
         for j in range(e):
             yield from _mlp(f"{p}.mlp.experts.{j}", h, moe_inter)
         if cfg.get("n_shared_experts"):
