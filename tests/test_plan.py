@@ -287,3 +287,18 @@ def test_cli_prints_json_and_one_line_errors():
     assert "fits: no: needs 217.6 GiB of weights per GPU on 80.0 GiB" in text.stdout
     bad = subprocess.run(env_cmd + ["--gpus", "8x80GiB", "--tp", "3"], capture_output=True, text=True, cwd=root)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--tp 3" in bad.stderr
+
+
+def test_bad_input_is_one_plan_error(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "quantization_config": {"quant_method": "awq"}}))
+    with pytest.raises(PlanError, match="quantization 'awq' is not one svrmad-local reads"):
+        make_plan(tmp_path, 1, 80 * GiB)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "phi3", "num_hidden_layers": 2}))
+    with pytest.raises(PlanError, match="architecture 'phi3'.*put its \\*.safetensors next to config.json"):
+        make_plan(tmp_path, 1, 80 * GiB)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(PlanError, match="has no 'hidden_size'"):
+        make_plan(tmp_path, 1, 80 * GiB)
+    (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(PlanError, match="is not a safetensors file"):
+        make_plan(tmp_path, 1, 80 * GiB)

@@ -107,7 +107,12 @@ def read_header(file: Path) -> dict:
             header = json.loads(f.read(n))
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise PlanError(f"{file}: its safetensors header is not valid JSON: {exc}") from None
+    if not isinstance(header, dict):
+        raise PlanError(f"{file}: its safetensors header is not a JSON object")
     header.pop("__metadata__", None)
+    for name, t in header.items():
+        if not (isinstance(t, dict) and {"dtype", "shape", "data_offsets"} <= t.keys()):
+            raise PlanError(f"{file}: header entry {name!r} lacks dtype, shape or data_offsets")
     return header
 
 
@@ -116,7 +121,10 @@ def header_weights(path: Path, cfg: dict) -> tuple[list[Weight], list[Path]] | N
     naming shards that are missing: the plan then counts from config.json)."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        try:
+            names = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise PlanError(f"{index} is not a safetensors index (no weight_map of tensor -> file)") from None
         files = [path / n for n in names]
         if not all(f.is_file() for f in files):
             return None
@@ -380,6 +388,13 @@ def make_plan(path, gpus: int, gpu_memory: int, quantization: str = "native", tp
     if prompt_tokens < 0:
         raise PlanError(f"--prompt-tokens {prompt_tokens} is negative")
     cfg = read_config(path)
+    try:
+        return _plan(path, cfg, gpus, gpu_memory, quantization, tp, prompt_tokens)
+    except KeyError as exc:
+        raise PlanError(f"{path}/config.json has no {exc.args[0]!r}, which the plan needs") from None
+
+
+def _plan(path: Path, cfg: dict, gpus, gpu_memory, quantization, tp, prompt_tokens) -> dict:
     found = header_weights(path, cfg)
     weights, source = (found[0], f"safetensors headers ({len(found[1])} files)") if found else \
         (config_weights(cfg), "config.json")
@@ -456,7 +471,8 @@ def format_plan(p: dict) -> str:
     if p["tp"] is None:
         layout = "one GPU" if p["gpus"] == 1 else f"spread by layers over {p['gpus']} GPUs (no --tp)"
     else:
-        layout = f"tensor parallel over {p['tp']} GPU{'s' if p['tp'] > 1 else ''}, {p['replicas']} replica(s)"
+        layout = (f"{p['replicas']} replica{'s' if p['replicas'] > 1 else ''} of {p['tp']} GPU"
+                  + ("s, tensor parallel" if p["tp"] > 1 else " each"))
     where = ("the latent, kept whole on every TP rank" if p["kv_latent"] and (p["tp"] or 1) > 1 else
              "the latent" if p["kv_latent"] else "K and V" + (", split by KV heads" if (p["tp"] or 1) > 1 else ""))
     lines = [
