@@ -467,7 +467,8 @@ def _gib(n: int) -> str:
 
 def format_plan(p: dict) -> str:
     fmt = {"mxfp4": "MXFP4 (4.25 bits)", "fp8": "FP8 e4m3 + block scales", "BF16": "bf16", "F32": "fp32"}
-    kinds = ", ".join(f"{n / 1e9:.2f} B {fmt.get(k, k.lower())}" for k, n in sorted(p["parameters_by_format"].items()))
+    count = lambda n: f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n:,}"  # noqa: E731
+    kinds = ", ".join(f"{count(n)} {fmt.get(k, k.lower())}" for k, n in sorted(p["parameters_by_format"].items()))
     if p["tp"] is None:
         layout = "one GPU" if p["gpus"] == 1 else f"spread by layers over {p['gpus']} GPUs (no --tp)"
     else:
