@@ -104,6 +104,8 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, to
 }
 """
 
+_ISA_FLAGS = {"avx2": ["-mavx2", "-mfma"], "avx512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl",
+                                                     "-mavx512dq"]}
 _lock = threading.Lock()
 _module = None
 _error: str | None = None
@@ -116,9 +118,12 @@ def _load():
             try:
                 from torch.utils.cpp_extension import load_inline
 
+                # built per ISA level, never -march=native: ~/.cache may outlive the machine it was
+                # built on, and a build for another CPU's features would die on an illegal instruction
+                isa = torch.backends.cpu.get_cpu_capability().lower()
                 _module = load_inline(
-                    name="svrmad_cpu_decode", cpp_sources=[_SOURCE], functions=["paged_decode"],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp-simd"], verbose=False)
+                    name=f"svrmad_cpu_decode_{isa}", cpp_sources=[_SOURCE], functions=["paged_decode"],
+                    extra_cflags=["-O3", "-fopenmp-simd", *_ISA_FLAGS.get(isa, [])], verbose=False)
             except Exception as exc:  # no compiler, no ninja, a read-only cache...
                 _error = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
                 log.info("CPU paged decode kernel unavailable (%s); decode attention gathers the context", _error)
