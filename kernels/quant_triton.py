@@ -163,6 +163,17 @@ def _tiles(m: int, k_unit: int):
     return (16 if m <= 16 else 64 if m <= 128 else 128), 64, max(64, k_unit)
 
 
+def _out(m, n, x):
+    """The output buffer, fp32 for bf16 under the interpreter: it truncates fp32 -> bf16 on store
+    where a GPU rounds to nearest, so the rounding happens in torch there (:func:`_done`)."""
+    dtype = torch.float32 if interpreting() and x.dtype == torch.bfloat16 else x.dtype
+    return torch.empty(m, n, device=x.device, dtype=dtype)
+
+
+def _done(out, x):
+    return out.to(x.dtype)
+
+
 def _dot_f32(x):
     # fp32 inputs get an exact (ieee) dot; the interpreter's bf16 dot is wrong, so it gets fp32 too
     return x.dtype == torch.float32 or (interpreting() and x.dtype == torch.bfloat16)
@@ -194,15 +205,15 @@ def mxfp4_matmul_triton(x, blocks, scales, bias=None):
     n, k = _check_mxfp4(blocks, scales, (), "mxfp4_matmul")
     _check_x(x, k, "mxfp4_matmul")
     m = x.shape[0]
-    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    out = _out(m, n, x)
     if m == 0 or n == 0:
-        return out
+        return _done(out, x)
     bm, bn, bk = _tiles(m, 32)
     b = bias if bias is not None else out
     _mxfp4_kernel[(cdiv(m, bm), cdiv(n, bn))](
         x, blocks, scales, b, out, m, n, k, *x.stride(), *blocks.stride(), *scales.stride(), *out.stride(),
         HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_F32=_dot_f32(x))
-    return out
+    return _done(out, x)
 
 
 def mxfp4_grouped_matmul_triton(x, offsets, blocks, scales, bias=None):
@@ -219,9 +230,9 @@ def mxfp4_grouped_matmul_triton(x, offsets, blocks, scales, bias=None):
     if bias is not None and tuple(bias.shape) != (e, n):
         raise ValueError(f"mxfp4_grouped_matmul: bias must be [E, N]=[{e}, {n}], got {list(bias.shape)}")
     m = x.shape[0]
-    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    out = _out(m, n, x)
     if m == 0 or n == 0 or e == 0:
-        return out
+        return _done(out, x)
     bm, bn, bk = _tiles(max(1, m // max(1, e)), 32)
     off = offsets.to(device=x.device, dtype=torch.int32)
     b = bias if bias is not None else out
@@ -232,7 +243,7 @@ def mxfp4_grouped_matmul_triton(x, offsets, blocks, scales, bias=None):
     _mxfp4_grouped_kernel[(cdiv(m, bm) + e, cdiv(n, bn))](
         x, off, blocks, scales, b, out, e, n, k, *x.stride(), *blocks.stride(), *scales.stride(), s_be,
         *out.stride(), HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_F32=_dot_f32(x))
-    return out
+    return _done(out, x)
 
 
 def fp8_matmul_triton(x, weight, scale_inv, block, bias=None):
@@ -248,9 +259,9 @@ def fp8_matmul_triton(x, weight, scale_inv, block, bias=None):
                          f"[{cdiv(n, max(bn_s, 1))}, {cdiv(k, max(bk_s, 1))}], got {list(scale_inv.shape)}")
     _check_x(x, k, "fp8_matmul")
     m = x.shape[0]
-    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    out = _out(m, n, x)
     if m == 0 or n == 0:
-        return out
+        return _done(out, x)
     bm, bn, bk = _tiles(m, 16)
     if bk_s % bk and bk_s % 32 == 0 and not interpreting():
         bk = 32  # keep the K tile inside one scale block where the block allows it
@@ -260,4 +271,4 @@ def fp8_matmul_triton(x, weight, scale_inv, block, bias=None):
         x, weight, s, b, out, m, n, k, bn_s, bk_s, *x.stride(), *weight.stride(), *s.stride(), *out.stride(),
         HAS_BIAS=bias is not None, SCALE_AFTER=bk_s % bk == 0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         DOT_F32=_dot_f32(x))
-    return out
+    return _done(out, x)
