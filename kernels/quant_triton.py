@@ -221,7 +221,9 @@ def mxfp4_grouped_matmul_triton(x, offsets, blocks, scales, bias=None):
     expert e's MXFP4 W [N, K]^T, plus ``bias[e]``. offsets int [E+1] (on x's device, non-decreasing,
     offsets[E] <= M; rows past it are left unwritten), blocks [E, N, K/32, 16], scales [E, N, K/32],
     bias [E, N] or None. Returns [M, N] in x's dtype. Reads offsets on the device only (no sync)."""
-    e = blocks.shape[0] if blocks.dim() == 4 else -1
+    if blocks.dim() != 4:
+        raise ValueError(f"mxfp4_grouped_matmul: blocks must be [E, N, K/32, 16], got {list(blocks.shape)}")
+    e = blocks.shape[0]
     n, k = _check_mxfp4(blocks, scales, (e,), "mxfp4_grouped_matmul")
     _check_x(x, k, "mxfp4_grouped_matmul")
     if offsets.dim() != 1 or offsets.numel() != e + 1 or offsets.is_floating_point():

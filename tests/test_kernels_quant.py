@@ -127,6 +127,11 @@ def test_bad_shapes_are_one_line_errors():
         qt.mxfp4_matmul_triton(torch.randn(2, 64), blocks, scales)
     with pytest.raises(ValueError, match="scales"):
         qt.mxfp4_matmul_triton(torch.randn(2, 32), blocks, scales[:, :0])
+    with pytest.raises(ValueError, match=r"blocks must be \[E, N, K/32, 16\]"):
+        qt.mxfp4_grouped_matmul_triton(torch.randn(2, 32), torch.tensor([0, 2]), blocks, scales)
+    with pytest.raises(ValueError, match="offsets"):
+        qt.mxfp4_grouped_matmul_triton(torch.randn(2, 32), torch.tensor([0, 2]), blocks[None].repeat(2, 1, 1, 1),
+                                       scales[None].repeat(2, 1, 1))
     w = torch.zeros(10, 20).to(torch.float8_e4m3fn)
     with pytest.raises(ValueError, match=r"scale_inv \[2, 1\]"):
         qt.fp8_matmul_triton(torch.randn(1, 20), w, torch.ones(1, 1), (8, 32))
