@@ -6,11 +6,13 @@
   (cascade) attention over the paged KV cache, with optional sliding windows; :func:`cascade_plan`
   builds its Triton bookkeeping once for many calls (the layers of a step).
 * :func:`apply_sinks` - GPT-OSS attention sinks on any finished ``(out, lse)``.
+* :func:`paged_decode` - decode attention reading K/V in place through a block table (split-K).
 
 Every kernel function takes ``kernel_impl="auto"|"torch"|"triton"``; "auto" uses triton only when it is
 importable and the tensors are on CUDA (``SVRMAD_KERNELS=torch`` forces the torch reference).
 """
 from ._backend import HAS_TRITON, select_impl
+from .paged_decode import paged_decode, reference_paged_decode
 from .prefix_attention import (CascadePlan, Level, apply_sinks, attend_partial, cascade_attention, cascade_plan,
                                merge_states, reference_attention)
 from .token_stats import TokenStats, reference_token_stats, token_stats
@@ -19,4 +21,5 @@ __all__ = [
     "HAS_TRITON", "select_impl", "TokenStats", "token_stats", "reference_token_stats",
     "Level", "attend_partial", "merge_states", "cascade_attention", "cascade_plan", "CascadePlan", "apply_sinks",
     "reference_attention",
+    "paged_decode", "reference_paged_decode",
 ]

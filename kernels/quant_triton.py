@@ -1,0 +1,276 @@
+"""Triton GEMMs that read packed weights as published: MXFP4 (GPT-OSS experts) and block-scaled FP8
+(DeepSeek-V3 projections), so a quantized model keeps its packed bytes in GPU memory and never holds
+a dense copy of a weight, not even one expert's.
+
+Each program owns a [BLOCK_M, BLOCK_N] output tile and walks K: it loads the packed weight tile,
+decodes it in registers, and accumulates ``x_tile @ w_tile^T`` in fp32. The torch references that
+these kernels are tested against, and the modules that call them, live in kernels/mxfp4.py and
+kernels/fp8.py; here are only the kernels and their launchers.
+
+MXFP4 (OCP microscaling, GPT-OSS's layout): ``blocks`` uint8 [N, K/32, 16] holds two e2m1 codes a
+byte, the low nibble first (element 2j of a row is the low nibble of its byte j); ``scales`` uint8
+[N, K/32] is an e8m0 exponent per 32 elements, value 2^(s-127). Rather than interleave the two nibbles
+back into one tile, a K tile is split into its even and odd elements: ``x[:, 0::2] @ lo^T +
+x[:, 1::2] @ hi^T``, two dots on the same bytes. The decoded value times its power-of-two scale is
+exact in bf16 (two mantissa bits), so the dot runs in x's dtype on the tensor cores.
+
+FP8 (DeepSeek's ``weight_scale_inv``): W = weight * scale_inv[n // bn, k // bk]. When the K tile lies
+inside one scale block (bk a multiple of BLOCK_K) the kernel takes the dot of the raw e4m3 values
+(exact in bf16/fp16) and scales the partial product per output column, as DeepSeek's own kernel does;
+otherwise it scales the weight tile element-wise before the dot. Ragged N and K (partial edge
+blocks) are masked.
+
+The MoE expert GEMM needs no host sync (CUDA-graph safe): the grid is an upper bound on the number
+of row tiles (cdiv(M, BLOCK_M) + E), and each program finds its expert and rows by walking the
+offsets; programs past the last tile do nothing.
+"""
+from __future__ import annotations
+
+import torch
+
+from ._backend import HAS_TRITON, cdiv, interpreting, tl, triton
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _e2m1(code):
+        """e2m1 code (int32, 0..15) -> fp32: sign bit 3, exponent bits 2..1, mantissa bit 0.
+        Values 0, .5, 1, 1.5, 2, 3, 4, 6 and their negatives (code 8 is -0)."""
+        mag = code & 7
+        e = mag >> 1
+        m = (mag & 1).to(tl.float32)
+        val = tl.where(e == 0, 0.5 * m, tl.exp2((e - 1).to(tl.float32)) * (1.0 + 0.5 * m))
+        return tl.where(code >= 8, -val, val)
+
+    @triton.jit
+    def _mxfp4_tile(acc, X, W, S, rows, rmask, n, nmask, k0, K, e_w, e_s,
+                    s_xm, s_xk, s_wn, s_wg, s_wb, s_sn, s_sg,
+                    BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+        """acc += x[rows, k0:k0+BLOCK_K] @ W[n, k0:k0+BLOCK_K]^T for one packed weight tile."""
+        j = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # byte index within the row
+        jmask = j < K // 2
+        grp = j // 16
+        wmask = nmask[:, None] & jmask[None, :]
+        byte = tl.load(W + e_w + n[:, None] * s_wn + grp[None, :] * s_wg + (j % 16)[None, :] * s_wb,
+                       mask=wmask, other=0).to(tl.int32)
+        sc = tl.load(S + e_s + n[:, None] * s_sn + grp[None, :] * s_sg, mask=wmask, other=127).to(tl.float32)
+        scale = tl.exp2(sc - 127.0)
+        w_lo = _e2m1(byte & 15) * scale  # elements 2j
+        w_hi = _e2m1(byte >> 4) * scale  # elements 2j + 1
+        xmask = rmask[:, None] & jmask[None, :]
+        x_lo = tl.load(X + rows[:, None] * s_xm + (2 * j)[None, :] * s_xk, mask=xmask, other=0.0)
+        x_hi = tl.load(X + rows[:, None] * s_xm + (2 * j + 1)[None, :] * s_xk, mask=xmask, other=0.0)
+        if DOT_F32:
+            acc = tl.dot(x_lo.to(tl.float32), tl.trans(w_lo), acc, input_precision="ieee")
+            acc = tl.dot(x_hi.to(tl.float32), tl.trans(w_hi), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x_lo, tl.trans(w_lo.to(x_lo.dtype)), acc)
+            acc = tl.dot(x_hi, tl.trans(w_hi.to(x_hi.dtype)), acc)
+        return acc
+
+    @triton.jit
+    def _mxfp4_kernel(X, W, S, B, O, M, N, K,
+                      s_xm, s_xk, s_wn, s_wg, s_wb, s_sn, s_sg, s_om, s_on,
+                      HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rmask, nmask = rows < M, n < N
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            acc = _mxfp4_tile(acc, X, W, S, rows, rmask, n, nmask, k0, K, 0, 0,
+                              s_xm, s_xk, s_wn, s_wg, s_wb, s_sn, s_sg, BLOCK_K, DOT_F32)
+        if HAS_BIAS:
+            acc += tl.load(B + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        tl.store(O + rows[:, None] * s_om + n[None, :] * s_on, acc, mask=rmask[:, None] & nmask[None, :])
+
+    @triton.jit
+    def _mxfp4_grouped_kernel(X, OFF, W, S, B, O, E, N, K,
+                              s_xm, s_xk, s_we, s_wn, s_wg, s_wb, s_se, s_sn, s_sg, s_be, s_om, s_on,
+                              HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                              BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+        """Program (t, j): the t-th row tile over all experts (each expert's rows cut into tiles of
+        BLOCK_M), output columns tile j. A t past the last tile finds no expert and does nothing."""
+        tile = tl.program_id(0)
+        expert = tl.full([], -1, tl.int32)
+        row0 = tl.full([], 0, tl.int32)
+        row_end = tl.full([], 0, tl.int32)
+        seen = tl.full([], 0, tl.int32)
+        for e in range(E):
+            lo = tl.load(OFF + e).to(tl.int32)
+            hi = tl.load(OFF + e + 1).to(tl.int32)
+            n_tiles = (hi - lo + BLOCK_M - 1) // BLOCK_M
+            hit = (tile >= seen) & (tile < seen + n_tiles)
+            expert = tl.where(hit, e, expert)
+            row0 = tl.where(hit, lo + (tile - seen) * BLOCK_M, row0)
+            row_end = tl.where(hit, hi, row_end)
+            seen += n_tiles
+        rows = row0 + tl.arange(0, BLOCK_M)
+        rmask = rows < row_end  # all false for a tile past the end (row_end 0)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = n < N
+        e_safe = tl.maximum(expert, 0).to(tl.int64)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        k_end = tl.where(expert >= 0, K, 0)
+        for k0 in range(0, k_end, BLOCK_K):
+            acc = _mxfp4_tile(acc, X, W, S, rows, rmask, n, nmask, k0, K, e_safe * s_we, e_safe * s_se,
+                              s_xm, s_xk, s_wn, s_wg, s_wb, s_sn, s_sg, BLOCK_K, DOT_F32)
+        if HAS_BIAS:
+            acc += tl.load(B + e_safe * s_be + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        tl.store(O + rows[:, None] * s_om + n[None, :] * s_on, acc, mask=rmask[:, None] & nmask[None, :])
+
+    @triton.jit
+    def _fp8_kernel(X, W, S, B, O, M, N, K, bn, bk,
+                    s_xm, s_xk, s_wn, s_wk, s_sn, s_sk, s_om, s_on,
+                    HAS_BIAS: tl.constexpr, SCALE_AFTER: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rmask, nmask = rows < M, n < N
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            kmask = k < K
+            x = tl.load(X + rows[:, None] * s_xm + k[None, :] * s_xk, mask=rmask[:, None] & kmask[None, :], other=0.0)
+            w = tl.load(W + n[:, None] * s_wn + k[None, :] * s_wk, mask=nmask[:, None] & kmask[None, :], other=0.0)
+            if DOT_F32:
+                x = x.to(tl.float32)
+            w = w.to(x.dtype)  # e4m3 is exact in fp16, bf16 and fp32
+            if SCALE_AFTER:  # the tile lies inside one K block: scale the partial product per column
+                s = tl.load(S + (n // bn) * s_sn + (k0 // bk) * s_sk, mask=nmask, other=0.0)
+                if DOT_F32:
+                    part = tl.dot(x, tl.trans(w), input_precision="ieee")
+                else:
+                    part = tl.dot(x, tl.trans(w))
+                acc += part * s[None, :]
+            else:  # the tile spans K blocks: scale each weight element first
+                s = tl.load(S + (n // bn)[:, None] * s_sn + (k // bk)[None, :] * s_sk,
+                            mask=nmask[:, None] & kmask[None, :], other=0.0)
+                if DOT_F32:
+                    acc = tl.dot(x, tl.trans(w * s), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(x, tl.trans((w.to(tl.float32) * s).to(x.dtype)), acc)
+        if HAS_BIAS:
+            acc += tl.load(B + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        tl.store(O + rows[:, None] * s_om + n[None, :] * s_on, acc, mask=rmask[:, None] & nmask[None, :])
+
+
+def _tiles(m: int, k_unit: int):
+    """(BLOCK_M, BLOCK_N, BLOCK_K): small tiles under the interpreter (speed), else decode-friendly
+    ones (a short M tile for a handful of rows: decode is weight-bandwidth bound)."""
+    if interpreting():
+        return 16, 16, max(32, k_unit)
+    return (16 if m <= 16 else 64 if m <= 128 else 128), 64, max(64, k_unit)
+
+
+def _out(m, n, x):
+    """The output buffer, fp32 for bf16 under the interpreter: it truncates fp32 -> bf16 on store
+    where a GPU rounds to nearest, so the rounding happens in torch there (:func:`_done`)."""
+    dtype = torch.float32 if interpreting() and x.dtype == torch.bfloat16 else x.dtype
+    return torch.empty(m, n, device=x.device, dtype=dtype)
+
+
+def _done(out, x):
+    return out.to(x.dtype)
+
+
+def _dot_f32(x):
+    # fp32 inputs get an exact (ieee) dot; the interpreter's bf16 dot is wrong, so it gets fp32 too
+    return x.dtype == torch.float32 or (interpreting() and x.dtype == torch.bfloat16)
+
+
+def _check_x(x, k, name):
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"{name}: x must be [M, K={k}], got {list(x.shape)}")
+    if not x.is_floating_point() or x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"{name}: x must be fp32, fp16 or bf16, got {x.dtype}")
+
+
+def _check_mxfp4(blocks, scales, lead, name):
+    """blocks [*lead, N, K/32, 16] uint8, scales [*lead, N, K/32] uint8; returns (N, K)."""
+    nd = len(lead)
+    if (blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.dim() != nd + 3
+            or blocks.shape[-1] != 16 or tuple(scales.shape) != tuple(blocks.shape[:-1])
+            or tuple(blocks.shape[:nd]) != tuple(lead)):
+        raise ValueError(f"{name}: need uint8 blocks [{', '.join(map(str, lead)) + ', ' if lead else ''}N, K/32, 16] "
+                         f"and scales of its first dims, got {blocks.dtype} {list(blocks.shape)}, "
+                         f"{scales.dtype} {list(scales.shape)}")
+    return blocks.shape[-3], blocks.shape[-2] * 32
+
+
+def mxfp4_matmul_triton(x, blocks, scales, bias=None):
+    """``x @ W^T + bias`` for an MXFP4-packed W [N, K]: x [M, K] (fp32/fp16/bf16), blocks uint8
+    [N, K/32, 16], scales uint8 [N, K/32], bias [N] or None. Returns [M, N] in x's dtype (fp32
+    accumulation)."""
+    n, k = _check_mxfp4(blocks, scales, (), "mxfp4_matmul")
+    _check_x(x, k, "mxfp4_matmul")
+    m = x.shape[0]
+    out = _out(m, n, x)
+    if m == 0 or n == 0:
+        return _done(out, x)
+    bm, bn, bk = _tiles(m, 32)
+    b = bias if bias is not None else out
+    _mxfp4_kernel[(cdiv(m, bm), cdiv(n, bn))](
+        x, blocks, scales, b, out, m, n, k, *x.stride(), *blocks.stride(), *scales.stride(), *out.stride(),
+        HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_F32=_dot_f32(x))
+    return _done(out, x)
+
+
+def mxfp4_grouped_matmul_triton(x, offsets, blocks, scales, bias=None):
+    """The MoE expert GEMM: rows ``offsets[e]:offsets[e+1]`` of x [M, K] (sorted by expert) times
+    expert e's MXFP4 W [N, K]^T, plus ``bias[e]``. offsets int [E+1] (on x's device, non-decreasing,
+    offsets[E] <= M; rows past it are left unwritten), blocks [E, N, K/32, 16], scales [E, N, K/32],
+    bias [E, N] or None. Returns [M, N] in x's dtype. Reads offsets on the device only (no sync)."""
+    if blocks.dim() != 4:
+        raise ValueError(f"mxfp4_grouped_matmul: blocks must be [E, N, K/32, 16], got {list(blocks.shape)}")
+    e = blocks.shape[0]
+    n, k = _check_mxfp4(blocks, scales, (e,), "mxfp4_grouped_matmul")
+    _check_x(x, k, "mxfp4_grouped_matmul")
+    if offsets.dim() != 1 or offsets.numel() != e + 1 or offsets.is_floating_point():
+        raise ValueError(f"mxfp4_grouped_matmul: offsets must be an int tensor [E+1]=[{e + 1}], "
+                         f"got {offsets.dtype} {list(offsets.shape)}")
+    if bias is not None and tuple(bias.shape) != (e, n):
+        raise ValueError(f"mxfp4_grouped_matmul: bias must be [E, N]=[{e}, {n}], got {list(bias.shape)}")
+    m = x.shape[0]
+    out = _out(m, n, x)
+    if m == 0 or n == 0 or e == 0:
+        return _done(out, x)
+    bm, bn, bk = _tiles(max(1, m // max(1, e)), 32)
+    off = offsets.to(device=x.device, dtype=torch.int32)
+    b = bias if bias is not None else out
+    s_be = bias.stride(0) if bias is not None else 0
+    if bias is not None and bias.stride(1) != 1:
+        b = bias.contiguous()
+        s_be = b.stride(0)
+    _mxfp4_grouped_kernel[(cdiv(m, bm) + e, cdiv(n, bn))](
+        x, off, blocks, scales, b, out, e, n, k, *x.stride(), *blocks.stride(), *scales.stride(), s_be,
+        *out.stride(), HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_F32=_dot_f32(x))
+    return _done(out, x)
+
+
+def fp8_matmul_triton(x, weight, scale_inv, block, bias=None):
+    """``x @ W^T + bias`` for a block-scaled FP8 W: weight float8_e4m3fn [N, K], scale_inv fp32
+    [ceil(N/bn), ceil(K/bk)] (W = weight * scale_inv of its block), block = (bn, bk). Ragged N and K
+    are partial edge blocks. Returns [M, N] in x's dtype (fp32 accumulation)."""
+    bn_s, bk_s = (int(v) for v in block)
+    if weight.dim() != 2 or weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"fp8_matmul: weight must be float8_e4m3fn [N, K], got {weight.dtype} {list(weight.shape)}")
+    n, k = weight.shape
+    if bn_s < 1 or bk_s < 1 or tuple(scale_inv.shape) != (cdiv(n, bn_s), cdiv(k, bk_s)):
+        raise ValueError(f"fp8_matmul: weight {list(weight.shape)} with block {list(block)} needs scale_inv "
+                         f"[{cdiv(n, max(bn_s, 1))}, {cdiv(k, max(bk_s, 1))}], got {list(scale_inv.shape)}")
+    _check_x(x, k, "fp8_matmul")
+    m = x.shape[0]
+    out = _out(m, n, x)
+    if m == 0 or n == 0:
+        return _done(out, x)
+    bm, bn, bk = _tiles(m, 16)
+    if bk_s % bk and bk_s % 32 == 0 and not interpreting():
+        bk = 32  # keep the K tile inside one scale block where the block allows it
+    s = scale_inv.float()
+    b = bias if bias is not None else out
+    _fp8_kernel[(cdiv(m, bm), cdiv(n, bn))](
+        x, weight, s, b, out, m, n, k, bn_s, bk_s, *x.stride(), *weight.stride(), *s.stride(), *out.stride(),
+        HAS_BIAS=bias is not None, SCALE_AFTER=bk_s % bk == 0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        DOT_F32=_dot_f32(x))
+    return _done(out, x)

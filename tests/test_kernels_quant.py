@@ -1,0 +1,148 @@
+"""kernels.quant_triton (numpy interpreter) against float64 references written here from the format
+definitions: MXFP4 (e2m1 codes, low nibble first, e8m0 scales per 32) and block-scaled FP8.
+
+Tolerance: |out - ref| <= TOL[dtype] * max|ref| (+ a tiny absolute floor). fp32 inputs run an exact
+(ieee) fp32 dot, so only summation order differs (1e-5); fp16/bf16 outputs are rounded once to their
+dtype (bf16 has an 8-bit mantissa: 1e-2).
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton (see conftest)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from svrmad_local.kernels import quant_triton as qt  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("interp")
+
+TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 1e-2}
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+
+
+def dequant_mxfp4_f64(blocks, scales):
+    """[..., N, K/32, 16] uint8 + [..., N, K/32] -> float64 [..., N, K], straight from the format."""
+    lut = torch.tensor(E2M1, dtype=torch.float64)
+    lo, hi = lut[(blocks & 15).long()], lut[(blocks >> 4).long()]
+    vals = torch.stack([lo, hi], dim=-1).flatten(-2)  # element 2j = low nibble of byte j
+    vals = vals * torch.pow(2.0, scales.double() - 127)[..., None]
+    return vals.flatten(-2)
+
+
+def dequant_fp8_f64(weight, scale_inv, block):
+    bn, bk = block
+    n, k = weight.shape
+    s = scale_inv.double().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    return weight.double() * s
+
+
+def random_mxfp4(g, lead, n, k):
+    blocks = torch.randint(0, 256, (*lead, n, k // 32, 16), generator=g, dtype=torch.uint8)
+    scales = torch.randint(120, 131, (*lead, n, k // 32), generator=g, dtype=torch.uint8)
+    return blocks, scales
+
+
+def close(out, ref, dtype):
+    assert out.dtype == dtype and out.shape == ref.shape
+    err = (out.double() - ref).abs().max().item()
+    bound = TOL[dtype] * ref.abs().max().item() + 1e-6
+    assert err <= bound, f"max error {err} > {bound}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("m,n,k,bias", [(1, 16, 32, False), (5, 23, 96, True), (17, 9, 64, False)])
+def test_mxfp4_matmul(dtype, m, n, k, bias):
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    blocks, scales = random_mxfp4(g, (), n, k)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    out = qt.mxfp4_matmul_triton(x, blocks, scales, b)
+    ref = x.double() @ dequant_mxfp4_f64(blocks, scales).T + (b.double() if bias else 0)
+    close(out, ref, dtype)
+
+
+def test_mxfp4_every_code_and_extreme_scales():
+    """All 16 codes in both nibbles, against the table; scales far from 127 (fp32 x: no range issue)."""
+    codes = torch.arange(16, dtype=torch.uint8)
+    byte = (codes[:, None] | (codes[None, :] << 4)).flatten()  # 256 bytes: every (lo, hi) pair
+    blocks = byte.reshape(1, 16, 16).repeat(2, 1, 1)  # N=2, K=512
+    scales = torch.tensor([[100, 127, 150, 1] * 4, [127] * 16], dtype=torch.uint8)
+    w = dequant_mxfp4_f64(blocks, scales)
+    assert w[1, :32].tolist() == [E2M1[j % 16] if i % 2 == 0 else E2M1[j // 16]
+                                  for i, j in ((i, byte[i // 2].item()) for i in range(32))]
+    x = torch.eye(512)[:3] + 0.25  # reads single weights back, plus a sum
+    close(qt.mxfp4_matmul_triton(x, blocks, scales), x.double() @ w.T, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_mxfp4_grouped_matmul(dtype):
+    g = torch.Generator().manual_seed(7)
+    e, n, k = 5, 19, 64
+    counts = [3, 0, 18, 1, 0]  # empty experts, one tile boundary crossed, a single row
+    blocks, scales = random_mxfp4(g, (e,), n, k)
+    bias = torch.randn(e, n, generator=g).to(dtype)
+    m = sum(counts)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    offsets = torch.tensor([0] + list(torch.tensor(counts).cumsum(0)), dtype=torch.int64)
+    out = qt.mxfp4_grouped_matmul_triton(x, offsets, blocks, scales, bias)
+    w = dequant_mxfp4_f64(blocks, scales)
+    ref = torch.cat([x[offsets[i]:offsets[i + 1]].double() @ w[i].T + bias[i].double() for i in range(e)])
+    close(out, ref, dtype)
+    out_nb = qt.mxfp4_grouped_matmul_triton(x, offsets.int(), blocks, scales)
+    close(out_nb, ref - torch.cat([bias[i].double().expand(c, n) for i, c in enumerate(counts)]), dtype)
+
+
+def test_mxfp4_grouped_single_row():
+    g = torch.Generator().manual_seed(8)
+    blocks, scales = random_mxfp4(g, (3,), 16, 32)
+    x = torch.randn(1, 32, generator=g)
+    out = qt.mxfp4_grouped_matmul_triton(x, torch.tensor([0, 0, 1, 1]), blocks, scales)
+    close(out, x.double() @ dequant_mxfp4_f64(blocks, scales)[1].T, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("m,n,k,block,bias", [
+    (1, 16, 32, (16, 32), False),   # whole blocks, scale applied after the dot
+    (3, 18, 40, (8, 16), True),      # ragged N and K: partial edge blocks; K tile spans blocks
+    (17, 9, 70, (4, 64), False),     # ragged K inside one 64 block, scale after the dot
+    (2, 33, 45, (12, 12), True),     # blocks dividing nothing
+])
+def test_fp8_matmul(dtype, m, n, k, block, bias):
+    g = torch.Generator().manual_seed(m + n + k)
+    weight = (torch.randn(n, k, generator=g) * 50).to(torch.float8_e4m3fn)
+    scale_inv = torch.rand(-(-n // block[0]), -(-k // block[1]), generator=g) * 0.02 + 1e-3
+    x = torch.randn(m, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    out = qt.fp8_matmul_triton(x, weight, scale_inv, block, b)
+    ref = x.double() @ dequant_fp8_f64(weight, scale_inv, block).T + (b.double() if bias else 0)
+    close(out, ref, dtype)
+
+
+def test_bad_shapes_are_one_line_errors():
+    blocks, scales = random_mxfp4(torch.Generator().manual_seed(0), (), 4, 32)
+    with pytest.raises(ValueError, match="x must be"):
+        qt.mxfp4_matmul_triton(torch.randn(2, 64), blocks, scales)
+    with pytest.raises(ValueError, match="scales"):
+        qt.mxfp4_matmul_triton(torch.randn(2, 32), blocks, scales[:, :0])
+    with pytest.raises(ValueError, match=r"blocks must be \[E, N, K/32, 16\]"):
+        qt.mxfp4_grouped_matmul_triton(torch.randn(2, 32), torch.tensor([0, 2]), blocks, scales)
+    with pytest.raises(ValueError, match="offsets"):
+        qt.mxfp4_grouped_matmul_triton(torch.randn(2, 32), torch.tensor([0, 2]), blocks[None].repeat(2, 1, 1, 1),
+                                       scales[None].repeat(2, 1, 1))
+    w = torch.zeros(10, 20).to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"scale_inv \[2, 1\]"):
+        qt.fp8_matmul_triton(torch.randn(1, 20), w, torch.ones(1, 1), (8, 32))
+
+
+def test_bench_quant_cpu_smoke():
+    """benchmarks/bench_quant.py runs end to end on the CPU (tiny shapes, the Triton path through
+    the interpreter), checking its paths agree, and prints its JSON line."""
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root))
+    res = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_quant.py"), "--cpu-smoke"],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert '"rows"' in res.stdout.strip().splitlines()[-1]
