@@ -9,7 +9,9 @@ import torch
 from svrmad_local.engine.engine import Engine, EngineConfig
 from svrmad_local.engine.kv_cache import KVCache
 from svrmad_local.engine.params import SamplingParams
+from svrmad_local import kernels
 from svrmad_local.kernels import cpu_decode
+from svrmad_local.kernels._backend import interpreter_ready
 
 from .model_zoo import EXACT, loop_greedy, make_zoo_model, rand_prompt
 
@@ -63,11 +65,11 @@ def test_in_place_decode_is_token_exact_against_the_gather_path(name, monkeypatc
     prompts = [rand_prompt(n, 70 + n) for n in (2, 9, 19)]
     params = SamplingParams(n=2, temperature=0, max_tokens=8, ignore_eos=True)
     gathered = engine(model, attention="sdpa")
-    assert "cpu-paged" not in gathered.info["attention"]
+    assert "paged-decode" not in gathered.info["attention"]
     want = gathered.generate_sync(prompts, params)
     in_place = engine(model)
     latent = in_place.spec.has_latent
-    assert ("cpu-paged-decode" in in_place.info["attention"])
+    assert "paged-decode:cpu" in in_place.info["attention"]
     gathers = []
     real = KVCache.gather
     monkeypatch.setattr(KVCache, "gather", lambda self, layer, slots: gathers.append(slots.shape) or real(self, layer, slots))
@@ -82,12 +84,24 @@ def test_in_place_decode_is_token_exact_against_the_gather_path(name, monkeypatc
         assert decode_steps > 0 and len(gathers) <= 3 * len(model.model.layers), name
 
 
-def test_attention_cpu_paged_is_refused_where_it_cannot_run(monkeypatch):
+def test_attention_paged_is_refused_where_it_cannot_run(monkeypatch):
     model = make_zoo_model("llama")
     monkeypatch.setattr(cpu_decode, "available", lambda: False)
     monkeypatch.setattr(cpu_decode, "unavailable_reason", lambda: "no compiler")
-    with pytest.raises(ValueError, match="attention='cpu-paged' needs the CPU and the compiled kernel: no compiler"):
-        engine(model, attention="cpu-paged")
-    assert "cpu-paged" not in engine(model).info["attention"]
-    with pytest.raises(ValueError, match="attention must be auto, flash, sdpa or cpu-paged"):
+    with pytest.raises(ValueError, match="attention='paged' needs Triton .* the compiled kernel: no compiler"):
         engine(model, attention="paged")
+    assert "paged-decode" not in engine(model).info["attention"]
+    with pytest.raises(ValueError, match="attention must be auto, flash, sdpa or paged"):
+        engine(model, attention="cpu-paged")
+
+
+@pytest.mark.skipif(not kernels.HAS_TRITON or not interpreter_ready(), reason="needs Triton's interpreter")
+@pytest.mark.parametrize("name", ["llama", "gpt-oss", "mistral-sliding"])
+def test_the_triton_decode_path_is_token_exact_under_the_interpreter(name):
+    """The GPU decode path (kernels.paged_decode's Triton kernel), run on the CPU by Triton's interpreter."""
+    model = make_zoo_model(name)
+    prompts = [rand_prompt(n, 90 + n) for n in (4, 13)]
+    eng = engine(model, kernel_impl="triton", attention="paged")
+    assert "paged-decode:triton" in eng.info["attention"]
+    got = eng.generate_sync(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert [o.completions[0].token_ids for o in got] == [loop_greedy(model, p, 6) for p in prompts], name

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 
-from svrmad_local.kernels import apply_sinks, cascade_attention, cascade_plan, select_impl
+from svrmad_local.kernels import apply_sinks, cascade_attention, cascade_plan, paged_decode, select_impl
 from svrmad_local.kernels.cpu_decode import paged_decode_cpu
 
 from .kv_cache import KVCache
@@ -160,8 +160,9 @@ class StepContext:
     decode_pos: torch.Tensor | None = None  # cascade: each decode query's position
     kernel_impl: str = "auto"
     flash: dict | None = None  # flash-attn: cu_q, cu_k, max_q, max_k, and block_table or slots
-    decode_table: torch.Tensor | None = None  # CPU in-place decode: block table [decode rows, width]
+    decode_table: torch.Tensor | None = None  # in-place decode: block table [decode rows, width]
     decode_lens: torch.Tensor | None = None  # ... and context lengths (the new token included)
+    decode_impl: str | None = None  # ... through "cpu" (kernels.cpu_decode) or "triton" (kernels.paged_decode)
     _views: dict = field(default_factory=dict)
     _plans: dict = field(default_factory=dict)
     _per_device: dict = field(default_factory=dict)
@@ -195,7 +196,8 @@ class StepContext:
             flash = None if self.flash is None else {k: mv(v) if torch.is_tensor(v) else v for k, v in self.flash.items()}
             self._per_device[device] = StepContext(
                 self.cache, self.specs, mv(self.slot_mapping), runs(self.runs), self.decode_rows,
-                mv(self.latent_slots), runs(self.latent_runs), levels, mv(self.decode_pos), self.kernel_impl, flash)
+                mv(self.latent_slots), runs(self.latent_runs), levels, mv(self.decode_pos), self.kernel_impl, flash,
+                mv(self.decode_table), mv(self.decode_lens), self.decode_impl)
         return self._per_device[device]
 
 
@@ -329,8 +331,12 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
                                      window=spec.window, sinks=sinks, kernel_impl=ctx.kernel_impl,
                                      plan=ctx.cascade_plan(spec.window, q[:nd], paged[0]))
     elif nd and ctx.decode_table is not None and spec.kind == "kv":  # in place, through the block tables
-        out[:nd] = paged_decode_cpu(q[:nd], kc, vc, ctx.decode_table, ctx.decode_lens, ctx.cache.block_size, scaling,
-                                    spec.window, sinks)
+        if ctx.decode_impl == "cpu":
+            out[:nd] = paged_decode_cpu(q[:nd], kc, vc, ctx.decode_table, ctx.decode_lens, ctx.cache.block_size,
+                                        scaling, spec.window, sinks)
+        else:
+            out[:nd] = paged_decode(q[:nd], kc, vc, ctx.decode_table, ctx.decode_lens, ctx.cache.block_size, scaling,
+                                    window=spec.window, sinks=sinks, kernel_impl=ctx.kernel_impl)
     elif nd:
         _attend_padded(ctx, q, kc, vc, layer, view.decode, spec.kind, scaling, sinks, out)
     if view.prefill is not None:

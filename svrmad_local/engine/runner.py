@@ -48,23 +48,29 @@ class ModelRunner:
         if attention == "flash" and not want_flash:
             raise ValueError("attention='flash' needs flash-attn installed, a CUDA device, fp16/bf16 weights and "
                              "no latent (MLA) layers")
-        if attention not in ("auto", "flash", "sdpa", "cpu-paged"):
-            raise ValueError(f"attention must be auto, flash, sdpa or cpu-paged, got {attention!r}")
+        if attention not in ("auto", "flash", "sdpa", "paged"):
+            raise ValueError(f"attention must be auto, flash, sdpa or paged, got {attention!r}")
         self.attention_path = "flash-attn" if want_flash else "sdpa"
-        # CPU decode rows read K/V in place through their block tables (kernels/cpu_decode.py) instead
-        # of gathering every sequence's context in every layer; "sdpa" keeps the gather path
-        self.cpu_paged = attention in ("auto", "cpu-paged") and self.device.type == "cpu" and cpu_decode.available()
-        if attention == "cpu-paged" and not self.cpu_paged:
-            raise ValueError("attention='cpu-paged' needs the CPU and the compiled kernel: "
-                             f"{cpu_decode.unavailable_reason() or 'weights are on ' + self.device.type}")
-        if self.cpu_paged:
-            self.attention_path += "+cpu-paged-decode"
+        # decode rows read K/V in place through their block tables instead of gathering every sequence's
+        # context in every layer: Triton's split-K kernel (kernels/paged_decode.py) where Triton runs, the
+        # compiled C++ one (kernels/cpu_decode.py) on the CPU; "sdpa" keeps the gather path
+        self.decode_impl = None
+        if attention in ("auto", "paged") and not want_flash:
+            if kernels.select_impl(kernel_impl, self.device, "paged_decode") == "triton":
+                self.decode_impl = "triton"
+            elif self.device.type == "cpu" and cpu_decode.available():
+                self.decode_impl = "cpu"
+        if attention == "paged" and self.decode_impl is None:
+            raise ValueError("attention='paged' needs Triton (a GPU, or kernel_impl='triton' under its interpreter) "
+                             f"or, on the CPU, the compiled kernel: {cpu_decode.unavailable_reason() or 'not built'}")
+        if self.decode_impl:
+            self.attention_path += f"+paged-decode:{self.decode_impl}"
         self.flash_paged = want_flash and block_size % FLASH_PAGE == 0
         if self.flash_paged:
             self.attention_path += " (paged)"
         self.kernel_impl = kernel_impl
         self.cascade = _cascade_enabled(cascade, kernel_impl, self.device) and not want_flash
-        self.cpu_paged = self.cpu_paged and not self.cascade
+        self.decode_impl = None if self.cascade else self.decode_impl
         cascade_impl = kernels.select_impl(kernel_impl, self.device, "cascade_attention")
         if self.cascade:
             self.attention_path += "+cascade:" + cascade_impl
@@ -126,11 +132,12 @@ class ModelRunner:
                                                         device=dev)
             else:  # blocks smaller than flash-attn's 256-token pages: gather the context first
                 ctx.flash["slots"] = torch.cat([r.index for r in runs])
-        if self.cpu_paged and nd:
+        if self.decode_impl and nd:
             tables = [blocks for _, _, blocks in step.runs[:nd]]
             width = max(len(t) for t in tables)
-            ctx.decode_table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-            ctx.decode_lens = torch.tensor([e for _, e, _ in step.runs[:nd]])
+            ctx.decode_impl = self.decode_impl
+            ctx.decode_table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev)
+            ctx.decode_lens = torch.tensor([e for _, e, _ in step.runs[:nd]], dtype=torch.int32, device=dev)
         if self.cascade and nd >= 2:
             decode = step.runs[:nd]
             ctx.decode_levels = decode_levels([b for _, _, b in decode], [e for _, e, _ in decode], bs,
