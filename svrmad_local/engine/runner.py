@@ -12,7 +12,9 @@ import torch
 
 from svrmad_local import kernels
 
-from .attention import FLASH_PAGE, HAS_FLASH_ATTN, Attachment, PagedKV, Span, StepContext, set_context
+from . import mla
+from .attention import FLASH_PAGE, HAS_FLASH_ATTN, Attachment, PagedKV, Span, StepContext
+from .context import set_context
 from .kv_cache import KVCache
 from .scheduler import Batch
 from .spec import ModelSpec
@@ -31,7 +33,7 @@ class StepInput:
 
 class ModelRunner:
     def __init__(self, model, attached: Attachment, cache: KVCache, spec: ModelSpec, block_size: int,
-                 attention: str = "auto", cascade: str = "auto", kernel_impl: str = "auto"):
+                 attention: str = "auto", cascade: str = "auto", kernel_impl: str = "auto", mla_mode: str = "absorbed"):
         self.model = model
         self.attached = attached
         self.body = model.base_model
@@ -52,6 +54,9 @@ class ModelRunner:
         if self.flash_paged:
             self.attention_path += " (paged)"
         self.kernel_impl = kernel_impl
+        self.mla_absorbed = mla.check_mode(mla_mode) == "absorbed" and spec.has_latent
+        if self.mla_absorbed:
+            self.attention_path += "+mla-absorbed:" + kernels.select_impl(kernel_impl, self.device, "mla_decode")
         self.cascade = _cascade_enabled(cascade, kernel_impl, self.device) and not want_flash
         cascade_impl = kernels.select_impl(kernel_impl, self.device, "cascade_attention")
         if self.cascade:
@@ -96,11 +101,19 @@ class ModelRunner:
             row += end - start
         nd = step.num_decode
         ctx = StepContext(self.cache, self.spec.layers, torch.cat(slot_map).to(dev), runs, nd, kernel_impl=self.kernel_impl)
-        if self.spec.has_latent:  # latent layers get the step's context back from the cache hook, each
-            # distinct slot once (forks share their prefix), to be expanded once by the model's own code
-            ctx.latent_slots, inverse = torch.unique(torch.cat([r.index for r in runs]), return_inverse=True)
-            parts = inverse.split([r.index.shape[0] for r in runs])
-            ctx.latent_runs = [Span(r.row0, r.row1, part) for r, part in zip(runs, parts)]
+        # latent layers get the step's context back from the cache hook, each distinct slot once (forks
+        # share their prefix), to be expanded once by the model's own code; with MLA absorbed only the
+        # prefill runs' context, the decode rows attend to the cached latent in place (engine.mla)
+        expand = runs[nd:] if self.mla_absorbed else runs
+        if self.spec.has_latent and expand:
+            ctx.latent_slots, inverse = torch.unique(torch.cat([r.index for r in expand]), return_inverse=True)
+            parts = inverse.split([r.index.shape[0] for r in expand])
+            ctx.latent_runs = [Span(r.row0, r.row1, part) for r, part in zip(expand, parts)]
+        elif self.spec.has_latent:
+            ctx.latent_runs = []
+        if self.mla_absorbed and nd:
+            decode = step.runs[:nd]
+            ctx.mla_tables = mla.DecodeTables.build([b for _, _, b in decode], [e for _, e, _ in decode], dev)
         if self.attention_path.startswith("flash-attn"):
             lens = [r.index.shape[0] for r in runs]
             ctx.flash = {
@@ -126,7 +139,7 @@ class ModelRunner:
                 out = self.body(
                     input_ids=torch.tensor([step.ids], device=dev),
                     position_ids=torch.tensor([pos], device=dev),
-                    past_key_values=self.paged_kv,
+                    cache=self.paged_kv,
                     use_cache=False,
                 )
         finally:
