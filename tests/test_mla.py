@@ -146,3 +146,15 @@ def test_dense_weight_prefers_the_modules_own_dequantization():
 def test_a_bad_mode_is_refused(model):
     with pytest.raises(ValueError, match="mla must be one of absorbed, expanded"):
         engine(model, mla="fast")
+
+
+def test_bench_mla_runs_and_the_two_forms_agree_at_the_v31_shape():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import bench_mla
+
+    rows = bench_mla.run([20, 37], batch=2, heads=2, dtype=torch.float32, device=torch.device("cpu"), repeat=1)
+    assert [r["context"] for r in rows] == [20, 37]
+    assert all(r["max_abs_diff"] < 1e-4 and r["expanded_ms"] > 0 and r["absorbed_ms"] > 0 for r in rows)
