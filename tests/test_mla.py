@@ -158,3 +158,15 @@ def test_bench_mla_runs_and_the_two_forms_agree_at_the_v31_shape():
     rows = bench_mla.run([20, 37], batch=2, heads=2, dtype=torch.float32, device=torch.device("cpu"), repeat=1)
     assert [r["context"] for r in rows] == [20, 37]
     assert all(r["max_abs_diff"] < 1e-4 and r["expanded_ms"] > 0 and r["absorbed_ms"] > 0 for r in rows)
+
+
+def test_spec_does_not_import_attention():
+    """engine/spec.py and engine/attention.py no longer import each other: the probe finds the step
+    context in engine/context.py."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys, svrmad_local.engine.spec as s; "
+            "assert 'svrmad_local.engine.attention' not in sys.modules, 'spec imports attention'")
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
