@@ -165,6 +165,7 @@ def _mla_triton(q_lat, q_rot, c_cache, kr_cache, block_table, lens, block_size, 
         block_table.stride(0),
         BLOCK_SIZE=block_size, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_C=max(16, next_pow2(cd)),
         BLOCK_R=max(16, next_pow2(rd)), DOT_F32=dot_f32,
+        num_warps=4 if interpreting() or cd < 256 else 8,  # a [16, 512] fp32 accumulator per program
     )
     if n_split == 1:
         return o_part[0]

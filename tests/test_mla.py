@@ -169,4 +169,31 @@ def test_spec_does_not_import_attention():
 
     code = ("import sys, svrmad_local.engine.spec as s; "
             "assert 'svrmad_local.engine.attention' not in sys.modules, 'spec imports attention'")
-    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)
+
+
+def test_absorbed_decode_never_waits_for_the_device(model):
+    """No op of the absorbed decode reads a tensor value back to the host (.item, nonzero, a boolean
+    index): the path can be captured in a CUDA graph. Checked on the torch reference's dispatch."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    syncing = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "equal", "is_nonzero"}
+    seen = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    attn = model.model.layers[1].self_attn
+    h = model.config.num_attention_heads
+    c = torch.randn(64, 1, attn.kv_lora_rank)
+    kr = torch.randn(64, 1, attn.qk_rope_head_dim)
+    tables = mla.DecodeTables(torch.tensor([[3, 1, 0], [2, 0, 0]], dtype=torch.int32),
+                              torch.tensor([9, 2], dtype=torch.int32))
+    q = torch.randn(2, h, attn.qk_head_dim)
+    mla.absorbed_weights(attn, h)  # the once-per-weight split is outside the step
+    with torch.inference_mode(), Ops():
+        mla.decode_attention(attn, q, c, kr, tables, 4, attn.scaling, "torch")
+    assert seen and not syncing & set(seen), sorted(syncing & set(seen))

@@ -112,8 +112,8 @@ class Engine:
             keep_freed_memory()
         self.blocks = BlockManager(num_blocks, cfg.block_size)
         self.cache = KVCache(num_blocks, cfg.block_size, spec.layers, devices, spec.dtype)
-        self.runner = ModelRunner(model, attached, self.cache, spec, cfg.block_size, cfg.attention, cfg.cascade, cfg.kernel_impl,
-                                  cfg.mla)
+        self.runner = ModelRunner(model, attached, self.cache, spec, cfg.block_size, cfg.attention, cfg.cascade,
+                                  cfg.kernel_impl, cfg.mla)
         self.rank = 0
         if self.sharded:  # tensor parallel: rank 0 runs the engine, the others follow its steps
             import torch.distributed as dist

@@ -38,7 +38,8 @@ class DecodeTables:
     def build(cls, tables: list[list[int]], lens: list[int], device) -> "DecodeTables":
         width = max(len(t) for t in tables)
         bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-        return cls(bt.to(device, non_blocking=True), torch.tensor(lens, dtype=torch.int32).to(device, non_blocking=True))
+        lens_t = torch.tensor(lens, dtype=torch.int32)
+        return cls(bt.to(device, non_blocking=True), lens_t.to(device, non_blocking=True))
 
     def to(self, device) -> "DecodeTables":
         return DecodeTables(self.block_table.to(device, non_blocking=True), self.lens.to(device, non_blocking=True))
