@@ -2,7 +2,7 @@
 
 The model runs one flattened batch per step: every scheduled sequence contributes a run of new
 tokens (a prefill chunk or one decode token). Two hooks of transformers carry the engine:
-- `PagedKV`, passed as `past_key_values`, receives from every layer what that layer caches
+- `PagedKV`, passed as `cache`, receives from every layer what that layer caches
   (`Cache.update`): per-head K/V, or DeepSeek's compressed latent. It writes them into the paged
   cache and, for latent layers, hands back the whole context of every run to be expanded by the
   model's own code.
@@ -21,7 +21,6 @@ attend to the shared blocks once (kernels.cascade_attention).
 from __future__ import annotations
 
 import contextlib
-import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +31,8 @@ from transformers import AttentionInterface
 from svrmad_local.kernels import apply_sinks, cascade_attention, cascade_plan, paged_decode, select_impl
 from svrmad_local.kernels.cpu_decode import paged_decode_cpu
 
+from . import mla
+from .context import get_context
 from .kv_cache import KVCache
 from .spec import LayerSpec, Probe
 
@@ -160,9 +161,9 @@ class StepContext:
     decode_pos: torch.Tensor | None = None  # cascade: each decode query's position
     kernel_impl: str = "auto"
     flash: dict | None = None  # flash-attn: cu_q, cu_k, max_q, max_k, and block_table or slots
-    decode_table: torch.Tensor | None = None  # in-place decode: block table [decode rows, width]
-    decode_lens: torch.Tensor | None = None  # ... and context lengths (the new token included)
-    decode_impl: str | None = None  # ... through "cpu" (kernels.cpu_decode) or "triton" (kernels.paged_decode)
+    decode_tables: mla.DecodeTables | None = None  # the decode rows' block tables and lengths (in-place paths)
+    decode_impl: str | None = None  # per-head K/V decode rows in place: "cpu" (kernels.cpu_decode) or "triton"
+    mla_absorbed: bool = False  # latent decode rows attend to the cached latent (engine.mla)
     _views: dict = field(default_factory=dict)
     _plans: dict = field(default_factory=dict)
     _per_device: dict = field(default_factory=dict)
@@ -180,8 +181,9 @@ class StepContext:
     def view(self, window: int | None, latent: bool = False) -> View:
         key = (window, latent)
         if key not in self._views:
-            self._views[key] = _view(self.latent_runs if latent else self.runs, self.decode_rows, window,
-                                     pad_decode=latent or self.decode_table is None)
+            nd = 0 if latent and self.mla_absorbed else self.decode_rows  # absorbed: latent_runs are prefills
+            self._views[key] = _view(self.latent_runs if latent else self.runs, nd, window,
+                                     pad_decode=latent or self.decode_impl is None)
         return self._views[key]
 
     def on(self, device: torch.device) -> "StepContext":
@@ -197,34 +199,16 @@ class StepContext:
             self._per_device[device] = StepContext(
                 self.cache, self.specs, mv(self.slot_mapping), runs(self.runs), self.decode_rows,
                 mv(self.latent_slots), runs(self.latent_runs), levels, mv(self.decode_pos), self.kernel_impl, flash,
-                mv(self.decode_table), mv(self.decode_lens), self.decode_impl)
+                None if self.decode_tables is None else self.decode_tables.to(device), self.decode_impl,
+                self.mla_absorbed)
         return self._per_device[device]
 
 
-_local = threading.local()
-
-
-def set_context(ctx: StepContext | Probe | None) -> None:
-    _local.ctx = ctx
-
-
-def get_context() -> StepContext | Probe | None:
-    return getattr(_local, "ctx", None)
-
-
-@contextlib.contextmanager
-def probing(probe: Probe):
-    set_context(probe)
-    try:
-        yield probe
-    finally:
-        set_context(None)
-
-
 class PagedKV:
-    """Passed to the model as `past_key_values`: every layer hands it what it caches for the step's
-    new tokens. It writes them to their slots; a latent layer gets back its whole context (every
-    run's, concatenated) to expand, the way transformers' own cache returns it."""
+    """Passed to the model as `cache`: every layer hands it what it caches for the step's new
+    tokens. It writes them to their slots; a latent layer gets back its whole context (every run's,
+    concatenated) to expand, the way transformers' own cache returns it, or with MLA absorbed the
+    context of the prefill runs only (`latent_slots`; none: the new tokens back, unused)."""
 
     def update(self, key, value, layer_idx, *args, **kwargs):
         ctx = get_context()
@@ -234,8 +218,8 @@ class PagedKV:
         kc, vc = ctx.cache.k[layer_idx], ctx.cache.v[layer_idx]
         kc[ctx.slot_mapping] = key[0].transpose(0, 1).to(kc.dtype)
         vc[ctx.slot_mapping] = value[0].transpose(0, 1).to(vc.dtype)
-        if ctx.specs[layer_idx].kind != "latent":
-            return key, value
+        if ctx.specs[layer_idx].kind != "latent" or ctx.latent_slots is None:
+            return key, value  # (latent, absorbed, no prefill run: the decode rows read the cache in place)
         k, v = ctx.cache.gather(layer_idx, ctx.latent_slots)  # [L, 1, d]
         return k.transpose(0, 1).unsqueeze(0).to(key.dtype), v.transpose(0, 1).unsqueeze(0).to(value.dtype)
 
@@ -330,13 +314,17 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
         out[:nd] = cascade_attention(q[:nd], *paged, ctx.decode_levels, scaling, q_pos=ctx.decode_pos,
                                      window=spec.window, sinks=sinks, kernel_impl=ctx.kernel_impl,
                                      plan=ctx.cascade_plan(spec.window, q[:nd], paged[0]))
-    elif nd and ctx.decode_table is not None and spec.kind == "kv":  # in place, through the block tables
+    elif nd and spec.kind == "kv" and ctx.decode_impl is not None:  # in place, through the block tables
+        t = ctx.decode_tables
         if ctx.decode_impl == "cpu":
-            out[:nd] = paged_decode_cpu(q[:nd], kc, vc, ctx.decode_table, ctx.decode_lens, ctx.cache.block_size,
-                                        scaling, spec.window, sinks)
+            out[:nd] = paged_decode_cpu(q[:nd], kc, vc, t.block_table, t.lens, ctx.cache.block_size, scaling,
+                                        spec.window, sinks)
         else:
-            out[:nd] = paged_decode(q[:nd], kc, vc, ctx.decode_table, ctx.decode_lens, ctx.cache.block_size, scaling,
+            out[:nd] = paged_decode(q[:nd], kc, vc, t.block_table, t.lens, ctx.cache.block_size, scaling,
                                     window=spec.window, sinks=sinks, kernel_impl=ctx.kernel_impl)
+    elif nd and spec.kind == "latent" and ctx.mla_absorbed:  # absorbed MLA, from the latent cache
+        out[:nd] = mla.decode_attention(module, q[:nd], ctx.cache.k[layer], ctx.cache.v[layer], ctx.decode_tables,
+                                        ctx.cache.block_size, scaling, ctx.kernel_impl)
     elif nd:
         _attend_padded(ctx, q, kc, vc, layer, view.decode, spec.kind, scaling, sinks, out)
     if view.prefill is not None:

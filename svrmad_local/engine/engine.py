@@ -45,7 +45,10 @@ class EngineConfig:
     kernels/ (fused token statistics for scoring, cascade attention): "auto" takes Triton on a GPU,
     "torch" forces the references. cascade: "auto" (off: measured slower, see runner._cascade_enabled) | "on" | "off".
     linear: "auto" | "onednn" | "aten", how the model's linears run (models/linear.py): "auto" packs them
-    for oneDNN on the CPU where it can and says why not where it cannot; the packing is done in place, once."""
+    for oneDNN on the CPU where it can and says why not where it cannot; the packing is done in place, once.
+
+    mla: "absorbed" (decode rows of multi-head latent attention read the cached latent, engine/mla.py) |
+    "expanded" (transformers' own expansion of the whole context at every step, the reference)."""
 
     block_size: int = 16  # 256 (a flash-attn page) lets flash-attn read the cache in place
     kv_cache_memory: int | float | str | None = None
@@ -55,6 +58,7 @@ class EngineConfig:
     kernel_impl: str = "auto"
     cascade: str = "auto"
     linear: str = "auto"
+    mla: str = "absorbed"
     score_chunk: int = 1024
     signals: SignalConfig = field(default_factory=SignalConfig)
     seed: int = 0
@@ -116,7 +120,8 @@ class Engine:
             keep_freed_memory()
         self.blocks = BlockManager(num_blocks, cfg.block_size)
         self.cache = KVCache(num_blocks, cfg.block_size, spec.layers, devices, spec.dtype)
-        self.runner = ModelRunner(model, attached, self.cache, spec, cfg.block_size, cfg.attention, cfg.cascade, cfg.kernel_impl)
+        self.runner = ModelRunner(model, attached, self.cache, spec, cfg.block_size, cfg.attention, cfg.cascade,
+                                  cfg.kernel_impl, cfg.mla)
         self.rank = 0
         if self.sharded:  # tensor parallel: rank 0 runs the engine, the others follow its steps
             import torch.distributed as dist

@@ -13,7 +13,9 @@ import torch
 from svrmad_local import kernels
 from svrmad_local.kernels import cpu_decode
 
-from .attention import FLASH_PAGE, HAS_FLASH_ATTN, Attachment, PagedKV, Span, StepContext, set_context
+from . import mla
+from .attention import FLASH_PAGE, HAS_FLASH_ATTN, Attachment, PagedKV, Span, StepContext
+from .context import set_context
 from .kv_cache import KVCache
 from .scheduler import Batch
 from .spec import ModelSpec
@@ -32,7 +34,7 @@ class StepInput:
 
 class ModelRunner:
     def __init__(self, model, attached: Attachment, cache: KVCache, spec: ModelSpec, block_size: int,
-                 attention: str = "auto", cascade: str = "auto", kernel_impl: str = "auto"):
+                 attention: str = "auto", cascade: str = "auto", kernel_impl: str = "auto", mla_mode: str = "absorbed"):
         self.model = model
         self.attached = attached
         self.body = model.base_model
@@ -69,6 +71,9 @@ class ModelRunner:
         if self.flash_paged:
             self.attention_path += " (paged)"
         self.kernel_impl = kernel_impl
+        self.mla_absorbed = mla.check_mode(mla_mode) == "absorbed" and spec.has_latent
+        if self.mla_absorbed:
+            self.attention_path += "+mla-absorbed:" + kernels.select_impl(kernel_impl, self.device, "mla_decode")
         self.cascade = _cascade_enabled(cascade, kernel_impl, self.device) and not want_flash
         self.decode_impl = None if self.cascade else self.decode_impl
         cascade_impl = kernels.select_impl(kernel_impl, self.device, "cascade_attention")
@@ -113,11 +118,20 @@ class ModelRunner:
         nd = step.num_decode
         ctx = StepContext(self.cache, self.spec.layers, torch.tensor(slot_map, device=dev), runs, nd,
                           kernel_impl=self.kernel_impl)
-        if self.spec.has_latent:  # latent layers get the step's context back from the cache hook, each
-            # distinct slot once (forks share their prefix), to be expanded once by the model's own code
-            ctx.latent_slots, inverse = torch.unique(torch.cat([r.index for r in runs]), return_inverse=True)
-            parts = inverse.split([r.index.shape[0] for r in runs])
-            ctx.latent_runs = [Span(r.row0, r.row1, part) for r, part in zip(runs, parts)]
+        # latent layers get the step's context back from the cache hook, each distinct slot once (forks
+        # share their prefix), to be expanded once by the model's own code; with MLA absorbed only the
+        # prefill runs' context, the decode rows attend to the cached latent in place (engine.mla)
+        expand = runs[nd:] if self.mla_absorbed else runs
+        if self.spec.has_latent and expand:
+            ctx.latent_slots, inverse = torch.unique(torch.cat([r.index for r in expand]), return_inverse=True)
+            parts = inverse.split([r.index.shape[0] for r in expand])
+            ctx.latent_runs = [Span(r.row0, r.row1, part) for r, part in zip(expand, parts)]
+        elif self.spec.has_latent:
+            ctx.latent_runs = []
+        if nd and (self.mla_absorbed or self.decode_impl):  # decode rows read the cache in place
+            decode = step.runs[:nd]
+            ctx.decode_tables = mla.DecodeTables.build([b for _, _, b in decode], [e for _, e, _ in decode], dev)
+            ctx.decode_impl, ctx.mla_absorbed = self.decode_impl, self.mla_absorbed
         if self.attention_path.startswith("flash-attn"):
             lens = [r.index.shape[0] for r in runs]
             ctx.flash = {
@@ -126,18 +140,9 @@ class ModelRunner:
                 "max_q": max(r.row1 - r.row0 for r in runs), "max_k": max(lens),
             }
             if self.flash_paged:  # flash-attn reads the blocks in place through the block table
-                tables = [blocks for _, _, blocks in step.runs]
-                width = max(len(t) for t in tables)
-                ctx.flash["block_table"] = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32,
-                                                        device=dev)
+                ctx.flash["block_table"] = mla.DecodeTables.build([b for _, _, b in step.runs], lens, dev).block_table
             else:  # blocks smaller than flash-attn's 256-token pages: gather the context first
                 ctx.flash["slots"] = torch.cat([r.index for r in runs])
-        if self.decode_impl and nd:
-            tables = [blocks for _, _, blocks in step.runs[:nd]]
-            width = max(len(t) for t in tables)
-            ctx.decode_impl = self.decode_impl
-            ctx.decode_table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev)
-            ctx.decode_lens = torch.tensor([e for _, e, _ in step.runs[:nd]], dtype=torch.int32, device=dev)
         if self.cascade and nd >= 2:
             decode = step.runs[:nd]
             ctx.decode_levels = decode_levels([b for _, _, b in decode], [e for _, e, _ in decode], bs,
@@ -149,7 +154,7 @@ class ModelRunner:
                 out = self.body(
                     input_ids=torch.tensor([step.ids], device=dev),
                     position_ids=torch.tensor([pos], device=dev),
-                    past_key_values=self.paged_kv,
+                    cache=self.paged_kv,
                     use_cache=False,
                 )
         finally:

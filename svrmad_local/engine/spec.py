@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .context import probing
+
 # keyword arguments the paged attention understands; any other one with a value is refused
 _KNOWN_KWARGS = {"position_ids", "use_cache", "cache_position", "sliding_window", "s_aux", "softcap",
                  "output_attentions", "is_causal", "dropout", "scaling"}
@@ -141,8 +143,6 @@ def _refuse_config_features(config, arch: str) -> None:
 def inspect_model(model, attached) -> ModelSpec:
     """Probe `model` under `attached()` (the engine's attention switched on) and return its
     ModelSpec, or raise UnsupportedModel naming the first feature the engine cannot compute exactly."""
-    from .attention import probing
-
     config = _text_config(model.config)
     arch = f"{type(model).__name__} ({getattr(config, 'model_type', '?')})"
     _refuse_config_features(config, arch)
@@ -153,7 +153,7 @@ def inspect_model(model, attached) -> ModelSpec:
     cache, probe = _ProbeCache(), Probe()
     ids = torch.tensor([[0, 1]], device=device)
     with attached(), probing(probe), torch.inference_mode():
-        body(input_ids=ids, position_ids=torch.arange(2, device=device)[None], past_key_values=cache, use_cache=False)
+        body(input_ids=ids, position_ids=torch.arange(2, device=device)[None], cache=cache, use_cache=False)
     missing = [i for i in range(n) if i not in probe.calls]
     if None in probe.calls or missing:
         raise UnsupportedModel(f"{arch}: layers {missing or 'without a layer index'} do not run attention through "

@@ -1,0 +1,173 @@
+"""Decode attention of multi-head latent attention (DeepSeek-V2/V3 MLA) in its absorbed form, read in
+place from the paged latent cache.
+
+With W_UK folded into the query (q_lat = q_nope @ W_UK, done by the caller), every head attends to the
+same cached rows: the normalised KV latent c [C = kv_lora_rank] and the shared roped key k_rot [R]. It is
+multi-query attention with a (C + R)-wide key and c itself as the value:
+    score = (q_lat . c + q_rot . k_rot) * scale,  out_lat = softmax(score) @ c   [H, C]
+and the caller applies W_UV per head afterwards. One read of the latent serves all heads, instead of
+expanding every cached token through kv_b_proj at every step.
+
+Shapes: q_lat [N, H, C], q_rot [N, H, R] (one decode query per row); c_cache [S, C] and kr_cache [S, R]
+(flat slots, S = blocks * block_size; a singleton head dim [S, 1, C] is accepted); block_table [N, W]
+block ids (padding ignored); lens [N] the context length of each row, its own token included. Returns
+out_lat [N, H, C] fp32.
+
+The Triton path splits the context (grid: rows x head tiles x splits) and merges the splits with torch
+ops. The split count depends on the block table's width only (a shape), never on `lens` (values), so
+no call waits for the GPU: it can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import torch
+
+from ._backend import HAS_TRITON, cdiv, disable_auto, interpreting, next_pow2, resolve_impl, tl, triton
+
+LOG2E = 1.4426950408889634
+
+
+def mla_decode(q_lat, q_rot, c_cache, kr_cache, block_table, lens, block_size: int, scale: float, *,
+               kernel_impl: str = "auto") -> torch.Tensor:
+    """Absorbed MLA decode attention over the paged latent cache; [N, H, C] fp32 (see the module doc)."""
+    c2, kr2 = c_cache.reshape(c_cache.shape[0], -1), kr_cache.reshape(kr_cache.shape[0], -1)
+    _check(q_lat, q_rot, c2, kr2, block_table, lens)
+    impl = resolve_impl(kernel_impl, q_lat.device, "mla_decode")
+    if impl == "triton" and q_lat.shape[0]:
+        try:
+            return _mla_triton(q_lat, q_rot, c2, kr2, block_table, lens, block_size, scale)
+        except Exception as e:  # noqa: BLE001 - a kernel problem degrades speed under "auto", not the run
+            if kernel_impl != "auto":
+                raise
+            disable_auto("mla_decode", e)
+    return reference_mla_decode(q_lat, q_rot, c2, kr2, block_table, lens, block_size, scale)
+
+
+def reference_mla_decode(q_lat, q_rot, c_cache, kr_cache, block_table, lens, block_size: int, scale: float):
+    """The torch reference: a padded gather of every row's context (block table width x block_size
+    tokens), fp32 scores and softmax, positions at or past `lens` masked."""
+    c_cache, kr_cache = c_cache.reshape(c_cache.shape[0], -1), kr_cache.reshape(kr_cache.shape[0], -1)
+    dev = q_lat.device
+    pos = torch.arange(block_table.shape[1] * block_size, device=dev)
+    slots = block_table.long()[:, pos // block_size] * block_size + pos % block_size  # [N, L]
+    c = c_cache[slots].float()  # [N, L, C]
+    kr = kr_cache[slots].float()
+    s = (q_lat.float() @ c.transpose(1, 2) + q_rot.float() @ kr.transpose(1, 2)) * scale  # [N, H, L]
+    s = s.masked_fill(pos[None, None, :] >= lens.to(dev).long()[:, None, None], float("-inf"))
+    return torch.softmax(s, -1) @ c
+
+
+def _check(q_lat, q_rot, c_cache, kr_cache, block_table, lens) -> None:
+    n, h, c = q_lat.shape
+    if q_rot.shape[:2] != (n, h) or q_rot.shape[2] != kr_cache.shape[1] or c_cache.shape[1] != c:
+        raise ValueError(f"mla_decode: q_lat {tuple(q_lat.shape)}, q_rot {tuple(q_rot.shape)}, latent cache "
+                         f"{tuple(c_cache.shape)} and rope cache {tuple(kr_cache.shape)} disagree")
+    if block_table.dim() != 2 or block_table.shape[0] != n or lens.shape != (n,):
+        raise ValueError(f"mla_decode: block_table {tuple(block_table.shape)} and lens {tuple(lens.shape)} must be "
+                         f"[{n}, W] and [{n}]")
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton path
+# ----------------------------------------------------------------------------------------------
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _mla_decode_kernel(
+        QL, QR, C, KR, BT, LENS, O, LSE,
+        qk_scale, chunk, H, CD, RD,
+        s_qln, s_qlh, s_qrn, s_qrh, s_c, s_kr, s_bt,
+        BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr,
+    ):
+        """One program: a tile of heads of one row x one chunk of its context; online softmax in the
+        exp2 domain, writing the chunk's normalised output and its lse (natural log; -inf for an
+        empty chunk). Every tile of latent rows is loaded once for the BLOCK_H heads."""
+        n = tl.program_id(0)
+        hb = tl.program_id(1)
+        split = tl.program_id(2)
+        heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+        hmask = heads < H
+        cc = tl.arange(0, BLOCK_C)
+        cmask = cc < CD
+        rr = tl.arange(0, BLOCK_R)
+        rmask = rr < RD
+        ql = tl.load(QL + n * s_qln + heads[:, None] * s_qlh + cc[None, :], mask=hmask[:, None] & cmask[None, :],
+                     other=0.0)
+        qr = tl.load(QR + n * s_qrn + heads[:, None] * s_qrh + rr[None, :], mask=hmask[:, None] & rmask[None, :],
+                     other=0.0)
+        if DOT_F32:
+            ql = ql.to(tl.float32)
+            qr = qr.to(tl.float32)
+        kv_len = tl.load(LENS + n)
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, kv_len)
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_C], tl.float32)
+        for t0 in range(lo, hi, BLOCK_N):
+            pos = t0 + tl.arange(0, BLOCK_N)
+            pmask = pos < hi
+            blk = tl.load(BT + n * s_bt + pos // BLOCK_SIZE, mask=pmask, other=0).to(tl.int64)
+            slot = blk * BLOCK_SIZE + pos % BLOCK_SIZE
+            c = tl.load(C + slot[:, None] * s_c + cc[None, :], mask=pmask[:, None] & cmask[None, :], other=0.0)
+            kr = tl.load(KR + slot[:, None] * s_kr + rr[None, :], mask=pmask[:, None] & rmask[None, :], other=0.0)
+            if DOT_F32:
+                c = c.to(tl.float32)
+                kr = kr.to(tl.float32)
+                s = tl.dot(ql, tl.trans(c), input_precision="ieee")
+                s = tl.dot(qr, tl.trans(kr), s, input_precision="ieee")
+            else:
+                s = tl.dot(ql, tl.trans(c))
+                s = tl.dot(qr, tl.trans(kr), s)
+            s = tl.where(pmask[None, :], s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every tile holds a visible key
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            if DOT_F32:
+                acc = tl.dot(p, c, acc * alpha[:, None], input_precision="ieee")
+            else:
+                acc = tl.dot(p.to(c.dtype), c, acc * alpha[:, None])
+            m_i = m_new
+        has = l_i > 0.0
+        out = acc / tl.where(has, l_i, 1.0)[:, None]
+        lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+        row = (split * tl.num_programs(0) + n) * H + heads
+        tl.store(O + row[:, None] * CD + cc[None, :], out, mask=hmask[:, None] & cmask[None, :])
+        tl.store(LSE + row, lse, mask=hmask)
+
+
+def _splits(max_len: int, block_n: int) -> tuple[int, int]:
+    """(number of splits, tokens per split) for a context of at most `max_len` tokens: about 1k tokens a
+    split, at most 16 splits (a shape-only choice: the same for every call with this table width)."""
+    n_split = max(1, min(16, cdiv(max_len, 1024)))
+    chunk = cdiv(cdiv(max_len, n_split), block_n) * block_n
+    return cdiv(max_len, chunk), chunk
+
+
+def _mla_triton(q_lat, q_rot, c_cache, kr_cache, block_table, lens, block_size, scale):
+    n, h, cd = q_lat.shape
+    rd = q_rot.shape[2]
+    dev = q_lat.device
+    block_h, block_n = (16, 16) if interpreting() else (16, 32)
+    n_split, chunk = _splits(block_table.shape[1] * block_size, block_n)
+    o_part = torch.empty(n_split, n, h, cd, device=dev)
+    l_part = torch.empty(n_split, n, h, device=dev)
+    dt = c_cache.dtype
+    ql, qr = q_lat.to(dt).contiguous(), q_rot.to(dt).contiguous()
+    # fp32 caches take an exact ieee dot; bf16 under the interpreter too (its bf16 dot is wrong)
+    dot_f32 = dt == torch.float32 or (interpreting() and dt == torch.bfloat16)
+    _mla_decode_kernel[(n, cdiv(h, block_h), n_split)](
+        ql, qr, c_cache, kr_cache, block_table, lens, o_part, l_part,
+        scale * LOG2E, chunk, h, cd, rd,
+        ql.stride(0), ql.stride(1), qr.stride(0), qr.stride(1), c_cache.stride(0), kr_cache.stride(0),
+        block_table.stride(0),
+        BLOCK_SIZE=block_size, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_C=max(16, next_pow2(cd)),
+        BLOCK_R=max(16, next_pow2(rd)), DOT_F32=dot_f32,
+        num_warps=4 if interpreting() or cd < 256 else 8,  # a [16, 512] fp32 accumulator per program
+    )
+    if n_split == 1:
+        return o_part[0]
+    w = torch.softmax(l_part, 0)  # split 0 is never empty (lens >= 1), so no row is all -inf
+    return (o_part * w.unsqueeze(-1)).sum(0)

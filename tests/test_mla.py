@@ -1,0 +1,200 @@
+"""MLA in the absorbed form (engine/mla.py) against the expanded form and a cache-free transformers loop,
+on the tiny DeepSeek-V3 zoo model: greedy tokens exact, log-probs within 1e-4 (fp32 weights: the two
+forms differ only in the order of the same fp32 sums), with forks sharing a prefix, a warm cache, and
+steps that mix prefill chunks with decode rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from svrmad_local.engine import mla
+from svrmad_local.engine.context import get_context
+from svrmad_local.engine.engine import Engine, EngineConfig
+from svrmad_local.engine.params import SamplingParams
+from svrmad_local.kernels import HAS_TRITON
+
+from .model_zoo import loop_greedy, make_zoo_model, rand_prompt
+
+NEW = 8
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_zoo_model("deepseek-v3")
+
+
+def engine(model, **kw):
+    kw.setdefault("kv_cache_memory", 4 * 2**20)
+    kw.setdefault("block_size", 4)
+    return Engine(model, None, EngineConfig(**kw))
+
+
+@pytest.fixture
+def decode_calls(monkeypatch):
+    """Each absorbed decode call: (decode rows, whether the step also expanded prefill runs)."""
+    calls = []
+    real = mla.decode_attention
+
+    def spy(module, q, *args, **kw):
+        calls.append((q.shape[0], get_context().latent_slots is not None))
+        return real(module, q, *args, **kw)
+
+    monkeypatch.setattr(mla, "decode_attention", spy)
+    return calls
+
+
+def _prompts():
+    head = rand_prompt(11, 1)  # ends inside a block: the later prompts copy its partial block
+    return [head + rand_prompt(n, 10 + n) for n in (2, 7, 13)] + [rand_prompt(30, 2)]
+
+
+def _run(eng, prompts, params):
+    return eng.generate_sync(prompts, params)
+
+
+def _assert_same(a, b):
+    for x, y in zip(a, b):
+        assert [c.token_ids for c in x.completions] == [c.token_ids for c in y.completions]
+        for cx, cy in zip(x.completions, y.completions):
+            assert cx.logprobs == pytest.approx(cy.logprobs, abs=TOL)
+
+
+def test_absorbed_equals_expanded_and_the_loop_with_mixed_steps(model, decode_calls):
+    prompts = _prompts()
+    refs = [loop_greedy(model, p, NEW) for p in prompts]
+    # a small token budget chunks the long prompts' prefill over steps in which the others decode
+    absorbed = engine(model, max_num_batched_tokens=12)
+    assert "mla-absorbed:torch" in absorbed.info["attention"]
+    got = _run(absorbed, prompts, GREEDY)
+    assert [o.completions[0].token_ids for o in got] == refs
+    assert any(mixed for _, mixed in decode_calls), "no step mixed prefill runs with absorbed decode rows"
+    assert any(not mixed for _, mixed in decode_calls)
+    expanded = engine(model, max_num_batched_tokens=12, mla="expanded")
+    assert "mla-absorbed" not in expanded.info["attention"]
+    _assert_same(got, _run(expanded, prompts, GREEDY))
+    warm = _run(absorbed, prompts[:3], GREEDY)  # mostly from the cache now
+    assert [o.completions[0].token_ids for o in warm] == refs[:3]
+
+
+def test_forks_sharing_a_prefix(model, decode_calls):
+    prompt = _prompts()[2]
+    params = SamplingParams(n=3, temperature=0, max_tokens=NEW, ignore_eos=True)
+    got = _run(engine(model), [prompt], params)[0]
+    assert [c.token_ids for c in got.completions] == [loop_greedy(model, prompt, NEW)] * 3
+    assert max(n for n, _ in decode_calls) == 3  # the three forks decode together
+    sampled = SamplingParams(n=3, temperature=1.0, max_tokens=NEW, ignore_eos=True, seed=7)
+    _assert_same(_run(engine(model, mla="expanded"), [prompt], sampled), _run(engine(model), [prompt], sampled))
+
+
+def test_decode_steps_no_longer_expand_the_context(model, monkeypatch):
+    """With the absorbed form a decode-only step hands kv_b_proj the new tokens only."""
+    attn_cls = type(model.model.layers[0].self_attn)
+    seen = []
+    real = attn_cls.expand_kv
+
+    def spy(self, kv_nope, k_rot):
+        seen.append(kv_nope.shape[2])
+        return real(self, kv_nope, k_rot)
+
+    monkeypatch.setattr(attn_cls, "expand_kv", spy)
+    n_layers = len(model.model.layers)
+    prompt = rand_prompt(20, 3)
+    for mode, want in (("absorbed", [20] + [1] * (NEW - 1)), ("expanded", list(range(20, 20 + NEW)))):
+        eng = engine(model, mla=mode)
+        seen.clear()  # (the probe at Engine(...) expands two tokens)
+        _run(eng, [prompt], GREEDY)
+        assert seen == [n for n in want for _ in range(n_layers)], mode
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+def test_triton_kernel_in_the_engine(model):
+    prompts = _prompts()[1:3]
+    eng = engine(model, kernel_impl="triton", max_num_batched_tokens=12)
+    assert "mla-absorbed:triton" in eng.info["attention"]
+    _assert_same(_run(eng, prompts, GREEDY), _run(engine(model, mla="expanded"), prompts, GREEDY))
+
+
+def test_absorbed_weights_are_cached_per_weight_version():
+    model = make_zoo_model("deepseek-v3")  # not the shared one: an engine packs that one's linears for oneDNN
+    attn = model.model.layers[0].self_attn
+    h = model.config.num_attention_heads
+    a = mla.absorbed_weights(attn, h)
+    assert mla.absorbed_weights(attn, h)[0] is a[0]  # computed once
+    w = attn.kv_b_proj.weight.detach().view(h, -1, attn.kv_lora_rank)
+    torch.testing.assert_close(a[0], w[:, : attn.qk_nope_head_dim])
+    torch.testing.assert_close(a[1], w[:, attn.qk_nope_head_dim:].transpose(1, 2))
+    saved = attn.kv_b_proj.weight.detach().clone()
+    try:
+        with torch.no_grad():
+            attn.kv_b_proj.weight.mul_(2.0)  # a new version: split again
+        b = mla.absorbed_weights(attn, h)
+        torch.testing.assert_close(b[0], 2 * a[0])
+    finally:
+        with torch.no_grad():
+            attn.kv_b_proj.weight.copy_(saved)
+
+
+def test_dense_weight_prefers_the_modules_own_dequantization():
+    lin = torch.nn.Linear(4, 6, bias=False)
+    assert mla.dense_weight(lin) is lin.weight
+    lin.dense_weight = lambda: torch.ones(6, 4)
+    assert torch.equal(mla.dense_weight(lin), torch.ones(6, 4))
+
+
+def test_a_bad_mode_is_refused(model):
+    with pytest.raises(ValueError, match="mla must be one of absorbed, expanded"):
+        engine(model, mla="fast")
+
+
+def test_bench_mla_runs_and_the_two_forms_agree_at_the_v31_shape():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import bench_mla
+
+    rows = bench_mla.run([20, 37], batch=2, heads=2, dtype=torch.float32, device=torch.device("cpu"), repeat=1)
+    assert [r["context"] for r in rows] == [20, 37]
+    assert all(r["max_abs_diff"] < 1e-4 and r["expanded_ms"] > 0 and r["absorbed_ms"] > 0 for r in rows)
+
+
+def test_spec_does_not_import_attention():
+    """engine/spec.py and engine/attention.py no longer import each other: the probe finds the step
+    context in engine/context.py."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys, svrmad_local.engine.spec as s; "
+            "assert 'svrmad_local.engine.attention' not in sys.modules, 'spec imports attention'")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)
+
+
+def test_absorbed_decode_never_waits_for_the_device(model):
+    """No op of the absorbed decode reads a tensor value back to the host (.item, nonzero, a boolean
+    index): the path can be captured in a CUDA graph. Checked on the torch reference's dispatch."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    syncing = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "equal", "is_nonzero"}
+    seen = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    attn = model.model.layers[1].self_attn
+    h = model.config.num_attention_heads
+    c = torch.randn(64, 1, attn.kv_lora_rank)
+    kr = torch.randn(64, 1, attn.qk_rope_head_dim)
+    tables = mla.DecodeTables(torch.tensor([[3, 1, 0], [2, 0, 0]], dtype=torch.int32),
+                              torch.tensor([9, 2], dtype=torch.int32))
+    q = torch.randn(2, h, attn.qk_head_dim)
+    mla.absorbed_weights(attn, h)  # the once-per-weight split is outside the step
+    with torch.inference_mode(), Ops():
+        mla.decode_attention(attn, q, c, kr, tables, 4, attn.scaling, "torch")
+    assert seen and not syncing & set(seen), sorted(syncing & set(seen))
