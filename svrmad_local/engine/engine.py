@@ -21,7 +21,7 @@ from svrmad_local import kernels
 
 from .attention import Attachment
 from .kv_cache import BlockManager, KVCache
-from .memory import keep_freed_memory, kv_budget, parse_memory  # noqa: F401  (parse_memory: public)
+from .memory import keep_freed_memory, kv_budget, parse_memory, weight_bytes  # noqa: F401  (parse_memory: public)
 from .params import SamplingParams
 from .runner import ModelRunner
 from .sampler import sample
@@ -150,6 +150,7 @@ class Engine:
             "stats": self._stats_path(),
             "block_size": self.cfg.block_size,
             "kv_blocks": self.blocks.num_blocks,
+            "weight_bytes": weight_bytes(self.model),
             "kv_budget_bytes": self.kv_budget_bytes,
             "peak_kv_bytes": self.blocks.peak_used * self.block_bytes,
             "evictions": self.blocks.evictions,
@@ -158,9 +159,11 @@ class Engine:
         }
 
     @classmethod
-    def from_pretrained(cls, path, *, dtype=None, device=None, device_map=None, **config) -> "Engine":
+    def from_pretrained(cls, path, *, dtype=None, device=None, device_map=None, quantization="auto",
+                        **config) -> "Engine":
         """Load a local checkpoint folder (`models.loader.load_model`) and build an engine on it;
-        `config` holds EngineConfig fields (kv_cache_memory="40GiB", block_size=16, ...)."""
+        `config` holds EngineConfig fields (kv_cache_memory="40GiB", block_size=16, ...).
+        `quantization` ("auto" | "native" | "dequantize"): how an MXFP4 / FP8 checkpoint is held."""
         from svrmad_local.models.loader import load_model
 
         fields = set(EngineConfig.__dataclass_fields__)
@@ -168,7 +171,7 @@ class Engine:
         if unknown:
             raise TypeError(f"Engine.from_pretrained: unknown option(s) {', '.join(unknown)}; "
                             f"EngineConfig has {', '.join(sorted(fields))}")
-        lm = load_model(path, dtype=dtype, device=device, device_map=device_map)
+        lm = load_model(path, dtype=dtype, device=device, device_map=device_map, quantization=quantization)
         return cls(lm.model, lm.tokenizer, EngineConfig(**config))
 
     def encode(self, prompt: Prompt) -> list[int]:
