@@ -11,6 +11,7 @@ unchanged); then every weight is read from the safetensors files by name:
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 import re
 from pathlib import Path
@@ -193,7 +194,7 @@ def _dense(reader: Reader, name: str, shape, dt: torch.dtype, spec: QuantSpec) -
         raise QuantError(f"weight {name} is FP8, but config.json declares {spec.method}, not fp8")
     w, s = reader.get(name, shape, "weight"), reader.get(name + "_scale_inv", None, "scale tensor")
     out = torch.empty(shape, dtype=dt)
-    lead = list(torch.ndindex(*shape[:-2])) or [()]
+    lead = list(itertools.product(*map(range, shape[:-2])))  # [()] for a matrix
     try:
         for i in lead:  # one expert (one matrix) at a time
             out[i] = dequantize_fp8(w[i], s[i], spec.block, dt)
