@@ -252,8 +252,6 @@ def test_modes_without_a_path_are_refused(folders):
     spec = QuantSpec("fp8", (128, 128))
     with pytest.raises(QuantError, match="tensor parallelism over a fp8 checkpoint"):
         choose_mode("native", spec, "cuda", True, None)
-    with pytest.raises(QuantError, match="device map over a mxfp4 checkpoint"):
-        choose_mode("auto", QuantSpec("mxfp4"), None, False, "auto")
     with pytest.raises(QuantError, match="'native' has no path on mps"):
         choose_mode("native", spec, "mps", False, None)
     assert choose_mode("auto", spec, "mps", False, None)[0] == "dequantize"
@@ -263,3 +261,16 @@ def test_modes_without_a_path_are_refused(folders):
     _refused(folders["gpt-oss"][0], "quantization 'packed': use one of auto, native, dequantize", quantization="packed")
     with pytest.raises(QuantError, match="fp8 format 'e5m2'"):
         quant_spec({"quantization_config": {"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}})
+
+
+def test_device_maps_keep_packed_modules_whole(folders, refs, tmp_path):
+    qdir = folders["gpt-oss"][0]
+    prompt = rand_prompt(2 * WINDOW + 1, 5)
+    want = loop_greedy(refs["gpt-oss"], prompt, NEW)
+    for device_map in ("auto", {"model": "cpu", "lm_head": "cpu"}):
+        model = load_model(qdir, device_map=device_map, quantization="native").model
+        assert any(isinstance(m, Mxfp4Experts) for m in model.modules())
+        assert loop_greedy(model, prompt, NEW) == want
+    cut = {"": "cpu", "model.layers.1.mlp.experts.down_proj_blocks": "cpu"}
+    _refused(qdir, r"device_map entry 'model.layers.1.mlp.experts.down_proj_blocks' cuts the packed module "
+                   r"model.layers.1.mlp.experts", device_map=cut, quantization="native")

@@ -108,7 +108,7 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype | None = None, devi
     if spec is not None:
         log.info("loading %s (%s) %s: %s", path.name, spec.describe(),
                  "with the weights packed (native)" if mode == "native" else f"dequantized into {torch_dtype}", why)
-        model = quant.load_quantized(path, config, spec, mode, torch_dtype, device)
+        model = quant.load_quantized(path, config, spec, mode, torch_dtype, device, device_map)
         return LoadedModel(model, load_tokenizer(path), path)
     kwargs = dict(SAFE, dtype=torch_dtype, use_safetensors=True, output_loading_info=True)
     if device_map is not None:

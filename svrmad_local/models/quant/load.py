@@ -44,10 +44,7 @@ def choose_mode(requested: str, spec: QuantSpec | None, device: str | None, tp: 
     if tp:
         raise QuantError(f"tensor parallelism over a {spec.method} checkpoint is not supported yet (a split must "
                          "not cut a quantization block); run it on one device")
-    if device_map is not None:
-        raise QuantError(f"a device map over a {spec.method} checkpoint is not supported yet (a split must not cut "
-                         "a quantization block); run it on one device")
-    kind = torch.device(device or "cpu").type
+    kind = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")).type
     if kind not in NATIVE_DEVICES:
         if requested == "native":
             raise QuantError(f"quantization 'native' has no path on {kind} (packed {spec.method} runs on "
@@ -60,8 +57,10 @@ def choose_mode(requested: str, spec: QuantSpec | None, device: str | None, tp: 
     return "native", f"{'asked for' if requested == 'native' else 'a packed path exists'} on {kind} ({how})"
 
 
-def load_quantized(path: Path, config, spec: QuantSpec, mode: str, dtype: torch.dtype, device: str):
-    """The model of `path` with its weights native (packed) or dequantized into `dtype`, on `device`."""
+def load_quantized(path: Path, config, spec: QuantSpec, mode: str, dtype: torch.dtype, device: str | None,
+                   device_map: str | dict | None = None):
+    """The model of `path` with its weights native (packed) or dequantized into `dtype`, on `device`,
+    or spread by `device_map` (accelerate's; a packed module always stays whole on one device)."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
@@ -74,7 +73,8 @@ def load_quantized(path: Path, config, spec: QuantSpec, mode: str, dtype: torch.
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
     if mode == "native":
         _pack(model, reader, spec, dtype)
-    _fill(model, reader, spec, dtype, device)
+    placement = _placement(model, device_map) if device_map is not None else {"": torch.device(device or "cpu")}
+    _fill(model, reader, spec, dtype, placement)
     _check_unused(model, reader, config)
     model.svrmad_quantization = {"method": spec.method, "mode": mode, "block": spec.block}
     try:
@@ -83,7 +83,51 @@ def load_quantized(path: Path, config, spec: QuantSpec, mode: str, dtype: torch.
         model.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
     except Exception:  # no generation_config.json: the one from_config made stays
         pass
-    return model.to(device).eval()
+    if device_map is None:
+        return model.to(device).eval()
+    from accelerate import dispatch_model
+
+    for name, b in list(model.named_buffers()):  # the non-persistent ones (RoPE tables) follow their module
+        mod_name, _, bname = name.rpartition(".")
+        mod = model.get_submodule(mod_name)
+        mod._buffers[bname] = b.to(_device_of(name, placement))
+    return dispatch_model(model, placement).eval()
+
+
+def _placement(model: nn.Module, device_map) -> dict[str, torch.device | str]:
+    """accelerate's device map for the (meta) model, refusing one that would cut a packed module."""
+    from .modules import packed_modules
+
+    packed = packed_modules(model)
+    if isinstance(device_map, str):
+        from accelerate.utils import get_balanced_memory, infer_auto_device_map
+
+        if device_map not in ("auto", "balanced", "balanced_low_0", "sequential"):
+            raise QuantError(f"device_map {device_map!r}: use auto, balanced, balanced_low_0, sequential or a dict")
+        no_split = list(getattr(model, "_no_split_modules", None) or []) + sorted({type(m).__name__ for m in packed.values()})
+        memory = None if device_map == "sequential" else get_balanced_memory(
+            model, no_split_module_classes=no_split, low_zero=device_map == "balanced_low_0")
+        device_map = infer_auto_device_map(model, max_memory=memory, no_split_module_classes=no_split)
+    for key, dev in device_map.items():
+        cut = next((p for p in packed if key.startswith(p + ".")), None)
+        if cut is not None:
+            raise QuantError(f"device_map entry {key!r} cuts the packed module {cut}: its blocks and scales stay on "
+                             "one device; map the whole module (or its layer)")
+        if dev == "disk":
+            raise QuantError(f"device_map puts {key or 'the model'} on disk; quantized checkpoints load to devices only")
+    return dict(device_map)
+
+
+def _device_of(name: str, placement: dict) -> torch.device | str:
+    """The device of tensor `name`: the entry of its longest mapped prefix."""
+    best = None
+    for key in placement:
+        if (key == "" or name == key or name.startswith(key + ".")) and (best is None or len(key) > len(best)):
+            best = key
+    if best is None:
+        raise QuantError(f"device_map places no device for {name}")
+    dev = placement[best]
+    return f"cuda:{dev}" if isinstance(dev, int) else dev
 
 
 # ----------------------------------------------------------------------------------- native
@@ -134,8 +178,8 @@ def _scale_dtype(reader: Reader, key: str) -> torch.dtype:
 # ----------------------------------------------------------------------------------- filling
 
 
-def _fill(model: nn.Module, reader: Reader, spec: QuantSpec, dtype: torch.dtype, device: str) -> None:
-    """Every parameter (and persistent buffer) from the checkpoint, placed straight on `device`."""
+def _fill(model: nn.Module, reader: Reader, spec: QuantSpec, dtype: torch.dtype, placement: dict) -> None:
+    """Every parameter (and persistent buffer) from the checkpoint, placed straight on its device."""
     done: dict[int, torch.Tensor] = {}  # tied weights: one tensor, filled once
     for mod_name, mod in model.named_modules():
         prefix = f"{mod_name}." if mod_name else ""
@@ -143,14 +187,14 @@ def _fill(model: nn.Module, reader: Reader, spec: QuantSpec, dtype: torch.dtype,
             if p is None:
                 continue
             if id(p) not in done:
-                value = _source(reader, prefix + pname, p, spec).to(device)
+                value = _source(reader, prefix + pname, p, spec).to(_device_of(prefix + pname, placement))
                 done[id(p)] = nn.Parameter(value, requires_grad=False)
             mod._parameters[pname] = done[id(p)]
         for bname, b in list(mod._buffers.items()):
             if b is None or bname in mod._non_persistent_buffers_set:
                 continue
             if b.is_meta or prefix + bname in reader:
-                mod._buffers[bname] = _source(reader, prefix + bname, b, spec).to(device)
+                mod._buffers[bname] = _source(reader, prefix + bname, b, spec).to(_device_of(prefix + bname, placement))
 
 
 def _source(reader: Reader, name: str, target: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
