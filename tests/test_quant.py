@@ -274,3 +274,22 @@ def test_device_maps_keep_packed_modules_whole(folders, refs, tmp_path):
     cut = {"": "cpu", "model.layers.1.mlp.experts.down_proj_blocks": "cpu"}
     _refused(qdir, r"device_map entry 'model.layers.1.mlp.experts.down_proj_blocks' cuts the packed module "
                    r"model.layers.1.mlp.experts", device_map=cut, quantization="native")
+
+
+def test_run_option_and_the_one_info_line(folders, caplog):
+    import argparse
+    import logging
+
+    from svrmad_local.eval.config import add_run_arguments, from_args
+
+    parser = argparse.ArgumentParser()
+    add_run_arguments(parser)
+    assert from_args(parser.parse_args(["--quantization", "dequantize"])).quantization == "dequantize"
+    assert from_args(parser.parse_args([])).quantization == "auto"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--quantization", "int4"])
+    with caplog.at_level(logging.INFO, logger="svrmad_local.models"):
+        model = load_model(folders["gpt-oss"][0], device="cpu").model
+    lines = [r.getMessage() for r in caplog.records if r.name == "svrmad_local.models"]
+    assert len(lines) == 1 and "MXFP4" in lines[0] and "packed (native)" in lines[0] and "on cpu" in lines[0]
+    assert model.svrmad_quantization["summary"] == lines[0]

@@ -106,9 +106,11 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype | None = None, devi
     spec = quant.quant_spec(raw if isinstance(raw, dict) else {})
     mode, why = quant.choose_mode(quantization, spec, device, tp, device_map)
     if spec is not None:
-        log.info("loading %s (%s) %s: %s", path.name, spec.describe(),
-                 "with the weights packed (native)" if mode == "native" else f"dequantized into {torch_dtype}", why)
+        held = "with the weights packed (native)" if mode == "native" else f"dequantized into {torch_dtype}"
+        line = f"loading {path.name} ({spec.describe()}) {held}: {why}"
+        log.info(line)
         model = quant.load_quantized(path, config, spec, mode, torch_dtype, device, device_map)
+        model.svrmad_quantization["summary"] = line
         return LoadedModel(model, load_tokenizer(path), path)
     kwargs = dict(SAFE, dtype=torch_dtype, use_safetensors=True, output_loading_info=True)
     if device_map is not None:
