@@ -293,3 +293,34 @@ def test_run_option_and_the_one_info_line(folders, caplog):
     lines = [r.getMessage() for r in caplog.records if r.name == "svrmad_local.models"]
     assert len(lines) == 1 and "MXFP4" in lines[0] and "packed (native)" in lines[0] and "on cpu" in lines[0]
     assert model.svrmad_quantization["summary"] == lines[0]
+
+
+def test_triton_hand_off_takes_the_same_arguments():
+    """kernel_impl="triton" goes to kernels/quant_triton.py with (x, blocks, scales, bias) /
+    (x, weight, scale_inv, block, bias); without that file it says so (the torch path needs none)."""
+    from svrmad_local.kernels._backend import interpreter_ready
+
+    if not interpreter_ready():
+        pytest.skip("triton's interpreter is not active")
+    torch.manual_seed(1)
+    x = torch.randn(3, 64)
+    blocks, scales = torch.randint(0, 256, (48, 2, 16), dtype=torch.uint8), torch.randint(122, 130, (48, 2), dtype=torch.uint8)
+    wq, s, bias = (torch.randn(48, 64) * 30).to(torch.float8_e4m3fn), torch.rand(3, 4), torch.randn(48)
+    try:
+        from svrmad_local.kernels import quant_triton  # noqa: F401
+    except ImportError:
+        with pytest.raises(RuntimeError, match="quant_triton.py cannot provide it"):
+            mxfp4_matmul(x, blocks, scales, bias, "triton")
+        return
+    torch.testing.assert_close(mxfp4_matmul(x, blocks, scales, bias, "triton"),
+                               mxfp4_matmul(x, blocks, scales, bias, "torch"), rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(fp8_matmul(x, wq, s, BLOCK, bias, "triton"),
+                               fp8_matmul(x, wq, s, BLOCK, bias, "torch"), rtol=1e-4, atol=1e-3)
+
+
+def test_engine_passes_its_kernel_choice_to_packed_modules(folders):
+    eng = Engine.from_pretrained(folders["gpt-oss"][0], device="cpu", kv_cache_memory=2**20, kernel_impl="torch")
+    try:
+        assert {m.kernel_impl for m in eng.model.modules() if isinstance(m, Mxfp4Experts)} == {"torch"}
+    finally:
+        eng.close()

@@ -171,8 +171,12 @@ class Engine:
         if unknown:
             raise TypeError(f"Engine.from_pretrained: unknown option(s) {', '.join(unknown)}; "
                             f"EngineConfig has {', '.join(sorted(fields))}")
+        from svrmad_local.models.quant import set_kernel_impl
+
         lm = load_model(path, dtype=dtype, device=device, device_map=device_map, quantization=quantization)
-        return cls(lm.model, lm.tokenizer, EngineConfig(**config))
+        cfg = EngineConfig(**config)
+        set_kernel_impl(lm.model, cfg.kernel_impl)  # packed weights compute through the engine's kernel choice
+        return cls(lm.model, lm.tokenizer, cfg)
 
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt: token ids as given, a string tokenized as is, or chat messages

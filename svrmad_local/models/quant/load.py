@@ -187,17 +187,19 @@ def _fill(model: nn.Module, reader: Reader, spec: QuantSpec, dtype: torch.dtype,
             if p is None:
                 continue
             if id(p) not in done:
-                value = _source(reader, prefix + pname, p, spec).to(_device_of(prefix + pname, placement))
+                dev = _device_of(prefix + pname, placement)
+                value = _source(reader, prefix + pname, p, spec, dev).to(dev)
                 done[id(p)] = nn.Parameter(value, requires_grad=False)
             mod._parameters[pname] = done[id(p)]
         for bname, b in list(mod._buffers.items()):
             if b is None or bname in mod._non_persistent_buffers_set:
                 continue
             if b.is_meta or prefix + bname in reader:
-                mod._buffers[bname] = _source(reader, prefix + bname, b, spec).to(_device_of(prefix + bname, placement))
+                dev = _device_of(prefix + bname, placement)
+                mod._buffers[bname] = _source(reader, prefix + bname, b, spec, dev).to(dev)
 
 
-def _source(reader: Reader, name: str, target: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+def _source(reader: Reader, name: str, target: torch.Tensor, spec: QuantSpec, dev="cpu") -> torch.Tensor:
     """The checkpoint's value for model tensor `name`: as stored (packed targets), or dense in the
     target's dtype (plain, FP8-dequantized, MXFP4-dequantized, or per-expert keys fused)."""
     shape, dt = tuple(target.shape), target.dtype
@@ -205,9 +207,9 @@ def _source(reader: Reader, name: str, target: torch.Tensor, spec: QuantSpec) ->
     if name in reader:
         if raw:
             return _checked_dtype(reader, name, reader.get(name, shape, "packed tensor"), dt)
-        return _dense(reader, name, shape, dt, spec)
+        return _dense(reader, name, shape, dt, spec, dev)
     if f"{name}_blocks" in reader:
-        return _dense_mxfp4(reader, name, shape, dt)
+        return _dense_mxfp4(reader, name, shape, dt, dev)
     parent, leaf = name.rsplit(".", 1) if "." in name else ("", name)
     if f"{parent}.0.down_proj.weight" in reader and len(shape) == 3:  # per-expert keys, as DeepSeek publishes
         if raw:
@@ -217,7 +219,7 @@ def _source(reader: Reader, name: str, target: torch.Tensor, spec: QuantSpec) ->
                 key.format(parent, e), shape[1:], "packed tensor"), dt) for e in range(shape[0])])
         projs = ("gate_proj", "up_proj") if leaf == "gate_up_proj" else (leaf,)
         rows = shape[1] // len(projs)
-        return torch.stack([torch.cat([_dense(reader, f"{parent}.{e}.{p}.weight", (rows, shape[2]), dt, spec)
+        return torch.stack([torch.cat([_dense(reader, f"{parent}.{e}.{p}.weight", (rows, shape[2]), dt, spec, dev)
                                        for p in projs]) for e in range(shape[0])])
     raise QuantError(f"weight {name} is missing from the checkpoint")
 
@@ -228,8 +230,8 @@ def _checked_dtype(reader: Reader, name: str, value: torch.Tensor, dt: torch.dty
     return value
 
 
-def _dense(reader: Reader, name: str, shape, dt: torch.dtype, spec: QuantSpec) -> torch.Tensor:
-    """A plain weight, or an FP8 one (with `<name>_scale_inv`) dequantized, in `dt`."""
+def _dense(reader: Reader, name: str, shape, dt: torch.dtype, spec: QuantSpec, dev="cpu") -> torch.Tensor:
+    """A plain weight, or an FP8 one (with `<name>_scale_inv`) dequantized on `dev`, in `dt`."""
     from svrmad_local.kernels.fp8 import dequantize_fp8
 
     if reader.dtype(name) != "F8_E4M3":
@@ -237,17 +239,17 @@ def _dense(reader: Reader, name: str, shape, dt: torch.dtype, spec: QuantSpec) -
     if spec.block is None:
         raise QuantError(f"weight {name} is FP8, but config.json declares {spec.method}, not fp8")
     w, s = reader.get(name, shape, "weight"), reader.get(name + "_scale_inv", None, "scale tensor")
-    out = torch.empty(shape, dtype=dt)
+    out = torch.empty(shape, dtype=dt, device=dev)
     lead = list(itertools.product(*map(range, shape[:-2])))  # [()] for a matrix
     try:
         for i in lead:  # one expert (one matrix) at a time
-            out[i] = dequantize_fp8(w[i], s[i], spec.block, dt)
+            out[i] = dequantize_fp8(w[i].to(dev), s[i].to(dev), spec.block, dt)
     except ValueError as exc:
         raise QuantError(f"scale tensor {name}_scale_inv: {str(exc).split(': ', 1)[-1]}") from None
     return out
 
 
-def _dense_mxfp4(reader: Reader, name: str, shape, dt: torch.dtype) -> torch.Tensor:
+def _dense_mxfp4(reader: Reader, name: str, shape, dt: torch.dtype, dev="cpu") -> torch.Tensor:
     """[E, rows, cols] from `<name>_blocks/_scales`, transposed when the model keeps [E, in, out]."""
     from svrmad_local.kernels.mxfp4 import dequantize_mxfp4
 
@@ -265,9 +267,9 @@ def _dense_mxfp4(reader: Reader, name: str, shape, dt: torch.dtype) -> torch.Ten
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise QuantError(f"MXFP4 {bkey} and {skey} must be U8, got {reader.dtype(bkey)} and {reader.dtype(skey)}")
     transpose = shape[1:] == (cols, rows)  # GPT-OSS keeps expert weights [in, out]
-    out = torch.empty(shape, dtype=dt)
-    for e in range(shape[0]):
-        w = dequantize_mxfp4(blocks[e], scales[e], dt)
+    out = torch.empty(shape, dtype=dt, device=dev)
+    for e in range(shape[0]):  # one expert at a time, on the device it goes to
+        w = dequantize_mxfp4(blocks[e].to(dev), scales[e].to(dev), dt)
         out[e] = w.T if transpose else w
     return out
 

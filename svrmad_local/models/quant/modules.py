@@ -165,3 +165,9 @@ class Fp8Experts(PackedModule):
 
 def packed_modules(model: nn.Module) -> dict[str, PackedModule]:
     return {name: m for name, m in model.named_modules() if isinstance(m, PackedModule)}
+
+
+def set_kernel_impl(model: nn.Module, kernel_impl: str) -> None:
+    """Route every packed module's matmuls through `kernel_impl` ("auto" | "torch" | "triton")."""
+    for m in packed_modules(model).values():
+        m.kernel_impl = kernel_impl
