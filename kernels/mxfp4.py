@@ -53,6 +53,7 @@ def mxfp4_matmul(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, bi
         if out is not None:
             return out
     rows, cols = blocks.shape[0], blocks.shape[1] * GROUP
-    parts = [F.linear(x, dequantize_mxfp4(blocks[r0:r1], scales[r0:r1], x.dtype)) for r0, r1 in row_chunks(rows, cols, 1)]
+    parts = [F.linear(x, dequantize_mxfp4(blocks[r0:r1], scales[r0:r1], x.dtype))
+             for r0, r1 in row_chunks(rows, cols, 1)]
     out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
     return out if bias is None else out + bias.to(x.dtype)  # added after the product, as GptOssExperts does

@@ -304,7 +304,8 @@ def test_triton_hand_off_takes_the_same_arguments():
         pytest.skip("triton's interpreter is not active")
     torch.manual_seed(1)
     x = torch.randn(3, 64)
-    blocks, scales = torch.randint(0, 256, (48, 2, 16), dtype=torch.uint8), torch.randint(122, 130, (48, 2), dtype=torch.uint8)
+    blocks = torch.randint(0, 256, (48, 2, 16), dtype=torch.uint8)
+    scales = torch.randint(122, 130, (48, 2), dtype=torch.uint8)
     wq, s, bias = (torch.randn(48, 64) * 30).to(torch.float8_e4m3fn), torch.rand(3, 4), torch.randn(48)
     try:
         from svrmad_local.kernels import quant_triton  # noqa: F401

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-import logging
 import re
 from pathlib import Path
 
@@ -21,8 +20,6 @@ from torch import nn
 
 from .formats import MODES, QuantError, QuantSpec, Reader
 from .modules import Fp8Experts, Fp8Linear, Mxfp4Experts
-
-log = logging.getLogger("svrmad_local.models")
 
 TORCH_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "U8": torch.uint8,
                 "F8_E4M3": torch.float8_e4m3fn}
@@ -104,7 +101,8 @@ def _placement(model: nn.Module, device_map) -> dict[str, torch.device | str]:
 
         if device_map not in ("auto", "balanced", "balanced_low_0", "sequential"):
             raise QuantError(f"device_map {device_map!r}: use auto, balanced, balanced_low_0, sequential or a dict")
-        no_split = list(getattr(model, "_no_split_modules", None) or []) + sorted({type(m).__name__ for m in packed.values()})
+        no_split = list(getattr(model, "_no_split_modules", None) or [])
+        no_split += sorted({type(m).__name__ for m in packed.values()})
         memory = None if device_map == "sequential" else get_balanced_memory(
             model, no_split_module_classes=no_split, low_zero=device_map == "balanced_low_0")
         device_map = infer_auto_device_map(model, max_memory=memory, no_split_module_classes=no_split)
@@ -212,11 +210,10 @@ def _source(reader: Reader, name: str, target: torch.Tensor, spec: QuantSpec, de
         return _dense_mxfp4(reader, name, shape, dt, dev)
     parent, leaf = name.rsplit(".", 1) if "." in name else ("", name)
     if f"{parent}.0.down_proj.weight" in reader and len(shape) == 3:  # per-expert keys, as DeepSeek publishes
-        if raw:
-            proj, _, suffix = leaf.partition("_scale_inv")
-            key = "{}.{}.%s.weight%s" % (proj, "_scale_inv" if leaf.endswith("_scale_inv") else "")
-            return torch.stack([_checked_dtype(reader, key.format(parent, e), reader.get(
-                key.format(parent, e), shape[1:], "packed tensor"), dt) for e in range(shape[0])])
+        if raw:  # Fp8Experts' `gate_proj` <- experts.{e}.gate_proj.weight, `gate_proj_scale_inv` <- ...weight_scale_inv
+            proj, scale, _ = leaf.partition("_scale_inv")
+            keys = [f"{parent}.{e}.{proj}.weight{scale}" for e in range(shape[0])]
+            return torch.stack([_checked_dtype(reader, k, reader.get(k, shape[1:], "packed tensor"), dt) for k in keys])
         projs = ("gate_proj", "up_proj") if leaf == "gate_up_proj" else (leaf,)
         rows = shape[1] // len(projs)
         return torch.stack([torch.cat([_dense(reader, f"{parent}.{e}.{p}.weight", (rows, shape[2]), dt, spec, dev)
