@@ -53,6 +53,9 @@ def test_fp8_dequantize_ragged_by_hand():
     got = dequantize_fp8(w.to(torch.float8_e4m3fn), s, (2, 2), torch.float32)
     want = [[w[r, c].item() * s[r // 2, c // 2].item() for c in range(3)] for r in range(5)]
     assert got.tolist() == want
+    pow2 = torch.tensor([[1.0, 8.0], [0.5, 64.0], [2.0, 0.25]])  # UE8M0 scales (DeepSeek-V3.1's scale_fmt)
+    assert torch.equal(dequantize_fp8(w.to(torch.float8_e4m3fn), pow2.to(torch.float8_e8m0fnu), (2, 2), torch.float32),
+                       dequantize_fp8(w.to(torch.float8_e4m3fn), pow2, (2, 2), torch.float32))
     with pytest.raises(ValueError, match=r"weight_scale_inv has shape \[2, 2\].*needs \[3, 2\]"):
         dequantize_fp8(w.to(torch.float8_e4m3fn), s[:2], (2, 2))
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from svrmad_local.errors import UserError
 
-SUPPORTED = {"mxfp4": "MXFP4 MoE experts (GPT-OSS)", "fp8": "block-scaled FP8 e4m3 (DeepSeek-V3)"}
+SUPPORTED = {"mxfp4": "MXFP4 experts, GPT-OSS layout", "fp8": "FP8 e4m3 with block scales, DeepSeek-V3 layout"}
 MODES = ("auto", "native", "dequantize")
 
 
@@ -27,8 +27,9 @@ class QuantSpec:
     block: tuple[int, int] | None = None  # fp8: weight_block_size
 
     def describe(self) -> str:
-        extra = f" in blocks of {self.block[0]}x{self.block[1]}" if self.block else ""
-        return f"{SUPPORTED[self.method]}{extra}"
+        if self.block:
+            return SUPPORTED[self.method].replace("block", f"{self.block[0]}x{self.block[1]} block")
+        return SUPPORTED[self.method]
 
 
 @dataclass(frozen=True)
