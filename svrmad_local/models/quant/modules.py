@@ -69,6 +69,8 @@ class Mxfp4Experts(PackedModule):
     def forward(self, hidden_states: torch.Tensor, router_indices=None, routing_weights=None) -> torch.Tensor:
         out = torch.zeros_like(hidden_states)
         for e in torch.unique(router_indices).tolist():  # only the experts some token routed to
+            if not 0 <= e < self.num_experts:  # a padding index, skipped as GptOssExperts does
+                continue
             top_k_pos, token_idx = torch.where((router_indices == e).T)
             x = hidden_states[token_idx]
             gate_up = mxfp4_matmul(x, self.gate_up_proj_blocks[e], self.gate_up_proj_scales[e],
