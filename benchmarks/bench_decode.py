@@ -31,6 +31,7 @@ from bench_vs_vllm import VLLM_DTYPES, VllmWorker, vllm_settings, vllm_unavailab
 from svrmad_local.engine.engine import Engine, EngineConfig
 from svrmad_local.engine.params import SamplingParams
 from svrmad_local.models.default import ensure_default_model
+from svrmad_local.models.linear import OneDNNLinear
 from svrmad_local.models.loader import load_model
 
 
@@ -52,11 +53,12 @@ def read_bandwidth(mib: int = 512, repeat: int = 7) -> float:
 
 def linears_seconds(model, rows: int, repeat: int = 3) -> float:
     """Seconds of one pass of every nn.Linear of the model (LM head included) over `rows` tokens, in
-    its own dtype and shapes, best of `repeat`: a decode step's matmuls and nothing else. Timed as
-    whole passes so each weight comes from memory, as in a step, not from a cache warmed by a repeat."""
-    layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    its own dtype and shapes and through its own backend (plain or oneDNN-packed, models/linear.py), best
+    of `repeat`: a decode step's matmuls and nothing else. Timed as whole passes so each weight comes from
+    memory, as in a step, not from a cache warmed by a repeat."""
+    layers = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, OneDNNLinear))]
     xs = [torch.randn(rows, m.in_features).to(m.weight.dtype) for m in layers]
-    return best_of(lambda: [torch.nn.functional.linear(x, m.weight, m.bias) for x, m in zip(xs, layers)], repeat)
+    return best_of(lambda: [m(x) for x, m in zip(xs, layers)], repeat)
 
 
 def weight_bytes_per_step(model) -> int:
@@ -64,8 +66,7 @@ def weight_bytes_per_step(model) -> int:
     is not also the LM head (only B of its rows are read)."""
     emb = model.get_input_embeddings().weight
     head = model.get_output_embeddings().weight
-    skip = emb.data_ptr() != head.data_ptr()
-    return sum(p.numel() * p.element_size() for p in model.parameters() if not (skip and p.data_ptr() == emb.data_ptr()))
+    return sum(p.numel() * p.element_size() for p in model.parameters() if not (p is emb and emb is not head))
 
 
 def kv_bytes_per_token(config, dtype: torch.dtype) -> int:

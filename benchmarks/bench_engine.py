@@ -186,6 +186,18 @@ def calls(runs: list[QuestionRun]) -> list[tuple[str, list[int], int]]:
     return out
 
 
+def engine_overrides(text: str | None) -> dict:
+    """EngineConfig fields from "linear=aten,attention=sdpa" (a variant to time beside the default)."""
+    out = {}
+    for part in filter(None, (text or "").split(",")):
+        key, _, value = part.partition("=")
+        if key not in EngineConfig.__dataclass_fields__ or not value:
+            raise SystemExit(f"engine option {part!r}: expected FIELD=VALUE with FIELD one of "
+                             f"{', '.join(sorted(EngineConfig.__dataclass_fields__))}")
+        out[key] = int(value) if value.isdigit() else value
+    return out
+
+
 def load_bench_model(args) -> LoadedModel:
     path = args.model or ensure_default_model()
     if not args.random_weights:
@@ -205,6 +217,7 @@ def main() -> int:
     ap.add_argument("--device", help="cpu, cuda... (default: load_model's choice)")
     ap.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="weights (default: load_model's choice)")
     ap.add_argument("--cascade", choices=["auto", "on", "off"], default="auto", help="EngineConfig.cascade")
+    ap.add_argument("--engine", help="EngineConfig overrides for the engine, e.g. linear=aten,attention=sdpa")
     ap.add_argument("--random-weights", action="store_true",
                     help="random weights from --model's config (a checkpoint's shape without its weights: timing only)")
     ap.add_argument("--skip-naive", action="store_true", help="engine only (no baseline timing)")
@@ -214,8 +227,8 @@ def main() -> int:
     torch.manual_seed(0)
     lm = load_bench_model(args)
     wl = DebateWorkload.from_args(args, lm.tokenizer)
-    engine = Engine(lm.model, lm.tokenizer, EngineConfig(block_size=args.block_size, max_num_seqs=128,
-                                                         cascade=args.cascade))
+    engine = Engine(lm.model, lm.tokenizer, EngineConfig(**{"block_size": args.block_size, "max_num_seqs": 128,
+                                                            "cascade": args.cascade, **engine_overrides(args.engine)}))
     t_engine, runs = run_engine(engine, wl)
     gen_tokens = check_runs(runs, wl, "engine")
     prefill_engine = engine.totals.computed_tokens
@@ -223,7 +236,8 @@ def main() -> int:
     work = calls(runs)
     prefill_naive = sum(len(p) for _, p, _ in work)
     print(f"workload: {wl.describe()}; {len(work)} responses, {gen_tokens} generated tokens")
-    print(f"engine:      {t_engine:8.1f} s   prompt tokens computed {prefill_engine:7d}   ({engine.info['attention']} attention)")
+    print(f"engine:      {t_engine:8.1f} s   prompt tokens computed {prefill_engine:7d}   ({engine.info['attention']} "
+          f"attention; linear {engine.info['linear']})")
     t_naive = float("nan")
     if not args.skip_naive:
         t0 = time.perf_counter()

@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from bench_engine import DebateWorkload, QuestionRun, check_runs, prefill_lower_bound, run_engine
+from bench_engine import DebateWorkload, QuestionRun, check_runs, engine_overrides, prefill_lower_bound, run_engine
 from svrmad_local.engine.engine import Engine, EngineConfig
 from svrmad_local.engine.params import SamplingParams
 from svrmad_local.models.default import ensure_default_model
@@ -189,14 +189,16 @@ def warm_up_vllm(worker: VllmWorker) -> None:
     worker.generate([WARMUP_PROMPT + t + [5] for t in out["token_ids"]], [dict(max_tokens=8, ignore_eos=True, seed=1)] * 2)
 
 
-def engine_once(lm, wl: DebateWorkload, block_size: int) -> dict:
+def engine_once(lm, wl: DebateWorkload, block_size: int, overrides: dict | None = None) -> dict:
     """A fresh engine (empty prefix cache), warmed up, then the timed workload."""
     gc.collect()  # the previous run's engine and its KV pool
-    engine = Engine(lm.model, lm.tokenizer, EngineConfig(block_size=block_size, max_num_seqs=128))
+    engine = Engine(lm.model, lm.tokenizer, EngineConfig(**{"block_size": block_size, "max_num_seqs": 128,
+                                                            **(overrides or {})}))
     warm_up_engine(engine)
     computed0 = engine.totals.computed_tokens
     seconds, runs = run_engine(engine, wl)
     return {"s": seconds, "generated": check_runs(runs, wl, "engine"), "attention": engine.info["attention"],
+            "linear": engine.info["linear"],
             "computed": engine.totals.computed_tokens - computed0, "lower_bound": prefill_lower_bound(runs)}
 
 
@@ -227,6 +229,9 @@ def main() -> int:
                     help="no per-request seeds for vLLM (its batched sampler instead of per-request generators)")
     ap.add_argument("--vllm-logprobs", type=int, default=0,
                     help="ask vLLM for this many top logprobs per token (our engine always computes 20 + entropy)")
+    ap.add_argument("--engine", help="EngineConfig overrides for our engine, e.g. linear=aten")
+    ap.add_argument("--also-engine", help="a second engine variant timed in the same alternation on its own copy "
+                                          "of the model (before/after in one run), e.g. linear=aten,attention=sdpa")
     ap.add_argument("--vllm-preload", choices=["auto", "none"], default="auto",
                     help="auto: LD_PRELOAD tcmalloc and the venv's libiomp5 for vLLM, as its CPU docs recommend")
     args = ap.parse_args()
@@ -246,14 +251,19 @@ def main() -> int:
         print("vLLM: loading (minutes the first time: it compiles the model)...", file=sys.stderr, flush=True)
         worker = VllmWorker(args.vllm_python, vllm_settings(model_path, vdtype, args.vllm_block_size), args.vllm_preload)
         print(f"vLLM: loaded in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-    eng, vll = [], []
+    ours = engine_overrides(args.engine)
+    before = engine_overrides(args.also_engine) if args.also_engine else None
+    lm_before = load_model(model_path, dtype=args.dtype) if before is not None else None
+    eng, vll, alt = [], [], []
     try:
         if worker:
             warm_up_vllm(worker)
         for r in range(args.repeat):
             for side in ("engine", "vllm") if r % 2 == 0 else ("vllm", "engine"):
                 if side == "engine":
-                    eng.append(engine_once(lm, wl, args.block_size))
+                    eng.append(engine_once(lm, wl, args.block_size, ours))
+                    if before is not None:
+                        alt.append(engine_once(lm_before, wl, args.block_size, before))
                 elif worker:
                     vll.append(vllm_once(worker, wl, not args.vllm_unseeded, args.vllm_logprobs))
     finally:
@@ -262,13 +272,21 @@ def main() -> int:
     e = eng[-1]
     t_engine = statistics.median(x["s"] for x in eng)
     print(f"workload: {wl.describe()}; {e['generated']} generated tokens each; times exclude model load and warm-up")
-    print(f"engine ({args.dtype}, block {args.block_size}, {e['attention']}): median {t_engine:7.2f} s of "
+    if alt:
+        t_alt = statistics.median(x["s"] for x in alt)
+        print(f"engine variant {args.also_engine} ({alt[-1]['attention']}; linear {alt[-1]['linear']}): median "
+              f"{t_alt:7.2f} s of {[round(x['s'], 2) for x in alt]}; variant / engine: {t_alt / t_engine:.2f}x")
+    print(f"engine ({args.dtype}, block {args.block_size}, {e['attention']}; linear {e['linear']}): median {t_engine:7.2f} s of "
           f"{[round(x['s'], 2) for x in eng]}   prompt tokens computed {e['computed']} "
           f"(lower bound {e['lower_bound']}, ratio {e['computed'] / e['lower_bound']:.3f})")
     result = {"engine_s": round(t_engine, 2), "engine_runs_s": [round(x["s"], 2) for x in eng],
               "engine_dtype": args.dtype, "engine_block_size": args.block_size, "engine_computed": e["computed"],
               "engine_lower_bound": e["lower_bound"], "engine_ratio_to_bound": round(e["computed"] / e["lower_bound"], 4),
-              "generated_tokens": e["generated"], "vllm_s": None, "ratio": None}
+              "generated_tokens": e["generated"], "engine_linear": e["linear"], "engine_attention": e["attention"],
+              "vllm_s": None, "ratio": None}
+    if alt:
+        result.update(variant=args.also_engine, variant_s=round(t_alt, 2), variant_runs_s=[round(x["s"], 2) for x in alt],
+                      variant_over_engine=round(t_alt / t_engine, 3))
     if vll:
         v = vll[-1]
         t_vllm = statistics.median(x["s"] for x in vll)

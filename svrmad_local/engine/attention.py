@@ -30,6 +30,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 
 from svrmad_local.kernels import apply_sinks, cascade_attention, cascade_plan, select_impl
+from svrmad_local.kernels.cpu_decode import paged_decode_cpu
 
 from .kv_cache import KVCache
 from .spec import LayerSpec, Probe
@@ -124,9 +125,9 @@ def _pad(runs: list[Span], window: int | None) -> Padded:
     return Padded(q_rows, index, mask, valid, q_rows.flatten()[picked], picked)
 
 
-def _view(runs: list[Span], nd: int, window: int | None) -> View:
-    """Keys under `window` for every run of the step."""
-    decode = _pad(runs[:nd], window) if nd else None
+def _view(runs: list[Span], nd: int, window: int | None, pad_decode: bool = True) -> View:
+    """Keys under `window` for every run of the step (the decode rows' only if `pad_decode`)."""
+    decode = _pad(runs[:nd], window) if nd and pad_decode else None
     rest = runs[nd:]
     if len(rest) > 1:  # one call for all prefill runs, unless padding would more than double the work
         qmax = max(r.row1 - r.row0 for r in rest)
@@ -150,6 +151,8 @@ class StepContext:
     decode_pos: torch.Tensor | None = None  # cascade: each decode query's position
     kernel_impl: str = "auto"
     flash: dict | None = None  # flash-attn: cu_q, cu_k, max_q, max_k, and block_table or slots
+    decode_table: torch.Tensor | None = None  # CPU in-place decode: block table [decode rows, width]
+    decode_lens: torch.Tensor | None = None  # ... and context lengths (the new token included)
     _views: dict = field(default_factory=dict)
     _plans: dict = field(default_factory=dict)
     _per_device: dict = field(default_factory=dict)
@@ -167,7 +170,8 @@ class StepContext:
     def view(self, window: int | None, latent: bool = False) -> View:
         key = (window, latent)
         if key not in self._views:
-            self._views[key] = _view(self.latent_runs if latent else self.runs, self.decode_rows, window)
+            self._views[key] = _view(self.latent_runs if latent else self.runs, self.decode_rows, window,
+                                     pad_decode=latent or self.decode_table is None)
         return self._views[key]
 
     def on(self, device: torch.device) -> "StepContext":
@@ -315,6 +319,9 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
         out[:nd] = cascade_attention(q[:nd], *paged, ctx.decode_levels, scaling, q_pos=ctx.decode_pos,
                                      window=spec.window, sinks=sinks, kernel_impl=ctx.kernel_impl,
                                      plan=ctx.cascade_plan(spec.window, q[:nd], paged[0]))
+    elif nd and ctx.decode_table is not None and spec.kind == "kv":  # in place, through the block tables
+        out[:nd] = paged_decode_cpu(q[:nd], kc, vc, ctx.decode_table, ctx.decode_lens, ctx.cache.block_size, scaling,
+                                    spec.window, sinks)
     elif nd:
         _attend_padded(ctx, q, kc, vc, layer, view.decode, spec.kind, scaling, sinks, out)
     if view.prefill is not None:

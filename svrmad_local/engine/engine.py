@@ -19,6 +19,8 @@ import torch
 
 from svrmad_local import kernels
 
+from svrmad_local.models.linear import select_linear, weight_bytes
+
 from .attention import Attachment
 from .kv_cache import BlockManager, KVCache
 from .memory import keep_freed_memory, kv_budget, parse_memory, weight_bytes  # noqa: F401  (parse_memory: public)
@@ -41,7 +43,9 @@ class EngineConfig:
     of the memory available after loading (float <= 1), or a string such as "2GiB"; None means
     90% of free GPU memory, or 2 GiB on the CPU. kernel_impl: "auto" | "torch" | "triton", the path of
     kernels/ (fused token statistics for scoring, cascade attention): "auto" takes Triton on a GPU,
-    "torch" forces the references. cascade: "auto" (off: measured slower, see runner._cascade_enabled) | "on" | "off"."""
+    "torch" forces the references. cascade: "auto" (off: measured slower, see runner._cascade_enabled) | "on" | "off".
+    linear: "auto" | "onednn" | "aten", how the model's linears run (models/linear.py): "auto" packs them
+    for oneDNN on the CPU where it can and says why not where it cannot; the packing is done in place, once."""
 
     block_size: int = 16  # 256 (a flash-attn page) lets flash-attn read the cache in place
     kv_cache_memory: int | float | str | None = None
@@ -50,6 +54,7 @@ class EngineConfig:
     attention: str = "auto"
     kernel_impl: str = "auto"
     cascade: str = "auto"
+    linear: str = "auto"
     score_chunk: int = 1024
     signals: SignalConfig = field(default_factory=SignalConfig)
     seed: int = 0
@@ -87,6 +92,8 @@ class Engine:
         self.model = model.eval()
         self.tokenizer = tokenizer
         attached = Attachment(model)
+        self.linear_path = select_linear(model, cfg.linear)
+        self.weight_bytes = weight_bytes(model)
         # Every forward of the engine, the probe included, runs on its one worker thread: with the
         # GNU OpenMP that torch uses, each thread that runs a parallel op keeps its own team of
         # threads, and once more threads are kept than there are cores, every team stops spinning
@@ -147,6 +154,8 @@ class Engine:
         """Which paths the engine took, for run records and benchmarks."""
         return {
             "attention": self.runner.attention_path,
+            "linear": self.linear_path,
+            "weight_bytes": self.weight_bytes,
             "stats": self._stats_path(),
             "block_size": self.cfg.block_size,
             "kv_blocks": self.blocks.num_blocks,
@@ -422,9 +431,10 @@ class Engine:
 
     def _token_stats(self, h: torch.Tensor, targets: torch.Tensor, k: int):
         """Teacher-forced statistics without [tokens x vocab] fp32 logits: the fused kernel (or its
-        chunked torch reference) of kernels/, else (an LM head with a bias) chunks of plain logits."""
+        chunked torch reference) of kernels/, else (an LM head with a bias, or one packed for oneDNN,
+        whose weight only the module itself can multiply) chunks of the module's own logits."""
         w = self.runner.lm_head
-        if getattr(w, "bias", None) is None:
+        if getattr(w, "bias", None) is None and type(w) is torch.nn.Linear:
             return kernels.token_stats(h.to(w.weight.device), w.weight, targets.to(w.weight.device), k,
                                        kernel_impl=self.cfg.kernel_impl, chunk_tokens=self.cfg.score_chunk, softcap=self.runner.softcap)
         parts = [stats_from_logits(self.runner.logits(h[c : c + self.cfg.score_chunk]), targets[c : c + self.cfg.score_chunk], k)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from svrmad_local import kernels
+from svrmad_local.kernels import cpu_decode
 
 from .attention import FLASH_PAGE, HAS_FLASH_ATTN, Attachment, PagedKV, Span, StepContext, set_context
 from .kv_cache import KVCache
@@ -47,12 +48,23 @@ class ModelRunner:
         if attention == "flash" and not want_flash:
             raise ValueError("attention='flash' needs flash-attn installed, a CUDA device, fp16/bf16 weights and "
                              "no latent (MLA) layers")
+        if attention not in ("auto", "flash", "sdpa", "cpu-paged"):
+            raise ValueError(f"attention must be auto, flash, sdpa or cpu-paged, got {attention!r}")
         self.attention_path = "flash-attn" if want_flash else "sdpa"
+        # CPU decode rows read K/V in place through their block tables (kernels/cpu_decode.py) instead
+        # of gathering every sequence's context in every layer; "sdpa" keeps the gather path
+        self.cpu_paged = attention in ("auto", "cpu-paged") and self.device.type == "cpu" and cpu_decode.available()
+        if attention == "cpu-paged" and not self.cpu_paged:
+            raise ValueError("attention='cpu-paged' needs the CPU and the compiled kernel: "
+                             f"{cpu_decode.unavailable_reason() or 'weights are on ' + self.device.type}")
+        if self.cpu_paged:
+            self.attention_path += "+cpu-paged-decode"
         self.flash_paged = want_flash and block_size % FLASH_PAGE == 0
         if self.flash_paged:
             self.attention_path += " (paged)"
         self.kernel_impl = kernel_impl
         self.cascade = _cascade_enabled(cascade, kernel_impl, self.device) and not want_flash
+        self.cpu_paged = self.cpu_paged and not self.cascade
         cascade_impl = kernels.select_impl(kernel_impl, self.device, "cascade_attention")
         if self.cascade:
             self.attention_path += "+cascade:" + cascade_impl
@@ -115,6 +127,11 @@ class ModelRunner:
                                                         device=dev)
             else:  # blocks smaller than flash-attn's 256-token pages: gather the context first
                 ctx.flash["slots"] = torch.cat([r.index for r in runs])
+        if self.cpu_paged and nd:
+            tables = [blocks for _, _, blocks in step.runs[:nd]]
+            width = max(len(t) for t in tables)
+            ctx.decode_table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+            ctx.decode_lens = torch.tensor([e for _, e, _ in step.runs[:nd]])
         if self.cascade and nd >= 2:
             decode = step.runs[:nd]
             ctx.decode_levels = decode_levels([b for _, _, b in decode], [e for _, e, _ in decode], bs,

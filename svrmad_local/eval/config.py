@@ -260,6 +260,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cascade", choices=["auto", "on", "off"], default=ec.cascade,
                    help="decode attention over shared prefix blocks once (kernels.cascade_attention); auto is off, "
                         "as measured (docs/engine.md); exact either way")
+    g.add_argument("--linear", choices=["auto", "onednn", "aten"], default=ec.linear,
+                   help="how linears run on the CPU: auto packs them once for oneDNN where it can (2-4x faster "
+                        "GEMMs at decode shapes; numerics move at fp32 rounding level, docs/engine.md)")
     g = p.add_argument_group(
         "sampling (the paper's Appendix A values, except --max-tokens: the paper uses 16,384, "
         "see --paper-settings)")
@@ -301,7 +304,8 @@ def from_args(args: argparse.Namespace) -> RunConfig:
                                    temperature=pick("temperature", sp.temperature),
                                    top_p=pick("top_p", sp.top_p), top_k=pick("top_k", sp.top_k))
     engine = EngineConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-                          max_num_seqs=args.max_num_seqs, seed=args.seed, cascade=args.cascade)
+                          max_num_seqs=args.max_num_seqs, seed=args.seed, cascade=args.cascade,
+                          linear=args.linear)
     params = method_options(args)
     methods = parse_methods(args.methods)
     for k in ("S", "C"):  # the preset's S/C go to the methods that take them, explicit flags win

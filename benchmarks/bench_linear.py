@@ -1,0 +1,66 @@
+"""F.linear against oneDNN (packed once, and on the dense weight) at a model's linear shapes.
+
+For each distinct (out, in) of the model's nn.Linear modules (LM head included) and each M (rows of a
+step), the best of --repeat runs of each path, side by side, and their ratio; last line one JSON object.
+
+    python benchmarks/bench_linear.py [--model PATH] [--rows 1,8,24,64] [--repeat 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from svrmad_local.models.default import ensure_default_model  # noqa: E402
+from svrmad_local.models.linear import BATCH_HINT  # noqa: E402
+from svrmad_local.models.loader import load_model  # noqa: E402
+
+
+def best_ms(fn, repeat: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", help="checkpoint folder (default: the embedded SmolLM2-135M-Instruct)")
+    ap.add_argument("--rows", default="1,8,24,64")
+    ap.add_argument("--repeat", type=int, default=20)
+    args = ap.parse_args()
+    if not torch.backends.mkldnn.is_available():
+        raise SystemExit("this torch build has no oneDNN")
+    model = load_model(args.model or ensure_default_model(), device="cpu", dtype="fp32").model
+    shapes = sorted({tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear)})
+    rows = [int(r) for r in args.rows.split(",")]
+    table = []
+    print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads; ms per call")
+    for out_f, in_f in shapes:
+        w = torch.randn(out_f, in_f)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, BATCH_HINT)
+        for m in rows:
+            x = torch.randn(m, in_f)
+            aten = best_ms(lambda: torch.nn.functional.linear(x, w), args.repeat)
+            pk = best_ms(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), args.repeat)
+            dense = best_ms(lambda: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""), args.repeat)
+            table.append({"out": out_f, "in": in_f, "M": m, "aten_ms": round(aten, 4), "onednn_packed_ms": round(pk, 4),
+                          "onednn_dense_ms": round(dense, 4), "aten_over_packed": round(aten / pk, 2)})
+            print(f"{out_f:6d}x{in_f:<5d} M={m:<3d} F.linear {aten:8.3f}   oneDNN packed {pk:8.3f} ({aten / pk:4.1f}x)"
+                  f"   oneDNN dense {dense:8.3f} ({aten / dense:4.1f}x)")
+    print(json.dumps({"cpu": torch.backends.cpu.get_cpu_capability(), "rows": table}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

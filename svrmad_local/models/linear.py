@@ -1,0 +1,142 @@
+"""How a linear runs: one place decides it, once, when the engine is built.
+
+- "aten": each module's own forward (`F.linear`: MKL sgemm on the CPU, cuBLAS on a GPU).
+- "onednn": CPU only. Every `nn.Linear` weight is reordered once into oneDNN's blocked layout and
+  the module computes with `mkldnn._linear_pointwise` (the pair that inductor's freezing pass
+  uses, and what vLLM's CPU backend does). At the engine's shapes (M = the rows of a step, 1-64)
+  MKL's fp32 GEMM runs 2-4.5x slower than oneDNN on a packed weight, on AVX2 and AVX-512 alike
+  (benchmarks/bench_linear.py). The packed weight *replaces* the dense one (same bytes). A tied LM
+  head shares its matrix with the embedding, whose lookup needs it dense: it runs through oneDNN on
+  that same dense matrix, unpacked (no second copy; at M = 12-24 still 2.5-3x faster than F.linear).
+- Packed quantized modules (models/quant: MXFP4 experts, FP8 linears) are not `nn.Linear`s: they
+  own their matmul and are left alone here.
+
+bf16 weights are packed only where oneDNN has a bf16 path on this CPU (avx512_bf16 / AMX / avx_ne
+_convert); without one a bf16 GEMM is ~3x slower than fp32, and the engine says so instead of
+silently changing the dtype (bf16 changes the token statistics; choose it with --dtype).
+Numerics move at fp32 rounding level (a different summation order), so exactness is stated against
+a reference that runs the same backend; see docs/engine.md, "CPU linears".
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+log = logging.getLogger("svrmad_local")
+
+CHOICES = ("auto", "onednn", "aten")
+BATCH_HINT = 24  # oneDNN picks its blocking for this M; other M's build their own primitive once
+
+_reorder = torch.ops.mkldnn._reorder_linear_weight  # a module attribute, so a test can count the calls
+
+
+class OneDNNLinear(nn.Module):
+    """An `nn.Linear` whose weight lives in oneDNN's layout. `weight` keeps its dtype and shape
+    (code that asks `.weight.dtype` or `.device` still works) but is an mkldnn tensor: any other
+    use of it fails loudly rather than computing with a layout it does not understand."""
+
+    def __init__(self, linear: nn.Linear, pack: bool = True):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.packed = pack
+        # unpacked: the very same Parameter (a tied LM head keeps sharing it with the embedding)
+        self.weight = nn.Parameter(_reorder(linear.weight.detach(), BATCH_HINT), requires_grad=False) if pack \
+            else linear.weight
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+    def dense_weight(self) -> torch.Tensor:
+        return self.weight.to_dense() if self.packed else self.weight
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        """state_dict() and save_pretrained() see the plain weight, so a packed model saves as usual."""
+        destination[prefix + "weight"] = self.dense_weight()
+        if self.bias is not None:
+            destination[prefix + "bias"] = self.bias.detach()
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"oneDNN{'' if self.packed else ' (dense weight)'}")
+
+
+def dense_weight(linear: nn.Module) -> torch.Tensor:
+    """The weight of any linear as a plain [out, in] matrix (packed or quantized ones unpack)."""
+    return linear.dense_weight() if hasattr(linear, "dense_weight") else linear.weight
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes the model's weights really take: packed modules count their packed bytes, tied
+    tensors count once, a oneDNN-packed weight counts like the dense one it replaced."""
+    seen, total = set(), 0
+    for m in model.modules():
+        if hasattr(m, "packed_bytes"):
+            total += m.packed_bytes()
+            seen.update(id(p) for p in m.parameters(recurse=False))
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    for b in model.buffers():
+        if id(b) not in seen:
+            seen.add(id(b))
+            total += b.numel() * b.element_size()
+    return total
+
+
+def _why_not_onednn(model: nn.Module, device: torch.device, dtype: torch.dtype) -> str | None:
+    if device.type != "cpu":
+        return f"weights on {device.type}"
+    if not torch.backends.mkldnn.is_available():
+        return "this torch build has no oneDNN"
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return ("bf16 weights on a CPU without a oneDNN bf16 path (no avx512_bf16/AMX): bf16 GEMMs run ~3x "
+                "slower than fp32 here, load with --dtype fp32")
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"{dtype} weights (oneDNN packs fp32 and bf16)"
+    if any(type(p).__name__ == "DTensor" for p in model.parameters()):
+        return "tensor-parallel (DTensor) weights"
+    return None
+
+
+def select_linear(model: nn.Module, choice: str = "auto") -> str:
+    """Apply the linear backend `choice` to `model` in place, once; returns a one-line description
+    of what runs (also logged at info level, with the reason for any fallback)."""
+    if choice not in CHOICES:
+        raise ValueError(f"linear must be one of {', '.join(CHOICES)}, got {choice!r}")
+    linears = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]
+    packed_q = sum(1 for m in model.modules() if hasattr(m, "packed_bytes"))
+    done = sum(1 for m in model.modules() if isinstance(m, OneDNNLinear))
+    if done:  # an earlier engine on this model packed it (packing is in place and one-way)
+        if choice == "aten":
+            raise ValueError("linear='aten': this model's linears were packed for oneDNN by an earlier engine; "
+                             "load the model again to run it on F.linear")
+        return _said(f"oneDNN packed ({done} linears, packed by an earlier engine)", packed_q)
+    if choice == "aten" or not linears:
+        what = "aten (F.linear)" + (", as asked" if choice == "aten" else ": no nn.Linear to pack")
+        return _said(what, packed_q)
+    p = linears[0][1].weight
+    why = _why_not_onednn(model, p.device, p.dtype)
+    if why is not None:
+        if choice == "onednn":
+            raise ValueError(f"linear='onednn' cannot run here: {why}")
+        return _said(f"aten (F.linear): oneDNN packing is off: {why}", packed_q)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    tied = head is not None and emb is not None and head.weight is emb.weight
+    for name, m in linears:
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, leaf, OneDNNLinear(m, pack=not (tied and m is head)))
+    note = "; the tied LM head on its shared dense weight" if tied and any(m is head for _, m in linears) else ""
+    return _said(f"oneDNN packed ({len(linears)} linears, {str(p.dtype).removeprefix('torch.')}){note}", packed_q)
+
+
+def _said(what: str, packed_q: int) -> str:
+    if packed_q:
+        what += f"; {packed_q} packed quantized modules compute with their own kernels"
+    log.info("linear backend: %s", what)
+    return what

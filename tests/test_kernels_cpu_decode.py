@@ -1,0 +1,93 @@
+"""The CPU decode kernel (kernels/cpu_decode.py) reads K/V in place through block tables: equal to a
+float64 dense reference, and in the engine token-exact against the gather + SDPA path it replaces."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from svrmad_local.engine.engine import Engine, EngineConfig
+from svrmad_local.engine.kv_cache import KVCache
+from svrmad_local.engine.params import SamplingParams
+from svrmad_local.kernels import cpu_decode
+
+from .model_zoo import EXACT, loop_greedy, make_zoo_model, rand_prompt
+
+pytestmark = pytest.mark.skipif(not cpu_decode.available(), reason=f"no C++ toolchain: {cpu_decode.unavailable_reason()}")
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}  # fp32 accumulation either way; bf16 rounds the output
+
+
+def dense_reference(q, k, v, table, lens, bs, scale, window, sinks):
+    outs = []
+    G = q.shape[1] // k.shape[1]
+    for b in range(q.shape[0]):
+        L = int(lens[b])
+        pos = torch.arange(max(0, L - window) if window else 0, L)
+        slots = table[b][pos // bs] * bs + pos % bs
+        kk = k[slots].double().repeat_interleave(G, 1)
+        vv = v[slots].double().repeat_interleave(G, 1)
+        s = torch.einsum("hd,nhd->hn", q[b].double(), kk) * scale
+        if sinks is not None:
+            s = torch.cat([s, sinks.double()[:, None]], 1)
+        p = s.softmax(-1)[:, : len(pos)]
+        outs.append(torch.einsum("hn,nhd->hd", p, vv))
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,window,with_sinks", [(4, 4, None, False), (6, 2, None, False),
+                                                             (8, 2, 5, False), (4, 1, None, True), (6, 3, 7, True)])
+def test_matches_a_float64_reference_on_shuffled_block_tables(dtype, heads, kv_heads, window, with_sinks):
+    g = torch.Generator().manual_seed(heads * 100 + kv_heads)
+    bs, nblocks, D, Dv = 4, 40, 16, 8
+    lens = torch.tensor([1, 3, 4, 9, 30])  # one key, partial and whole blocks, longer than the window
+    width = -(-int(lens.max()) // bs)
+    table = torch.stack([torch.randperm(nblocks, generator=g)[:width] for _ in lens])
+    k = torch.randn(nblocks * bs, kv_heads, D, generator=g).to(dtype)
+    v = torch.randn(nblocks * bs, kv_heads, Dv, generator=g).to(dtype)
+    q = torch.randn(len(lens), heads, D, generator=g).to(dtype)
+    sinks = torch.randn(heads, generator=g) if with_sinks else None
+    out = cpu_decode.paged_decode_cpu(q, k, v, table, lens, bs, 0.3, window, sinks)
+    assert out.dtype == dtype and out.shape == (len(lens), heads, Dv)
+    ref = dense_reference(q, k, v, table, lens, bs, 0.3, window, sinks)
+    assert (out.double() - ref).abs().max() < TOL[dtype]
+
+
+def engine(model, **kw):
+    return Engine(model, None, EngineConfig(kv_cache_memory=4 * 2**20, block_size=4, **kw))
+
+
+@pytest.mark.parametrize("name", EXACT)
+def test_in_place_decode_is_token_exact_against_the_gather_path(name, monkeypatch):
+    model = make_zoo_model(name)
+    prompts = [rand_prompt(n, 70 + n) for n in (2, 9, 19)]
+    params = SamplingParams(n=2, temperature=0, max_tokens=8, ignore_eos=True)
+    gathered = engine(model, attention="sdpa")
+    assert "cpu-paged" not in gathered.info["attention"]
+    want = gathered.generate_sync(prompts, params)
+    in_place = engine(model)
+    latent = in_place.spec.has_latent
+    assert ("cpu-paged-decode" in in_place.info["attention"])
+    gathers = []
+    real = KVCache.gather
+    monkeypatch.setattr(KVCache, "gather", lambda self, layer, slots: gathers.append(slots.shape) or real(self, layer, slots))
+    got = in_place.generate_sync(prompts, params)
+    for w, o in zip(want, got):
+        for a, b in zip(w.completions, o.completions):
+            assert a.token_ids == b.token_ids, name
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4, name
+    assert [c.token_ids for c in got[1].completions] == [loop_greedy(model, prompts[1], 8)] * 2, name
+    if not latent:  # per-head K/V layers gather for prefill chunks only, never for decode rows
+        decode_steps = sum(len(c.token_ids) for o in got for c in o.completions) - 2 * len(prompts)
+        assert decode_steps > 0 and len(gathers) <= 3 * len(model.model.layers), name
+
+
+def test_attention_cpu_paged_is_refused_where_it_cannot_run(monkeypatch):
+    model = make_zoo_model("llama")
+    monkeypatch.setattr(cpu_decode, "available", lambda: False)
+    monkeypatch.setattr(cpu_decode, "unavailable_reason", lambda: "no compiler")
+    with pytest.raises(ValueError, match="attention='cpu-paged' needs the CPU and the compiled kernel: no compiler"):
+        engine(model, attention="cpu-paged")
+    assert "cpu-paged" not in engine(model).info["attention"]
+    with pytest.raises(ValueError, match="attention must be auto, flash, sdpa or cpu-paged"):
+        engine(model, attention="paged")

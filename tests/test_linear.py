@@ -1,0 +1,183 @@
+"""The CPU linear backend (models/linear.py): packed once, in place of the dense weights, exact
+against a reference on the same backend, within fp32 rounding of plain F.linear."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from svrmad_local.engine.engine import Engine, EngineConfig
+from svrmad_local.engine.params import SamplingParams
+from svrmad_local.models import linear
+from svrmad_local.models.linear import OneDNNLinear, select_linear, weight_bytes
+
+from .model_zoo import EXACT, full_logprobs, loop_greedy, make_zoo_model, rand_prompt
+
+ONEDNN = torch.backends.mkldnn.is_available()
+needs_onednn = pytest.mark.skipif(not ONEDNN, reason="this torch build has no oneDNN")
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+# fp32 reassociation: oneDNN sums in another order than MKL, so log-probs move by ~1e-6 on these models
+LOGPROB_TOL = 1e-4
+
+
+def engine(model, **kw):
+    kw.setdefault("kv_cache_memory", 4 * 2**20)
+    kw.setdefault("block_size", 4)
+    return Engine(model, None, EngineConfig(**kw))
+
+
+@needs_onednn
+def test_packed_linears_replace_the_dense_ones_and_match_f_linear():
+    model = make_zoo_model("llama")
+    plain = {n: (m.weight.detach().clone(), m.in_features) for n, m in model.named_modules()
+             if type(m) is torch.nn.Linear}
+    before = weight_bytes(model)
+    what = select_linear(model, "auto")
+    assert what.startswith(f"oneDNN packed ({len(plain)} linears, float32)")
+    assert not any(type(m) is torch.nn.Linear for m in model.modules())
+    assert weight_bytes(model) == before
+    for name, (w, k) in plain.items():
+        m = model.get_submodule(name)
+        assert isinstance(m, OneDNNLinear) and m.weight.dtype == torch.float32 and m.weight.shape == w.shape
+        x = torch.randn(5, k)
+        torch.testing.assert_close(m(x), x @ w.T, rtol=1e-5, atol=1e-5)
+        assert torch.equal(m.dense_weight(), w)
+
+
+@needs_onednn
+def test_each_weight_is_packed_once_over_a_generate(monkeypatch):
+    calls = []
+    real = linear._reorder
+    monkeypatch.setattr(linear, "_reorder", lambda w, hint: calls.append(tuple(w.shape)) or real(w, hint))
+    model = make_zoo_model("qwen2")
+    n = sum(1 for m in model.modules() if type(m) is torch.nn.Linear)
+    eng = engine(model)
+    eng.generate_sync([rand_prompt(11, 1), rand_prompt(5, 2)], GREEDY)
+    eng.generate_sync([rand_prompt(7, 3)], GREEDY)
+    assert len(calls) == n
+    second = engine(model)  # a second engine on the same model does not pack it again
+    second.generate_sync([rand_prompt(9, 4)], GREEDY)
+    assert len(calls) == n and "packed by an earlier engine" in second.info["linear"]
+    with pytest.raises(ValueError, match="packed for oneDNN by an earlier engine"):
+        engine(model, linear="aten")
+
+
+RSS_SCRIPT = """
+import gc, psutil, torch
+from svrmad_local.models.linear import select_linear, weight_bytes
+torch.manual_seed(0)
+model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(24)]).eval()  # ~100 MB
+size = weight_bytes(model)
+gc.collect()
+rss0 = psutil.Process().memory_info().rss
+select_linear(model, "onednn")
+gc.collect()
+print((psutil.Process().memory_info().rss - rss0) / size)
+"""
+
+
+@needs_onednn
+def test_packing_does_not_keep_the_dense_weights():
+    import subprocess
+    import sys
+    import weakref
+
+    model = make_zoo_model("llama")
+    dense = [weakref.ref(m.weight) for m in model.modules() if type(m) is torch.nn.Linear]
+    select_linear(model, "onednn")
+    gc.collect()
+    assert all(r() is None for r in dense), "a dense weight outlived its packing"
+    # resident memory, in a fresh process (the engine's allocator settings keep freed memory in the heap)
+    pytest.importorskip("psutil")
+    grown = float(subprocess.run([sys.executable, "-c", RSS_SCRIPT], capture_output=True, text=True,
+                                 check=True).stdout.split()[-1])
+    assert grown <= 0.1, f"packing grew the process by {grown:.0%} of the weights"
+
+
+@needs_onednn
+def test_a_tied_lm_head_runs_on_the_shared_dense_matrix():
+    model = make_zoo_model("llama")
+    model.lm_head.weight = model.model.embed_tokens.weight
+    before = weight_bytes(model)
+    x = torch.randn(3, 64)
+    want = x @ model.lm_head.weight.detach().T
+    what = select_linear(model, "auto")
+    assert "the tied LM head on its shared dense weight" in what
+    head = model.lm_head
+    assert isinstance(head, OneDNNLinear) and not head.packed and head.weight is model.model.embed_tokens.weight
+    assert weight_bytes(model) == before  # no second copy of the matrix
+    torch.testing.assert_close(head(x), want, rtol=1e-5, atol=1e-5)
+
+
+def test_fallbacks_say_why_and_bad_choices_are_refused(monkeypatch):
+    model = make_zoo_model("llama")
+    assert select_linear(model, "aten") == "aten (F.linear), as asked"
+    assert any(type(m) is torch.nn.Linear for m in model.modules())
+    with pytest.raises(ValueError, match="linear must be one of auto, onednn, aten"):
+        select_linear(model, "mkl")
+    half = make_zoo_model("llama").half()
+    assert "oneDNN packing is off: torch.float16 weights" in select_linear(half, "auto")
+    with pytest.raises(ValueError, match="linear='onednn' cannot run here: torch.float16 weights"):
+        select_linear(half, "onednn")
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    bf16 = make_zoo_model("llama").to(torch.bfloat16)
+    assert "no avx512_bf16/AMX" in select_linear(bf16, "auto")
+
+
+@needs_onednn
+@pytest.mark.parametrize("name", EXACT)
+def test_engine_is_token_exact_against_a_reference_on_the_same_backend(name):
+    model = make_zoo_model(name)
+    plain = make_zoo_model(name)  # the same weights (same seed), left on F.linear
+    eng = engine(model, linear="onednn")
+    assert eng.info["linear"].startswith("oneDNN packed")
+    prompts = [rand_prompt(n, 50 + n) for n in (3, 12, 21)]
+    out = eng.generate_sync(prompts, GREEDY)
+    for p, o in zip(prompts, out):
+        got = o.completions[0].token_ids
+        assert got == loop_greedy(model, p, 8), name  # the reference runs the same packed linears
+        ref = full_logprobs(plain, p + got)[len(p) - 1 : -1]
+        lp = torch.tensor(o.completions[0].logprobs)
+        assert (lp - ref.gather(1, torch.tensor(got)[:, None])[:, 0]).abs().max() < LOGPROB_TOL, name
+        if got != loop_greedy(plain, p, 8):  # plain F.linear may differ only where two tokens nearly tie
+            top2 = ref.topk(2, -1).values
+            assert ((top2[:, 0] - top2[:, 1]) < LOGPROB_TOL).any(), f"{name}: a flip that is not a near-tie"
+
+
+@needs_onednn
+def test_token_statistics_of_the_default_checkpoint_on_packed_linears():
+    """The embedded default (its LM head is tied to the embedding): the statistics the engine
+    reports are log_softmax of the logits it sampled from (1e-4), and stay within LOGPROB_TOL of a plain
+    transformers forward on F.linear."""
+    from svrmad_local.models.default import ensure_default_model
+    from svrmad_local.models.loader import load_model
+
+    path = ensure_default_model()
+    lm, plain = load_model(path, device="cpu"), load_model(path, device="cpu")
+    eng = Engine(lm.model, lm.tokenizer, EngineConfig(kv_cache_memory=64 * 2**20, linear="onednn"))
+    assert "tied LM head" in eng.info["linear"] and isinstance(lm.model.lm_head, OneDNNLinear)
+    seen = []
+    logits_of = eng.runner.logits
+    eng.runner.logits = lambda h: seen.append(logits_of(h)) or seen[-1]
+    prompt = eng.encode([{"role": "user", "content": "What is 12 times 7? Answer briefly."}])
+    out = eng.generate_sync([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0].completions[0]
+    logp = torch.log_softmax(torch.cat(seen).float(), -1)
+    ids = torch.tensor(out.token_ids)
+    assert (torch.tensor(out.logprobs) - logp.gather(1, ids[:, None])[:, 0]).abs().max() < 1e-4
+    assert (torch.tensor(out.entropies) - -(logp.exp() * logp).sum(-1)).abs().max() < 1e-4
+    ref = full_logprobs(plain.model, prompt + out.token_ids)[len(prompt) - 1 : -1]
+    assert (torch.tensor(out.logprobs) - ref.gather(1, ids[:, None])[:, 0]).abs().max() < LOGPROB_TOL
+
+
+@needs_onednn
+def test_a_packed_model_saves_and_reloads_as_a_plain_checkpoint(tmp_path):
+    from svrmad_local.models.loader import load_model
+
+    model = make_zoo_model("llama")
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    select_linear(model, "onednn")
+    model.save_pretrained(tmp_path)
+    again = load_model(tmp_path, device="cpu").model
+    assert all(torch.equal(again.state_dict()[k], v) for k, v in want.items())
