@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from svrmad_local.engine.engine import Engine
-from svrmad_local.engine.memory import weight_bytes
+from svrmad_local.models.linear import weight_bytes
 from svrmad_local.engine.params import SamplingParams
 from svrmad_local.kernels import _quant_common, dequantize_fp8, dequantize_mxfp4, fp8_matmul, mxfp4_matmul
 from svrmad_local.models.loader import load_model

@@ -23,7 +23,7 @@ from svrmad_local.models.linear import select_linear, weight_bytes
 
 from .attention import Attachment
 from .kv_cache import BlockManager, KVCache
-from .memory import keep_freed_memory, kv_budget, parse_memory, weight_bytes  # noqa: F401  (parse_memory: public)
+from .memory import keep_freed_memory, kv_budget, parse_memory  # noqa: F401  (parse_memory: public)
 from .params import SamplingParams
 from .runner import ModelRunner
 from .sampler import sample
@@ -159,7 +159,6 @@ class Engine:
             "stats": self._stats_path(),
             "block_size": self.cfg.block_size,
             "kv_blocks": self.blocks.num_blocks,
-            "weight_bytes": weight_bytes(self.model),
             "kv_budget_bytes": self.kv_budget_bytes,
             "peak_kv_bytes": self.blocks.peak_used * self.block_bytes,
             "evictions": self.blocks.evictions,

@@ -74,19 +74,3 @@ def keep_freed_memory() -> None:
         libc.mallopt(-1, 2**30)  # M_TRIM_THRESHOLD: keep up to 1 GiB of free heap
     except (OSError, AttributeError):
         pass
-
-
-def weight_bytes(model: torch.nn.Module) -> int:
-    """The bytes the model's weights really take: packed modules (models/quant) answer for
-    themselves (MXFP4 at about 4.25 bits a parameter, FP8 at 8 plus its scales), every other
-    parameter and buffer counts once (tied weights are one tensor)."""
-    total, seen = 0, set()
-    for m in model.modules():
-        if hasattr(m, "packed_bytes"):
-            total += m.packed_bytes()
-            seen.update(id(t) for t in (*m.parameters(), *m.buffers()))
-    for t in (*model.parameters(), *model.buffers()):
-        if id(t) not in seen:
-            seen.add(id(t))
-            total += t.numel() * t.element_size()
-    return total
