@@ -328,3 +328,52 @@ def test_engine_passes_its_kernel_choice_to_packed_modules(folders):
         assert {m.kernel_impl for m in eng.model.modules() if isinstance(m, Mxfp4Experts)} == {"torch"}
     finally:
         eng.close()
+
+
+def _meta(config):
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights(include_buffers=False):
+        return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+
+
+def test_packed_bytes_at_the_published_sizes():
+    """The packed modules, built on the meta device at GPT-OSS-120B's and DeepSeek-V3.1's shapes (no
+    weights), count the bytes the formats give by hand: 65 GB instead of 234 GB for GPT-OSS-120B,
+    673 GB for DeepSeek-V3.1 (78.4 GiB a GPU over eight) instead of 1.34 TB."""
+    from transformers import CONFIG_MAPPING
+
+    from svrmad_local.models.quant.load import _is_fused_experts
+
+    L, E, H, I, V = 36, 128, 2880, 2880, 201088
+    model = _meta(CONFIG_MAPPING["gpt_oss"](
+        hidden_size=H, intermediate_size=I, num_hidden_layers=L, num_attention_heads=64, num_key_value_heads=8,
+        head_dim=64, num_local_experts=E, num_experts_per_tok=4, vocab_size=V, tie_word_embeddings=False))
+    dense = weight_bytes(model)
+    assert dense // 10**9 == 233
+    for name, m in list(model.named_modules()):
+        if type(m).__name__ == "GptOssExperts":
+            model.set_submodule(name, Mxfp4Experts(E, H, I, m.alpha, m.limit, torch.bfloat16))
+    experts = L * E * 3 * H * I  # parameters of gate, up and down
+    assert weight_bytes(model) == dense - experts * 2 + experts * 17 // 32  # 4.25 bits = 17/32 bytes
+    assert weight_bytes(model) // 10**9 == 65
+
+    b = 128
+    model = _meta(CONFIG_MAPPING["deepseek_v3"](
+        vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
+        num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1, n_routed_experts=256, kv_lora_rank=512,
+        q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, n_group=8, topk_group=4,
+        num_experts_per_tok=8, first_k_dense_replace=3, tie_word_embeddings=False))
+    dense, want = weight_bytes(model), weight_bytes(model)
+    for name, m in list(model.named_modules()):
+        if isinstance(m, torch.nn.Linear) and name != "lm_head" and not name.endswith("mlp.gate"):
+            o, i = m.out_features, m.in_features
+            want -= o * i - -(-o // b) * -(-i // b) * 4  # 2 bytes a value -> 1, plus an fp32 scale a block
+            model.set_submodule(name, Fp8Linear(i, o, (b, b), False, torch.bfloat16))
+        elif _is_fused_experts(m):
+            e, two_i, h = m.gate_up_proj.shape
+            want -= e * 3 * h * two_i // 2 - e * 3 * -(-h // b) * -(-two_i // 2 // b) * 4
+            model.set_submodule(name, Fp8Experts(e, h, two_i // 2, (b, b), m.act_fn, torch.bfloat16, fused=False))
+    assert dense // 10**9 == 1342 and weight_bytes(model) == want
+    assert want // 10**9 == 673 and round(want / 8 / 2**30, 1) == 78.4  # GiB a GPU of eight: no room left on 80
