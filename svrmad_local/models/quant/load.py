@@ -6,7 +6,8 @@ unchanged); then every weight is read from the safetensors files by name:
   modules.py first, and their bytes are loaded as published;
 * ``dequantize``: each packed weight is dequantized exactly (one expert or one matrix at a time)
   into the dtype asked for, and lands in transformers' own module, per-expert keys fused as
-  transformers fuses them. Every weight ends in the model's dtype.
+  transformers fuses them. Every weight ends in the dtype a plain checkpoint of the model gets.
+A `device_map` is computed on the meta model with the packed modules as unsplittable units.
 """
 from __future__ import annotations
 
