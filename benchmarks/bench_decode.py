@@ -75,6 +75,67 @@ def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
     return 2 * config.num_hidden_layers * heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
+class HostOps:
+    """Counts the torch ops a decode step dispatches (a TorchDispatchMode on the engine's worker thread):
+    `engine` outside the model body's forward (the step's views, sampling, statistics), `model` inside
+    it (transformers' modules and our attention). On a GPU each is a kernel launch or more of host time."""
+
+    def __init__(self, engine: Engine):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+        self.inside = 0
+        self.steps: list[tuple[int, int, int, int]] = []  # (decode runs, all runs, engine ops, model ops)
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                counter.counts[1 if counter.inside else 0] += 1
+                return func(*args, **(kwargs or {}))
+
+        body = engine.model.base_model
+        body.register_forward_pre_hook(lambda *a: setattr(self, "inside", self.inside + 1))
+        body.register_forward_hook(lambda *a: setattr(self, "inside", self.inside - 1))
+        step, schedule = engine._step, engine.scheduler.schedule
+        shape = []
+
+        def counted_schedule():
+            batch = schedule()
+            shape[:] = [len(batch.decode), len(batch.work)]
+            return batch
+
+        def counted_step():
+            self.counts = [0, 0]
+            with Mode():
+                out = step()
+            if shape:
+                self.steps.append((*shape, *self.counts))
+            return out
+
+        engine.scheduler.schedule = counted_schedule
+        engine._step = counted_step
+
+    def decode_step(self, batch: int) -> dict:
+        """The ops of the last step that decoded exactly `batch` sequences and nothing else."""
+        for nd, nw, eng, mod in reversed(self.steps):
+            if nd == nw == batch:
+                return {"batch": batch, "engine_ops": eng, "model_ops": mod}
+        raise SystemExit(f"no pure decode step of batch {batch} was seen")
+
+
+def host_ops(model, tokenizer, batches: list[int], block_size: int = 16, new_tokens: int = 4) -> list[dict]:
+    """engine_ops and model_ops of one decode step at each batch size (sampled at the paper's settings)."""
+    engine = Engine(model, tokenizer, EngineConfig(block_size=block_size, max_num_seqs=max(batches)))
+    counter = HostOps(engine)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for B in batches:
+        prompts = random_prompts(gen, B, 24, vocab)
+        engine.generate_sync(prompts, [SamplingParams(**sampling(i, new_tokens, greedy=False)) for i in range(B)])
+        rows.append(counter.decode_step(B))
+    return rows
+
+
 def random_prompts(gen: torch.Generator, count: int, length: int, vocab: int) -> list[list[int]]:
     return torch.randint(100, vocab, (count, length), generator=gen).tolist()
 
@@ -108,8 +169,19 @@ def main() -> int:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--vllm-python", help="also run vLLM (see bench_vs_vllm.py)")
     ap.add_argument("--vllm-dtype", choices=["float32", "bfloat16"], help="default: the same as --dtype")
+    ap.add_argument("--host-ops", action="store_true",
+                    help="count the torch ops one decode step dispatches at each batch size, and stop")
+    ap.add_argument("--json", action="store_true", help="with --host-ops: one JSON object only")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
+    if args.host_ops:
+        lm = load_model(str(args.model or ensure_default_model()), dtype=args.dtype)
+        rows = host_ops(lm.model, lm.tokenizer, batches, args.block_size)
+        if not args.json:
+            for r in rows:
+                print(f"batch {r['batch']:3d}: engine_ops {r['engine_ops']:5d}   model_ops {r['model_ops']:6d}")
+        print(json.dumps({"host_ops": rows}))
+        return 0
 
     why_not = vllm_unavailable(args.vllm_python) if args.vllm_python else "no --vllm-python given"
     if why_not:

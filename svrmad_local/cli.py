@@ -21,6 +21,7 @@ SUBCOMMANDS = {
     "report": ("svrmad_local.eval.report", "rebuild tables and figures of a run folder, no model"),
     "merge": ("svrmad_local.eval.merge", "join the folders of one run split with --shard into one, no model"),
     "prepare": ("svrmad_local.models.default", "fetch and convert the embedded default model"),
+    "plan": ("svrmad_local.models.plan", "what a checkpoint needs on given GPUs, from its config and headers, no model"),
 }
 
 

@@ -197,3 +197,17 @@ def test_drift_summary():
     assert d["priors"]["min_ll"]["top_response_changed"] == 0 and d["priors"]["min_ll"]["pair_order_flipped"] == 0
     c = [_scored([-0.1, -0.2], [0.5, 1.0], [3, 4]), a[1]]  # response 0 now the most likely
     assert drift(a, c, [[0, 1]])["priors"]["min_ll"]["top_response_changed"] == 1
+
+
+def test_a_decode_step_dispatches_the_same_engine_ops_at_every_batch_size():
+    """Issue 19's target for the eager path: the ops outside the model body (the step's views,
+    sampling, statistics) do not grow with the batch, and stay at most 100."""
+    from bench_decode import host_ops
+
+    from .model_zoo import make_zoo_model
+
+    rows = host_ops(make_zoo_model("llama"), None, [1, 8, 32], block_size=4)
+    assert [r["batch"] for r in rows] == [1, 8, 32]
+    ops = {r["engine_ops"] for r in rows}
+    assert len(ops) == 1 and 0 < ops.pop() <= 100, rows
+    assert all(r["model_ops"] > 0 for r in rows)

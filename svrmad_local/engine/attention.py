@@ -47,15 +47,24 @@ except Exception:  # pragma: no cover - depends on the machine
     HAS_FLASH_ATTN = False
 
 
-@dataclass
 class Span:
     """One sequence's new tokens in the flattened batch: rows [row0, row1) of it, which attend to
     the context `index` (slot ids of its sequence, or for latent layers positions in the expanded
-    context; the new tokens last)."""
+    context; the new tokens last). Given a block table instead, the index is built on first use
+    only: the in-place decode path never needs it, so a decode step dispatches no op per sequence."""
 
-    row0: int
-    row1: int
-    index: torch.Tensor  # [ctx_len]
+    __slots__ = ("row0", "row1", "_index", "_table")
+
+    def __init__(self, row0: int, row1: int, index: torch.Tensor | None = None, table: tuple | None = None):
+        self.row0, self.row1, self._index, self._table = row0, row1, index, table
+
+    @property
+    def index(self) -> torch.Tensor:  # [ctx_len]
+        if self._index is None:
+            blocks, end, bs, device = self._table
+            slots = torch.tensor(blocks, dtype=torch.long).unsqueeze(1) * bs + torch.arange(bs)
+            self._index = slots.flatten()[:end].to(device)
+        return self._index
 
 
 @dataclass

@@ -270,7 +270,7 @@ class Engine:
         loop = asyncio.get_running_loop()
         req.future = loop.create_future()
         seed = req.params.seed if req.params.seed is not None else self._rng.getrandbits(62)
-        gen = torch.Generator().manual_seed(_seed_for(seed, 0))
+        gen = random.Random(_seed_for(seed, 0))
         leader = Sequence(req, 0, list(req.prompt), len(req.prompt), gen, is_leader_prefill=req.params.n > 1)
         req.seed = seed
         req.sequences.append(leader)
@@ -368,7 +368,7 @@ class Engine:
         logits = logits[rows]
         gens = []
         for seq, j in samples:
-            gens.append(seq.generator if not j else torch.Generator().manual_seed(_seed_for(seq.request.seed, j)))
+            gens.append(seq.generator if not j else random.Random(_seed_for(seq.request.seed, j)))
         ps = [s.params for s, _ in samples]
         toks = sample(logits, [p.temperature for p in ps], [p.top_k for p in ps], [p.top_p for p in ps], gens)
         k = max(p.topk_logprobs for p in ps)

@@ -97,17 +97,16 @@ class ModelRunner:
     def execute(self, step: StepInput) -> torch.Tensor:
         self.cache.apply_copies(step.copies)
         dev, bs = self.device, self.block_size
-        ar = torch.arange(bs)
         pos, slot_map, runs = [], [], []
         row = 0
-        for start, end, blocks in step.runs:
-            slots = (torch.tensor(blocks, dtype=torch.long).unsqueeze(1) * bs + ar).flatten()[:end]
+        for start, end, blocks in step.runs:  # plain Python: no torch op per sequence
             pos.extend(range(start, end))
-            slot_map.append(slots[start:])
-            runs.append(Span(row, row + end - start, slots.to(dev)))
+            slot_map.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
+            runs.append(Span(row, row + end - start, table=(blocks, end, bs, dev)))
             row += end - start
         nd = step.num_decode
-        ctx = StepContext(self.cache, self.spec.layers, torch.cat(slot_map).to(dev), runs, nd, kernel_impl=self.kernel_impl)
+        ctx = StepContext(self.cache, self.spec.layers, torch.tensor(slot_map, device=dev), runs, nd,
+                          kernel_impl=self.kernel_impl)
         if self.spec.has_latent:  # latent layers get the step's context back from the cache hook, each
             # distinct slot once (forks share their prefix), to be expanded once by the model's own code
             ctx.latent_slots, inverse = torch.unique(torch.cat([r.index for r in runs]), return_inverse=True)

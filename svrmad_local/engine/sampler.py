@@ -1,18 +1,21 @@
 """Sampling with one random stream per sample.
 
-Each sample owns a torch.Generator and draws exactly one uniform number per token, which it maps
-through the inverse CDF of its (temperature, top-k, top-p)-warped distribution sorted by
-probability. The token therefore depends only on that sample's logits and its own stream, never
-on batch mates: seeded requests are reproducible whatever else shares the step.
+Each sample owns a `random.Random` (seeded from its request's seed and its index) and draws exactly
+one uniform number per token, which it maps through the inverse CDF of its (temperature, top-k,
+top-p)-warped distribution sorted by probability. The token therefore depends only on that sample's
+logits and its own stream, never on batch mates: seeded requests are reproducible whatever else
+shares the step. The draws are plain Python, so a step dispatches the same torch ops at any batch size.
 """
 
 from __future__ import annotations
+
+import random
 
 import torch
 
 
 def sample(logits: torch.Tensor, temperature: list[float], top_k: list[int], top_p: list[float],
-           generators: list[torch.Generator]) -> torch.Tensor:
+           generators: list[random.Random]) -> torch.Tensor:
     """`logits` [R, V] fp32; returns token ids [R] (on the logits' device)."""
     R, V = logits.shape
     out = torch.empty(R, dtype=torch.long, device=logits.device)
@@ -22,7 +25,8 @@ def sample(logits: torch.Tensor, temperature: list[float], top_k: list[int], top
     rows = [i for i, t in enumerate(temperature) if t != 0]
     if not rows:
         return out
-    lg = logits[rows] / torch.tensor([temperature[i] for i in rows], device=logits.device).unsqueeze(1)
+    every = len(rows) == R  # the usual case: no indexing (whose ops would depend on the batch)
+    lg = (logits if every else logits[rows]) / torch.tensor([temperature[i] for i in rows], device=logits.device).unsqueeze(1)
     ks = [top_k[i] if 0 < top_k[i] < V else V for i in rows]
     kmax = max(ks)
     # top-k first (a partial sort) when every row asks for one: sorting 150k logits is the cost
@@ -34,10 +38,13 @@ def sample(logits: torch.Tensor, temperature: list[float], top_k: list[int], top
     p = torch.tensor([top_p[i] for i in rows], device=vals.device).unsqueeze(1)
     probs = probs.masked_fill((cum - probs) >= p, 0.0)  # keep the smallest head whose mass reaches top-p
     cum = probs.cumsum(-1)
-    u = torch.stack([torch.rand((), generator=generators[i], dtype=torch.float64) for i in rows]).to(vals.device)
+    u = torch.tensor([generators[i].random() for i in rows], dtype=torch.float64, device=vals.device)
     target = (u * cum[:, -1].double()).to(cum.dtype).unsqueeze(1)
     pos = torch.searchsorted(cum, target, right=True).clamp(max=vals.shape[1] - 1)
     # never land on a masked-out token (float rounding at the very top of the CDF)
     pos = torch.minimum(pos, (probs > 0).sum(-1, keepdim=True) - 1)
-    out[rows] = idx.gather(1, pos).squeeze(1)
+    picked = idx.gather(1, pos).squeeze(1)
+    if every:
+        return picked
+    out[rows] = picked
     return out

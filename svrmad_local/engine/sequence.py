@@ -7,6 +7,8 @@ plus a given continuation, fed through teacher-forced, with statistics for the c
 
 from __future__ import annotations
 
+import random
+
 import asyncio
 import time
 from dataclasses import dataclass, field
@@ -111,7 +113,7 @@ class Sequence:
     index: int  # sample index within the request (0 = leader)
     tokens: list[int]
     num_prompt: int
-    generator: torch.Generator | None
+    generator: random.Random | None
     blocks: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose KV is in `blocks`
     num_indexed: int = 0  # leading full blocks already put in the prefix tree

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -118,8 +119,13 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype | None = None, devi
     if tp:
         from transformers.distributed import DistributedConfig
 
+        from svrmad_local.models.plan import check_tp_heads
+
         if device_map is not None:
             raise ModelLoadError("tensor parallelism and a device map do not mix: pass one of them")
+        dist = torch.distributed
+        world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+        check_tp_heads(config.to_dict(), world)  # one line naming the heads, not a shape error deep inside
         kwargs["distributed_config"] = DistributedConfig(tp_plan="auto")
     from transformers.utils import logging as hf_logging
 

@@ -1,0 +1,512 @@
+"""`svrmad plan`: will this checkpoint fit these GPUs, and how many debates at once? Asked before
+anything loads, from config.json and the safetensors headers (never the weights), so a user learns
+that DeepSeek-V3.1 needs an 8xH200 node before downloading 640 GiB to an 8xH100 one.
+
+Weights are counted as one list of `Weight`s, whichever way the folder tells us about them: from
+the headers where the *.safetensors are there (exact, packed tensors merged with their scales),
+else rebuilt from config.json for the architectures we know (GPT-OSS, DeepSeek-V3, Llama/Qwen-like
+dense models). The choices (reserve, prompt length, what stays bf16) are in docs/plan.md.
+
+It also holds the two tensor-parallel refusals the loader shares with the plan: heads that a TP
+degree does not divide, and a split that would cut a quantization block.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import math
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from svrmad_local.errors import UserError
+
+GiB = 2**30
+AGENTS, NEW_TOKENS = 6, 16_384  # the paper's shape: 6 agents, up to 16,384 generated tokens each
+PROMPT_TOKENS = 1_024  # the question in its chat template (debate prompts reuse cached answers)
+RESERVE_FRACTION, RESERVE_MIN = 0.10, 2 * GiB  # per GPU: CUDA context, activations, logits, NCCL
+KV_ITEM = 2  # the cache holds bf16 keys and values
+MXFP4_BLOCK = 32  # values per e8m0 scale; 16 bytes of e2m1 codes + 1 byte of scale
+DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "F8_E4M3": 1, "F8_E5M2": 1, "U8": 1, "I8": 1,
+               "I16": 2, "I32": 4, "I64": 8, "BOOL": 1}
+CONFIG_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+DENSE = ("llama", "mistral", "qwen2", "qwen3")
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "gate_up_proj", "q_b_proj", "kv_b_proj")
+ROW_PARALLEL = ("o_proj", "down_proj")
+
+
+class PlanError(UserError, ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Weight:
+    """One weight as the model uses it. `shape` is logical (the values it stands for: [E,] out, in
+    for a linear); `fmt` is "mxfp4", "fp8" or the stored dtype ("BF16", "F32"...); `stored` is the
+    bytes in the files, scales included, where the headers told us (else computed from the format)."""
+
+    name: str
+    shape: tuple[int, ...]
+    fmt: str
+    block: tuple[int, ...] = ()
+    stored: int | None = None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def native_bytes(self) -> int:
+        if self.stored is not None:
+            return self.stored
+        lead = math.prod(self.shape[:-2]) if len(self.shape) > 2 else 1
+        if self.fmt == "mxfp4":  # per 32 values: 16 bytes of codes + 1 byte e8m0 scale
+            return 17 * math.prod(self.shape[:-1]) * math.ceil(self.shape[-1] / MXFP4_BLOCK)
+        if self.fmt == "fp8":  # 1 byte a value + an fp32 scale per block, partial blocks at the edges
+            out, inp = self.shape[-2:]
+            return self.numel + 4 * lead * math.ceil(out / self.block[0]) * math.ceil(inp / self.block[1])
+        return self.numel * DTYPE_BYTES[self.fmt]
+
+    def block_shape(self) -> tuple[int, ...]:
+        """The quantization block over the logical shape (1 where a split may fall anywhere)."""
+        if self.fmt == "mxfp4":
+            return (1,) * (len(self.shape) - 1) + (MXFP4_BLOCK,)
+        if self.fmt == "fp8":
+            return (1,) * (len(self.shape) - 2) + tuple(self.block)
+        return (1,) * len(self.shape)
+
+
+# --- what the folder says ---------------------------------------------------------------------
+
+def read_config(path: Path) -> dict:
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        raise PlanError(f"model path {path} is not a folder (expected config.json, and *.safetensors if downloaded)")
+    try:
+        cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise PlanError(f"{path} has no config.json") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise PlanError(f"{path}/config.json is not valid JSON: {exc}") from None
+    cfg = cfg.get("text_config", cfg) | {k: v for k, v in cfg.items() if k == "quantization_config"}
+    method = (cfg.get("quantization_config") or {}).get("quant_method")
+    if method not in (None, "mxfp4", "fp8"):
+        raise PlanError(f"{path}: quantization {method!r} is not one svrmad-local reads (mxfp4, fp8, or none)")
+    return cfg
+
+
+def read_header(file: Path) -> dict:
+    """The JSON header of a safetensors file: 8 bytes little-endian length, then the JSON."""
+    with open(file, "rb") as f:
+        head = f.read(8)
+        n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+        if not 2 <= n <= 2**28:
+            raise PlanError(f"{file} is not a safetensors file (header length {n})")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise PlanError(f"{file}: its safetensors header is not valid JSON: {exc}") from None
+    if not isinstance(header, dict):
+        raise PlanError(f"{file}: its safetensors header is not a JSON object")
+    header.pop("__metadata__", None)
+    for name, t in header.items():
+        if not (isinstance(t, dict) and {"dtype", "shape", "data_offsets"} <= t.keys()):
+            raise PlanError(f"{file}: header entry {name!r} lacks dtype, shape or data_offsets")
+    return header
+
+
+def header_weights(path: Path, cfg: dict) -> tuple[list[Weight], list[Path]] | None:
+    """The weights as the headers describe them, or None when the files are not all there (an index
+    naming shards that are missing: the plan then counts from config.json)."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise PlanError(f"{index} is not a safetensors index (no weight_map of tensor -> file)") from None
+        files = [path / n for n in names]
+        if not all(f.is_file() for f in files):
+            return None
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        return None
+    tensors: dict[str, dict] = {}
+    for f in files:
+        tensors.update(read_header(f))
+    layers = cfg.get("num_hidden_layers")
+    beyond = re.compile(r"model\.layers\.(\d+)\.")
+    block = tuple((cfg.get("quantization_config") or {}).get("weight_block_size") or (128, 128))
+    out, used = [], set()
+
+    def size(name):
+        used.add(name)
+        begin, end = tensors[name]["data_offsets"]
+        return end - begin
+
+    for name, t in tensors.items():
+        m = beyond.match(name)
+        if m and layers is not None and int(m.group(1)) >= layers:  # e.g. DeepSeek's MTP layer: not built
+            used.add(name)
+            continue
+        if name in used:
+            continue
+        shape = tuple(t["shape"])
+        if name.endswith("_blocks") and name[:-7] + "_scales" in tensors:
+            logical = shape[:-2] + (shape[-2] * shape[-1] * 2,)
+            out.append(Weight(name[:-7], logical, "mxfp4", stored=size(name) + size(name[:-7] + "_scales")))
+        elif t["dtype"].startswith("F8") and name + "_scale_inv" in tensors:
+            out.append(Weight(name, shape, "fp8", block, stored=size(name) + size(name + "_scale_inv")))
+        elif name.endswith(("_scales", "_scale_inv")):
+            continue  # its weight comes later in the header; claimed there
+        else:
+            if t["dtype"] not in DTYPE_BYTES:
+                raise PlanError(f"{name}: dtype {t['dtype']} unknown to the plan")
+            out.append(Weight(name, shape, t["dtype"], stored=size(name)))
+    stray = sorted(n for n in tensors if n not in used)
+    if stray:
+        raise PlanError(f"{stray[0]} has no weight it scales (or its weight is of an unexpected dtype)")
+    return out, files
+
+
+def config_weights(cfg: dict) -> list[Weight]:
+    """The weights transformers builds for this config, in the published names and formats. Each
+    builder yields (name, logical shape, kind): "linear" or "experts" where a quantization may pack
+    it, a dtype where the checkpoints publish it so whatever the rest is, False for plain weights."""
+    mt = cfg.get("model_type")
+    build = {"gpt_oss": _gpt_oss, "deepseek_v3": _deepseek_v3, **{d: _dense for d in DENSE}}.get(mt)
+    if build is None:
+        raise PlanError(f"architecture {mt!r}: the plan counts {', '.join(['gpt_oss', 'deepseek_v3', *DENSE])} "
+                        "from config.json alone; for another, put its *.safetensors next to config.json (only "
+                        "their headers are read)")
+    qc = cfg.get("quantization_config") or {}
+    skip = list(qc.get("modules_to_not_convert") or [])
+    plain = CONFIG_DTYPES.get(cfg.get("torch_dtype") or cfg.get("dtype"), "BF16")
+    block = tuple(qc.get("weight_block_size") or (128, 128))
+    out = []
+    for name, shape, quantizable in build(cfg):
+        fmt = quantizable if quantizable in DTYPE_BYTES else plain  # a dtype: published so, always
+        if quantizable in ("linear", "experts") and not any(_matches(name, p) for p in skip):
+            fmt = {"mxfp4": "mxfp4", "fp8": "fp8"}.get(qc.get("quant_method"), plain)
+        if quantizable == "experts" and fmt == "fp8" or quantizable == "linear" and fmt == "mxfp4":
+            fmt = plain  # MXFP4 packs only the MoE experts; FP8 every projection
+        out.append(Weight(name, tuple(shape), fmt, block if fmt == "fp8" else ()))
+    return out
+
+
+def _matches(name: str, pattern: str) -> bool:
+    """modules_to_not_convert: a glob or a module name, matching the weight's module or a parent."""
+    return any(fnmatch.fnmatchcase(name, p) for p in (pattern, pattern + ".*", "*." + pattern + ".*"))
+
+
+def _attn_linear(p, q_out, kv_out, h, bias, o_bias=None):
+    o_bias = bias if o_bias is None else o_bias
+    yield f"{p}.q_proj.weight", (q_out, h), "linear"
+    yield f"{p}.k_proj.weight", (kv_out, h), "linear"
+    yield f"{p}.v_proj.weight", (kv_out, h), "linear"
+    yield f"{p}.o_proj.weight", (h, q_out), "linear"
+    if bias:
+        yield from ((f"{p}.{n}_proj.bias", (d,), False) for n, d in (("q", q_out), ("k", kv_out), ("v", kv_out)))
+    if o_bias:
+        yield f"{p}.o_proj.bias", (h,), False
+
+
+def _mlp(p, h, inter, bias=False):
+    for n, shape in (("gate_proj", (inter, h)), ("up_proj", (inter, h)), ("down_proj", (h, inter))):
+        yield f"{p}.{n}.weight", shape, "linear"
+        if bias:
+            yield f"{p}.{n}.bias", shape[:1], False
+
+
+def _ends(cfg, h):
+    yield "model.embed_tokens.weight", (cfg["vocab_size"], h), False
+    yield "model.norm.weight", (h,), False
+    if not cfg.get("tie_word_embeddings", False):
+        yield "lm_head.weight", (cfg["vocab_size"], h), False
+
+
+def _dense(cfg):
+    h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    hd = cfg.get("head_dim") or h // heads
+    kv = cfg.get("num_key_value_heads") or heads
+    qwen2 = cfg["model_type"] == "qwen2"
+    bias = qwen2 or cfg.get("attention_bias", False) and cfg["model_type"] != "mistral"
+    yield from _ends(cfg, h)
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        yield from _attn_linear(f"{p}.self_attn", heads * hd, kv * hd, h, bias, o_bias=bias and not qwen2)
+        if cfg["model_type"] == "qwen3":
+            yield from ((f"{p}.self_attn.{n}.weight", (hd,), False) for n in ("q_norm", "k_norm"))
+        yield from _mlp(f"{p}.mlp", h, cfg["intermediate_size"], cfg.get("mlp_bias", False) and cfg["model_type"] == "llama")
+        yield from ((f"{p}.{n}.weight", (h,), False) for n in ("input_layernorm", "post_attention_layernorm"))
+
+
+def _gpt_oss(cfg):
+    h, heads, kv, hd = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    e, inter = cfg["num_local_experts"], cfg["intermediate_size"]
+    yield from _ends(cfg, h)
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        yield from _attn_linear(f"{p}.self_attn", heads * hd, kv * hd, h, cfg.get("attention_bias", True))
+        yield f"{p}.self_attn.sinks", (heads,), False
+        yield from ((f"{p}.{n}.weight", (h,), False) for n in ("input_layernorm", "post_attention_layernorm"))
+        yield f"{p}.mlp.router.weight", (e, h), False
+        yield f"{p}.mlp.router.bias", (e,), False
+        # published as [E, out rows, in/32 blocks, 16 bytes]: logical [E, out, in]
+        yield f"{p}.mlp.experts.gate_up_proj", (e, 2 * inter, h), "experts"
+        yield f"{p}.mlp.experts.gate_up_proj_bias", (e, 2 * inter), False
+        yield f"{p}.mlp.experts.down_proj", (e, h, inter), "experts"
+        yield f"{p}.mlp.experts.down_proj_bias", (e, h), False
+
+
+def _deepseek_v3(cfg):
+    h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    nope, rope, v = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+    q_rank, kv_rank, bias = cfg.get("q_lora_rank"), cfg["kv_lora_rank"], cfg.get("attention_bias", False)
+    e, moe_inter = cfg["n_routed_experts"], cfg["moe_intermediate_size"]
+    yield from _ends(cfg, h)
+    for i in range(cfg["num_hidden_layers"]):
+        p, a = f"model.layers.{i}", f"model.layers.{i}.self_attn"
+        if q_rank:
+            yield f"{a}.q_a_proj.weight", (q_rank, h), "linear"
+            yield f"{a}.q_a_layernorm.weight", (q_rank,), False
+            yield f"{a}.q_b_proj.weight", (heads * (nope + rope), q_rank), "linear"
+        else:
+            yield f"{a}.q_proj.weight", (heads * (nope + rope), h), "linear"
+        yield f"{a}.kv_a_proj_with_mqa.weight", (kv_rank + rope, h), "linear"
+        yield f"{a}.kv_a_layernorm.weight", (kv_rank,), False
+        yield f"{a}.kv_b_proj.weight", (heads * (nope + v), kv_rank), "linear"
+        yield f"{a}.o_proj.weight", (h, heads * v), "linear"
+        if bias:
+            yield from ((f"{a}.{n}.bias", (d,), False) for n, d in
+                        (("q_a_proj" if q_rank else "q_proj", q_rank or heads * (nope + rope)),
+                         ("kv_a_proj_with_mqa", kv_rank + rope), ("o_proj", h)))
+        yield from ((f"{p}.{n}.weight", (h,), False) for n in ("input_layernorm", "post_attention_layernorm"))
+        if i < cfg.get("first_k_dense_replace", 0) or i % cfg.get("moe_layer_freq", 1):
+            yield from _mlp(f"{p}.mlp", h, cfg["intermediate_size"])
+            continue
+        yield f"{p}.mlp.gate.weight", (e, h), False
+        yield f"{p}.mlp.gate.e_score_correction_bias", (e,), "F32"
+        for j in range(e):
+            yield from _mlp(f"{p}.mlp.experts.{j}", h, moe_inter)
+        if cfg.get("n_shared_experts"):
+            yield from _mlp(f"{p}.mlp.shared_experts", h, moe_inter * cfg["n_shared_experts"])
+
+
+# --- the KV cache ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class LayerKV:
+    bytes_per_token: int  # the whole layer, all heads
+    heads: int  # KV heads a TP split divides; 0 for a latent every rank keeps whole
+    window: int | None
+
+
+def kv_layers(cfg: dict) -> list[LayerKV]:
+    """Per layer what one token adds to the cache: K and V of each KV head, or for multi-head latent
+    attention the latent (kv_lora_rank) and the shared RoPE key (qk_rope_head_dim)."""
+    n = cfg["num_hidden_layers"]
+    if cfg.get("kv_lora_rank"):
+        return [LayerKV((cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * KV_ITEM, 0, None)] * n
+    heads = cfg["num_attention_heads"]
+    kv = cfg.get("num_key_value_heads") or heads
+    hd = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    window = cfg.get("sliding_window")
+    types = cfg.get("layer_types")
+    if types:
+        windows = [window if t == "sliding_attention" else None for t in types]
+    else:
+        windows = [window if cfg.get("use_sliding_window", True) else None] * n
+    return [LayerKV(2 * kv * hd * KV_ITEM, kv, w) for w in windows]
+
+
+# --- tensor-parallel refusals --------------------------------------------------------------------
+
+def check_tp_heads(cfg: dict, tp: int) -> None:
+    """--tp N splits attention by heads, so N must divide the attention heads and the KV heads (a
+    latent-attention cache is not split by heads: each rank keeps it whole)."""
+    if tp <= 1:
+        return
+    heads = cfg.get("num_attention_heads")
+    kv = None if cfg.get("kv_lora_rank") else cfg.get("num_key_value_heads") or heads
+    for what, n in (("attention heads", heads), ("KV heads", kv)):
+        if n is not None and n % tp:
+            raise PlanError(f"--tp {tp} does not divide the model's {n} {what}"
+                            f" ({cfg.get('num_attention_heads')} attention, {kv or 'latent'} KV); "
+                            f"use a --tp that divides {n}")
+
+
+def check_block_split(name: str, shape, block_shape, tp: int, dim: int) -> None:
+    """Refuse a split of `shape` over `tp` ranks along `dim` that would cut a quantization block:
+    each rank's part must start on a block boundary (a partial last block only at the tensor's end)."""
+    dim = dim % len(shape)
+    size, block = shape[dim], block_shape[dim]
+    if size % tp:
+        raise PlanError(f"{name}: dimension {dim} of {list(shape)} ({size}) does not split over {tp} ranks")
+    if (size // tp) % block and tp > 1:
+        raise PlanError(f"{name}: splitting dimension {dim} of {list(shape)} over {tp} ranks gives {size // tp} "
+                        f"per rank, which cuts its {block}-wide quantization blocks; use a --tp that keeps "
+                        f"{size} / tp a multiple of {block}")
+
+
+def tp_split_dim(w: Weight) -> int | None:
+    """Where the plan assumes --tp splits a weight: fused experts by expert, column-parallel
+    projections by output rows, row-parallel ones by input columns; None: replicated."""
+    module = w.name.removesuffix(".weight").rsplit(".", 1)[-1]
+    if len(w.shape) == 3 and ".experts." in w.name:
+        return 0
+    if module in COLUMN_PARALLEL:
+        return -2
+    if module in ROW_PARALLEL:
+        return -1
+    return None
+
+
+# --- the plan ----------------------------------------------------------------------------------
+
+def parse_gpus(text: str) -> tuple[int, int]:
+    """"8x80GiB" -> (8, 80 GiB); "80GB" -> (1, 80e9). A unit is required."""
+    from svrmad_local.engine.memory import parse_memory
+
+    m = re.fullmatch(r"\s*(?:(\d+)\s*[x×*]\s*)?(.+?)\s*", text or "")
+    count = int(m.group(1) or 1) if m else 0
+    if not m or count < 1 or not re.search(r"[kmg]i?b\s*$", m.group(2).lower()):
+        raise PlanError(f"--gpus {text!r}: expected COUNTxMEMORY, e.g. 8x80GiB or 1x141GB")
+    try:
+        mem = parse_memory(m.group(2), 0, 0)
+    except ValueError:
+        raise PlanError(f"--gpus {text!r}: expected COUNTxMEMORY, e.g. 8x80GiB or 1x141GB") from None
+    return count, mem
+
+
+def make_plan(path, gpus: int, gpu_memory: int, quantization: str = "native", tp: int | None = None,
+              prompt_tokens: int = PROMPT_TOKENS) -> dict:
+    path = Path(path).expanduser()
+    if quantization not in ("native", "dequantize"):
+        raise PlanError(f"quantization {quantization!r}: use native or dequantize")
+    if prompt_tokens < 0:
+        raise PlanError(f"--prompt-tokens {prompt_tokens} is negative")
+    cfg = read_config(path)
+    try:
+        return _plan(path, cfg, gpus, gpu_memory, quantization, tp, prompt_tokens)
+    except KeyError as exc:
+        raise PlanError(f"{path}/config.json has no {exc.args[0]!r}, which the plan needs") from None
+
+
+def _plan(path: Path, cfg: dict, gpus, gpu_memory, quantization, tp, prompt_tokens) -> dict:
+    found = header_weights(path, cfg)
+    weights, source = (found[0], f"safetensors headers ({len(found[1])} files)") if found else \
+        (config_weights(cfg), "config.json")
+    if tp is not None and (tp < 1 or tp > gpus or gpus % tp):
+        raise PlanError(f"--tp {tp} with {gpus} GPUs: the GPUs must be a whole number of tp-GPU groups")
+    if tp and tp > 1:
+        check_tp_heads(cfg, tp)
+        for w in weights:
+            dim = tp_split_dim(w)
+            if dim is not None and w.fmt in ("mxfp4", "fp8"):
+                check_block_split(w.name, w.shape, w.block_shape(), tp, dim)
+    native = quantization == "native"
+    total = sum(w.native_bytes() if native else 2 * w.numel for w in weights)
+    params: dict[str, int] = {}
+    for w in weights:
+        key = w.fmt if native else "BF16"
+        params[key] = params.get(key, 0) + w.numel
+
+    # how the GPUs hold it: tp-GPU replicas, or (no --tp) one model spread by layers over all GPUs
+    span = tp or gpus
+    replicas = gpus // span
+    layers = kv_layers(cfg)
+
+    def per_gpu(layer: LayerKV) -> int:
+        if tp is None:
+            return layer.bytes_per_token  # divided by the span below, with the weights
+        return layer.bytes_per_token // tp if layer.heads else layer.bytes_per_token
+
+    seq = prompt_tokens + NEW_TOKENS
+    grow = sum(per_gpu(x) for x in layers if x.window is None or x.window >= seq)
+    capped = [x for x in layers if x.window is not None and x.window < seq]
+    cap = sum(per_gpu(x) * x.window for x in capped)
+    split = span if tp is None else 1
+    seq_bytes = math.ceil((grow * seq + cap) / split)
+    seq_uncapped = math.ceil(sum(per_gpu(x) for x in layers) * seq / split)
+    weights_gpu = math.ceil(total / span)
+    reserve = max(RESERVE_MIN, int(RESERVE_FRACTION * gpu_memory))
+    room = gpu_memory - reserve - weights_gpu
+    sequences = replicas * (max(0, room) // seq_bytes)
+    mem, wg = _gib(gpu_memory), _gib(weights_gpu)
+    if weights_gpu > gpu_memory:
+        reason = f"needs {wg} of weights per GPU on {mem}"
+    elif room <= 0:
+        reason = f"needs {wg} of weights per GPU plus {_gib(reserve)} of reserve on {mem}"
+    elif sequences < AGENTS:
+        reason = (f"{wg} of weights and {_gib(reserve)} of reserve per GPU on {mem} leave {_gib(room)} for the KV "
+                  f"cache: {sequences} of the {AGENTS} sequences of {seq:,} tokens one question needs")
+    else:
+        reason = (f"{wg} of weights and {_gib(reserve)} of reserve per GPU on {mem} leave {_gib(room)} for the KV "
+                  f"cache: {sequences:,} sequences of {seq:,} tokens, {sequences // AGENTS:,} questions of {AGENTS} agents at once")
+    return {
+        "model": str(path), "architecture": cfg.get("model_type"), "source": source,
+        "quantization": quantization, "parameters": sum(params.values()), "parameters_by_format": params,
+        "weight_bytes": total, "gpus": gpus, "gpu_memory": gpu_memory, "tp": tp, "replicas": replicas,
+        "weight_bytes_per_gpu": weights_gpu, "reserve_bytes_per_gpu": reserve, "kv_room_per_gpu": max(0, room),
+        "kv_bytes_per_token": math.ceil(grow / split),
+        "kv_window_cap_bytes_per_sequence": math.ceil(cap / split),
+        "kv_window_layers": len(capped), "kv_windows": sorted({x.window for x in capped}),
+        "kv_latent": any(x.heads == 0 for x in layers),
+        "sequence_tokens": seq, "prompt_tokens": prompt_tokens, "new_tokens": NEW_TOKENS,
+        "kv_bytes_per_sequence": seq_bytes, "sequences": sequences,
+        "sequences_uncapped": replicas * (max(0, room) // seq_uncapped),
+        "fits": weights_gpu <= gpu_memory and room > 0 and sequences >= AGENTS, "reason": reason,
+    }
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.1f} GiB" if n >= GiB or n == 0 else f"{n / 2**20:.1f} MiB"
+
+
+def format_plan(p: dict) -> str:
+    fmt = {"mxfp4": "MXFP4 (4.25 bits)", "fp8": "FP8 e4m3 + block scales", "BF16": "bf16", "F32": "fp32"}
+    count = lambda n: f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n:,}"  # noqa: E731
+    kinds = ", ".join(f"{count(n)} {fmt.get(k, k.lower())}" for k, n in sorted(p["parameters_by_format"].items()))
+    if p["tp"] is None:
+        layout = "one GPU" if p["gpus"] == 1 else f"spread by layers over {p['gpus']} GPUs (no --tp)"
+    else:
+        layout = (f"{p['replicas']} replica{'s' if p['replicas'] > 1 else ''} of {p['tp']} GPU"
+                  + ("s, tensor parallel" if p["tp"] > 1 else " each"))
+    where = ("the latent, kept whole on every TP rank" if p["kv_latent"] and (p["tp"] or 1) > 1 else
+             "the latent" if p["kv_latent"] else "K and V" + (", split by KV heads" if (p["tp"] or 1) > 1 else ""))
+    lines = [
+        f"svrmad plan: {p['model']} ({p['architecture']}), counted from {p['source']}, quantization {p['quantization']}",
+        f"  weights: {_gib(p['weight_bytes'])} ({p['weight_bytes']:,} bytes): {kinds}",
+        f"  per GPU: {_gib(p['weight_bytes_per_gpu'])} of weights on {p['gpus']} x {_gib(p['gpu_memory'])}, {layout}; "
+        f"reserve {_gib(p['reserve_bytes_per_gpu'])}; KV room {_gib(p['kv_room_per_gpu'])}",
+        f"  KV cache per GPU: {p['kv_bytes_per_token']:,} bytes per token ({where})"
+        + (f" + {p['kv_window_cap_bytes_per_sequence']:,} bytes per sequence for {p['kv_window_layers']} sliding "
+           f"layers capped at their window of {', '.join(map(str, p['kv_windows']))}" if p["kv_window_layers"] else ""),
+        f"  sequences of {p['prompt_tokens']:,} + {p['new_tokens']:,} tokens ({_gib(p['kv_bytes_per_sequence'])} each): "
+        f"{p['sequences']:,} at once"
+        + (f"; {p['sequences_uncapped']:,} if sliding layers keep every token, as the engine's paged cache does today"
+           if p["kv_window_layers"] else ""),
+        f"  fits: {'yes' if p['fits'] else 'no'}: {p['reason']}",
+    ]
+    return "\n".join(lines)
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--model", required=True, help="checkpoint folder (config.json; *.safetensors headers if there)")
+    parser.add_argument("--gpus", required=True, help="COUNTxMEMORY, e.g. 8x80GiB or 1x141GB")
+    parser.add_argument("--quantization", choices=("native", "dequantize"), default="native",
+                        help="native: packed formats at their real size (default); dequantize: every weight in bf16")
+    parser.add_argument("--tp", type=int, default=None,
+                        help="tensor-parallel degree (GPUs per replica); default: one model spread over all GPUs")
+    parser.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS,
+                        help=f"prompt length of each sequence (default {PROMPT_TOKENS})")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def main(args) -> int:
+    gpus, mem = parse_gpus(args.gpus)
+    plan = make_plan(args.model, gpus, mem, args.quantization, args.tp, args.prompt_tokens)
+    print(json.dumps(plan) if args.json else format_plan(plan))
+    return 0
