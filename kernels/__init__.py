@@ -7,6 +7,8 @@
   builds its Triton bookkeeping once for many calls (the layers of a step).
 * :func:`apply_sinks` - GPT-OSS attention sinks on any finished ``(out, lse)``.
 * :func:`paged_decode` - decode attention reading K/V in place through a block table (split-K).
+* :func:`dequantize_mxfp4`, :func:`mxfp4_matmul` - GPT-OSS's MXFP4 experts, from the packed bytes.
+* :func:`dequantize_fp8`, :func:`fp8_matmul` - DeepSeek-V3's block-scaled FP8 e4m3 weights.
 
 Every kernel function takes ``kernel_impl="auto"|"torch"|"triton"``; "auto" uses triton only when it is
 importable and the tensors are on CUDA (``SVRMAD_KERNELS=torch`` forces the torch reference).
@@ -15,11 +17,13 @@ from ._backend import HAS_TRITON, select_impl
 from .paged_decode import paged_decode, reference_paged_decode
 from .prefix_attention import (CascadePlan, Level, apply_sinks, attend_partial, cascade_attention, cascade_plan,
                                merge_states, reference_attention)
+from .fp8 import dequantize_fp8, fp8_matmul
+from .mxfp4 import dequantize_mxfp4, mxfp4_matmul
 from .token_stats import TokenStats, reference_token_stats, token_stats
 
 __all__ = [
     "HAS_TRITON", "select_impl", "TokenStats", "token_stats", "reference_token_stats",
     "Level", "attend_partial", "merge_states", "cascade_attention", "cascade_plan", "CascadePlan", "apply_sinks",
-    "reference_attention",
     "paged_decode", "reference_paged_decode",
+    "reference_attention", "dequantize_mxfp4", "mxfp4_matmul", "dequantize_fp8", "fp8_matmul",
 ]

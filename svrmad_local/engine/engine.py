@@ -172,9 +172,11 @@ class Engine:
         }
 
     @classmethod
-    def from_pretrained(cls, path, *, dtype=None, device=None, device_map=None, **config) -> "Engine":
+    def from_pretrained(cls, path, *, dtype=None, device=None, device_map=None, quantization="auto",
+                        **config) -> "Engine":
         """Load a local checkpoint folder (`models.loader.load_model`) and build an engine on it;
-        `config` holds EngineConfig fields (kv_cache_memory="40GiB", block_size=16, ...)."""
+        `config` holds EngineConfig fields (kv_cache_memory="40GiB", block_size=16, ...).
+        `quantization` ("auto" | "native" | "dequantize"): how an MXFP4 / FP8 checkpoint is held."""
         from svrmad_local.models.loader import load_model
 
         fields = set(EngineConfig.__dataclass_fields__)
@@ -182,8 +184,12 @@ class Engine:
         if unknown:
             raise TypeError(f"Engine.from_pretrained: unknown option(s) {', '.join(unknown)}; "
                             f"EngineConfig has {', '.join(sorted(fields))}")
-        lm = load_model(path, dtype=dtype, device=device, device_map=device_map)
-        return cls(lm.model, lm.tokenizer, EngineConfig(**config))
+        from svrmad_local.models.quant import set_kernel_impl
+
+        lm = load_model(path, dtype=dtype, device=device, device_map=device_map, quantization=quantization)
+        cfg = EngineConfig(**config)
+        set_kernel_impl(lm.model, cfg.kernel_impl)  # packed weights compute through the engine's kernel choice
+        return cls(lm.model, lm.tokenizer, cfg)
 
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt: token ids as given, a string tokenized as is, or chat messages

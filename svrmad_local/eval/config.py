@@ -65,6 +65,7 @@ class RunConfig:
     device_map: str | None = field(default=None, metadata=_meta("--device-map"))
     dtype: str | None = field(default=None, metadata=_meta("--dtype", True))
     tp: int = field(default=1, metadata=_meta("--tp"))
+    quantization: str = field(default="auto", metadata=_meta("--quantization"))
     engine: EngineConfig = field(default_factory=EngineConfig, metadata=_meta("engine"))
     # sampling and prompts
     sampling: SamplingParams = field(default_factory=lambda: SamplingParams(max_tokens=RUN_MAX_TOKENS),
@@ -250,6 +251,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device-map", help="accelerate device map, e.g. auto (a model larger than one GPU)")
     g.add_argument("--dtype", help="fp32 | bf16 | fp16 (default: fp32 on CPU, bf16 on GPU)")
     g.add_argument("--tp", type=int, default=rc.tp, help="tensor-parallel ranks (launch with torchrun)")
+    g.add_argument("--quantization", choices=["auto", "native", "dequantize"], default=rc.quantization,
+                   help="MXFP4 / FP8 checkpoints: keep the weights packed (native) or expand them into --dtype; "
+                        "auto is native where a packed path exists (docs/quantization.md)")
     g.add_argument("--kv-cache-memory", help="KV-cache budget: bytes, a fraction (0.9) or e.g. 4GiB")
     g.add_argument("--block-size", type=int, default=ec.block_size)
     g.add_argument("--max-num-seqs", type=int, default=ec.max_num_seqs)
@@ -310,7 +314,7 @@ def from_args(args: argparse.Namespace) -> RunConfig:
     return RunConfig(
         dataset=args.dataset, data_dir=args.data_dir, limit=args.limit, category=args.category, shard=args.shard,
         on_error=args.on_error, model=args.model, cache_dir=args.cache_dir, device=args.device,
-        device_map=args.device_map, dtype=args.dtype, tp=args.tp, engine=engine, sampling=sampling, seed=args.seed,
+        device_map=args.device_map, dtype=args.dtype, tp=args.tp, quantization=args.quantization, engine=engine, sampling=sampling, seed=args.seed,
         reasoning_effort=pick("reasoning_effort", None), elicit_confidence=not args.no_confidence,
         paper_settings=args.paper_settings, methods=methods, agents=args.agents, method_params=params,
         skip_rate=args.skip_rate, grader=args.grader or "ours", ablations=args.ablations, out=args.out,

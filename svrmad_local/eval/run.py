@@ -223,7 +223,11 @@ def build_engine(cfg: RunConfig, device: str | None, model_path: str):
     from svrmad_local.engine.engine import Engine
     from svrmad_local.models.loader import load_model
 
-    lm = load_model(model_path, dtype=cfg.dtype, device=device, device_map=cfg.device_map, tp=cfg.tp > 1)
+    lm = load_model(model_path, dtype=cfg.dtype, device=device, device_map=cfg.device_map, tp=cfg.tp > 1,
+                    quantization=cfg.quantization)
+    quant = getattr(lm.model, "svrmad_quantization", None)
+    if quant:
+        print(f"svrmad run: {quant['summary']}", file=sys.stderr)
     return Engine(lm.model, lm.tokenizer, cfg.engine)
 
 

@@ -76,7 +76,7 @@ def weight_bytes(model: nn.Module) -> int:
     for m in model.modules():
         if hasattr(m, "packed_bytes"):
             total += m.packed_bytes()
-            seen.update(id(p) for p in m.parameters(recurse=False))
+            seen.update(id(t) for t in (*m.parameters(), *m.buffers()))  # packed tensors are buffers
     for p in model.parameters():
         if id(p) not in seen:
             seen.add(id(p))

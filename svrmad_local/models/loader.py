@@ -11,6 +11,7 @@ custom code? [y/N]" prompt) and pickled weights are never read (`use_safetensors
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,9 @@ from svrmad_local.errors import UserError
 
 class ModelLoadError(UserError, RuntimeError):
     pass
+
+
+log = logging.getLogger("svrmad_local.models")
 
 
 # Every from_pretrained call: a local folder only, and never the folder's own Python code.
@@ -56,11 +60,15 @@ def parse_dtype(dtype: str | torch.dtype | None, device: str | None) -> torch.dt
 
 
 def load_model(path: str | Path, *, dtype: str | torch.dtype | None = None, device: str | None = None,
-               device_map: str | dict | None = None, tp: bool = False) -> LoadedModel:
+               device_map: str | dict | None = None, tp: bool = False, quantization: str = "auto") -> LoadedModel:
     """`device`: "cpu", "cuda", "cuda:1"... (default: cuda if available). `device_map`: passed to
     accelerate ("auto" spreads a model too large for one GPU over all visible GPUs). `tp`: shard the
     model over the initialised torch.distributed group with transformers' own tensor-parallel plan
-    (every rank calls this; see engine/tp.py)."""
+    (every rank calls this; see engine/tp.py). `quantization`: for MXFP4 / FP8 checkpoints, "native"
+    keeps the weights packed, "dequantize" expands them exactly into `dtype`, "auto" takes native where
+    a packed path exists for the device (models/quant, docs/quantization.md)."""
+    from svrmad_local.models import quant
+
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -96,6 +104,15 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype | None = None, devi
     if device is None and device_map is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     torch_dtype = parse_dtype(dtype, device)
+    spec = quant.quant_spec(raw if isinstance(raw, dict) else {})
+    mode, why = quant.choose_mode(quantization, spec, device, tp, device_map)
+    if spec is not None:
+        held = "with the weights packed (native)" if mode == "native" else f"dequantized into {torch_dtype}"
+        line = f"loading {path.name} ({spec.describe()}) {held}: {why}"
+        log.info(line)
+        model = quant.load_quantized(path, config, spec, mode, torch_dtype, device, device_map)
+        model.svrmad_quantization["summary"] = line
+        return LoadedModel(model, load_tokenizer(path), path)
     kwargs = dict(SAFE, dtype=torch_dtype, use_safetensors=True, output_loading_info=True)
     if device_map is not None:
         kwargs["device_map"] = device_map
@@ -112,7 +129,10 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype | None = None, devi
         kwargs["distributed_config"] = DistributedConfig(tp_plan="auto")
     from transformers.utils import logging as hf_logging
 
-    hf_logging.set_verbosity_error()  # our own checks below report what matters, in our words
+    # Quiet only for this call (our checks below say what matters, in our words), not for the process;
+    # quantized folders never reach here, so no quantizer fallback can be hidden.
+    before = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
     try:
         model, info = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except Exception as exc:
@@ -120,6 +140,8 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype | None = None, devi
             detail = ", ".join(_shape_mismatches(path, config)[:3])
             raise ModelLoadError(f"checkpoint {path} does not match its config.json: weights of the wrong shape ({detail})") from exc
         raise ModelLoadError(f"loading the weights in {path} failed: {exc}") from exc
+    finally:
+        hf_logging.set_verbosity(before)
     tied = set(getattr(model, "_tied_weights_keys", None) or [])
     missing = [k for k in info.get("missing_keys", []) if k not in tied]
     problems = {
