@@ -49,10 +49,11 @@ def reference_mla_decode(q_lat, q_rot, c_cache, kr_cache, block_table, lens, blo
     dev = q_lat.device
     pos = torch.arange(block_table.shape[1] * block_size, device=dev)
     slots = block_table.long()[:, pos // block_size] * block_size + pos % block_size  # [N, L]
-    c = c_cache[slots].float()  # [N, L, C]
-    kr = kr_cache[slots].float()
+    past = pos[None, :] >= lens.to(dev).long()[:, None]  # [N, L]: slots no token has written yet
+    c = c_cache[slots].float().masked_fill(past[..., None], 0.0)  # [N, L, C]; never-written rows may hold
+    kr = kr_cache[slots].float()  # NaN, and a zero softmax weight times NaN is still NaN
     s = (q_lat.float() @ c.transpose(1, 2) + q_rot.float() @ kr.transpose(1, 2)) * scale  # [N, H, L]
-    s = s.masked_fill(pos[None, None, :] >= lens.to(dev).long()[:, None, None], float("-inf"))
+    s = s.masked_fill(past[:, None, :], float("-inf"))
     return torch.softmax(s, -1) @ c
 
 

@@ -64,7 +64,8 @@ def reference_paged_decode(q, k_cache, v_cache, block_table, context_lens, block
     if window is not None:
         visible &= pos[None, :] >= lens - window
     k = k_cache[slots.clamp(0, k_cache.shape[0] - 1)].float()  # [B, P, Hkv, D]
-    v = v_cache[slots.clamp(0, v_cache.shape[0] - 1)].float()
+    v = v_cache[slots.clamp(0, v_cache.shape[0] - 1)].float()  # rows no token wrote may hold NaN: zero them,
+    v = v.masked_fill(~visible[:, :, None, None], 0.0)  # as a zero weight times NaN is still NaN
     qg = q.float().reshape(b, hkv, h // hkv, d)
     scores = torch.einsum("bkgd,bpkd->bkgp", qg, k) * scale
     scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))

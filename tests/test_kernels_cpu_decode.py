@@ -105,3 +105,24 @@ def test_the_triton_decode_path_is_token_exact_under_the_interpreter(name):
     assert "paged-decode:triton" in eng.info["attention"]
     got = eng.generate_sync(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     assert [o.completions[0].token_ids for o in got] == [loop_greedy(model, p, 6) for p in prompts], name
+
+
+def test_slots_no_token_wrote_never_reach_the_output():
+    g = torch.Generator().manual_seed(3)
+    bs, lens = 4, torch.tensor([2, 7])
+    table = torch.tensor([[5, 1], [2, 4]])
+    k, v = torch.randn(8 * bs, 2, 8, generator=g), torch.randn(8 * bs, 2, 8, generator=g)
+    q = torch.randn(2, 4, 8, generator=g)
+    want = dense_reference(q, k, v, table, lens, bs, 0.5, None, None)
+    written = torch.zeros(k.shape[0], dtype=torch.bool)
+    for i, n in enumerate(lens.tolist()):
+        for p in range(n):
+            written[int(table[i, p // bs]) * bs + p % bs] = True
+    k[~written], v[~written] = float("nan"), float("nan")
+    got = cpu_decode.paged_decode_cpu(q, k, v, table, lens, bs, 0.5)
+    assert (got.double() - want).abs().max() < 1e-5
+    from svrmad_local.kernels import paged_decode
+
+    for impl in ["torch"] + (["triton"] if kernels.HAS_TRITON and interpreter_ready() else []):
+        got = paged_decode(q, k, v, table.int(), lens.int(), bs, 0.5, kernel_impl=impl)
+        assert (got.double() - want).abs().max() < 1e-5, impl

@@ -73,3 +73,18 @@ def test_shapes_are_checked():
         mla_decode(q_lat, q_rot[..., :4], c, kr, table, lens, 4, 1.0, kernel_impl="torch")
     with pytest.raises(ValueError, match="block_table"):
         mla_decode(q_lat, q_rot, c, kr, table, lens[:0], 4, 1.0, kernel_impl="torch")
+
+
+@pytest.mark.parametrize("impl", ["torch"] + (["triton"] if HAS_TRITON else []))
+def test_slots_no_token_wrote_never_reach_the_output(impl):
+    """The cache is allocated empty: rows past a context's length may hold NaN. A zero softmax weight
+    times NaN is NaN, so they must be kept out, not only masked in the scores."""
+    q_lat, q_rot, c, kr, table, lens = _case([3, 9], 4, 16, 8, 4, seed=5)
+    want = _f64(q_lat, q_rot, c, kr, table, lens, 4, 0.3)
+    written = torch.zeros(c.shape[0], dtype=torch.bool)
+    for i, n in enumerate(lens.tolist()):
+        for p in range(n):
+            written[int(table[i, p // 4]) * 4 + p % 4] = True
+    c[~written], kr[~written] = float("nan"), float("nan")
+    got = mla_decode(q_lat, q_rot, c, kr, table, lens, 4, 0.3, kernel_impl=impl)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)

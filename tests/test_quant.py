@@ -339,13 +339,21 @@ def _meta_packed(name: str, packed: bool):
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from svrmad_local.models.quant.load import _is_fused_experts
-
     config = AutoConfig.from_pretrained(FIXTURES / name)
     block = tuple(config.quantization_config.get("weight_block_size") or (0, 0))
     del config.quantization_config
-    with init_empty_weights(include_buffers=False):
+    # everything made on the meta device, not made and then moved there: an engine in the same process
+    # keeps freed memory in its heap (engine/memory.py), so real empty tensors of these sizes would leave
+    # hundreds of GB of address space behind, after which the process can no longer fork
+    with init_empty_weights(include_buffers=False), torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        _swap_packed(model, block, packed)
+    return model
+
+
+def _swap_packed(model, block: tuple, packed: bool) -> None:
+    from svrmad_local.models.quant.load import _is_fused_experts
+
     for n, m in list(model.named_modules()) if packed else []:
         if type(m).__name__ == "GptOssExperts":
             model.set_submodule(n, Mxfp4Experts(m.num_experts, m.hidden_size, m.intermediate_size, m.alpha, m.limit,
@@ -355,7 +363,6 @@ def _meta_packed(name: str, packed: bool):
         elif block[0] and _is_fused_experts(m):
             e, two_i, h = m.gate_up_proj.shape
             model.set_submodule(n, Fp8Experts(e, h, two_i // 2, block, m.act_fn, torch.bfloat16, fused=False))
-    return model
 
 
 @pytest.mark.parametrize("name", ["gpt-oss-120b", "gpt-oss-20b", "deepseek-v3.1"])
