@@ -31,7 +31,7 @@ from bench_vs_vllm import VLLM_DTYPES, VllmWorker, vllm_settings, vllm_unavailab
 from svrmad_local.engine.engine import Engine, EngineConfig
 from svrmad_local.engine.params import SamplingParams
 from svrmad_local.models.default import ensure_default_model
-from svrmad_local.models.linear import OneDNNLinear
+from svrmad_local.models.linear import FusedGroup, OneDNNLinear
 from svrmad_local.models.loader import load_model
 
 
@@ -54,9 +54,9 @@ def read_bandwidth(mib: int = 512, repeat: int = 7) -> float:
 def linears_seconds(model, rows: int, repeat: int = 3) -> float:
     """Seconds of one pass of every nn.Linear of the model (LM head included) over `rows` tokens, in
     its own dtype and shapes and through its own backend (plain or oneDNN-packed, models/linear.py), best
-    of `repeat`: a decode step's matmuls and nothing else. Timed as whole passes so each weight comes from
+    of `repeat`: a decode step's matmuls and nothing else (a fused group of siblings is one GEMM). Timed as whole passes so each weight comes from
     memory, as in a step, not from a cache warmed by a repeat."""
-    layers = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, OneDNNLinear))]
+    layers = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, OneDNNLinear, FusedGroup))]
     xs = [torch.randn(rows, m.in_features).to(m.weight.dtype) for m in layers]
     return best_of(lambda: [m(x) for x, m in zip(xs, layers)], repeat)
 

@@ -11,7 +11,7 @@ import torch
 from svrmad_local.engine.engine import Engine, EngineConfig
 from svrmad_local.engine.params import SamplingParams
 from svrmad_local.models import linear
-from svrmad_local.models.linear import OneDNNLinear, select_linear, weight_bytes
+from svrmad_local.models.linear import FusedPart, OneDNNLinear, select_linear, weight_bytes
 
 from .model_zoo import EXACT, full_logprobs, loop_greedy, make_zoo_model, rand_prompt
 
@@ -35,15 +35,22 @@ def test_packed_linears_replace_the_dense_ones_and_match_f_linear():
              if type(m) is torch.nn.Linear}
     before = weight_bytes(model)
     what = select_linear(model, "auto")
-    assert what.startswith(f"oneDNN packed ({len(plain)} linears, float32)")
+    layers = len(model.model.layers)  # q/k/v one GEMM, gate/up one GEMM: 7 linears a layer in 4 calls
+    assert what.startswith(f"oneDNN packed ({len(plain)} linears, float32), as {4 * layers + 1} GEMMs")
     assert not any(type(m) is torch.nn.Linear for m in model.modules())
     assert weight_bytes(model) == before
     for name, (w, k) in plain.items():
         m = model.get_submodule(name)
-        assert isinstance(m, OneDNNLinear) and m.weight.dtype == torch.float32 and m.weight.shape == w.shape
+        fused = name.rpartition(".")[2] in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+        assert isinstance(m, FusedPart if fused else OneDNNLinear), name
         x = torch.randn(5, k)
         torch.testing.assert_close(m(x), x @ w.T, rtol=1e-5, atol=1e-5)
         assert torch.equal(m.dense_weight(), w)
+    attn = model.model.layers[0].self_attn
+    x = torch.randn(3, 64)
+    q = attn.q_proj(x)
+    assert attn.k_proj(x).data_ptr() == q.data_ptr() + attn.q_proj.out_features * 4  # one GEMM served both
+    assert not select_linear(make_zoo_model("llama"), "onednn", fuse=False).count("fused")
 
 
 @needs_onednn
@@ -51,8 +58,8 @@ def test_each_weight_is_packed_once_over_a_generate(monkeypatch):
     calls = []
     real = linear._reorder
     monkeypatch.setattr(linear, "_reorder", lambda w, hint: calls.append(tuple(w.shape)) or real(w, hint))
-    model = make_zoo_model("qwen2")
-    n = sum(1 for m in model.modules() if type(m) is torch.nn.Linear)
+    model = make_zoo_model("qwen2")  # q/k/v (with biases) and gate/up fused: 4 packed matrices a layer
+    n = 4 * len(model.model.layers) + 1
     eng = engine(model)
     eng.generate_sync([rand_prompt(11, 1), rand_prompt(5, 2)], GREEDY)
     eng.generate_sync([rand_prompt(7, 3)], GREEDY)

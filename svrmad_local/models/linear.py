@@ -64,6 +64,90 @@ class OneDNNLinear(nn.Module):
                 f"oneDNN{'' if self.packed else ' (dense weight)'}")
 
 
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("q_a_proj", "kv_a_proj_with_mqa"))
+
+
+class FusedGroup(nn.Module):
+    """Sibling projections of one input (q/k/v, gate/up, DeepSeek's q_a/kv_a) packed as one matrix:
+    one GEMM where there were two or three. At decode shapes oneDNN's cost per call (~50 us on a
+    2-core AVX2 EPYC) is larger than a small projection's arithmetic, so fewer, larger calls win. The
+    first part called with an input computes every part's rows; its siblings, called with the same
+    tensor (as transformers' modules do), take their slices of that result."""
+
+    def __init__(self, linears: list[nn.Linear]):
+        super().__init__()
+        w = torch.cat([m.weight.detach() for m in linears])
+        self.in_features = w.shape[1]
+        self.weight = nn.Parameter(_reorder(w, BATCH_HINT), requires_grad=False)
+        biases = [m.bias.detach() if m.bias is not None else w.new_zeros(m.out_features) for m in linears]
+        has_bias = any(m.bias is not None for m in linears)
+        self.bias = nn.Parameter(torch.cat(biases), requires_grad=False) if has_bias else None
+        ends = torch.tensor([m.out_features for m in linears]).cumsum(0).tolist()
+        self.bounds = list(zip([0] + ends[:-1], ends))
+        # the input being served and its fused output, held only until every part has taken its slice
+        # (holding `x` also keeps its identity from being reused by another tensor meanwhile)
+        self._x = self._out = None
+        self._taken: set[int] = set()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Every part's rows at once (what `part` computes on a new input)."""
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+    def part(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        if x is not self._x or i in self._taken:
+            self._out = self(x)
+            self._x, self._taken = x, set()
+        out = self._out[..., slice(*self.bounds[i])]
+        self._taken.add(i)
+        if len(self._taken) == len(self.bounds):
+            self._x = self._out = None
+        return out
+
+    def dense_weight(self) -> torch.Tensor:
+        return self.weight.to_dense()
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        pass  # each part saves its own rows under its own name
+
+
+class FusedPart(nn.Module):
+    """One projection of a FusedGroup, under the name and with the interface of the nn.Linear it replaced."""
+
+    def __init__(self, group: FusedGroup, i: int, linear: nn.Linear):
+        super().__init__()
+        self.group, self.i = group, i
+        self.in_features, self.out_features, self.has_bias = linear.in_features, linear.out_features, linear.bias is not None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.part(self.i, x)
+
+    def dense_weight(self) -> torch.Tensor:
+        lo, hi = self.group.bounds[self.i]
+        return self.group.dense_weight()[lo:hi]
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        lo, hi = self.group.bounds[self.i]
+        destination[prefix + "weight"] = self.dense_weight()
+        if self.has_bias:
+            destination[prefix + "bias"] = self.group.bias.detach()[lo:hi]
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, rows {self.group.bounds[self.i]} of a fused oneDNN GEMM"
+
+
+def _sibling_groups(model: nn.Module, linears: list[tuple[str, nn.Linear]]) -> list[list[tuple[str, nn.Linear]]]:
+    """Sets of plain linears under one parent that read one input (SIBLINGS), same in_features and dtype."""
+    by_name = dict(linears)
+    groups = []
+    for parent, _ in model.named_modules():
+        for names in SIBLINGS:
+            full = [f"{parent}.{n}" if parent else n for n in names]
+            ms = [by_name.get(f) for f in full]
+            if all(m is not None for m in ms) and len({(m.in_features, m.weight.dtype) for m in ms}) == 1:
+                groups.append(list(zip(full, ms)))
+    return groups
+
+
 def dense_weight(linear: nn.Module) -> torch.Tensor:
     """The weight of any linear as a plain [out, in] matrix (packed or quantized ones unpack)."""
     return linear.dense_weight() if hasattr(linear, "dense_weight") else linear.weight
@@ -103,14 +187,15 @@ def _why_not_onednn(model: nn.Module, device: torch.device, dtype: torch.dtype) 
     return None
 
 
-def select_linear(model: nn.Module, choice: str = "auto") -> str:
+def select_linear(model: nn.Module, choice: str = "auto", fuse: bool = True) -> str:
     """Apply the linear backend `choice` to `model` in place, once; returns a one-line description
-    of what runs (also logged at info level, with the reason for any fallback)."""
+    of what runs (also logged at info level, with the reason for any fallback). `fuse`: sibling
+    projections of one input become one GEMM (FusedGroup)."""
     if choice not in CHOICES:
         raise ValueError(f"linear must be one of {', '.join(CHOICES)}, got {choice!r}")
     linears = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]
     packed_q = sum(1 for m in model.modules() if hasattr(m, "packed_bytes"))
-    done = sum(1 for m in model.modules() if isinstance(m, OneDNNLinear))
+    done = sum(1 for m in model.modules() if isinstance(m, (OneDNNLinear, FusedPart)))
     if done:  # an earlier engine on this model packed it (packing is in place and one-way)
         if choice == "aten":
             raise ValueError("linear='aten': this model's linears were packed for oneDNN by an earlier engine; "
@@ -128,10 +213,22 @@ def select_linear(model: nn.Module, choice: str = "auto") -> str:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     tied = head is not None and emb is not None and head.weight is emb.weight
-    for name, m in linears:
+
+    def put(name: str, module: nn.Module) -> None:
         parent, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, leaf, OneDNNLinear(m, pack=not (tied and m is head)))
-    note = "; the tied LM head on its shared dense weight" if tied and any(m is head for _, m in linears) else ""
+        setattr(model.get_submodule(parent) if parent else model, leaf, module)
+
+    groups = _sibling_groups(model, linears) if fuse else []
+    fused = {name for g in groups for name, _ in g}
+    for g in groups:
+        group = FusedGroup([m for _, m in g])
+        for i, (name, m) in enumerate(g):
+            put(name, FusedPart(group, i, m))
+    for name, m in linears:
+        if name not in fused:
+            put(name, OneDNNLinear(m, pack=not (tied and m is head)))
+    note = f", as {len(linears) - len(fused) + len(groups)} GEMMs (q/k/v and gate/up fused)" if groups else ""
+    note += "; the tied LM head on its shared dense weight" if tied and any(m is head for _, m in linears) else ""
     return _said(f"oneDNN packed ({len(linears)} linears, {str(p.dtype).removeprefix('torch.')}){note}", packed_q)
 
 
