@@ -3,6 +3,8 @@ float64 dense reference, and in the engine token-exact against the gather + SDPA
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -39,10 +41,12 @@ def dense_reference(q, k, v, table, lens, bs, scale, window, sinks):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,window,with_sinks", [(4, 4, None, False), (6, 2, None, False),
                                                              (8, 2, 5, False), (4, 1, None, True), (6, 3, 7, True)])
-def test_matches_a_float64_reference_on_shuffled_block_tables(dtype, heads, kv_heads, window, with_sinks):
+@pytest.mark.parametrize("nseq,D", [(5, 16), (2, 20)])  # items of whole sequences / of one KV head (2 threads);
+def test_matches_a_float64_reference_on_shuffled_block_tables(dtype, heads, kv_heads, window, with_sinks, nseq, D):
+    # a head size off the 8-lane vectors too
     g = torch.Generator().manual_seed(heads * 100 + kv_heads)
-    bs, nblocks, D, Dv = 4, 40, 16, 8
-    lens = torch.tensor([1, 3, 4, 9, 30])  # one key, partial and whole blocks, longer than the window
+    bs, nblocks, Dv = 4, 40, 8
+    lens = torch.tensor([1, 3, 4, 9, 30])[-nseq:]  # one key, partial and whole blocks, longer than the window
     width = -(-int(lens.max()) // bs)
     table = torch.stack([torch.randperm(nblocks, generator=g)[:width] for _ in lens])
     k = torch.randn(nblocks * bs, kv_heads, D, generator=g).to(dtype)
@@ -126,3 +130,13 @@ def test_slots_no_token_wrote_never_reach_the_output():
     for impl in ["torch"] + (["triton"] if kernels.HAS_TRITON and interpreter_ready() else []):
         got = paged_decode(q, k, v, table.int(), lens.int(), bs, 0.5, kernel_impl=impl)
         assert (got.double() - want).abs().max() < 1e-5, impl
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="Linux /proc")
+def test_the_kernel_shares_torchs_openmp_runtime():
+    """Built with -fopenmp (else its parallel_for runs on one thread), it must resolve libgomp to the
+    copy torch loaded: a second OpenMP runtime would keep a second set of threads."""
+    if not cpu_decode.available():
+        pytest.skip(f"no kernel: {cpu_decode.unavailable_reason()}")
+    gomp = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines() if "libgomp" in line}
+    assert len(gomp) <= 1, gomp

@@ -7,6 +7,13 @@ while each method still receives, and counts, the full response. A repeat of a c
 id, SVR-MAD re-selecting a pair) is a different id, so a new sample, never the memoised first one;
 two methods asking for the same repeat share it. The trace it writes is what
 `ReplayBackend` serves, so any method can be re-run without a model.
+
+Run-ahead (`run_ahead=True`, `svrmad run --run-ahead`): a method may announce the debates it will
+ask for next (`prefetch`); the backend starts them at once, so they share the engine's batch with
+the work in flight, and memoises them like any call, but records nothing until the method asks.
+A debate is a pure function of its id (its seed comes from the id), so what a method receives, the
+trace and the billing are those of the sequential run; a prefetched debate never asked for is
+compute spent and reported in `ahead` (docs/engine.md, "Run-ahead debates").
 """
 
 from __future__ import annotations
@@ -71,13 +78,17 @@ def agent_of(rid: str) -> int:
 class RecordingBackend:
     """Wraps any backend: memoises calls per (question id, response id) and records them."""
 
-    def __init__(self, inner: Backend):
+    def __init__(self, inner: Backend, run_ahead: bool = False):
         self.inner = inner
+        self.run_ahead = run_ahead
         self._memo: dict[tuple[str, str], Any] = {}
         self.initials: dict[str, list[Response]] = {}
         self.debates: dict[str, dict[str, Response | None]] = {}  # in order of first request
         self.hits = 0
         self.misses = 0
+        self._ahead: dict[tuple[str, str], asyncio.Task] = {}  # prefetched, not asked for yet
+        # prefetched debates: started, asked for later, never asked for (and the tokens those cost)
+        self.ahead = {"started": 0, "used": 0, "unused": 0, "unused_tokens": 0}
 
     async def _once(self, key: tuple[str, str], make: Callable[[], Awaitable[Any]]) -> Any:
         got = self._memo.get(key)
@@ -95,7 +106,8 @@ class RecordingBackend:
             fut.exception()  # mark retrieved: nobody may be waiting
             raise
         fut.set_result(value)
-        self._memo[key] = value
+        if self._memo.get(key) is fut:  # not forgotten meanwhile (an unused prefetch outliving its question)
+            self._memo[key] = value
         return value
 
     async def initial(self, q: Question, n: int) -> list[Response]:
@@ -104,9 +116,23 @@ class RecordingBackend:
         await settle([r.answer for r in out], q.answer_type, gold=q.gold)  # sympy off the event loop
         return list(out)
 
+    def prefetch(self, q: Question, own: Response, peers: Sequence[Response],
+                 brief: Sequence[Response] = (), *, repeat: int = 1) -> None:
+        """Start a debate the caller may ask for next (only with run_ahead; otherwise nothing)."""
+        key = (q.id, debate_id(own.id, [p.id for p in peers], [b.id for b in brief], repeat))
+        if not self.run_ahead or key in self._memo or key in self._ahead:
+            return
+        self.ahead["started"] += 1
+        task = asyncio.get_running_loop().create_task(
+            self._once(key, lambda: self.inner.debate(q, own, peers, brief, repeat=repeat)))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # a failure surfaces when asked for
+        self._ahead[key] = task
+
     async def debate(self, q: Question, own: Response, peers: Sequence[Response],
                      brief: Sequence[Response] = (), *, repeat: int = 1) -> Response:
         rid = debate_id(own.id, [p.id for p in peers], [b.id for b in brief], repeat)
+        if self._ahead.pop((q.id, rid), None) is not None:
+            self.ahead["used"] += 1
         seen = self.debates.setdefault(q.id, {})
         seen.setdefault(rid, None)
         resp = await self._once((q.id, rid),
@@ -122,11 +148,21 @@ class RecordingBackend:
         return trace_row(q, self.initials[q.id], recorded, priors)
 
     def forget(self, qid: str) -> None:
-        """Drop a written question's records and memo (they are in the trace now)."""
+        """Drop a written question's records and memo (they are in the trace now). Its prefetched
+        debates nobody asked for are counted as unused; one still computing finishes unrecorded."""
+        for key in [k for k in self._ahead if k[0] == qid]:
+            self.ahead["unused"] += 1
+            self._ahead.pop(key).add_done_callback(self._count_unused)
         self.initials.pop(qid, None)
         self.debates.pop(qid, None)
         for key in [k for k in self._memo if k[0] == qid]:
             del self._memo[key]
+
+
+    def _count_unused(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is None:
+            r = task.result()
+            self.ahead["unused_tokens"] += r.completion_tokens + r.computed_tokens
 
 
 # ---------------------------------------------------------------- rows <-> responses

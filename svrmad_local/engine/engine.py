@@ -18,7 +18,6 @@ from typing import Union
 import torch
 
 from svrmad_local import kernels
-
 from svrmad_local.models.linear import select_linear, weight_bytes
 
 from .attention import Attachment
@@ -29,6 +28,7 @@ from .runner import ModelRunner
 from .sampler import sample
 from .scheduler import RequestTooLarge, Scheduler, Work  # noqa: F401  (RequestTooLarge: public)
 from .sequence import Completion, Request, RequestOutput, ScoreOutput, Sequence
+from .threads import BarrierSleepWatch
 from .spec import inspect_model
 from . import tp
 from .stats import SignalConfig, sequence_signals, stats_from_logits
@@ -95,16 +95,36 @@ class Engine:
         self.cfg = cfg = config or EngineConfig()
         self.model = model.eval()
         self.tokenizer = tokenizer
+        # Every torch op of the engine, its construction included (the oneDNN reorders, the probe,
+        # the cache's zero fill), runs on its one worker thread: with the GNU OpenMP that torch uses,
+        # each thread that runs a parallel op keeps its own team of threads, and once more threads are
+        # kept than there are cores, every team stops spinning at its barriers and sleeps instead
+        # (docs/engine.md, "One worker thread"). Built on the caller's thread, the engine's steps
+        # slept ~50 times each and `svrmad run` left one of two cores mostly idle.
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="svrmad-engine")
+        try:
+            self._executor.submit(self._build, model, cfg).result()
+        except BaseException:
+            self._executor.shutdown(wait=False)
+            raise
+        self.scheduler = Scheduler(self.blocks, self.cache, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        mc = model.config.get_text_config()
+        self.max_model_len = getattr(mc, "max_position_embeddings", None) or 1 << 30
+        self.eos_ids = self._eos_ids()
+        self.totals = EngineTotals()
+        self._rng = random.Random(cfg.seed)
+        self._next_id = 0
+        self._loop_task: asyncio.Task | None = None
+        self._wake: asyncio.Event | None = None
+        self._live: dict[int, Request] = {}
+        self._chat = None
+
+    def _build(self, model, cfg: EngineConfig) -> None:
+        """The engine's torch state (worker thread): linears, probe, KV-cache, runner."""
         attached = Attachment(model)
         self.linear_path = select_linear(model, cfg.linear)
         self.weight_bytes = weight_bytes(model)
-        # Every forward of the engine, the probe included, runs on its one worker thread: with the
-        # GNU OpenMP that torch uses, each thread that runs a parallel op keeps its own team of
-        # threads, and once more threads are kept than there are cores, every team stops spinning
-        # at its barriers and sleeps instead (1.7x slower steps on a 2-core CPU, docs/engine.md).
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="svrmad-engine")
-        # raises UnsupportedModel, naming the feature
-        self.spec = spec = self._executor.submit(inspect_model, model, attached).result()
+        self.spec = spec = inspect_model(model, attached)  # raises UnsupportedModel, naming the feature
         layers = model.base_model.layers if hasattr(model.base_model, "layers") else None
         devices = [_layer_device(model, layers, i) for i in range(len(spec.layers))]
         block_bytes = KVCache.bytes_per_block(spec.layers, cfg.block_size, spec.dtype)
@@ -116,8 +136,10 @@ class Engine:
         if num_blocks < 2:
             raise ValueError(f"kv_cache_memory={cfg.kv_cache_memory!r} holds {num_blocks} blocks of {block_bytes} bytes; need at least 2")
         self.block_bytes = block_bytes
+        self._watch = None
         if devices[0].type == "cpu":
             keep_freed_memory()
+            self._watch = BarrierSleepWatch()  # warns once if another thread's torch work slows the steps
         self.blocks = BlockManager(num_blocks, cfg.block_size)
         self.cache = KVCache(num_blocks, cfg.block_size, spec.layers, devices, spec.dtype)
         self.runner = ModelRunner(model, attached, self.cache, spec, cfg.block_size, cfg.attention, cfg.cascade,
@@ -133,17 +155,6 @@ class Engine:
                 self.runner.tp = self._channel
             else:
                 self.cache.replay = True
-        self.scheduler = Scheduler(self.blocks, self.cache, cfg.max_num_seqs, cfg.max_num_batched_tokens)
-        mc = model.config.get_text_config()
-        self.max_model_len = getattr(mc, "max_position_embeddings", None) or 1 << 30
-        self.eos_ids = self._eos_ids()
-        self.totals = EngineTotals()
-        self._rng = random.Random(cfg.seed)
-        self._next_id = 0
-        self._loop_task: asyncio.Task | None = None
-        self._wake: asyncio.Event | None = None
-        self._live: dict[int, Request] = {}
-        self._chat = None
 
     def _eos_ids(self) -> set[int]:
         ids = set()
@@ -330,6 +341,8 @@ class Engine:
             return finished
         self.totals.steps += 1
         hidden = self.runner.forward(batch)
+        if self._watch is not None:
+            self._watch.step()
         work = batch.work  # in row order
         for w in work:  # prompt tokens run through the model (not the fed-back sampled tokens)
             counted = max(0, min(w.end, max(w.seq.num_prompt, len(w.seq.tokens) - 1)) - w.start)

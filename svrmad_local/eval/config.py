@@ -84,6 +84,7 @@ class RunConfig:
     # the run itself (never changes a result)
     out: str | None = field(default=None, metadata=_meta("--out"))
     concurrency: int = field(default=16, metadata=_meta("--concurrency"))
+    run_ahead: bool = field(default=False, metadata=_meta("--run-ahead"))
 
     # -- derived -----------------------------------------------------------------------------
     @property
@@ -288,6 +289,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("the run")
     g.add_argument("--out", help="run folder (default runs/<dataset>); rerun with the same folder to resume")
     g.add_argument("--concurrency", type=int, default=rc.concurrency, help="questions in flight at once (per rank)")
+    g.add_argument("--run-ahead", action="store_true",
+                   help="start the debates SVR-MAD may ask for next while the batch has room; results, NComm and "
+                        "billed tokens are those of the sequential run, the unused ones are reported (docs/engine.md)")
 
 
 def from_args(args: argparse.Namespace) -> RunConfig:
@@ -318,4 +322,4 @@ def from_args(args: argparse.Namespace) -> RunConfig:
         reasoning_effort=pick("reasoning_effort", None), elicit_confidence=not args.no_confidence,
         paper_settings=args.paper_settings, methods=methods, agents=args.agents, method_params=params,
         skip_rate=args.skip_rate, grader=args.grader or "ours", ablations=args.ablations, out=args.out,
-        concurrency=args.concurrency)
+        concurrency=args.concurrency, run_ahead=args.run_ahead)

@@ -311,7 +311,7 @@ def _main(args, d: Dist, held: list) -> int:
         if todo:
             inner, engine_counters, release = make_backend(cfg, rank_info["device"], path)
             try:
-                backend = RecordingBackend(inner)
+                backend = RecordingBackend(inner, run_ahead=cfg.run_ahead)
                 if d.enabled:  # nobody takes work before every engine is up, so early ranks do not take it all
                     d.barrier("ready")
                 progress = Progress(len(todo), d, engine_counters)
@@ -320,6 +320,8 @@ def _main(args, d: Dist, held: list) -> int:
                 finally:
                     progress.close()
                 engine_info = engine_counters()
+                if cfg.run_ahead:  # the extra compute, beside (never inside) what was billed
+                    engine_info.update({f"ahead_{k}": v for k, v in backend.ahead.items()})
             finally:
                 release()
     except KeyboardInterrupt:
@@ -376,11 +378,15 @@ def print_summary(folder: RunFolder, totals: dict, rows: list[dict], failed: dic
           f"{totals['debated']} debated, {totals['failed']} failed." + (f" Wall time {wall:.1f} s." if wall else ""))
     if rows:
         print(summary_table_text(rows))
-    if engine_info:
+    if "prompt_tokens" in engine_info:
         print(f"engine: prompt tokens billed {engine_info['prompt_tokens']}, computed {engine_info['computed_tokens']} "
               f"({engine_info['cached_tokens']} reused from the KV-cache), generated {engine_info['generated_tokens']}, "
               f"peak KV {engine_info['peak_kv_bytes'] / 2**20:.1f} MiB, {engine_info['attention']} attention"
               + (f"; {world_size} processes" if world_size > 1 else ""))
+    if "ahead_started" in engine_info:
+        print(f"run-ahead: {engine_info['ahead_started']} debates started ahead, {engine_info['ahead_used']} of them "
+              f"asked for; {engine_info['ahead_unused']} never asked for ({engine_info['ahead_unused_tokens']} tokens "
+              "computed, not billed)")
     if failed:
         first = next(iter(failed.values()))
         print(f"{len(failed)} questions failed (e.g. {first['id']} at {first['stage']}: {first['message']}); "

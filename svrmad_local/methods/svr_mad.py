@@ -126,6 +126,8 @@ async def run(q: Question, initial: Sequence[Response], backend: Backend, *,
         enough = d >= C or (accept_exhausted and d > 0 and exhausted(r))
         return enough and corr[r] >= tau
 
+    # a backend that can run debates ahead (RecordingBackend with run_ahead) hears which come next
+    prefetch = getattr(backend, "prefetch", None)
     spent, winner = 0, None
     while spent < B and winner is None:
         # Receivers: agents with an answer and a challenger left; ties -> lowest index.
@@ -139,6 +141,9 @@ async def run(q: Question, initial: Sequence[Response], backend: Backend, *,
             # that point run concurrently; from there on, one at a time with a check after each.
             head = max(1, C - len(post[r]))
             batches = [group[:head]] + [[s] for s in group[head:]]
+            if prefetch is not None:  # the rest of this group, in case no check accepts first
+                for s in group[head:]:
+                    prefetch(q, initial[r], [initial[s]], repeat=times.get((s, r), 0) + 1)
             for batch in batches:
                 for resp in await asyncio.gather(*(ask(s, r) for s in batch)):
                     record(r, resp)

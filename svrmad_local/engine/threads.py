@@ -1,0 +1,62 @@
+"""A warning when the engine's CPU steps start sleeping on GNU OpenMP barriers.
+
+Torch's CPU parallel ops run on GNU OpenMP, which keeps one thread team per thread that starts a
+parallel op. The engine runs every forward on its one worker thread for that reason, but a caller
+can still start torch work on another thread (a `model.generate` beside the engine, a big op in a
+callback): once more OpenMP threads are kept than there are cores, every team stops spinning at its
+barriers and sleeps on a futex instead, tens of times per layer, and steps get 1.7x slower on a
+2-core CPU (docs/engine.md, "One worker thread for every forward"). Nothing fails, so nobody would
+know; this watch reads the worker thread's voluntary context switches every `every` steps (one
+small /proc read) and says so once, in one line, with what to do.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+from typing import Callable
+
+log = logging.getLogger("svrmad_local")
+
+# A healthy step sleeps under once (waiting for its next submission; 0.3-0.5 measured); a step over
+# oversubscribed teams sleeps at most barriers of every layer: ~50-230 times on the default model.
+SLEEPS_PER_STEP = 25
+
+
+def voluntary_switches() -> int | None:
+    """The calling thread's voluntary context switches (Linux), else None."""
+    try:
+        text = Path(f"/proc/self/task/{threading.get_native_id()}/status").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("voluntary_ctxt_switches:"):
+            return int(line.split()[1])
+    return None
+
+
+class BarrierSleepWatch:
+    """Call `step()` on the worker thread after each CPU step."""
+
+    def __init__(self, every: int = 64, read: Callable[[], int | None] = voluntary_switches,
+                 limit: float = SLEEPS_PER_STEP):
+        self.every, self.read, self.limit = every, read, limit
+        self.steps, self.last, self.warned = 0, None, False
+
+    def step(self) -> None:
+        self.steps += 1
+        if self.warned or self.steps % self.every:
+            return
+        now = self.read()
+        if now is None:
+            self.warned = True  # nothing to read here: stop looking
+            return
+        if self.last is not None and (now - self.last) / self.every > self.limit:
+            self.warned = True
+            log.warning(
+                f"the engine's worker thread slept {(now - self.last) / self.every:.0f} times a step (a healthy "
+                f"step: under 1): another thread is running torch CPU ops beside the engine, and GNU OpenMP's "
+                f"thread teams now sleep at their barriers (steps can be 1.7x slower). Run torch work "
+                f"before or after the engine, or on its thread (docs/engine.md, 'One worker thread').")
+        self.last = now
