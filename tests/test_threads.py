@@ -7,7 +7,9 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
+from svrmad_local.engine import threads
 from svrmad_local.engine.threads import SLEEPS_PER_STEP, BarrierSleepWatch, voluntary_switches
 
 
@@ -53,3 +55,49 @@ def test_counts_the_calling_threads_own_sleeps():
     t.start()
     t.join()
     assert got[0] >= 5
+
+
+def _threads() -> int:
+    return len(list(Path("/proc/self/task").iterdir()))
+
+
+def _team_work():
+    torch.ones(1 << 22).add_(1)  # one parallel op: the calling thread gets a team
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists() or torch.get_num_threads() < 2
+                    or threads._pause_all() is None,
+                    reason="GNU OpenMP on Linux, 2+ threads")
+def test_release_team_hands_back_the_calling_threads_idle_team():
+    """The hazard's commonest source: a caller that ran one torch op keeps its team for good."""
+    def on_a_thread(fn):
+        out = []
+        t = threading.Thread(target=lambda: out.append(fn()))
+        t.start()
+        t.join()
+        return out[0]
+
+    def with_team():
+        before = _threads()
+        _team_work()
+        kept = _threads() - before
+        assert threads.release_team()
+        return kept, _threads() - before
+
+    kept, after = on_a_thread(with_team)
+    assert kept == torch.get_num_threads() - 1 and after == 0
+    assert on_a_thread(threads.release_team)  # no team: a no-op that still succeeds
+
+
+def test_the_engine_releases_its_callers_team_when_built_and_on_each_request(monkeypatch, tiny_model, tiny_tokenizer):
+    from svrmad_local.engine.engine import Engine
+
+    calls = []
+    monkeypatch.setattr("svrmad_local.engine.engine.release_team", lambda: calls.append(threading.get_ident()))
+    eng = Engine(tiny_model, tiny_tokenizer)
+    try:
+        assert calls == [threading.get_ident()]
+        eng.generate_sync([[1, 2, 3], [4, 5]])
+        assert len(calls) == 3
+    finally:
+        eng.close()

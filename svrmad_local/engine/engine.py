@@ -28,7 +28,7 @@ from .runner import ModelRunner
 from .sampler import sample
 from .scheduler import RequestTooLarge, Scheduler, Work  # noqa: F401  (RequestTooLarge: public)
 from .sequence import Completion, Request, RequestOutput, ScoreOutput, Sequence
-from .threads import BarrierSleepWatch
+from .threads import BarrierSleepWatch, release_team
 from .spec import inspect_model
 from . import tp
 from .stats import SignalConfig, sequence_signals, stats_from_logits
@@ -107,6 +107,10 @@ class Engine:
         except BaseException:
             self._executor.shutdown(wait=False)
             raise
+        # The caller's own idle team (from loading the model, say) counts too: hand it back, here and
+        # on each request (cheap when there is none). Measured: one torch op on the caller before the
+        # engine made batch-4 steps sleep 66 times each, 119.5 ms a step against 110.6 ms once handed back.
+        release_team()
         self.scheduler = Scheduler(self.blocks, self.cache, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         mc = model.config.get_text_config()
         self.max_model_len = getattr(mc, "max_position_embeddings", None) or 1 << 30
@@ -284,6 +288,7 @@ class Engine:
 
     async def _submit(self, req: Request) -> RequestOutput | ScoreOutput:
         loop = asyncio.get_running_loop()
+        release_team()
         req.future = loop.create_future()
         seed = req.params.seed if req.params.seed is not None else self._rng.getrandbits(62)
         gen = random.Random(_seed_for(seed, 0))

@@ -8,10 +8,17 @@ barriers and sleeps on a futex instead, tens of times per layer, and steps get 1
 2-core CPU (docs/engine.md, "One worker thread for every forward"). Nothing fails, so nobody would
 know; this watch reads the worker thread's voluntary context switches every `every` steps (one
 small /proc read) and says so once, in one line, with what to do.
+
+The commonest such thread is the caller's own: loading or preparing a model there (a cast, an
+init, a warm-up) leaves it an idle team for the rest of the process. `release_team()` hands that team
+back (OpenMP 5's `omp_pause_resource_all`, which GNU OpenMP implements for the calling thread only);
+the engine calls it on the caller's thread when it is built and on each request.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
 import threading
 from pathlib import Path
@@ -36,6 +43,31 @@ def voluntary_switches() -> int | None:
     return None
 
 
+@functools.cache
+def _pause_all() -> Callable[[int], int] | None:
+    """`omp_pause_resource_all` of the GNU OpenMP torch loaded, or None (another runtime, no /proc)."""
+    try:
+        maps = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return None
+    paths = sorted({line.split()[-1] for line in maps if "libgomp" in line.rsplit("/", 1)[-1]})
+    if len(paths) != 1:
+        return None  # none (Intel or LLVM OpenMP) or two runtimes: leave them alone
+    try:
+        fn = ctypes.CDLL(paths[0]).omp_pause_resource_all
+    except (OSError, AttributeError):  # a GNU OpenMP older than GCC 9
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+    return fn
+
+
+def release_team() -> bool:
+    """Hand back the calling thread's idle GNU OpenMP team (its next parallel op makes a new one).
+    True when there was a runtime to ask and it agreed; a no-op where the thread has no team."""
+    fn = _pause_all()
+    return fn is not None and fn(1) == 0  # 1: omp_pause_soft
+
+
 class BarrierSleepWatch:
     """Call `step()` on the worker thread after each CPU step."""
 
@@ -58,5 +90,6 @@ class BarrierSleepWatch:
                 f"the engine's worker thread slept {(now - self.last) / self.every:.0f} times a step (a healthy "
                 f"step: under 1): another thread is running torch CPU ops beside the engine, and GNU OpenMP's "
                 f"thread teams now sleep at their barriers (steps can be 1.7x slower). Run torch work "
-                f"before or after the engine, or on its thread (docs/engine.md, 'One worker thread').")
+                f"before or after the engine, on its thread, or on the thread that calls it "
+                f"(docs/engine.md, 'One worker thread').")
         self.last = now
