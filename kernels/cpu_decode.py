@@ -33,6 +33,7 @@ _SOURCE = r"""
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -70,6 +71,75 @@ static inline void axpyf(float w, const float* x, float* y, int64_t D) {
   for (; d < D; ++d) y[d] += w * x[d];
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// e^x for x <= 0 (softmax exponents), 8 at a time: x = n ln2 + r with |r| <= ln2/2, e^r by its Taylor
+// series to r^6 (truncation below 1e-7 relative), times 2^n built in the exponent bits. Clamped at -87
+// (e^-87 ~ 2e-38, still normal), which no softmax weight can tell from 0.
+static inline __m256 exp_neg8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln2 in two parts: exact n*hi
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// the sums of eight vectors' lanes, as one vector [sum(a0), ..., sum(a7)]
+static inline __m256 hsum8(const __m256* a) {
+  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+#endif
+
+// x[t] = e^(x[t] - m) in place; returns their sum
+static inline float exp_sub_sum(float* x, int64_t n, float m) {
+  int64_t t = 0;
+  float sum = 0.f;
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 acc = _mm256_setzero_ps();
+  for (; t + 8 <= n; t += 8) {
+    const __m256 e = exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(x + t), mv));
+    _mm256_storeu_ps(x + t, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  sum = _mm_cvtss_f32(h);
+#endif
+  for (; t < n; ++t) { x[t] = std::exp(x[t] - m); sum += x[t]; }
+  return sum;
+}
+
+// out[j] = scale * (q . rows[j * stride]) for j < cnt (cnt <= 8): eight dots share one reduction
+static inline void dots8(const float* q, const float* rows, int64_t stride, int64_t cnt, int64_t D, float scale,
+                         float* out) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (cnt == 8 && D % 8 == 0) {
+    __m256 acc[8];
+    for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m256 qv = _mm256_loadu_ps(q + d);
+      for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(rows + j * stride + d), qv, acc[j]);
+    }
+    _mm256_storeu_ps(out, _mm256_mul_ps(hsum8(acc), _mm256_set1_ps(scale)));
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < cnt; ++j) out[j] = dotf(q, rows + j * stride, D) * scale;
+}
+
 // a row as floats: itself when T is float, else converted into `buf`
 template <typename T>
 static inline const float* as_float(const T* row, float* buf, int64_t D) {
@@ -98,6 +168,15 @@ static void run(const T* q, const T* k, const T* v, const int64_t* table, const 
       scores.assign(NH * n, 0.f);
       for (int64_t p0 = start - start % bs; p0 < L; p0 += bs) {
         const T* kb = k + table[b * maxb + p0 / bs] * bs * KVH * D;
+        if constexpr (std::is_same<T, float>::value) {  // rows read in place, eight tokens a reduction
+          for (int64_t p = std::max(p0, start), e = std::min(p0 + bs, L); p < e; p += 8) {
+            const int64_t cnt = std::min<int64_t>(8, e - p), t = p - start;
+            const float* rows = kb + ((p - p0) * KVH + g0) * D;
+            for (int64_t h = 0; h < NH; ++h)
+              dots8(qf.data() + h * D, rows + (h / G) * D, KVH * D, cnt, D, scale, scores.data() + h * n + t);
+          }
+          continue;
+        }
         for (int64_t p = std::max(p0, start), e = std::min(p0 + bs, L); p < e; ++p) {
           const float* kp = as_float(kb + ((p - p0) * KVH + g0) * D, kbuf.data(), per * D);
           const int64_t t = p - start;
@@ -110,13 +189,31 @@ static void run(const T* q, const T* k, const T* v, const int64_t* table, const 
         const float* sink = sinks ? sinks + h0 + h : nullptr;
         float m = sink ? *sink : -std::numeric_limits<float>::infinity();
         for (int64_t t = 0; t < n; ++t) m = std::max(m, sh[t]);
-        float sum = sink ? std::exp(*sink - m) : 0.f;
-        for (int64_t t = 0; t < n; ++t) { sh[t] = std::exp(sh[t] - m); sum += sh[t]; }
-        denom[h] = sum;
+        denom[h] = (sink ? std::exp(*sink - m) : 0.f) + exp_sub_sum(sh, n, m);
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t p0 = start - start % bs; p0 < L; p0 += bs) {
         const T* vb = v + table[b * maxb + p0 / bs] * bs * KVH * Dv;
+#if defined(__AVX2__) && defined(__FMA__)
+        if constexpr (std::is_same<T, float>::value) {
+          if (Dv == 64) {  // a head's accumulator stays in registers over the block's tokens
+            const int64_t p1 = std::max(p0, start), e = std::min(p0 + bs, L);
+            for (int64_t h = 0; h < NH; ++h) {
+              float* a = acc.data() + h * Dv;
+              __m256 r[8];
+              for (int j = 0; j < 8; ++j) r[j] = _mm256_loadu_ps(a + 8 * j);
+              const float* w = scores.data() + h * n - start;
+              const float* row = vb + ((p1 - p0) * KVH + g0 + h / G) * Dv;
+              for (int64_t p = p1; p < e; ++p, row += KVH * Dv) {
+                const __m256 wv = _mm256_set1_ps(w[p]);
+                for (int j = 0; j < 8; ++j) r[j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(row + 8 * j), r[j]);
+              }
+              for (int j = 0; j < 8; ++j) _mm256_storeu_ps(a + 8 * j, r[j]);
+            }
+            continue;
+          }
+        }
+#endif
         for (int64_t p = std::max(p0, start), e = std::min(p0 + bs, L); p < e; ++p) {
           const float* vp = as_float(vb + ((p - p0) * KVH + g0) * Dv, vbuf.data(), per * Dv);
           const int64_t t = p - start;
@@ -174,7 +271,7 @@ def _load():
                 # loaded (same soname): one OpenMP runtime, the worker thread's one team.
                 omp = ["-fopenmp"] if torch.backends.openmp.is_available() else []
                 _module = load_inline(
-                    name=f"svrmad_cpu_decode_v2_{isa}", cpp_sources=[_SOURCE], functions=["paged_decode"],
+                    name=f"svrmad_cpu_decode_v3_{isa}", cpp_sources=[_SOURCE], functions=["paged_decode"],
                     extra_cflags=["-O3", "-fopenmp-simd", *omp, *_ISA_FLAGS.get(isa, [])], extra_ldflags=omp,
                     verbose=False)
             except Exception as exc:  # no compiler, no ninja, a read-only cache...

@@ -41,11 +41,13 @@ def dense_reference(q, k, v, table, lens, bs, scale, window, sinks):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,window,with_sinks", [(4, 4, None, False), (6, 2, None, False),
                                                              (8, 2, 5, False), (4, 1, None, True), (6, 3, 7, True)])
-@pytest.mark.parametrize("nseq,D", [(5, 16), (2, 20)])  # items of whole sequences / of one KV head (2 threads);
-def test_matches_a_float64_reference_on_shuffled_block_tables(dtype, heads, kv_heads, window, with_sinks, nseq, D):
-    # a head size off the 8-lane vectors too
+# items of whole sequences / of one KV head (2 threads); a head size off the 8-lane vectors; and the
+# default's shape (D = Dv = 64, blocks of 16), where eight keys share a reduction and a head's
+# accumulator stays in registers over a block (windows cut those groups short)
+@pytest.mark.parametrize("nseq,D,Dv,bs", [(5, 16, 8, 4), (2, 20, 8, 4), (5, 64, 64, 16), (2, 64, 64, 16)])
+def test_matches_a_float64_reference_on_shuffled_block_tables(dtype, heads, kv_heads, window, with_sinks, nseq, D, Dv, bs):
     g = torch.Generator().manual_seed(heads * 100 + kv_heads)
-    bs, nblocks, Dv = 4, 40, 8
+    nblocks = 40
     lens = torch.tensor([1, 3, 4, 9, 30])[-nseq:]  # one key, partial and whole blocks, longer than the window
     width = -(-int(lens.max()) // bs)
     table = torch.stack([torch.randperm(nblocks, generator=g)[:width] for _ in lens])
