@@ -119,7 +119,7 @@ class RecordingBackend:
     def prefetch(self, q: Question, own: Response, peers: Sequence[Response],
                  brief: Sequence[Response] = (), *, repeat: int = 1) -> None:
         """Start a debate the caller may ask for next (only with run_ahead; otherwise nothing)."""
-        key = (q.id, debate_id(own.id, [p.id for p in peers], [b.id for b in brief], repeat))
+        key = (q.id, _debate_rid(own, peers, brief, repeat))
         if not self.run_ahead or key in self._memo or key in self._ahead:
             return
         self.ahead["started"] += 1
@@ -130,7 +130,7 @@ class RecordingBackend:
 
     async def debate(self, q: Question, own: Response, peers: Sequence[Response],
                      brief: Sequence[Response] = (), *, repeat: int = 1) -> Response:
-        rid = debate_id(own.id, [p.id for p in peers], [b.id for b in brief], repeat)
+        rid = _debate_rid(own, peers, brief, repeat)
         if self._ahead.pop((q.id, rid), None) is not None:
             self.ahead["used"] += 1
         seen = self.debates.setdefault(q.id, {})
@@ -158,11 +158,15 @@ class RecordingBackend:
         for key in [k for k in self._memo if k[0] == qid]:
             del self._memo[key]
 
-
     def _count_unused(self, task: asyncio.Task) -> None:
         if not task.cancelled() and task.exception() is None:
             r = task.result()
             self.ahead["unused_tokens"] += r.completion_tokens + r.computed_tokens
+
+
+def _debate_rid(own: Response, peers: Sequence[Response], brief: Sequence[Response], repeat: int) -> str:
+    """The response id of a debate call, as `debate` records it and `prefetch` announces it."""
+    return debate_id(own.id, [p.id for p in peers], [b.id for b in brief], repeat)
 
 
 # ---------------------------------------------------------------- rows <-> responses
