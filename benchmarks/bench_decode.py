@@ -31,7 +31,7 @@ from bench_vs_vllm import VLLM_DTYPES, VllmWorker, vllm_settings, vllm_unavailab
 from svrmad_local.engine.engine import Engine, EngineConfig
 from svrmad_local.engine.params import SamplingParams
 from svrmad_local.models.default import ensure_default_model
-from svrmad_local.models.linear import FusedGroup, OneDNNLinear
+from svrmad_local.models.linear import FusedGroup, PackedLinear
 from svrmad_local.models.loader import load_model
 
 
@@ -56,7 +56,7 @@ def linears_seconds(model, rows: int, repeat: int = 3) -> float:
     its own dtype and shapes and through its own backend (plain or oneDNN-packed, models/linear.py), best
     of `repeat`: a decode step's matmuls and nothing else (a fused group of siblings is one GEMM). Timed as whole passes so each weight comes from
     memory, as in a step, not from a cache warmed by a repeat."""
-    layers = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, OneDNNLinear, FusedGroup))]
+    layers = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, PackedLinear, FusedGroup))]
     xs = [torch.randn(rows, m.in_features).to(m.weight.dtype) for m in layers]
     return best_of(lambda: [m(x) for x, m in zip(xs, layers)], repeat)
 
@@ -126,7 +126,7 @@ def host_ops(model, tokenizer, batches: list[int], block_size: int = 16, new_tok
     """engine_ops and model_ops of one decode step at each batch size (sampled at the paper's settings)."""
     engine = Engine(model, tokenizer, EngineConfig(block_size=block_size, max_num_seqs=max(batches)))
     counter = HostOps(engine)
-    vocab = model.get_output_embeddings().weight.shape[0]
+    vocab = model.get_output_embeddings().out_features
     gen = torch.Generator().manual_seed(0)
     rows = []
     for B in batches:
@@ -189,7 +189,7 @@ def main() -> int:
     model_path = str(args.model or ensure_default_model())
     lm = load_model(model_path, dtype=args.dtype)
     dtype = next(lm.model.parameters()).dtype
-    vocab = lm.model.get_output_embeddings().weight.shape[0]
+    vocab = lm.model.get_output_embeddings().out_features
     engine = Engine(lm.model, lm.tokenizer, EngineConfig(block_size=args.block_size, max_num_seqs=max(batches)))
 
     def engine_generate(prompts, params):

@@ -26,6 +26,8 @@ import threading
 
 import torch
 
+from ._cpu_build import build
+
 log = logging.getLogger("svrmad_local")
 
 _SOURCE = r"""
@@ -252,8 +254,6 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, to
 }
 """
 
-_ISA_FLAGS = {"avx2": ["-mavx2", "-mfma"], "avx512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl",
-                                                     "-mavx512dq"]}
 _lock = threading.Lock()
 _module = None
 _error: str | None = None
@@ -264,20 +264,7 @@ def _load():
     with _lock:
         if _module is None and _error is None:
             try:
-                from torch.utils.cpp_extension import load_inline
-
-                # built per ISA level, never -march=native: ~/.cache may outlive the machine it was
-                # built on, and a build for another CPU's features would die on an illegal instruction
-                isa = torch.backends.cpu.get_cpu_capability().lower()
-                # -fopenmp: at::parallel_for is an inline OpenMP region in torch's headers; built
-                # without it the pragma is ignored and the kernel ran on one thread (measured: 2 threads
-                # = 1). It links libgomp.so.1, which the loader resolves to the copy torch already
-                # loaded (same soname): one OpenMP runtime, the worker thread's one team.
-                omp = ["-fopenmp"] if torch.backends.openmp.is_available() else []
-                _module = load_inline(
-                    name=f"svrmad_cpu_decode_v3_{isa}", cpp_sources=[_SOURCE], functions=["paged_decode"],
-                    extra_cflags=["-O3", "-fopenmp-simd", *omp, *_ISA_FLAGS.get(isa, [])], extra_ldflags=omp,
-                    verbose=False)
+                _module = build("svrmad_cpu_decode_v3", _SOURCE, ["paged_decode"])
             except Exception as exc:  # no compiler, no ninja, a read-only cache...
                 _error = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
                 log.info("CPU paged decode kernel unavailable (%s); decode attention gathers the context", _error)

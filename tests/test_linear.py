@@ -1,5 +1,6 @@
-"""The CPU linear backend (models/linear.py): packed once, in place of the dense weights, exact
-against a reference on the same backend, within fp32 rounding of plain F.linear."""
+"""The CPU linear backends (models/linear.py): our panels and oneDNN's layout, packed once, in place
+of the dense weights, exact against a reference on the same backend, within fp32 rounding of plain
+F.linear."""
 
 from __future__ import annotations
 
@@ -10,13 +11,18 @@ import torch
 
 from svrmad_local.engine.engine import Engine, EngineConfig
 from svrmad_local.engine.params import SamplingParams
+from svrmad_local.kernels import cpu_linear
 from svrmad_local.models import linear
-from svrmad_local.models.linear import FusedPart, OneDNNLinear, select_linear, weight_bytes
+from svrmad_local.models.linear import FusedPart, PackedLinear, select_linear, weight_bytes
 
 from .model_zoo import EXACT, full_logprobs, loop_greedy, make_zoo_model, rand_prompt
 
 ONEDNN = torch.backends.mkldnn.is_available()
 needs_onednn = pytest.mark.skipif(not ONEDNN, reason="this torch build has no oneDNN")
+BACKENDS = [pytest.param("onednn", marks=needs_onednn),
+            pytest.param("panels", marks=pytest.mark.skipif(not cpu_linear.available(),
+                                                            reason=f"no panel kernel: {cpu_linear.unavailable_reason()}"))]
+NAMES = {"onednn": "oneDNN packed", "panels": "panels"}
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 # fp32 reassociation: oneDNN sums in another order than MKL, so log-probs move by ~1e-6 on these models
 LOGPROB_TOL = 1e-4
@@ -28,21 +34,21 @@ def engine(model, **kw):
     return Engine(model, None, EngineConfig(**kw))
 
 
-@needs_onednn
-def test_packed_linears_replace_the_dense_ones_and_match_f_linear():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_packed_linears_replace_the_dense_ones_and_match_f_linear(backend):
     model = make_zoo_model("llama")
     plain = {n: (m.weight.detach().clone(), m.in_features) for n, m in model.named_modules()
              if type(m) is torch.nn.Linear}
     before = weight_bytes(model)
-    what = select_linear(model, "auto")
+    what = select_linear(model, backend)
     layers = len(model.model.layers)  # q/k/v one GEMM, gate/up one GEMM: 7 linears a layer in 4 calls
-    assert what.startswith(f"oneDNN packed ({len(plain)} linears, float32), as {4 * layers + 1} GEMMs")
+    assert what.startswith(f"{NAMES[backend]} ({len(plain)} linears, float32), as {4 * layers + 1} GEMMs")
     assert not any(type(m) is torch.nn.Linear for m in model.modules())
-    assert weight_bytes(model) == before
+    assert before <= weight_bytes(model) <= 1.1 * before  # panels pad to 16 columns
     for name, (w, k) in plain.items():
         m = model.get_submodule(name)
         fused = name.rpartition(".")[2] in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-        assert isinstance(m, FusedPart if fused else OneDNNLinear), name
+        assert isinstance(m, FusedPart if fused else PackedLinear), name
         x = torch.randn(5, k)
         torch.testing.assert_close(m(x), x @ w.T, rtol=1e-5, atol=1e-5)
         assert torch.equal(m.dense_weight(), w)
@@ -50,24 +56,28 @@ def test_packed_linears_replace_the_dense_ones_and_match_f_linear():
     x = torch.randn(3, 64)
     q = attn.q_proj(x)
     assert attn.k_proj(x).data_ptr() == q.data_ptr() + attn.q_proj.out_features * 4  # one GEMM served both
-    assert not select_linear(make_zoo_model("llama"), "onednn", fuse=False).count("fused")
+    assert not select_linear(make_zoo_model("llama"), backend, fuse=False).count("fused")
 
 
-@needs_onednn
-def test_each_weight_is_packed_once_over_a_generate(monkeypatch):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_each_weight_is_packed_once_over_a_generate(monkeypatch, backend):
     calls = []
-    real = linear._reorder
-    monkeypatch.setattr(linear, "_reorder", lambda w, hint: calls.append(tuple(w.shape)) or real(w, hint))
+    if backend == "onednn":
+        real = linear._reorder
+        monkeypatch.setattr(linear, "_reorder", lambda w, hint: calls.append(tuple(w.shape)) or real(w, hint))
+    else:
+        real = cpu_linear.pack
+        monkeypatch.setattr(cpu_linear, "pack", lambda w: calls.append(tuple(w.shape)) or real(w))
     model = make_zoo_model("qwen2")  # q/k/v (with biases) and gate/up fused: 4 packed matrices a layer
     n = 4 * len(model.model.layers) + 1
-    eng = engine(model)
+    eng = engine(model, linear=backend)
     eng.generate_sync([rand_prompt(11, 1), rand_prompt(5, 2)], GREEDY)
     eng.generate_sync([rand_prompt(7, 3)], GREEDY)
     assert len(calls) == n
     second = engine(model)  # a second engine on the same model does not pack it again
     second.generate_sync([rand_prompt(9, 4)], GREEDY)
     assert len(calls) == n and "packed by an earlier engine" in second.info["linear"]
-    with pytest.raises(ValueError, match="packed for oneDNN by an earlier engine"):
+    with pytest.raises(ValueError, match=f"were packed as {NAMES[backend]} by an earlier engine"):
         engine(model, linear="aten")
 
 
@@ -79,26 +89,26 @@ model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(24)]).e
 size = weight_bytes(model)
 gc.collect()
 rss0 = psutil.Process().memory_info().rss
-select_linear(model, "onednn")
+select_linear(model, BACKEND)
 gc.collect()
 print((psutil.Process().memory_info().rss - rss0) / size)
 """
 
 
-@needs_onednn
-def test_packing_does_not_keep_the_dense_weights():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_packing_does_not_keep_the_dense_weights(backend):
     import subprocess
     import sys
     import weakref
 
     model = make_zoo_model("llama")
     dense = [weakref.ref(m.weight) for m in model.modules() if type(m) is torch.nn.Linear]
-    select_linear(model, "onednn")
+    select_linear(model, backend)
     gc.collect()
     assert all(r() is None for r in dense), "a dense weight outlived its packing"
     # resident memory, in a fresh process (the engine's allocator settings keep freed memory in the heap)
     pytest.importorskip("psutil")
-    grown = float(subprocess.run([sys.executable, "-c", RSS_SCRIPT], capture_output=True, text=True,
+    grown = float(subprocess.run([sys.executable, "-c", RSS_SCRIPT.replace("BACKEND", repr(backend))], capture_output=True, text=True,
                                  check=True).stdout.split()[-1])
     assert grown <= 0.1, f"packing grew the process by {grown:.0%} of the weights"
 
@@ -110,36 +120,61 @@ def test_a_tied_lm_head_runs_on_the_shared_dense_matrix():
     before = weight_bytes(model)
     x = torch.randn(3, 64)
     want = x @ model.lm_head.weight.detach().T
-    what = select_linear(model, "auto")
+    what = select_linear(model, "onednn")
     assert "the tied LM head on its shared dense weight" in what
     head = model.lm_head
-    assert isinstance(head, OneDNNLinear) and not head.packed and head.weight is model.model.embed_tokens.weight
+    assert isinstance(head, PackedLinear) and not head.packed and head.weight is model.model.embed_tokens.weight
     assert weight_bytes(model) == before  # no second copy of the matrix
     torch.testing.assert_close(head(x), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not cpu_linear.available(), reason=f"no panel kernel: {cpu_linear.unavailable_reason()}")
+def test_a_tied_lm_head_and_its_embedding_share_one_panel_matrix():
+    model = make_zoo_model("llama")
+    model.lm_head.weight = model.model.embed_tokens.weight
+    dense = model.lm_head.weight.detach().clone()
+    before = weight_bytes(model)
+    x, ids = torch.randn(3, 64), torch.tensor([[0, 5, 127, 5]])
+    want = x @ dense.T
+    assert "the tied LM head and the embedding share its panels" in select_linear(model, "panels")
+    head, emb = model.lm_head, model.model.embed_tokens
+    assert isinstance(head, PackedLinear) and head.packed and emb.weight is head.weight
+    assert weight_bytes(model) <= 1.1 * before  # one matrix, padded to 16 columns
+    torch.testing.assert_close(head(x), want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(emb(ids), dense[ids])  # lookups copy the very values
+    state = model.state_dict()
+    assert torch.equal(state["model.embed_tokens.weight"], dense) and torch.equal(state["lm_head.weight"], dense)
 
 
 def test_fallbacks_say_why_and_bad_choices_are_refused(monkeypatch):
     model = make_zoo_model("llama")
     assert select_linear(model, "aten") == "aten (F.linear), as asked"
     assert any(type(m) is torch.nn.Linear for m in model.modules())
-    with pytest.raises(ValueError, match="linear must be one of auto, onednn, aten"):
+    with pytest.raises(ValueError, match="linear must be one of auto, panels, onednn, aten"):
         select_linear(model, "mkl")
     half = make_zoo_model("llama").half()
-    assert "oneDNN packing is off: torch.float16 weights" in select_linear(half, "auto")
+    assert "packing is off: torch.float16 weights" in select_linear(half, "auto")
     with pytest.raises(ValueError, match="linear='onednn' cannot run here: torch.float16 weights"):
         select_linear(half, "onednn")
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
     bf16 = make_zoo_model("llama").to(torch.bfloat16)
     assert "no avx512_bf16/AMX" in select_linear(bf16, "auto")
+    with pytest.raises(ValueError, match="linear='panels' cannot run here: bfloat16 weights"):
+        select_linear(make_zoo_model("llama").to(torch.bfloat16), "panels")
+    monkeypatch.setenv("SVRMAD_CPU_LINEAR", "0")  # no kernel: auto takes oneDNN where it can
+    if ONEDNN:
+        assert select_linear(make_zoo_model("llama"), "auto").startswith("oneDNN packed")
+    with pytest.raises(ValueError, match="no panel kernel: SVRMAD_CPU_LINEAR=0"):
+        select_linear(make_zoo_model("llama"), "panels")
 
 
-@needs_onednn
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", EXACT)
-def test_engine_is_token_exact_against_a_reference_on_the_same_backend(name):
+def test_engine_is_token_exact_against_a_reference_on_the_same_backend(name, backend):
     model = make_zoo_model(name)
     plain = make_zoo_model(name)  # the same weights (same seed), left on F.linear
-    eng = engine(model, linear="onednn")
-    assert eng.info["linear"].startswith("oneDNN packed")
+    eng = engine(model, linear=backend)
+    assert eng.info["linear"].startswith(NAMES[backend])
     prompts = [rand_prompt(n, 50 + n) for n in (3, 12, 21)]
     out = eng.generate_sync(prompts, GREEDY)
     for p, o in zip(prompts, out):
@@ -153,8 +188,8 @@ def test_engine_is_token_exact_against_a_reference_on_the_same_backend(name):
             assert ((top2[:, 0] - top2[:, 1]) < LOGPROB_TOL).any(), f"{name}: a flip that is not a near-tie"
 
 
-@needs_onednn
-def test_token_statistics_of_the_default_checkpoint_on_packed_linears():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_token_statistics_of_the_default_checkpoint_on_packed_linears(backend):
     """The embedded default (its LM head is tied to the embedding): the statistics the engine
     reports are log_softmax of the logits it sampled from (1e-4), and stay within LOGPROB_TOL of a plain
     transformers forward on F.linear."""
@@ -163,8 +198,8 @@ def test_token_statistics_of_the_default_checkpoint_on_packed_linears():
 
     path = ensure_default_model()
     lm, plain = load_model(path, device="cpu"), load_model(path, device="cpu")
-    eng = Engine(lm.model, lm.tokenizer, EngineConfig(kv_cache_memory=64 * 2**20, linear="onednn"))
-    assert "tied LM head" in eng.info["linear"] and isinstance(lm.model.lm_head, OneDNNLinear)
+    eng = Engine(lm.model, lm.tokenizer, EngineConfig(kv_cache_memory=64 * 2**20, linear=backend))
+    assert "tied LM head" in eng.info["linear"] and isinstance(lm.model.lm_head, PackedLinear)
     seen = []
     logits_of = eng.runner.logits
     eng.runner.logits = lambda h: seen.append(logits_of(h)) or seen[-1]
@@ -178,13 +213,13 @@ def test_token_statistics_of_the_default_checkpoint_on_packed_linears():
     assert (torch.tensor(out.logprobs) - ref.gather(1, ids[:, None])[:, 0]).abs().max() < LOGPROB_TOL
 
 
-@needs_onednn
-def test_a_packed_model_saves_and_reloads_as_a_plain_checkpoint(tmp_path):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_packed_model_saves_and_reloads_as_a_plain_checkpoint(tmp_path, backend):
     from svrmad_local.models.loader import load_model
 
     model = make_zoo_model("llama")
     want = {k: v.clone() for k, v in model.state_dict().items()}
-    select_linear(model, "onednn")
+    select_linear(model, backend)
     model.save_pretrained(tmp_path)
     again = load_model(tmp_path, device="cpu").model
     assert all(torch.equal(again.state_dict()[k], v) for k, v in want.items())

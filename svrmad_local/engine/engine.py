@@ -44,8 +44,9 @@ class EngineConfig:
     90% of free GPU memory, or 2 GiB on the CPU. kernel_impl: "auto" | "torch" | "triton", the path of
     kernels/ (fused token statistics for scoring, cascade attention): "auto" takes Triton on a GPU,
     "torch" forces the references. cascade: "auto" (off: measured slower, see runner._cascade_enabled) | "on" | "off".
-    linear: "auto" | "onednn" | "aten", how the model's linears run (models/linear.py): "auto" packs them
-    for oneDNN on the CPU where it can and says why not where it cannot; the packing is done in place, once.
+    linear: "auto" | "panels" | "onednn" | "aten", how the model's linears run (models/linear.py): "auto"
+    packs fp32 weights into our kernel's panels on the CPU (else oneDNN's layout, else F.linear) and says
+    why not where it cannot; the packing is done in place, once.
 
     mla: "absorbed" (decode rows of multi-head latent attention read the cached latent, engine/mla.py) |
     "expanded" (transformers' own expansion of the whole context at every step, the reference)."""
@@ -279,7 +280,7 @@ class Engine:
     def _check_prompt(self, prompt: list[int]) -> None:
         if not prompt:
             raise ValueError("empty prompt: a request needs at least one token")
-        vocab = self.runner.lm_head.weight.shape[0]
+        vocab = self.runner.lm_head.out_features
         bad = [t for t in prompt if not (isinstance(t, int) and 0 <= t < vocab)]
         if bad:
             raise ValueError(f"prompt holds token ids outside [0, {vocab}): {bad[:5]}")

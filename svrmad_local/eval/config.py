@@ -261,9 +261,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cascade", choices=["auto", "on", "off"], default=ec.cascade,
                    help="decode attention over shared prefix blocks once (kernels.cascade_attention); auto is off, "
                         "as measured (docs/engine.md); exact either way")
-    g.add_argument("--linear", choices=["auto", "onednn", "aten"], default=ec.linear,
-                   help="how linears run on the CPU: auto packs them once for oneDNN where it can (2-4x faster "
-                        "GEMMs at decode shapes; numerics move at fp32 rounding level, docs/engine.md)")
+    g.add_argument("--linear", choices=["auto", "panels", "onednn", "aten"], default=ec.linear,
+                   help="how linears run on the CPU: auto packs fp32 weights once into our kernel's panels (else "
+                        "oneDNN's layout) where it can; numerics move at fp32 rounding level, docs/engine.md")
     g = p.add_argument_group(
         "sampling (the paper's Appendix A values, except --max-tokens: the paper uses 16,384, "
         "see --paper-settings)")

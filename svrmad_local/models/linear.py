@@ -1,57 +1,91 @@
 """How a linear runs: one place decides it, once, when the engine is built.
 
 - "aten": each module's own forward (`F.linear`: MKL sgemm on the CPU, cuBLAS on a GPU).
-- "onednn": CPU only. Every `nn.Linear` weight is reordered once into oneDNN's blocked layout and
-  the module computes with `mkldnn._linear_pointwise` (the pair that inductor's freezing pass
-  uses, and what vLLM's CPU backend does). At the engine's shapes (M = the rows of a step, 1-64)
-  MKL's fp32 GEMM runs 2-4.5x slower than oneDNN on a packed weight, on AVX2 and AVX-512 alike
-  (benchmarks/bench_linear.py). The packed weight *replaces* the dense one (same bytes). A tied LM
-  head shares its matrix with the embedding, whose lookup needs it dense: it runs through oneDNN on
-  that same dense matrix, unpacked (no second copy; at M = 12-24 still 2.5-3x faster than F.linear).
+- "panels": CPU, fp32, AVX2. Every `nn.Linear` weight is re-laid once into 16-column panels and
+  multiplied by our kernel (kernels/cpu_linear.py), which streams the weights at close to the
+  machine's read bandwidth: on a 2-core AVX2 EPYC the default's linears took 39.0 ms a decode step at
+  1 row, 47.3 at 4, 124 at 24 through oneDNN's packed GEMM, 24.8 / 30.3 / 105 through it, and about
+  the same at prefill sizes (M = 512: 1509 vs 1553). Its arithmetic does not depend on the batch, so
+  a row's output is bitwise the same at any batch size. A tied LM head and its embedding share one
+  panel matrix: the embedding reads its rows from the panels (an exact copy).
+- "onednn": CPU, fp32 or bf16. Every weight is reordered once into oneDNN's blocked layout and the
+  module computes with `mkldnn._linear_pointwise` (the pair that inductor's freezing pass uses, and
+  what vLLM's CPU backend does): at M = 1-64 MKL's fp32 GEMM runs 2-4.5x slower than that, on AVX2
+  and AVX-512 alike (benchmarks/bench_linear.py). A tied LM head runs through oneDNN on the dense
+  matrix it shares with the embedding (no second copy).
+- "auto": panels for fp32 where the kernel builds; else oneDNN (bf16 with a oneDNN bf16 path); else
+  F.linear, saying why. On AVX-512 machines the panels' prefill speed against oneDNN's AVX-512 GEMM is
+  unmeasured (the kernel is AVX2 there too); `--linear onednn` is the alternative.
 - Packed quantized modules (models/quant: MXFP4 experts, FP8 linears) are not `nn.Linear`s: they
   own their matmul and are left alone here.
 
-bf16 weights are packed only where oneDNN has a bf16 path on this CPU (avx512_bf16 / AMX / avx_ne
-_convert); without one a bf16 GEMM is ~3x slower than fp32, and the engine says so instead of
-silently changing the dtype (bf16 changes the token statistics; choose it with --dtype).
-Numerics move at fp32 rounding level (a different summation order), so exactness is stated against
-a reference that runs the same backend; see docs/engine.md, "CPU linears".
+Either layout *replaces* the dense weight (same bytes). bf16 weights are packed only where oneDNN has
+a bf16 path on this CPU (avx512_bf16 / AMX / avx_ne_convert); without one a bf16 GEMM is ~3x slower
+than fp32, and the engine says so instead of silently changing the dtype (bf16 changes the token
+statistics; choose it with --dtype). Numerics move at fp32 rounding level against F.linear (another
+summation order), so exactness is stated against a reference that runs the same backend; see
+docs/engine.md, "CPU linears".
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
 
+from svrmad_local.kernels import cpu_linear
+
 log = logging.getLogger("svrmad_local")
 
-CHOICES = ("auto", "onednn", "aten")
+CHOICES = ("auto", "panels", "onednn", "aten")
 BATCH_HINT = 24  # oneDNN picks its blocking for this M; other M's build their own primitive once
 
 _reorder = torch.ops.mkldnn._reorder_linear_weight  # a module attribute, so a test can count the calls
 
 
-class OneDNNLinear(nn.Module):
-    """An `nn.Linear` whose weight lives in oneDNN's layout. `weight` keeps its dtype and shape
-    (code that asks `.weight.dtype` or `.device` still works) but is an mkldnn tensor: any other
-    use of it fails loudly rather than computing with a layout it does not understand."""
+@dataclass(frozen=True)
+class Layout:
+    """A packed weight's layout: how a dense [N, K] weight becomes it (`pack`), how it multiplies
+    (`mm(x, packed, bias, N)`) and how it comes back dense (`unpack(packed, N)`)."""
 
-    def __init__(self, linear: nn.Linear, pack: bool = True):
+    name: str
+    pack: Callable
+    mm: Callable
+    unpack: Callable
+
+
+def _onednn_mm(x, w, bias, n):
+    return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+
+
+ONEDNN = Layout("oneDNN packed", lambda w: _reorder(w, BATCH_HINT), _onednn_mm, lambda w, n: w.to_dense())
+PANELS = Layout("panels", lambda w: cpu_linear.pack(w), lambda x, w, bias, n: cpu_linear.linear(x, w, n, bias),
+                cpu_linear.unpack)
+
+
+class PackedLinear(nn.Module):
+    """An `nn.Linear` whose weight lives in a packed layout. `weight` keeps its dtype and device (code
+    that asks `.weight.dtype` or `.device` still works) but not a plain matrix's layout: any other use
+    fails loudly rather than computing with a layout it does not understand. Unpacked (a tied LM head
+    beside an embedding that needs the dense rows), it runs oneDNN on the very same dense Parameter."""
+
+    def __init__(self, linear: nn.Linear, layout: Layout, pack: bool = True):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.layout = layout if pack else ONEDNN
         self.packed = pack
-        # unpacked: the very same Parameter (a tied LM head keeps sharing it with the embedding)
-        self.weight = nn.Parameter(_reorder(linear.weight.detach(), BATCH_HINT), requires_grad=False) if pack \
+        self.weight = nn.Parameter(layout.pack(linear.weight.detach()), requires_grad=False) if pack \
             else linear.weight
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return self.layout.mm(x, self.weight, self.bias, self.out_features)
 
     def dense_weight(self) -> torch.Tensor:
-        return self.weight.to_dense() if self.packed else self.weight
+        return self.layout.unpack(self.weight, self.out_features) if self.packed else self.weight
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         """state_dict() and save_pretrained() see the plain weight, so a packed model saves as usual."""
@@ -61,7 +95,26 @@ class OneDNNLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"oneDNN{'' if self.packed else ' (dense weight)'}")
+                f"{self.layout.name if self.packed else 'oneDNN on the dense weight'}")
+
+
+class PanelEmbedding(nn.Module):
+    """A plain `nn.Embedding` whose matrix is the tied LM head's panels: lookups copy rows out of
+    the panels (the same values), so the head streams its packed layout and no dense copy is kept."""
+
+    def __init__(self, emb: nn.Embedding, head: PackedLinear):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.padding_idx = emb.num_embeddings, emb.embedding_dim, emb.padding_idx
+        self.weight = head.weight  # the same Parameter: tied, counted once
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return cpu_linear.rows_of(self.weight, ids)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        destination[prefix + "weight"] = cpu_linear.unpack(self.weight, self.num_embeddings)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, rows read from the tied LM head's panels"
 
 
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("q_a_proj", "kv_a_proj_with_mqa"))
@@ -69,16 +122,16 @@ SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("q_a_proj
 
 class FusedGroup(nn.Module):
     """Sibling projections of one input (q/k/v, gate/up, DeepSeek's q_a/kv_a) packed as one matrix:
-    one GEMM where there were two or three. At decode shapes oneDNN's cost per call (~50 us on a
-    2-core AVX2 EPYC) is larger than a small projection's arithmetic, so fewer, larger calls win. The
-    first part called with an input computes every part's rows; its siblings, called with the same
+    one GEMM where there were two or three. At decode shapes a call's fixed cost (~50 us for oneDNN
+    on a 2-core AVX2 EPYC) is larger than a small projection's arithmetic, so fewer, larger calls win.
+    The first part called with an input computes every part's rows; its siblings, called with the same
     tensor (as transformers' modules do), take their slices of that result."""
 
-    def __init__(self, linears: list[nn.Linear]):
+    def __init__(self, linears: list[nn.Linear], layout: Layout):
         super().__init__()
         w = torch.cat([m.weight.detach() for m in linears])
-        self.in_features = w.shape[1]
-        self.weight = nn.Parameter(_reorder(w, BATCH_HINT), requires_grad=False)
+        self.in_features, self.out_features, self.layout = w.shape[1], w.shape[0], layout
+        self.weight = nn.Parameter(layout.pack(w), requires_grad=False)
         biases = [m.bias.detach() if m.bias is not None else w.new_zeros(m.out_features) for m in linears]
         has_bias = any(m.bias is not None for m in linears)
         self.bias = nn.Parameter(torch.cat(biases), requires_grad=False) if has_bias else None
@@ -91,7 +144,7 @@ class FusedGroup(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Every part's rows at once (what `part` computes on a new input)."""
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return self.layout.mm(x, self.weight, self.bias, self.out_features)
 
     def part(self, i: int, x: torch.Tensor) -> torch.Tensor:
         if x is not self._x or i in self._taken:
@@ -104,7 +157,7 @@ class FusedGroup(nn.Module):
         return out
 
     def dense_weight(self) -> torch.Tensor:
-        return self.weight.to_dense()
+        return self.layout.unpack(self.weight, self.out_features)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         pass  # each part saves its own rows under its own name
@@ -132,7 +185,7 @@ class FusedPart(nn.Module):
             destination[prefix + "bias"] = self.group.bias.detach()[lo:hi]
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, rows {self.group.bounds[self.i]} of a fused oneDNN GEMM"
+        return f"in_features={self.in_features}, out_features={self.out_features}, rows {self.group.bounds[self.i]} of a fused {self.group.layout.name} GEMM"
 
 
 def _sibling_groups(model: nn.Module, linears: list[tuple[str, nn.Linear]]) -> list[list[tuple[str, nn.Linear]]]:
@@ -155,7 +208,8 @@ def dense_weight(linear: nn.Module) -> torch.Tensor:
 
 def weight_bytes(model: nn.Module) -> int:
     """Bytes the model's weights really take: packed modules count their packed bytes, tied
-    tensors count once, a oneDNN-packed weight counts like the dense one it replaced."""
+    tensors count once, a packed weight counts its packed bytes (oneDNN's as the dense one it
+    replaced, panels with up to 15 zero columns of padding)."""
     seen, total = set(), 0
     for m in model.modules():
         if hasattr(m, "packed_bytes"):
@@ -187,6 +241,18 @@ def _why_not_onednn(model: nn.Module, device: torch.device, dtype: torch.dtype) 
     return None
 
 
+def _why_not_panels(model: nn.Module, device: torch.device, dtype: torch.dtype) -> str | None:
+    if device.type != "cpu":
+        return f"weights on {device.type}"
+    if dtype != torch.float32:
+        return f"{str(dtype).removeprefix('torch.')} weights (the panel kernel is fp32)"
+    if any(type(p).__name__ == "DTensor" for p in model.parameters()):
+        return "tensor-parallel (DTensor) weights"
+    if not cpu_linear.available():
+        return f"no panel kernel: {cpu_linear.unavailable_reason()}"
+    return None
+
+
 def select_linear(model: nn.Module, choice: str = "auto", fuse: bool = True) -> str:
     """Apply the linear backend `choice` to `model` in place, once; returns a one-line description
     of what runs (also logged at info level, with the reason for any fallback). `fuse`: sibling
@@ -195,21 +261,27 @@ def select_linear(model: nn.Module, choice: str = "auto", fuse: bool = True) -> 
         raise ValueError(f"linear must be one of {', '.join(CHOICES)}, got {choice!r}")
     linears = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]
     packed_q = sum(1 for m in model.modules() if hasattr(m, "packed_bytes"))
-    done = sum(1 for m in model.modules() if isinstance(m, (OneDNNLinear, FusedPart)))
+    done = [m for m in model.modules() if isinstance(m, (PackedLinear, FusedPart))]
     if done:  # an earlier engine on this model packed it (packing is in place and one-way)
-        if choice == "aten":
-            raise ValueError("linear='aten': this model's linears were packed for oneDNN by an earlier engine; "
-                             "load the model again to run it on F.linear")
-        return _said(f"oneDNN packed ({done} linears, packed by an earlier engine)", packed_q)
+        layout = done[0].group.layout if isinstance(done[0], FusedPart) else done[0].layout
+        if choice not in ("auto", layout_choice(layout)):
+            raise ValueError(f"linear={choice!r}: this model's linears were packed as {layout.name} by an earlier "
+                             f"engine; load the model again to run them another way")
+        return _said(f"{layout.name} ({len(done)} linears, packed by an earlier engine)", packed_q)
     if choice == "aten" or not linears:
         what = "aten (F.linear)" + (", as asked" if choice == "aten" else ": no nn.Linear to pack")
         return _said(what, packed_q)
     p = linears[0][1].weight
-    why = _why_not_onednn(model, p.device, p.dtype)
-    if why is not None:
-        if choice == "onednn":
-            raise ValueError(f"linear='onednn' cannot run here: {why}")
-        return _said(f"aten (F.linear): oneDNN packing is off: {why}", packed_q)
+    why_panels = _why_not_panels(model, p.device, p.dtype) if choice in ("auto", "panels") else "not asked"
+    why = why_panels if choice == "panels" else _why_not_onednn(model, p.device, p.dtype)
+    if why_panels is None:
+        layout = PANELS
+    elif why is None:
+        layout = ONEDNN
+    elif choice == "auto":
+        return _said(f"aten (F.linear): packing is off: {why}", packed_q)
+    else:
+        raise ValueError(f"linear={choice!r} cannot run here: {why}")
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     tied = head is not None and emb is not None and head.weight is emb.weight
@@ -221,15 +293,28 @@ def select_linear(model: nn.Module, choice: str = "auto", fuse: bool = True) -> 
     groups = _sibling_groups(model, linears) if fuse else []
     fused = {name for g in groups for name, _ in g}
     for g in groups:
-        group = FusedGroup([m for _, m in g])
+        group = FusedGroup([m for _, m in g], layout)
         for i, (name, m) in enumerate(g):
             put(name, FusedPart(group, i, m))
+    # a tied head is packed only where the embedding can read its rows from the packed matrix: the
+    # panels of a plain nn.Embedding (Gemma's scaled embedding and oneDNN's opaque layout cannot)
+    shared = tied and layout is PANELS and type(emb) is nn.Embedding
+    note = ""
     for name, m in linears:
         if name not in fused:
-            put(name, OneDNNLinear(m, pack=not (tied and m is head)))
-    note = f", as {len(linears) - len(fused) + len(groups)} GEMMs (q/k/v and gate/up fused)" if groups else ""
-    note += "; the tied LM head on its shared dense weight" if tied and any(m is head for _, m in linears) else ""
-    return _said(f"oneDNN packed ({len(linears)} linears, {str(p.dtype).removeprefix('torch.')}){note}", packed_q)
+            put(name, PackedLinear(m, layout, pack=not tied or m is not head or shared))
+            if shared and m is head:
+                emb_name = next(n for n, mod in model.named_modules() if mod is emb)
+                put(emb_name, PanelEmbedding(emb, model.get_output_embeddings()))
+                note = "; the tied LM head and the embedding share its panels"
+            elif tied and m is head:
+                note = "; the tied LM head on its shared dense weight"
+    note = (f", as {len(linears) - len(fused) + len(groups)} GEMMs (q/k/v and gate/up fused)" if groups else "") + note
+    return _said(f"{layout.name} ({len(linears)} linears, {str(p.dtype).removeprefix('torch.')}){note}", packed_q)
+
+
+def layout_choice(layout: Layout) -> str:
+    return "panels" if layout is PANELS else "onednn"
 
 
 def _said(what: str, packed_q: int) -> str:
