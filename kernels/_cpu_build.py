@@ -11,7 +11,13 @@ worker's one team (docs/engine.md).
 
 from __future__ import annotations
 
+import logging
+import os
+import threading
+
 import torch
+
+log = logging.getLogger("svrmad_local")
 
 ISA_FLAGS = {"avx2": ["-mavx2", "-mfma"], "avx512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl",
                                                     "-mavx512dq"]}
@@ -30,3 +36,48 @@ def build(name: str, source: str, functions: list[str]):
     return load_inline(name=f"{name}_{isa()}", cpp_sources=[source], functions=functions,
                        extra_cflags=["-O3", "-fopenmp-simd", *omp, *ISA_FLAGS.get(isa(), [])], extra_ldflags=omp,
                        verbose=False)
+
+
+class Kernel:
+    """One compiled kernel module, built on first use by any thread, once; a failed build is
+    remembered with its reason (said once at info level) and the caller keeps its fallback path.
+    `env_off`: an environment variable that, set to 0, turns the kernel off."""
+
+    def __init__(self, name: str, source: str, functions: list[str], env_off: str, what: str,
+                 needs_avx2: bool = False):
+        self.name, self.source, self.functions = name, source, functions
+        self.env_off, self.what, self.needs_avx2 = env_off, what, needs_avx2
+        self._lock = threading.Lock()
+        self._module = None
+        self.error: str | None = None
+
+    def load(self):
+        with self._lock:
+            if self._module is None and self.error is None:
+                if self.needs_avx2 and isa() not in ("avx2", "avx512"):
+                    self.error = f"this CPU has no AVX2/FMA (torch sees {isa()})"
+                else:
+                    try:
+                        self._module = build(self.name, self.source, self.functions)
+                    except Exception as exc:  # no compiler, no ninja, a read-only cache...
+                        self.error = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+                if self.error:
+                    log.info("%s unavailable (%s)", self.what, self.error)
+        return self._module
+
+    def off(self) -> bool:
+        return os.environ.get(self.env_off, "1") == "0"
+
+    def available(self) -> bool:
+        """Compiles on first call (seconds; cached across processes)."""
+        return not self.off() and self.load() is not None
+
+    def unavailable_reason(self) -> str | None:
+        return f"{self.env_off}=0" if self.off() else self.error
+
+    def module(self):
+        """The compiled module, or a RuntimeError saying why there is none."""
+        mod = self.load()
+        if mod is None:
+            raise RuntimeError(f"the {self.what} could not be built: {self.error}")
+        return mod

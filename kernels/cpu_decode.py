@@ -20,15 +20,9 @@ the engine keeps the gather + SDPA path, saying why once.
 
 from __future__ import annotations
 
-import logging
-import os
-import threading
-
 import torch
 
-from ._cpu_build import build
-
-log = logging.getLogger("svrmad_local")
+from ._cpu_build import Kernel
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -254,32 +248,17 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, to
 }
 """
 
-_lock = threading.Lock()
-_module = None
-_error: str | None = None
-
-
-def _load():
-    global _module, _error
-    with _lock:
-        if _module is None and _error is None:
-            try:
-                _module = build("svrmad_cpu_decode_v3", _SOURCE, ["paged_decode"])
-            except Exception as exc:  # no compiler, no ninja, a read-only cache...
-                _error = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
-                log.info("CPU paged decode kernel unavailable (%s); decode attention gathers the context", _error)
-    return _module
+_KERNEL = Kernel("svrmad_cpu_decode_v3", _SOURCE, ["paged_decode"], "SVRMAD_CPU_DECODE", "CPU paged decode kernel")
 
 
 def available() -> bool:
-    """Compiles on first call (seconds; cached across processes). SVRMAD_CPU_DECODE=0 turns it off."""
-    if os.environ.get("SVRMAD_CPU_DECODE", "1") == "0":
-        return False
-    return _load() is not None
+    """Compiles on first call (seconds; cached across processes). SVRMAD_CPU_DECODE=0 turns it off;
+    without it decode attention gathers the context for SDPA."""
+    return _KERNEL.available()
 
 
 def unavailable_reason() -> str | None:
-    return _error
+    return _KERNEL.unavailable_reason()
 
 
 def paged_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
@@ -288,8 +267,5 @@ def paged_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """q [B, H, D] (one query per sequence, at position context_len - 1), k_cache/v_cache [slots, KVH, D]
     flat slots of the paged cache, block_table [B, max_blocks], context_lens [B] (keys, the query's own
     included). Returns [B, H, Dv]; the query sees keys p > L - 1 - window."""
-    mod = _load()
-    if mod is None:
-        raise RuntimeError(f"the CPU paged decode kernel could not be built: {_error}")
-    return mod.paged_decode(q.contiguous(), k_cache, v_cache, block_table, context_lens, block_size, float(scale),
+    return _KERNEL.module().paged_decode(q.contiguous(), k_cache, v_cache, block_table, context_lens, block_size, float(scale),
                             -1 if window is None else int(window), sinks)

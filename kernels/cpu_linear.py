@@ -21,15 +21,9 @@ library, free to change its blocking by machine and version.
 
 from __future__ import annotations
 
-import logging
-import os
-import threading
-
 import torch
 
-from ._cpu_build import build, isa
-
-log = logging.getLogger("svrmad_local")
+from ._cpu_build import Kernel
 
 NR = 16  # columns a panel
 KBLOCK = 1024
@@ -119,38 +113,17 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t n, c10
 }
 """
 
-_lock = threading.Lock()
-_module = None
-_error: str | None = None
-
-
-def _load():
-    global _module, _error
-    with _lock:
-        if _module is None and _error is None:
-            if isa() not in ("avx2", "avx512"):
-                _error = f"this CPU has no AVX2/FMA (torch sees {isa()})"
-            else:
-                try:
-                    _module = build("svrmad_cpu_linear_v1", _SOURCE, ["panel_linear"])
-                except Exception as exc:  # no compiler, no ninja, a read-only cache...
-                    _error = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
-            if _error:
-                log.info("panel linear kernel unavailable (%s)", _error)
-    return _module
+_KERNEL = Kernel("svrmad_cpu_linear_v1", _SOURCE, ["panel_linear"], "SVRMAD_CPU_LINEAR", "panel linear kernel",
+                 needs_avx2=True)
 
 
 def available() -> bool:
     """Compiles on first call (seconds; cached across processes). SVRMAD_CPU_LINEAR=0 turns it off."""
-    if os.environ.get("SVRMAD_CPU_LINEAR", "1") == "0":
-        return False
-    return _load() is not None
+    return _KERNEL.available()
 
 
 def unavailable_reason() -> str | None:
-    if os.environ.get("SVRMAD_CPU_LINEAR", "1") == "0":
-        return "SVRMAD_CPU_LINEAR=0"
-    return _error
+    return _KERNEL.unavailable_reason()
 
 
 def pack(w: torch.Tensor) -> torch.Tensor:
@@ -175,8 +148,5 @@ def rows_of(panels: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ W[:n].T + bias, W held as `panels` (see pack)."""
-    mod = _load()
-    if mod is None:
-        raise RuntimeError(f"the panel linear kernel could not be built: {_error}")
     lead = x.shape[:-1]
-    return mod.panel_linear(x.reshape(-1, x.shape[-1]), panels, n, bias, KBLOCK).view(*lead, n)
+    return _KERNEL.module().panel_linear(x.reshape(-1, x.shape[-1]), panels, n, bias, KBLOCK).view(*lead, n)

@@ -297,8 +297,9 @@ def select_linear(model: nn.Module, choice: str = "auto", fuse: bool = True) -> 
         for i, (name, m) in enumerate(g):
             put(name, FusedPart(group, i, m))
     # a tied head is packed only where the embedding can read its rows from the packed matrix: the
-    # panels of a plain nn.Embedding (Gemma's scaled embedding and oneDNN's opaque layout cannot)
-    shared = tied and layout is PANELS and type(emb) is nn.Embedding
+    # panels of a plain nn.Embedding (Gemma's scaled embedding, a max_norm that rewrites rows, and
+    # oneDNN's opaque layout cannot)
+    shared = tied and layout is PANELS and type(emb) is nn.Embedding and emb.max_norm is None
     note = ""
     for name, m in linears:
         if name not in fused:
