@@ -76,8 +76,9 @@ class Kernel:
         return f"{self.env_off}=0" if self.off() else self.error
 
     def module(self):
-        """The compiled module, or a RuntimeError saying why there is none."""
-        mod = self.load()
+        """The compiled module, or a RuntimeError saying why there is none (no lock once built: every
+        linear of every step comes through here)."""
+        mod = self._module or self.load()
         if mod is None:
             raise RuntimeError(f"the {self.what} could not be built: {self.error}")
         return mod

@@ -52,6 +52,7 @@ class Layout:
     (`mm(x, packed, bias, N)`) and how it comes back dense (`unpack(packed, N)`)."""
 
     name: str
+    choice: str  # its EngineConfig.linear value
     pack: Callable
     mm: Callable
     unpack: Callable
@@ -61,8 +62,8 @@ def _onednn_mm(x, w, bias, n):
     return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
 
 
-ONEDNN = Layout("oneDNN packed", lambda w: _reorder(w, BATCH_HINT), _onednn_mm, lambda w, n: w.to_dense())
-PANELS = Layout("panels", lambda w: cpu_linear.pack(w), lambda x, w, bias, n: cpu_linear.linear(x, w, n, bias),
+ONEDNN = Layout("oneDNN packed", "onednn", lambda w: _reorder(w, BATCH_HINT), _onednn_mm, lambda w, n: w.to_dense())
+PANELS = Layout("panels", "panels", lambda w: cpu_linear.pack(w), lambda x, w, bias, n: cpu_linear.linear(x, w, n, bias),
                 cpu_linear.unpack)
 
 
@@ -264,7 +265,7 @@ def select_linear(model: nn.Module, choice: str = "auto", fuse: bool = True) -> 
     done = [m for m in model.modules() if isinstance(m, (PackedLinear, FusedPart))]
     if done:  # an earlier engine on this model packed it (packing is in place and one-way)
         layout = done[0].group.layout if isinstance(done[0], FusedPart) else done[0].layout
-        if choice not in ("auto", layout_choice(layout)):
+        if choice not in ("auto", layout.choice):
             raise ValueError(f"linear={choice!r}: this model's linears were packed as {layout.name} by an earlier "
                              f"engine; load the model again to run them another way")
         return _said(f"{layout.name} ({len(done)} linears, packed by an earlier engine)", packed_q)
@@ -312,10 +313,6 @@ def select_linear(model: nn.Module, choice: str = "auto", fuse: bool = True) -> 
                 note = "; the tied LM head on its shared dense weight"
     note = (f", as {len(linears) - len(fused) + len(groups)} GEMMs (q/k/v and gate/up fused)" if groups else "") + note
     return _said(f"{layout.name} ({len(linears)} linears, {str(p.dtype).removeprefix('torch.')}){note}", packed_q)
-
-
-def layout_choice(layout: Layout) -> str:
-    return "panels" if layout is PANELS else "onednn"
 
 
 def _said(what: str, packed_q: int) -> str:
