@@ -78,7 +78,7 @@ def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
 class HostOps:
     """Counts the torch ops a decode step dispatches (a TorchDispatchMode on the engine's worker thread):
     `engine` outside the model body's forward (the step's views, sampling, statistics), `model` inside
-    it (transformers' modules and our attention). On a GPU each is a kernel launch or more of host time."""
+    it (transformers' modules or the lean forward, and our attention). On a GPU each is a kernel launch or more of host time."""
 
     def __init__(self, engine: Engine):
         from torch.utils._python_dispatch import TorchDispatchMode
@@ -95,6 +95,17 @@ class HostOps:
         body = engine.model.base_model
         body.register_forward_pre_hook(lambda *a: setattr(self, "inside", self.inside + 1))
         body.register_forward_hook(lambda *a: setattr(self, "inside", self.inside - 1))
+        lean = engine.runner.lean
+        if lean is not None:  # the lean forward (engine/lean.py) stands in for the body's
+
+            def counted_lean(ids, pos):
+                self.inside += 1
+                try:
+                    return lean(ids, pos)
+                finally:
+                    self.inside -= 1
+
+            engine.runner.lean = counted_lean
         step, schedule = engine._step, engine.scheduler.schedule
         shape = []
 

@@ -28,13 +28,13 @@ def isa() -> str:
     return torch.backends.cpu.get_cpu_capability().lower()
 
 
-def build(name: str, source: str, functions: list[str]):
+def build(name: str, source: str, functions: list[str], extra_cflags: tuple[str, ...] = ()):
     """The compiled module `{name}_{isa}`; raises whatever the toolchain raises (no compiler, no ninja...)."""
     from torch.utils.cpp_extension import load_inline
 
     omp = ["-fopenmp"] if torch.backends.openmp.is_available() else []
     return load_inline(name=f"{name}_{isa()}", cpp_sources=[source], functions=functions,
-                       extra_cflags=["-O3", "-fopenmp-simd", *omp, *ISA_FLAGS.get(isa(), [])], extra_ldflags=omp,
+                       extra_cflags=["-O3", "-fopenmp-simd", *omp, *ISA_FLAGS.get(isa(), []), *extra_cflags], extra_ldflags=omp,
                        verbose=False)
 
 
@@ -44,8 +44,8 @@ class Kernel:
     `env_off`: an environment variable that, set to 0, turns the kernel off."""
 
     def __init__(self, name: str, source: str, functions: list[str], env_off: str, what: str,
-                 needs_avx2: bool = False):
-        self.name, self.source, self.functions = name, source, functions
+                 needs_avx2: bool = False, extra_cflags: tuple[str, ...] = ()):
+        self.name, self.source, self.functions, self.extra_cflags = name, source, functions, tuple(extra_cflags)
         self.env_off, self.what, self.needs_avx2 = env_off, what, needs_avx2
         self._lock = threading.Lock()
         self._module = None
@@ -58,7 +58,7 @@ class Kernel:
                     self.error = f"this CPU has no AVX2/FMA (torch sees {isa()})"
                 else:
                     try:
-                        self._module = build(self.name, self.source, self.functions)
+                        self._module = build(self.name, self.source, self.functions, self.extra_cflags)
                     except Exception as exc:  # no compiler, no ninja, a read-only cache...
                         self.error = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
                 if self.error:

@@ -22,6 +22,7 @@ from svrmad_local.models.linear import select_linear, weight_bytes
 
 from .attention import Attachment
 from .kv_cache import BlockManager, KVCache
+from .lean import select_decoder
 from .memory import keep_freed_memory, kv_budget, parse_memory  # noqa: F401  (parse_memory: public)
 from .params import SamplingParams
 from .runner import ModelRunner
@@ -48,6 +49,10 @@ class EngineConfig:
     packs fp32 weights into our kernel's panels on the CPU (else oneDNN's layout, else F.linear) and says
     why not where it cannot; the packing is done in place, once.
 
+    decoder: "auto" | "lean" | "modules", how the layers run (engine/lean.py): "auto" takes the lean
+    forward (fused norms, RoPE and cache writes; bitwise the modules' computation with those norms) for
+    fp32 Llama/Mistral/Qwen2/Qwen3 on the CPU, else the model's own modules, saying why.
+
     mla: "absorbed" (decode rows of multi-head latent attention read the cached latent, engine/mla.py) |
     "expanded" (transformers' own expansion of the whole context at every step, the reference)."""
 
@@ -59,6 +64,7 @@ class EngineConfig:
     kernel_impl: str = "auto"
     cascade: str = "auto"
     linear: str = "auto"
+    decoder: str = "auto"
     mla: str = "absorbed"
     score_chunk: int = 1024
     signals: SignalConfig = field(default_factory=SignalConfig)
@@ -149,6 +155,9 @@ class Engine:
         self.cache = KVCache(num_blocks, cfg.block_size, spec.layers, devices, spec.dtype)
         self.runner = ModelRunner(model, attached, self.cache, spec, cfg.block_size, cfg.attention, cfg.cascade,
                                   cfg.kernel_impl, cfg.mla)
+        self.decoder_path = "the model's modules (tensor parallel)"
+        if not self.sharded:
+            self.runner.lean, self.decoder_path = select_decoder(model, spec, cfg.decoder)
         self.rank = 0
         if self.sharded:  # tensor parallel: rank 0 runs the engine, the others follow its steps
             import torch.distributed as dist
@@ -176,6 +185,7 @@ class Engine:
         return {
             "attention": self.runner.attention_path,
             "linear": self.linear_path,
+            "decoder": self.decoder_path,
             "weight_bytes": self.weight_bytes,
             "stats": self._stats_path(),
             "block_size": self.cfg.block_size,

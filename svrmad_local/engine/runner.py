@@ -82,6 +82,7 @@ class ModelRunner:
         # the Triton path reads the levels' block tables on the host (cascade_plan moves them once a step)
         self.levels_device = self.device if cascade_impl == "torch" else torch.device("cpu")
         self.paged_kv = PagedKV()
+        self.lean = None  # engine.lean.LeanDecoder where it applies (set by the engine)
         self.tp = None  # set by engine.tp for tensor parallelism: sends each step to the other ranks
 
     def prepare(self, batch: Batch) -> StepInput:
@@ -149,17 +150,14 @@ class ModelRunner:
                                               self.levels_device)
             ctx.decode_pos = torch.tensor([e - 1 for _, e, _ in decode], device=dev)
         set_context(ctx)
+        ids, pos = torch.tensor([step.ids], device=dev), torch.tensor([pos], device=dev)
         try:
             with self.attached():
-                out = self.body(
-                    input_ids=torch.tensor([step.ids], device=dev),
-                    position_ids=torch.tensor([pos], device=dev),
-                    cache=self.paged_kv,
-                    use_cache=False,
-                )
+                if self.lean is not None:
+                    return self.lean(ids, pos)
+                return self.body(input_ids=ids, position_ids=pos, cache=self.paged_kv, use_cache=False).last_hidden_state[0]
         finally:
             set_context(None)
-        return out.last_hidden_state[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits of the raw distribution for a few rows."""
