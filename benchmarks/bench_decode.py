@@ -1,7 +1,8 @@
 """Decode tokens/s of our engine at batch 1, 8 and 32, next to this machine's weight-streaming limit.
 
     python benchmarks/bench_decode.py [--model PATH] [--dtype fp32|bf16] [--batches 1,8,32]
-        [--prompt-tokens 32] [--new-tokens 128] [--greedy] [--vllm-python PATH [--vllm-dtype D]]
+        [--prompt-tokens 32] [--new-tokens 128] [--greedy] [--engine decoder=modules,...]
+        [--vllm-python PATH [--vllm-dtype D]]
 
 Each batch size B runs twice on fresh random prompts (distinct, so no prefix reuse): once with
 1 new token (prefill + first sample) and once with 1 + new_tokens; decode tokens/s is
@@ -27,6 +28,7 @@ import time
 
 import torch
 
+from bench_engine import engine_overrides
 from bench_vs_vllm import VLLM_DTYPES, VllmWorker, vllm_settings, vllm_unavailable
 from svrmad_local.engine.engine import Engine, EngineConfig
 from svrmad_local.engine.params import SamplingParams
@@ -178,6 +180,7 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--greedy", action="store_true")
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--engine", help="EngineConfig overrides for our engine, e.g. decoder=modules or linear=onednn")
     ap.add_argument("--vllm-python", help="also run vLLM (see bench_vs_vllm.py)")
     ap.add_argument("--vllm-dtype", choices=["float32", "bfloat16"], help="default: the same as --dtype")
     ap.add_argument("--host-ops", action="store_true",
@@ -201,7 +204,9 @@ def main() -> int:
     lm = load_model(model_path, dtype=args.dtype)
     dtype = next(lm.model.parameters()).dtype
     vocab = lm.model.get_output_embeddings().out_features
-    engine = Engine(lm.model, lm.tokenizer, EngineConfig(block_size=args.block_size, max_num_seqs=max(batches)))
+    engine = Engine(lm.model, lm.tokenizer, EngineConfig(**{"block_size": args.block_size, "max_num_seqs": max(batches),
+                                                            **engine_overrides(args.engine)}))
+    print(f"engine: {engine.info['decoder']}; linear {engine.info['linear']}; {engine.info['attention']} attention")
 
     def engine_generate(prompts, params):
         outs = engine.generate_sync(prompts, [SamplingParams(**p) for p in params])
@@ -230,7 +235,8 @@ def main() -> int:
         rows.append(row)
         print(f"batch {B:3d}: engine {tps:7.1f} tok/s   weight-streaming limit {limit:7.1f} tok/s ({tps / limit:.0%} of it)"
               f"   the step's matmuls alone {gemm:7.1f} tok/s ({tps / gemm:.0%} of it)")
-    result = {"dtype": args.dtype, "bandwidth_gb_s": round(bw / 1e9, 2), "weight_bytes_per_step": w_bytes,
+    result = {"dtype": args.dtype, "engine": args.engine or "", "decoder": engine.info["decoder"],
+              "bandwidth_gb_s": round(bw / 1e9, 2), "weight_bytes_per_step": w_bytes,
               "kv_bytes_per_token": kv_tok, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
               "greedy": args.greedy, "rows": rows}
     if not why_not:
