@@ -22,7 +22,10 @@ run starts from an empty prefix cache (a fresh Engine; vLLM's reset_prefix_cache
 wall time of both phases seen from here (IPC and the debate prompt building included, as they are
 for ours). With --repeat N (default 3) each side runs N times, alternating which goes first (engine
 then vLLM, vLLM then engine, ...), so a load that drifts over the run hits both alike; the ratio is
-of the medians. On a shared machine, still compare only runs taken side by side.
+of the medians. Each timed run starts after --settle seconds (default 2) of quiet: measured on
+2026-11-25, vLLM's worker process keeps a core ~100% busy for about a second after a generate,
+which made the engine's OpenMP threads sleep at their barriers (~170 times a step) and its run ~8%
+slower when it went next. On a shared machine, still compare only runs taken side by side.
 
 Prints both times, the ratio (vLLM time / engine time, > 1: our engine is faster), prompt tokens
 computed by each against the unique-prefix lower bound of its own run, generated tokens (checked
@@ -234,7 +237,12 @@ def main() -> int:
                                           "of the model (before/after in one run), e.g. linear=aten,attention=sdpa")
     ap.add_argument("--vllm-preload", choices=["auto", "none"], default="auto",
                     help="auto: LD_PRELOAD tcmalloc and the venv's libiomp5 for vLLM, as its CPU docs recommend")
+    ap.add_argument("--settle", type=float, default=2.0,
+                    help="seconds of quiet before each timed run: vLLM's worker keeps a core busy for about a "
+                         "second after a generate, which would slow whichever side runs next")
     args = ap.parse_args()
+    if args.settle < 0:
+        raise SystemExit(f"--settle must be >= 0, got {args.settle}")
     if args.repeat < 1:
         raise SystemExit(f"--repeat must be >= 1, got {args.repeat}")
 
@@ -260,6 +268,7 @@ def main() -> int:
             warm_up_vllm(worker)
         for r in range(args.repeat):
             for side in ("engine", "vllm") if r % 2 == 0 else ("vllm", "engine"):
+                time.sleep(args.settle)  # the side that ran last stops spinning before the next is timed
                 if side == "engine":
                     eng.append(engine_once(lm, wl, args.block_size, ours))
                     if before is not None:

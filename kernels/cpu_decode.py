@@ -14,7 +14,9 @@ row of all heads as one contiguous run, and the heads of one KV group share each
 copying heads); one table lookup per block. At 11 sequences x 1,000 tokens of the default's shape
 this took a layer's decode attention from 6.3 ms to 2.4 ms on a 2-core AVX2 EPYC, and the fp32 AVX2
 inner loops below (eight keys a reduction, vectorised exponentials, accumulators in registers) to
-1.9 ms. Sliding windows and GPT-OSS sinks are applied exactly as the torch reference does. Where no compiler is found, `available()` is False and
+1.9 ms. The scattered blocks defeat the hardware's stream prefetch at every block edge, so the fp32
+loops prefetch the rows two blocks ahead into L2 (2-core AVX-512 EPYC, 30 layers' caches, so nothing
+stays in cache: 12 x 1,000 tokens 1.3 -> 0.9 ms a layer, 8 x 2,000 1.8 -> 1.25, 2 x 1,000 2x). Sliding windows and GPT-OSS sinks are applied exactly as the torch reference does. Where no compiler is found, `available()` is False and
 the engine keeps the gather + SDPA path, saying why once.
 """
 
@@ -36,6 +38,8 @@ _SOURCE = r"""
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
+
+constexpr int64_t PF_AHEAD = 2;  // blocks ahead that prefetch_rows reads
 
 #if defined(__AVX2__) && defined(__FMA__)
 // the sum of a vector's eight lanes
@@ -140,6 +144,15 @@ static inline void dots8(const float* q, const float* rows, int64_t stride, int6
   for (int64_t j = 0; j < cnt; ++j) out[j] = dotf(q, rows + j * stride, D) * scale;
 }
 
+// pulls `rows` rows of `bytes` each, `stride` bytes apart, towards L2 (the rows of a block PF_AHEAD on,
+// while this one computes: a block table scatters a context, so the hardware's prefetch stops at every
+// block edge)
+static inline void prefetch_rows(const void* base, int64_t rows, int64_t stride, int64_t bytes) {
+  const char* p = static_cast<const char*>(base);
+  for (int64_t r = 0; r < rows; ++r, p += stride)
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, 2);
+}
+
 // a row as floats: itself when T is float, else converted into `buf`
 template <typename T>
 static inline const float* as_float(const T* row, float* buf, int64_t D) {
@@ -172,6 +185,9 @@ static void run(const T* q, const T* k, const T* v, const int64_t* table, const 
           for (int64_t p = std::max(p0, start), e = std::min(p0 + bs, L); p < e; p += 8) {
             const int64_t cnt = std::min<int64_t>(8, e - p), t = p - start;
             const float* rows = kb + ((p - p0) * KVH + g0) * D;
+            if (p0 + PF_AHEAD * bs < L)
+              prefetch_rows(k + ((table[b * maxb + p0 / bs + PF_AHEAD] * bs + (p - p0)) * KVH + g0) * D, cnt,
+                            KVH * D * sizeof(float), per * D * sizeof(float));
             for (int64_t h = 0; h < NH; ++h)
               dots8(qf.data() + h * D, rows + (h / G) * D, KVH * D, cnt, D, scale, scores.data() + h * n + t);
           }
@@ -200,6 +216,9 @@ static void run(const T* q, const T* k, const T* v, const int64_t* table, const 
             const int64_t p1 = std::max(p0, start), e = std::min(p0 + bs, L);
             for (int64_t h = 0; h < NH; ++h) {
               float* a = acc.data() + h * Dv;
+              if (h % G == 0 && p0 + PF_AHEAD * bs < L)
+                prefetch_rows(v + ((table[b * maxb + p0 / bs + PF_AHEAD] * bs + (p1 - p0)) * KVH + g0 + h / G) * Dv,
+                              e - p1, KVH * Dv * sizeof(float), Dv * sizeof(float));
               __m256 r[8];
               for (int j = 0; j < 8; ++j) r[j] = _mm256_loadu_ps(a + 8 * j);
               const float* w = scores.data() + h * n - start;
@@ -248,7 +267,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, to
 }
 """
 
-_KERNEL = Kernel("svrmad_cpu_decode_v3", _SOURCE, ["paged_decode"], "SVRMAD_CPU_DECODE", "CPU paged decode kernel")
+_KERNEL = Kernel("svrmad_cpu_decode_v4", _SOURCE, ["paged_decode"], "SVRMAD_CPU_DECODE", "CPU paged decode kernel")
 
 
 def available() -> bool:
