@@ -299,13 +299,18 @@ def test_public_api_from_pretrained_text_and_chat_prompts(tmp_path, tiny_model, 
 
 
 def test_prefill_runs_of_one_step_share_one_padded_attention_call():
-    """Similar prefill runs go in one call (padded), a long one beside short ones alone."""
+    """Similar prefill runs go in one call (padded), a long one beside short ones alone; on the CPU,
+    without a window, runs that continue a cached context go alone (prefix + causal square)."""
     from svrmad_local.engine.attention import Span, _view
 
     def span(row0, qn, L):
         return Span(row0, row0 + qn, torch.arange(100, 100 + L))
 
-    v = _view([span(0, 1, 9), span(1, 5, 12), span(6, 6, 6), span(12, 4, 10)], 1, window=None)
+    runs = [span(0, 1, 9), span(1, 5, 12), span(6, 6, 6), span(12, 4, 10)]
+    alone = _view(runs, 1, window=None)
+    assert alone.prefill is None and [p[:2] for p in alone.prefills] == [(1, 6), (6, 12), (12, 16)]
+    assert alone.prefills[1][3] is None and alone.prefills[0][3].shape == (5, 12)  # plain causal / prefix
+    v = _view(runs, 1, window=100)  # a window wider than every run: the same keys, padded together
     assert v.decode.index.shape == (1, 9) and v.prefills == []
     assert v.prefill.q_rows.shape == (3, 6) and v.prefill.dest.tolist() == list(range(1, 16))
     # run 1: 5 queries at positions 7..11 over 12 keys, bottom-right causal
@@ -313,8 +318,28 @@ def test_prefill_runs_of_one_step_share_one_padded_attention_call():
     assert v.prefill.mask[0, 0, 5].tolist() == [True] + [False] * 11  # a padding row sees one key
     w = _view([span(0, 5, 12), span(5, 6, 6)], 0, window=3)  # windows trim the keys per run
     assert w.prefill.index[0, :7].tolist() == list(range(105, 112))
-    lone = _view([span(0, 200, 200), span(200, 2, 30), span(202, 2, 30), span(204, 2, 30)], 0, window=None)
+    lone = _view([span(0, 200, 200), span(200, 2, 30), span(202, 2, 30), span(204, 2, 30)], 0, window=100)
     assert lone.prefill is None and [p[:2] for p in lone.prefills] == [(0, 200), (200, 202), (202, 204), (204, 206)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefix_plus_causal_square_equals_the_masked_call(dtype):
+    """Two unmasked flash calls merged by their log-sum-exps = one call with the bottom-right causal
+    mask, within the dtype's rounding (float64 reference), GQA included."""
+    import torch.nn.functional as F
+
+    from svrmad_local.engine.attention import _prefix_causal
+
+    g = torch.Generator().manual_seed(0)
+    for H, KVH, qn, prefix in [(9, 3, 5, 7), (4, 4, 16, 1), (6, 2, 33, 100)]:
+        q = torch.randn(1, H, qn, 64, generator=g).to(dtype)
+        k, v = (torch.randn(1, KVH, prefix + qn, 64, generator=g).to(dtype) for _ in range(2))
+        mask = torch.ones(qn, prefix + qn, dtype=torch.bool).tril(prefix)
+        ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask, scale=0.125,
+                                             enable_gqa=True)
+        out = _prefix_causal(q, k, v, prefix, 0.125)
+        assert out.dtype == dtype and out.shape == ref.shape
+        assert (out.double() - ref).abs().max() < (2e-6 if dtype == torch.float32 else 2e-2)
 
 
 def test_every_forward_of_the_engine_runs_on_its_one_worker_thread(tiny_model):

@@ -136,10 +136,14 @@ def _pad(runs: list[Span], window: int | None) -> Padded:
 
 
 def _view(runs: list[Span], nd: int, window: int | None, pad_decode: bool = True) -> View:
-    """Keys under `window` for every run of the step (the decode rows' only if `pad_decode`)."""
+    """Keys under `window` for every run of the step (the decode rows' only if `pad_decode`). On the
+    CPU, prefill runs that continue a cached context are never padded together: each is attended as
+    its prefix plus a causal square (`_prefix_causal`), which a padded masked call cannot do."""
     decode = _pad(runs[:nd], window) if nd and pad_decode else None
     rest = runs[nd:]
-    if len(rest) > 1:  # one call for all prefill runs, unless padding would more than double the work
+    split = window is None and any(r.index.shape[0] > r.row1 - r.row0 for r in rest) \
+        and rest[0].index.device.type == "cpu"
+    if len(rest) > 1 and not split:  # one call for all prefill runs, unless padding would more than double the work
         qmax = max(r.row1 - r.row0 for r in rest)
         lmax = max(r.index.shape[0] for r in rest)
         real = sum((r.row1 - r.row0) * r.index.shape[0] for r in rest)
@@ -260,6 +264,18 @@ def _sdpa(q, k, v, mask, scale, sinks, causal=False):
     return apply_sinks(out.transpose(1, 2), lse.transpose(1, 2), sinks)[0].transpose(1, 2)
 
 
+def _prefix_causal(q, k, v, prefix: int, scale):
+    """A prefill run over `prefix` cached keys and then its own, on the CPU: the queries see every cached
+    key and their own causally, so two unmasked flash calls (the second causal) merged by their
+    log-sum-exps compute what one call with a [qn, L] mask does, without building that mask or
+    computing the masked half of the square. q [1, H, qn, D], k/v [1, KVH, prefix + qn, D]."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    o1, l1 = flash(q, k[:, :, :prefix], v[:, :, :prefix], 0.0, False, scale=scale)
+    o2, l2 = flash(q, k[:, :, prefix:], v[:, :, prefix:], 0.0, True, scale=scale)
+    w = torch.sigmoid(l1 - l2).unsqueeze(-1)  # the prefix's share of each query's softmax mass
+    return (o2.float() + (o1.float() - o2.float()) * w).to(q.dtype)
+
+
 class Attachment:
     """Switches a model's attention to `paged_attention` for the engine's own forwards only: outside
     them the model keeps its own implementation (eager for GPT-OSS, SDPA with its sliding-window
@@ -333,7 +349,10 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
         k, v = _gather(ctx, kc, vc, layer, index, spec.kind)
         k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D]
         qp = q[row0:row1].transpose(0, 1).unsqueeze(0)  # [1, H, qn, D]
-        o = _sdpa(qp, k, v, mask, scaling, sinks, causal=True)
+        if mask is not None and spec.window is None and sinks is None and spec.kind == "kv" and not q.is_cuda:
+            o = _prefix_causal(qp, k, v, k.shape[2] - (row1 - row0), scaling)
+        else:
+            o = _sdpa(qp, k, v, mask, scaling, sinks, causal=True)
         out[row0:row1] = o[0].transpose(0, 1)
     return out.unsqueeze(0), None
 
