@@ -8,9 +8,10 @@ stays in cache), ms per step: M=1 39.0 -> 24.8, M=4 47.3 -> 30.3, M=8 61.5 -> 43
 M=64 272 -> 243, M=512 1509 -> 1553 (benchmarks/bench_linear.py).
 
 With 2-64 rows the FMAs pace the loads so slowly that the hardware's prefetch left the stream well
-under the machine's bandwidth; the first row tile of a pass prefetches 64 k's (4 KB) ahead. On a 2-core
-AVX-512 EPYC (11-25, the same step, ms): M=4 20.9 -> 17.2, M=8 28.8 -> 22.6, M=12 32.8 -> 25.1, M=24
-47.2 -> 38.4, M=64 96.9 -> 88.8, M=512 717 -> 692; M=1 prefetches nothing (it streams at bandwidth).
+under the machine's bandwidth; the first row tile of a pass prefetches 64 k's (4 KB) ahead, and the last
+of several tiles the next panel. On a 2-core AVX-512 EPYC (11-25, the same step, ms): M=4 20.9 -> 17.2,
+M=8 28.8 -> 22.6, M=12 32.8 -> 21.9, M=24 47.2 -> 34.0, M=64 96.9 -> 85.0, M=512 717 -> 683; M=1
+prefetches nothing (it streams at bandwidth).
 
 The layout: weight W [N, K] as panels [ceil(N / 16), K, 16], panel p holding columns 16p..16p+15 of
 W^T (zero-padded past N): each panel is one contiguous run, read once per block of input rows. The
@@ -42,13 +43,16 @@ _SOURCE = r"""
 constexpr int NR = 16;   // output columns a panel: two AVX2 vectors
 constexpr int MR = 6;    // input rows a micro-kernel call: 12 accumulators
 constexpr int64_t MC = 96;  // input rows a pass over the weights (their rows stay in L2 meanwhile)
-// k's ahead that the first row tile of a pass prefetches (4 KB): with 2-6 rows a k the FMAs pace the
-// loads so slowly that the hardware's prefetch alone left the stream at ~19 GB/s of the machine's ~33
+// Prefetch, as the rows of a pass walk a panel in tiles: the first tile reads PF_K k's (4 KB) ahead of
+// itself (with 2-6 rows a k, the FMAs pace the loads so slowly that the hardware's prefetch alone left
+// the stream at ~19 GB/s of the machine's ~33); the last of several tiles, which finds its panel in
+// cache, pulls the next panel into L2 meanwhile, so the memory does not idle through it.
+constexpr int PF_NONE = 0, PF_AHEAD = 1, PF_NEXT = 2;
 constexpr int64_t PF_K = 64;
 
 // rows [0, R) of X against one panel: out[r][j] = sum_k X[r][k] * panel[k][j], one FMA chain a
 // KBLOCK of k's, the chains added in order; then the bias
-template <int R, bool PF>
+template <int R, int PF>
 static void micro(const float* X, int64_t K, const float* panel, int64_t kblock, const float* bias, float* Y,
                   int64_t N, int64_t n0, int64_t nv) {
   __m256 tot[R][2];
@@ -57,7 +61,8 @@ static void micro(const float* X, int64_t K, const float* panel, int64_t kblock,
     __m256 acc[R][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t k = kb; k < ke; ++k) {
-      if (PF && R > 1) _mm_prefetch(reinterpret_cast<const char*>(panel + (k + PF_K) * NR), _MM_HINT_T0);
+      if (PF == PF_AHEAD && R > 1) _mm_prefetch(reinterpret_cast<const char*>(panel + (k + PF_K) * NR), _MM_HINT_T0);
+      else if (PF == PF_NEXT) _mm_prefetch(reinterpret_cast<const char*>(panel + (K + k) * NR), _MM_HINT_T1);
       const __m256 w0 = _mm256_loadu_ps(panel + k * NR), w1 = _mm256_loadu_ps(panel + k * NR + 8);
       for (int r = 0; r < R; ++r) {
         const __m256 xb = _mm256_broadcast_ss(X + r * K + k);
@@ -79,7 +84,7 @@ static void micro(const float* X, int64_t K, const float* panel, int64_t kblock,
   }
 }
 
-template <bool PF>
+template <int PF>
 static void rows(int64_t R, const float* X, int64_t K, const float* panel, int64_t kblock, const float* bias,
                  float* Y, int64_t N, int64_t n0, int64_t nv) {
   switch (R) {
@@ -114,8 +119,10 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t n, c10
       for (int64_t p = p0; p < p1; ++p) {
         const int64_t n0 = p * NR, nv = std::min<int64_t>(NR, n - n0);
         if (nv <= 0) continue;
-        for (int64_t m = mc; m < me; m += MR)
-          (m == mc ? rows<true> : rows<false>)(std::min<int64_t>(MR, me - m), X + m * K, K, W + p * K * NR, kblock, B, Y + m * n, n, n0, nv);
+        for (int64_t m = mc; m < me; m += MR) {
+          auto tile = m == mc ? rows<PF_AHEAD> : m + MR >= me ? rows<PF_NEXT> : rows<PF_NONE>;
+          tile(std::min<int64_t>(MR, me - m), X + m * K, K, W + p * K * NR, kblock, B, Y + m * n, n, n0, nv);
+        }
       }
     });
   }
@@ -123,7 +130,7 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t n, c10
 }
 """
 
-_KERNEL = Kernel("svrmad_cpu_linear_v2", _SOURCE, ["panel_linear"], "SVRMAD_CPU_LINEAR", "panel linear kernel",
+_KERNEL = Kernel("svrmad_cpu_linear_v3", _SOURCE, ["panel_linear"], "SVRMAD_CPU_LINEAR", "panel linear kernel",
                  needs_avx2=True)
 
 
