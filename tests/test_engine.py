@@ -310,6 +310,7 @@ def test_prefill_runs_of_one_step_share_one_padded_attention_call():
     alone = _view(runs, 1, window=None)
     assert alone.prefill is None and [p[:2] for p in alone.prefills] == [(1, 6), (6, 12), (12, 16)]
     assert alone.prefills[1][3] is None and alone.prefills[0][3].shape == (5, 12)  # plain causal / prefix
+    assert _view(runs, 1, window=None, latent=True).prefills == []  # latent runs never split: padded as before
     v = _view(runs, 1, window=100)  # a window wider than every run: the same keys, padded together
     assert v.decode.index.shape == (1, 9) and v.prefills == []
     assert v.prefill.q_rows.shape == (3, 6) and v.prefill.dest.tolist() == list(range(1, 16))
@@ -323,21 +324,24 @@ def test_prefill_runs_of_one_step_share_one_padded_attention_call():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prefix_plus_causal_square_equals_the_masked_call(dtype):
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_prefix_plus_causal_square_equals_the_masked_call(dtype, with_sinks):
     """Two unmasked flash calls merged by their log-sum-exps = one call with the bottom-right causal
-    mask, within the dtype's rounding (float64 reference), GQA included."""
-    import torch.nn.functional as F
-
+    mask, within the dtype's rounding (float64 reference), GQA and attention sinks included."""
     from svrmad_local.engine.attention import _prefix_causal
 
     g = torch.Generator().manual_seed(0)
     for H, KVH, qn, prefix in [(9, 3, 5, 7), (4, 4, 16, 1), (6, 2, 33, 100)]:
         q = torch.randn(1, H, qn, 64, generator=g).to(dtype)
         k, v = (torch.randn(1, KVH, prefix + qn, 64, generator=g).to(dtype) for _ in range(2))
+        sinks = torch.randn(H, generator=g) if with_sinks else None
         mask = torch.ones(qn, prefix + qn, dtype=torch.bool).tril(prefix)
-        ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask, scale=0.125,
-                                             enable_gqa=True)
-        out = _prefix_causal(q, k, v, prefix, 0.125)
+        kk, vv = (t.double().repeat_interleave(H // KVH, 1) for t in (k, v))
+        s = (q.double() @ kk.transpose(-1, -2) * 0.125).masked_fill(~mask, float("-inf"))
+        if with_sinks:  # a sink is one more logit per head with no value
+            s = torch.cat([s, sinks.double().view(1, H, 1, 1).expand(1, H, qn, 1)], -1)
+        ref = (torch.softmax(s, -1)[..., : prefix + qn] @ vv)
+        out = _prefix_causal(q, k, v, prefix, 0.125, sinks)
         assert out.dtype == dtype and out.shape == ref.shape
         assert (out.double() - ref).abs().max() < (2e-6 if dtype == torch.float32 else 2e-2)
 

@@ -135,13 +135,13 @@ def _pad(runs: list[Span], window: int | None) -> Padded:
     return Padded(q_rows, index, mask, valid, q_rows.flatten()[picked], picked)
 
 
-def _view(runs: list[Span], nd: int, window: int | None, pad_decode: bool = True) -> View:
+def _view(runs: list[Span], nd: int, window: int | None, pad_decode: bool = True, latent: bool = False) -> View:
     """Keys under `window` for every run of the step (the decode rows' only if `pad_decode`). On the
-    CPU, prefill runs that continue a cached context are never padded together: each is attended as
-    its prefix plus a causal square (`_prefix_causal`), which a padded masked call cannot do."""
+    CPU, per-head K/V prefill runs that continue a cached context are never padded together: each is
+    attended as its prefix plus a causal square (`_prefix_causal`), which a padded masked call cannot do."""
     decode = _pad(runs[:nd], window) if nd and pad_decode else None
     rest = runs[nd:]
-    split = window is None and any(r.index.shape[0] > r.row1 - r.row0 for r in rest) \
+    split = window is None and not latent and any(r.index.shape[0] > r.row1 - r.row0 for r in rest) \
         and rest[0].index.device.type == "cpu"
     if len(rest) > 1 and not split:  # one call for all prefill runs, unless padding would more than double the work
         qmax = max(r.row1 - r.row0 for r in rest)
@@ -187,7 +187,7 @@ class StepContext:
         if key not in self._views:
             nd = 0 if latent and self.mla_absorbed else self.decode_rows  # absorbed: latent_runs are prefills
             self._views[key] = _view(self.latent_runs if latent else self.runs, nd, window,
-                                     pad_decode=latent or self.decode_impl is None)
+                                     pad_decode=latent or self.decode_impl is None, latent=latent)
         return self._views[key]
 
     def on(self, device: torch.device) -> "StepContext":
@@ -264,16 +264,20 @@ def _sdpa(q, k, v, mask, scale, sinks, causal=False):
     return apply_sinks(out.transpose(1, 2), lse.transpose(1, 2), sinks)[0].transpose(1, 2)
 
 
-def _prefix_causal(q, k, v, prefix: int, scale):
+def _prefix_causal(q, k, v, prefix: int, scale, sinks=None):
     """A prefill run over `prefix` cached keys and then its own, on the CPU: the queries see every cached
     key and their own causally, so two unmasked flash calls (the second causal) merged by their
     log-sum-exps compute what one call with a [qn, L] mask does, without building that mask or
-    computing the masked half of the square. q [1, H, qn, D], k/v [1, KVH, prefix + qn, D]."""
+    computing the masked half of the square; sinks join the merged log-sum-exp as in `_sdpa`.
+    q [1, H, qn, D], k/v [1, KVH, prefix + qn, D]."""
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     o1, l1 = flash(q, k[:, :, :prefix], v[:, :, :prefix], 0.0, False, scale=scale)
     o2, l2 = flash(q, k[:, :, prefix:], v[:, :, prefix:], 0.0, True, scale=scale)
     w = torch.sigmoid(l1 - l2).unsqueeze(-1)  # the prefix's share of each query's softmax mass
-    return (o2.float() + (o1.float() - o2.float()) * w).to(q.dtype)
+    out = (o2.float() + (o1.float() - o2.float()) * w).to(q.dtype)
+    if sinks is None:
+        return out
+    return apply_sinks(out.transpose(1, 2), torch.logaddexp(l1, l2).transpose(1, 2), sinks)[0].transpose(1, 2)
 
 
 class Attachment:
@@ -349,8 +353,8 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
         k, v = _gather(ctx, kc, vc, layer, index, spec.kind)
         k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D]
         qp = q[row0:row1].transpose(0, 1).unsqueeze(0)  # [1, H, qn, D]
-        if mask is not None and spec.window is None and sinks is None and spec.kind == "kv" and not q.is_cuda:
-            o = _prefix_causal(qp, k, v, k.shape[2] - (row1 - row0), scaling)
+        if mask is not None and spec.window is None and spec.kind == "kv" and not q.is_cuda:  # a cached prefix
+            o = _prefix_causal(qp, k, v, k.shape[2] - (row1 - row0), scaling, sinks)
         else:
             o = _sdpa(qp, k, v, mask, scaling, sinks, causal=True)
         out[row0:row1] = o[0].transpose(0, 1)
