@@ -135,9 +135,12 @@ class HostOps:
         raise SystemExit(f"no pure decode step of batch {batch} was seen")
 
 
-def host_ops(model, tokenizer, batches: list[int], block_size: int = 16, new_tokens: int = 4) -> list[dict]:
-    """engine_ops and model_ops of one decode step at each batch size (sampled at the paper's settings)."""
-    engine = Engine(model, tokenizer, EngineConfig(block_size=block_size, max_num_seqs=max(batches)))
+def host_ops(model, tokenizer, batches: list[int], block_size: int = 16, new_tokens: int = 4,
+             overrides: dict | None = None) -> list[dict]:
+    """engine_ops and model_ops of one decode step at each batch size (sampled at the paper's settings).
+    A step replayed from a CUDA graph dispatches no model op: its model_ops read 0."""
+    engine = Engine(model, tokenizer, EngineConfig(**{"block_size": block_size, "max_num_seqs": max(batches),
+                                                      **(overrides or {})}))
     counter = HostOps(engine)
     vocab = model.get_output_embeddings().out_features
     gen = torch.Generator().manual_seed(0)
@@ -190,7 +193,7 @@ def main() -> int:
     batches = [int(b) for b in args.batches.split(",")]
     if args.host_ops:
         lm = load_model(str(args.model or ensure_default_model()), dtype=args.dtype)
-        rows = host_ops(lm.model, lm.tokenizer, batches, args.block_size)
+        rows = host_ops(lm.model, lm.tokenizer, batches, args.block_size, overrides=engine_overrides(args.engine))
         if not args.json:
             for r in rows:
                 print(f"batch {r['batch']:3d}: engine_ops {r['engine_ops']:5d}   model_ops {r['model_ops']:6d}")
@@ -206,7 +209,8 @@ def main() -> int:
     vocab = lm.model.get_output_embeddings().out_features
     engine = Engine(lm.model, lm.tokenizer, EngineConfig(**{"block_size": args.block_size, "max_num_seqs": max(batches),
                                                             **engine_overrides(args.engine)}))
-    print(f"engine: {engine.info['decoder']}; linear {engine.info['linear']}; {engine.info['attention']} attention")
+    print(f"engine: {engine.info['decoder']}; linear {engine.info['linear']}; {engine.info['attention']} attention; "
+          f"cuda graphs {engine.info['cuda_graphs']}")
 
     def engine_generate(prompts, params):
         outs = engine.generate_sync(prompts, [SamplingParams(**p) for p in params])

@@ -1,8 +1,9 @@
 """The GPU paths, on a CUDA device (skipped without one; CI has none, a lent GPU runs them):
 
 * every architecture of the zoo token-exact against a cache-free transformers loop on the GPU, through
-  the SDPA path and through the compiled Triton cascade kernels (fp32, TF32 off: exactness is a
-  statement about the same arithmetic, not about reduced-precision matmuls);
+  the SDPA path with CUDA graphs (engine/graphs.py) and without, and through the compiled Triton
+  cascade kernels (fp32, TF32 off: exactness is a statement about the same arithmetic, not about
+  reduced-precision matmuls);
 * the compiled Triton kernels (cascade attention with windows and sinks, merge, token statistics)
   against their torch references on CUDA tensors in fp32, fp16 and bf16.
 
@@ -51,10 +52,10 @@ def zoo(request):
     return request.param, make_zoo_model(request.param).to(CUDA)
 
 
-@pytest.mark.parametrize("path", ["sdpa", "cascade-triton"])
+@pytest.mark.parametrize("path", ["sdpa", "sdpa-no-graphs", "cascade-triton"])
 def test_zoo_is_token_exact_on_the_gpu(zoo, path):
     name, model = zoo
-    kw = dict(kv_cache_memory=8 * 2**20, block_size=4)
+    kw = dict(kv_cache_memory=8 * 2**20, block_size=4, cuda_graphs="off" if path == "sdpa-no-graphs" else "auto")
     if path == "cascade-triton":
         _compiled_triton()
         kw.update(cascade="on", kernel_impl="triton")
@@ -72,6 +73,12 @@ def test_zoo_is_token_exact_on_the_gpu(zoo, path):
     got = eng.score_sync(prompts[3], cont, topk=4)
     rows = full_logprobs(model, prompts[3] + cont)[len(prompts[3]) - 1: len(prompts[3]) + len(cont) - 1]
     assert got.logprobs == pytest.approx([rows[i, t].item() for i, t in enumerate(cont)], abs=1e-4), name
+    if path == "sdpa":  # decode steps replayed from CUDA graphs, unless the model's step returns to the host
+        graphs = eng.info["cuda_graphs"]
+        assert graphs == "on" or graphs.startswith("off: the decode step returns to the host"), (name, graphs)
+        assert graphs != "on" or eng.runner.static.replays > 0, name
+        if name in ("llama", "qwen2", "qwen3", "mistral-sliding", "phi3-sliding", "gemma3", "qwen2-sliding"):
+            assert graphs == "on", (name, graphs)  # dense models capture
 
 
 DTYPES = {"fp32": (torch.float32, 1e-5), "fp16": (torch.float16, 2e-2), "bf16": (torch.bfloat16, 3e-2)}

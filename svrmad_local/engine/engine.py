@@ -9,6 +9,7 @@ future as it finishes. `generate_sync` wraps it for scripts.
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -31,9 +32,11 @@ from .scheduler import RequestTooLarge, Scheduler, Work  # noqa: F401  (RequestT
 from .sequence import Completion, Request, RequestOutput, ScoreOutput, Sequence
 from .threads import BarrierSleepWatch, release_team
 from .spec import inspect_model
-from . import tp
+from . import graphs, tp
 from .stats import SignalConfig, sequence_signals, stats_from_logits
 
+
+log = logging.getLogger("svrmad_local")
 
 Prompt = Union[list[int], str, list[dict]]
 
@@ -54,7 +57,12 @@ class EngineConfig:
     fp32 Llama/Mistral/Qwen2/Qwen3 on the CPU, else the model's own modules, saying why.
 
     mla: "absorbed" (decode rows of multi-head latent attention read the cached latent, engine/mla.py) |
-    "expanded" (transformers' own expansion of the whole context at every step, the reference)."""
+    "expanded" (transformers' own expansion of the whole context at every step, the reference).
+
+    cuda_graphs: "auto" | "on" | "static" | "off" (engine/graphs.py): decode-only steps at fixed batch
+    sizes over static buffers, captured in CUDA graphs and replayed; "auto" takes them on a CUDA device
+    when nothing rules them out and says why not in `info["cuda_graphs"]`, "on" makes a reason an
+    error, "static" runs the same fixed-shape path eagerly on any device (what a graph would record)."""
 
     block_size: int = 16  # 256 (a flash-attn page) lets flash-attn read the cache in place
     kv_cache_memory: int | float | str | None = None
@@ -66,6 +74,7 @@ class EngineConfig:
     linear: str = "auto"
     decoder: str = "auto"
     mla: str = "absorbed"
+    cuda_graphs: str = "auto"
     score_chunk: int = 1024
     signals: SignalConfig = field(default_factory=SignalConfig)
     seed: int = 0
@@ -151,13 +160,15 @@ class Engine:
         if devices[0].type == "cpu":
             keep_freed_memory()
             self._watch = BarrierSleepWatch()  # warns once if another thread's torch work slows the steps
-        self.blocks = BlockManager(num_blocks, cfg.block_size)
         self.cache = KVCache(num_blocks, cfg.block_size, spec.layers, devices, spec.dtype)
         self.runner = ModelRunner(model, attached, self.cache, spec, cfg.block_size, cfg.attention, cfg.cascade,
                                   cfg.kernel_impl, cfg.mla)
         self.decoder_path = "the model's modules (tensor parallel)"
         if not self.sharded:
             self.runner.lean, self.decoder_path = select_decoder(model, spec, cfg.decoder)
+        self.runner.static, self.graphs_path = self._static_decode(cfg, num_blocks)
+        # the static path's padding rows write a scratch block that no sequence may own: the last one
+        self.blocks = BlockManager(num_blocks - (self.runner.static is not None), cfg.block_size)
         self.rank = 0
         if self.sharded:  # tensor parallel: rank 0 runs the engine, the others follow its steps
             import torch.distributed as dist
@@ -169,6 +180,29 @@ class Engine:
                 self.runner.tp = self._channel
             else:
                 self.cache.replay = True
+
+    def _static_decode(self, cfg: EngineConfig, num_blocks: int):
+        """engine/graphs.py's StaticDecode where cfg.cuda_graphs and the machine allow it, and one line
+        saying what runs ("on", "static (eager)" or "off: why")."""
+        why = graphs.why_off(cfg.cuda_graphs, self.runner, self.sharded)
+        if why is None and num_blocks < 3:
+            why = f"the KV budget holds {num_blocks} blocks: none to spare for the padding rows' scratch block"
+        static = None
+        if why is None:
+            mc = self.model.config.get_text_config()
+            max_len = getattr(mc, "max_position_embeddings", None) or num_blocks * cfg.block_size
+            max_blocks = max(1, min(-(-max_len // cfg.block_size), num_blocks - 1))
+            static = graphs.StaticDecode(self.runner, cfg.max_num_seqs, max_blocks, num_blocks - 1,
+                                         capture=cfg.cuda_graphs != "static")
+            if static.found and cfg.cuda_graphs != "static":
+                why, static = "the decode step returns to the host: " + "; ".join(static.found[:3]), None
+        if why is not None and cfg.cuda_graphs in ("on", "static"):
+            raise ValueError(f"cuda_graphs={cfg.cuda_graphs!r} cannot run here: {why}")
+        if why is not None:
+            if cfg.cuda_graphs == "auto" and self.runner.device.type == "cuda":
+                log.info("svrmad: CUDA graphs off (%s)", why)
+            return None, f"off: {why}"
+        return static, "static (eager)" if cfg.cuda_graphs == "static" else "on"
 
     def _eos_ids(self) -> set[int]:
         ids = set()
@@ -186,6 +220,8 @@ class Engine:
             "attention": self.runner.attention_path,
             "linear": self.linear_path,
             "decoder": self.decoder_path,
+            "cuda_graphs": self.graphs_path if self.runner.static is None or self.runner.static.off_reason is None
+            else f"off: {self.runner.static.off_reason}",
             "weight_bytes": self.weight_bytes,
             "stats": self._stats_path(),
             "block_size": self.cfg.block_size,

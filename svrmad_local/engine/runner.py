@@ -55,13 +55,15 @@ class ModelRunner:
         self.attention_path = "flash-attn" if want_flash else "sdpa"
         # decode rows read K/V in place through their block tables instead of gathering every sequence's
         # context in every layer: Triton's split-K kernel (kernels/paged_decode.py) where Triton runs, the
-        # compiled C++ one (kernels/cpu_decode.py) on the CPU; "sdpa" keeps the gather path
-        self.decode_impl = None
-        if attention in ("auto", "paged") and not want_flash:
+        # compiled C++ one (kernels/cpu_decode.py) on the CPU; "sdpa" keeps the gather path. The static
+        # decode path (engine/graphs.py) takes it even where flash-attn runs the dynamic steps.
+        self.inplace_decode = None
+        if attention in ("auto", "paged", "flash"):
             if kernels.select_impl(kernel_impl, self.device, "paged_decode") == "triton":
-                self.decode_impl = "triton"
+                self.inplace_decode = "triton"
             elif self.device.type == "cpu" and cpu_decode.available():
-                self.decode_impl = "cpu"
+                self.inplace_decode = "cpu"
+        self.decode_impl = None if want_flash else self.inplace_decode
         if attention == "paged" and self.decode_impl is None:
             raise ValueError("attention='paged' needs Triton (a GPU, or kernel_impl='triton' under its interpreter) "
                              f"or, on the CPU, the compiled kernel: {cpu_decode.unavailable_reason() or 'not built'}")
@@ -76,6 +78,7 @@ class ModelRunner:
             self.attention_path += "+mla-absorbed:" + kernels.select_impl(kernel_impl, self.device, "mla_decode")
         self.cascade = _cascade_enabled(cascade, kernel_impl, self.device) and not want_flash
         self.decode_impl = None if self.cascade else self.decode_impl
+        self.static = None  # engine.graphs.StaticDecode: decode-only steps at fixed shapes (set by the engine)
         cascade_impl = kernels.select_impl(kernel_impl, self.device, "cascade_attention")
         if self.cascade:
             self.attention_path += "+cascade:" + cascade_impl
@@ -108,6 +111,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, step: StepInput) -> torch.Tensor:
         self.cache.apply_copies(step.copies)
+        if self.static is not None and self.static.fits(step):
+            return self.static.run(step)
         dev, bs = self.device, self.block_size
         pos, slot_map, runs = [], [], []
         row = 0
@@ -149,8 +154,12 @@ class ModelRunner:
             ctx.decode_levels = decode_levels([b for _, _, b in decode], [e for _, e, _ in decode], bs,
                                               self.levels_device)
             ctx.decode_pos = torch.tensor([e - 1 for _, e, _ in decode], device=dev)
+        return self.run_body(ctx, torch.tensor([step.ids], device=dev), torch.tensor([pos], device=dev))
+
+    def run_body(self, ctx: StepContext, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """The model body (or the lean forward) over ids/pos [1, T] with the step's context parked for
+        the hooks: final hidden states [T, H]."""
         set_context(ctx)
-        ids, pos = torch.tensor([step.ids], device=dev), torch.tensor([pos], device=dev)
         try:
             with self.attached():
                 if self.lean is not None:

@@ -267,6 +267,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--decoder", choices=["auto", "lean", "modules"], default=ec.decoder,
                    help="how layers run: auto takes the lean forward (fused norms, RoPE and cache writes) for fp32 "
                         "Llama/Mistral/Qwen2/Qwen3 on the CPU, else transformers' modules (docs/engine.md)")
+    g.add_argument("--cuda-graphs", choices=["auto", "on", "static", "off"], default=ec.cuda_graphs,
+                   help="decode steps at fixed batch sizes replayed from CUDA graphs: auto takes them on a GPU "
+                        "where nothing rules them out, and the run's engine info says why not (docs/engine.md)")
     g = p.add_argument_group(
         "sampling (the paper's Appendix A values, except --max-tokens: the paper uses 16,384, "
         "see --paper-settings)")
@@ -312,7 +315,7 @@ def from_args(args: argparse.Namespace) -> RunConfig:
                                    top_p=pick("top_p", sp.top_p), top_k=pick("top_k", sp.top_k))
     engine = EngineConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                           max_num_seqs=args.max_num_seqs, seed=args.seed, cascade=args.cascade,
-                          linear=args.linear, decoder=args.decoder)
+                          linear=args.linear, decoder=args.decoder, cuda_graphs=args.cuda_graphs)
     params = method_options(args)
     methods = parse_methods(args.methods)
     for k in ("S", "C"):  # the preset's S/C go to the methods that take them, explicit flags win

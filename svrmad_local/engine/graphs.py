@@ -1,0 +1,254 @@
+"""Decode steps at fixed shapes over static buffers: the path a CUDA graph captures and replays.
+
+Why: on a GPU an eager decode step is bound by the host (a 30-layer model: ~1,300 torch ops of
+~10 us each for ~6 ms of GPU work). A CUDA graph records the step's kernels once and replays them
+with one launch, but only if every step of that shape reads its inputs from the same addresses and
+nothing in it returns to the host. So a decode-only step of B sequences runs here as a step of P >= B
+rows (P one of `batch_sizes`) whose inputs are copied first into static buffers: token ids,
+positions, slot mapping, context lengths and a block table of width W (a power of two of blocks,
+`widths`). Padding rows decode token 0 at position 0 into a scratch block that no sequence owns and
+read only it. Decode attention reads the cache in place through the block table (the paged Triton
+kernel, the absorbed MLA kernel; on the CPU the compiled kernel), so a step's work does not depend on
+anything but those buffers.
+
+Modes (`EngineConfig.cuda_graphs`):
+- "auto": graphs on a CUDA device when nothing rules them out, else off with one line saying why;
+- "on": the same, but a reason to be off is an error;
+- "static": the static-shape path run eagerly, without capture, on any device: what a graph would
+  record, checkable on the CPU (tests hold it token-exact to the dynamic path);
+- "off": the dynamic path only.
+
+Before a shape is captured its first step runs eagerly under `HostSyncCheck`; an op that would wait
+for the GPU or bake host data into the graph (`.item`, `.tolist`, `nonzero`, a branch on a tensor,
+a boolean index, a tensor built from Python values) turns graphs off for the engine, naming the op
+and the line that called it (the MoE layers of transformers and of models/quant loop over the experts
+they find routed, which is such a branch). Mixed steps (a prefill chunk among the decodes), steps
+larger than the largest size and contexts wider than the widest table run the dynamic path.
+
+Sampling and the token statistics run right after the replay, eagerly, and their first host read is
+the step's `.tolist()` of the sampled tokens (a `HostSyncCheck` test holds them to that); the sampling
+parameters stay Python values because the per-sample random streams are drawn on the host.
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import mla
+from .attention import StepContext
+
+log = logging.getLogger("svrmad_local")
+
+MODES = ("auto", "on", "static", "off")
+
+# ops whose result the host must wait for (or whose output shape depends on tensor values)
+_SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "_unique", "_unique2", "unique_dim",
+             "unique_consecutive", "equal", "is_nonzero", "bincount"}
+_HERE = str(Path(__file__).resolve())
+_TORCH = str(Path(torch.__file__).resolve().parent)
+
+
+def batch_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 8, up to max_num_seqs (itself the last)."""
+    sizes = [s for s in (1, 2, 4) if s < max_num_seqs] + list(range(8, max_num_seqs, 8))
+    return sizes + [max_num_seqs]
+
+
+def widths(max_blocks: int, smallest: int = 8) -> list[int]:
+    """Block-table widths: powers of two from `smallest`, the last being `max_blocks` itself (a graph
+    per width keeps short contexts from paying for split-K programs over a table sized for the longest)."""
+    out, w = [], smallest
+    while w < max_blocks:
+        out.append(w)
+        w *= 2
+    return out + [max_blocks]
+
+
+def _caller() -> str:
+    """The innermost frame outside torch and this module: the line that asked for the op."""
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        f = str(Path(frame.filename).resolve()) if frame.filename and not frame.filename.startswith("<") else ""
+        if f and f != _HERE and not f.startswith(_TORCH):
+            return f"{Path(f).name}:{frame.lineno} in {frame.name}"
+    return "?"
+
+
+class HostSyncCheck(TorchDispatchMode):
+    """Records, while active, every op that returns to the host (`syncs`: a CUDA graph cannot capture
+    it) or freezes host data into the step (`frozen`: a graph would replay the values it saw at
+    capture), each as "op (file:line in function)"; nothing is raised, the caller decides. On the
+    CPU it sees what a GPU run would dispatch; only a copy between devices needs a GPU to be seen."""
+
+    def __init__(self):
+        super().__init__()
+        self.syncs: list[str] = []
+        self.frozen: list[str] = []
+        self._saved = {}
+
+    @property
+    def found(self) -> list[str]:
+        return self.syncs + self.frozen
+
+    @staticmethod
+    def _note(into: list[str], what: str) -> None:
+        entry = f"{what} ({_caller()})"
+        if entry not in into:
+            into.append(entry)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        if name in _SYNC_OPS:
+            self._note(self.syncs, f"aten.{name}")
+        elif name == "repeat_interleave" and kwargs.get("output_size") is None and len(args) == 1:
+            self._note(self.syncs, "aten.repeat_interleave by a tensor of counts")
+        elif name in ("index", "index_put", "index_put_") and len(args) > 1 and any(
+                torch.is_tensor(i) and i.dtype == torch.bool for i in (args[1] or ())):
+            self._note(self.syncs, f"aten.{name} by a boolean mask")
+        elif name in ("_to_copy", "copy_") and _crosses_to_host(name, args, kwargs):
+            self._note(self.syncs, f"aten.{name} to the host")
+        elif name == "lift_fresh":
+            self._note(self.frozen, "torch.tensor of Python values")
+        return func(*args, **kwargs)
+
+    def __enter__(self):
+        for attr in ("tolist", "numpy"):
+            original = getattr(torch.Tensor, attr)
+            self._saved[attr] = torch.Tensor.__dict__.get(attr)  # None: inherited from TensorBase
+
+            def wrapped(t, *a, _attr=attr, _original=original, **k):
+                self._note(self.syncs, f"Tensor.{_attr}")
+                return _original(t, *a, **k)
+
+            setattr(torch.Tensor, attr, wrapped)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for attr, own in self._saved.items():
+            if own is None:
+                delattr(torch.Tensor, attr)
+            else:
+                setattr(torch.Tensor, attr, own)
+        self._saved = {}
+        return super().__exit__(*exc)
+
+
+def _crosses_to_host(name: str, args, kwargs) -> bool:
+    if name == "_to_copy":
+        dev = kwargs.get("device")
+        return torch.is_tensor(args[0]) and args[0].is_cuda and dev is not None and torch.device(dev).type == "cpu"
+    return len(args) > 1 and torch.is_tensor(args[1]) and args[1].is_cuda and not args[0].is_cuda
+
+
+def why_off(mode: str, runner, sharded: bool) -> str | None:
+    """Why the static path (mode "static") or graphs ("auto"/"on") cannot run here, or None."""
+    if mode not in MODES:
+        raise ValueError(f"cuda_graphs must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode == "off":
+        return "as asked"
+    if sharded:
+        return "tensor parallel (the ranks' steps meet in collectives the engine sends from the host)"
+    if mode != "static" and runner.device.type != "cuda":
+        return f"{runner.device.type}: CUDA graphs need a CUDA device"
+    if runner.cascade:
+        return "cascade attention plans its levels on the host every step"
+    kinds = {s.kind for s in runner.spec.layers}
+    if "kv" in kinds and runner.inplace_decode is None:
+        return "decode attention gathers the context (no in-place decode kernel: attention='sdpa' or none built)"
+    if "latent" in kinds and not runner.mla_absorbed:
+        return "mla='expanded' re-expands the context every step"
+    devices = {t.device for t in runner.cache.k}
+    if len(devices) > 1:
+        return "layers on several devices (a device map)"
+    return None
+
+
+class StaticDecode:
+    """The static-shape decode path over one runner, with graphs captured per (batch size, width)
+    when `capture` (CUDA), else run eagerly. `scratch` is a block of the cache no sequence owns.
+    Built, it runs one probe step (a padding row only: it writes the scratch block) under
+    `HostSyncCheck`; `found` lists what would keep a graph from capturing the step."""
+
+    def __init__(self, runner, max_num_seqs: int, max_blocks: int, scratch: int, capture: bool):
+        self.runner, self.scratch, self.capture = runner, scratch, capture
+        self.sizes, self.widths = batch_sizes(max_num_seqs), widths(max_blocks)
+        n, dev = self.sizes[-1], runner.device
+        self.inputs = torch.zeros(4, n, dtype=torch.long, device=dev)  # ids, positions, slots, lengths
+        self.inputs[2] = scratch * runner.block_size
+        self.inputs[3] = 1
+        self.lens = self.inputs[3].to(torch.int32)  # the kernels take int32 lengths: refreshed by each load
+        self.tables = {w: torch.full((n, w), scratch, dtype=torch.int32, device=dev) for w in self.widths}
+        self.graphs: dict[tuple[int, int], tuple] = {}
+        self.off_reason: str | None = None  # set if a capture fails: every later step runs the dynamic path
+        self.pool = None
+        self.replays = 0
+        with torch.inference_mode(), HostSyncCheck() as check:
+            self._forward(1, self.widths[0])
+        self.found = check.found
+
+    def fits(self, step) -> bool:
+        return (self.off_reason is None and step.num_decode == len(step.runs) and 0 < step.num_decode <= self.sizes[-1]
+                and max(len(b) for _, _, b in step.runs) <= self.widths[-1])
+
+    def run(self, step) -> torch.Tensor:
+        """Final hidden states [B, H] of a decode-only step (rows in the step's order)."""
+        B = step.num_decode
+        P = next(s for s in self.sizes if s >= B)
+        W = next(w for w in self.widths if w >= max(len(b) for _, _, b in step.runs))
+        self._load(step, P, W)
+        hit = self.graphs.get((P, W))
+        if hit is not None:
+            hit[0].replay()
+            self.replays += 1
+            return hit[1][:B]
+        hidden = self._forward(P, W)  # eagerly; on a GPU also the warm-up that compiles the Triton kernels
+        if self.capture:
+            self._capture(P, W)
+        return hidden[:B]
+
+    def _load(self, step, P: int, W: int) -> None:
+        """Copies the step into the static buffers: one host array for the per-row numbers, one for the
+        block table (numpy, so the host work is a few calls at any batch size)."""
+        bs, B = self.runner.block_size, step.num_decode
+        host = np.zeros((4, P), dtype=np.int64)
+        host[2], host[3] = self.scratch * bs, 1
+        table = np.full((P, W), self.scratch, dtype=np.int32)
+        host[0, :B] = step.ids
+        for i, (_, end, blocks) in enumerate(step.runs):
+            host[1, i], host[3, i] = end - 1, end
+            host[2, i] = blocks[(end - 1) // bs] * bs + (end - 1) % bs
+            table[i, : len(blocks)] = blocks
+        self.inputs[:, :P].copy_(torch.from_numpy(host), non_blocking=True)
+        self.lens[:P].copy_(self.inputs[3, :P])
+        self.tables[W][:P].copy_(torch.from_numpy(table), non_blocking=True)
+
+    def _forward(self, P: int, W: int) -> torch.Tensor:
+        r = self.runner
+        ids, pos, slots = self.inputs[0, :P], self.inputs[1, :P], self.inputs[2, :P]
+        ctx = StepContext(r.cache, r.spec.layers, slots, [], P, kernel_impl=r.kernel_impl,
+                          decode_tables=mla.DecodeTables(self.tables[W][:P], self.lens[:P]),
+                          decode_impl=r.inplace_decode, mla_absorbed=r.mla_absorbed)
+        if r.spec.has_latent:
+            ctx.latent_runs = []
+        return r.run_body(ctx, ids.unsqueeze(0), pos.unsqueeze(0))
+
+    def _capture(self, P: int, W: int) -> None:  # pragma: no cover - needs a CUDA device
+        """Records the step of shape (P, W) into a graph sharing one memory pool with the others. A
+        failed capture turns the static path off (the step in hand was already computed eagerly)."""
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = self._forward(P, W)
+        except Exception as err:
+            self.off_reason = f"capturing the decode step at batch {P}, width {W} failed: {err}".splitlines()[0]
+            log.warning("svrmad: CUDA graphs off (%s)", self.off_reason)
+            return
+        self.graphs[(P, W)] = (graph, out)

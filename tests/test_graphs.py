@@ -1,0 +1,196 @@
+"""The static-shape decode path (engine/graphs.py), run eagerly on the CPU: what a CUDA graph records.
+
+* On every zoo architecture it is token-exact to a cache-free transformers loop and matches the dynamic
+  path's log-probs, in padded batches (3 sequences run as 4 rows) and unpadded ones, across block-table
+  widths, with forks and a warm cache.
+* Nothing in the step returns to the host or freezes host data (`HostSyncCheck`, a dispatch mode), on
+  every architecture, for the probe and for real steps; and the check does see such ops where they are
+  (dynamic RoPE, the packed MoE experts' loop), which turns graphs off with the op and line named.
+* The padding rows' scratch block is never handed to a sequence.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from svrmad_local.engine import graphs
+from svrmad_local.engine.engine import Engine, EngineConfig
+from svrmad_local.engine.params import SamplingParams
+from svrmad_local.engine.sampler import sample
+from svrmad_local.engine.stats import stats_from_logits
+
+from .model_zoo import _COMMON, EXACT, WINDOW, loop_greedy, make_zoo_model, rand_prompt
+
+NEW = 10
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=EXACT)
+def zoo(request):
+    return request.param, make_zoo_model(request.param)
+
+
+def engine(model, **kw):
+    kw = {"kv_cache_memory": 4 * 2**20, "block_size": 4, "max_num_seqs": 8, **kw}
+    return Engine(model, None, EngineConfig(**kw))
+
+
+def _record_shapes(eng):
+    """Wraps the static path's run to record (decode rows, padded rows, table width) of every step."""
+    static, seen = eng.runner.static, []
+    run = static.run
+
+    def recording(step):
+        B = step.num_decode
+        seen.append((B, next(s for s in static.sizes if s >= B),
+                     next(w for w in static.widths if w >= max(len(b) for _, _, b in step.runs))))
+        return run(step)
+
+    static.run = recording
+    return seen
+
+
+def test_static_decode_is_token_exact_padded_and_unpadded(zoo):
+    name, model = zoo
+    head = rand_prompt(3 * WINDOW + 1, 1)
+    prompts = [head + rand_prompt(n, 10 + n) for n in (2, 7, 13)] + [rand_prompt(2 * WINDOW + 5, 2)]
+    refs = [loop_greedy(model, p, NEW) for p in prompts]
+    eng, plain = engine(model, cuda_graphs="static"), engine(model, cuda_graphs="off")
+    assert eng.info["cuda_graphs"] == "static (eager)" and plain.runner.static is None
+    seen = _record_shapes(eng)
+    padded = eng.generate_sync(prompts[:3], GREEDY)  # 3 sequences in 4 rows
+    unpadded = eng.generate_sync(prompts, GREEDY)  # 4 in 4, three of them from a warm cache
+    single = eng.generate_sync(prompts[3], GREEDY)  # alone, in a narrower table
+    assert single[0].completions[0].token_ids == refs[3], name
+    assert [o.completions[0].token_ids for o in padded] == refs[:3], name
+    assert [o.completions[0].token_ids for o in unpadded] == refs, name
+    assert {(3, 4), (4, 4)} <= {(b, p) for b, p, _ in seen}, seen
+    assert {w for _, _, w in seen} == {8, 16}, seen  # contexts of up to 8 and of 9-16 blocks of 4 tokens
+    ref = plain.generate_sync(prompts, GREEDY)
+    for a, b in zip(unpadded, ref):
+        assert a.completions[0].logprobs == pytest.approx(b.completions[0].logprobs, abs=1e-5), name
+    forks = eng.generate_sync([prompts[1]], SamplingParams(n=3, temperature=0, max_tokens=NEW, ignore_eos=True))[0]
+    assert [c.token_ids for c in forks.completions] == [refs[1]] * 3, name
+
+
+def test_no_op_of_the_static_step_returns_to_the_host(zoo):
+    name, model = zoo
+    eng = engine(model, cuda_graphs="static")
+    static = eng.runner.static
+    assert static.found == [], (name, static.found)  # the probe step, at build
+    checks = []
+    forward = static._forward
+
+    def checked(P, W):
+        with graphs.HostSyncCheck() as check:
+            out = forward(P, W)
+        checks.append(check)
+        return out
+
+    static._forward = checked
+    eng.generate_sync([rand_prompt(2 * WINDOW + 5 + i, 60 + i) for i in range(3)], GREEDY)
+    assert len(checks) == NEW - 1  # every decode step went through the static path
+    assert [c.found for c in checks] == [[]] * len(checks), name
+
+
+def test_the_check_sees_what_would_return_to_the_host():
+    x = torch.arange(6)
+    with graphs.HostSyncCheck() as check:
+        x[x > 2]
+        x.nonzero()
+        x[1].item()
+        x.tolist()
+        if x.sum() > 3:
+            pass
+        torch.tensor([1, 2])
+        x.repeat_interleave(2)  # a Python count: fine
+    assert [s.split(" (")[0] for s in check.syncs] == [
+        "aten.index by a boolean mask", "aten.nonzero", "aten._local_scalar_dense", "Tensor.tolist",
+        "aten._local_scalar_dense"]
+    assert all("test_graphs.py" in s for s in check.found), check.found
+    assert [s.split(" (")[0] for s in check.frozen] == ["torch.tensor of Python values"]
+    assert "tolist" not in torch.Tensor.__dict__  # the patch is undone
+
+
+def test_sampling_and_statistics_after_the_step_never_wait_for_the_device():
+    """What runs between a replay and the step's `.tolist()`: no sync (host values go in, none come out)."""
+    logits = torch.randn(5, 50)
+    import random
+
+    gens = [random.Random(i) for i in range(5)]
+    with graphs.HostSyncCheck() as check:
+        toks = sample(logits, [0.0, 0.7, 1.0, 0.0, 0.5], [0, 5, 0, 0, 20], [1.0, 0.9, 0.8, 1.0, 1.0], gens)
+        stats_from_logits(logits, toks, 4)
+    assert check.syncs == []
+
+
+def test_dynamic_rope_keeps_graphs_off_and_says_where():
+    from transformers import AutoModelForCausalLM
+    from transformers import CONFIG_MAPPING as C
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(C["llama"](rope_scaling={"rope_type": "dynamic", "factor": 2.0},
+                                                        **_COMMON)).eval()
+    eng = engine(model, cuda_graphs="static")  # the static path runs eagerly; the probe names the branch
+    assert eng.runner.static.found and all("dynamic_frequency_update" in s for s in eng.runner.static.found)
+    prompts = [rand_prompt(2 * WINDOW + 5 + i, 70 + i) for i in range(3)]
+    assert [o.completions[0].token_ids for o in eng.generate_sync(prompts, GREEDY)] == \
+        [loop_greedy(model, p, NEW) for p in prompts]
+
+
+def test_packed_moe_experts_are_named_as_what_returns_to_the_host(tmp_path):
+    from .quant_zoo import write_gpt_oss
+
+    q, _ = write_gpt_oss(tmp_path)
+    eng = Engine.from_pretrained(q, kv_cache_memory=4 * 2**20, block_size=4, cuda_graphs="static")
+    assert any("modules.py" in s and "_unique2" in s for s in eng.runner.static.found), eng.runner.static.found
+
+
+def test_modes_and_refusals(zoo):
+    name, model = zoo
+    auto = engine(model)
+    assert auto.runner.static is None and auto.info["cuda_graphs"].startswith("off: cpu: CUDA graphs need a CUDA device")
+    with pytest.raises(ValueError, match="cuda_graphs='on' cannot run here: cpu: CUDA graphs need a CUDA device"):
+        engine(model, cuda_graphs="on")
+    with pytest.raises(ValueError, match="cuda_graphs must be one of auto, on, static, off, got 'yes'"):
+        engine(model, cuda_graphs="yes")
+    if any(s.kind == "kv" for s in auto.spec.layers):
+        with pytest.raises(ValueError, match="static.*decode attention gathers the context"):
+            engine(model, cuda_graphs="static", attention="sdpa")
+    with pytest.raises(ValueError, match="cascade attention plans its levels on the host"):
+        engine(model, cuda_graphs="static", cascade="on")
+    eng = engine(model, cuda_graphs="static")
+    assert graphs.why_off("auto", eng.runner, sharded=True).startswith("tensor parallel")
+    if eng.spec.has_latent:
+        with pytest.raises(ValueError, match="mla='expanded'"):
+            engine(model, cuda_graphs="static", mla="expanded")
+
+
+def test_the_scratch_block_is_never_handed_out():
+    model = make_zoo_model("llama")
+    eng = engine(model, cuda_graphs="static", kv_cache_memory=48 * 1024)  # a small cache: sequences evict
+    cache_blocks = eng.cache.k[0].shape[0] // eng.cfg.block_size
+    assert eng.blocks.num_blocks == cache_blocks - 1 == eng.runner.static.scratch
+    owned = set()
+    schedule = eng.scheduler.schedule
+
+    def watching():
+        batch = schedule()
+        owned.update(b for w in batch.work for b in w.seq.blocks)
+        return batch
+
+    eng.scheduler.schedule = watching
+    prompts = [rand_prompt(20 + i, 80 + i) for i in range(6)]
+    out = eng.generate_sync(prompts, GREEDY)
+    assert eng.runner.static.scratch not in owned and owned
+    assert [o.completions[0].token_ids for o in out] == [loop_greedy(model, p, NEW) for p in prompts]
+
+
+def test_sizes_and_widths():
+    assert graphs.batch_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert graphs.batch_sizes(12) == [1, 2, 4, 8, 12]
+    assert graphs.batch_sizes(1) == [1]
+    assert graphs.widths(512) == [8, 16, 32, 64, 128, 256, 512]
+    assert graphs.widths(100) == [8, 16, 32, 64, 100]
+    assert graphs.widths(3) == [3]
