@@ -7,6 +7,7 @@
   builds its Triton bookkeeping once for many calls (the layers of a step).
 * :func:`apply_sinks` - GPT-OSS attention sinks on any finished ``(out, lse)``.
 * :func:`paged_decode` - decode attention reading K/V in place through a block table (split-K).
+* :func:`paged_prefill` - causal prefill attention of varlen runs, reading K/V in place the same way.
 * :func:`dequantize_mxfp4`, :func:`mxfp4_matmul` - GPT-OSS's MXFP4 experts, from the packed bytes.
 * :func:`dequantize_fp8`, :func:`fp8_matmul` - DeepSeek-V3's block-scaled FP8 e4m3 weights.
 
@@ -15,6 +16,7 @@ importable and the tensors are on CUDA (``SVRMAD_KERNELS=torch`` forces the torc
 """
 from ._backend import HAS_TRITON, select_impl
 from .paged_decode import paged_decode, reference_paged_decode
+from .paged_prefill import paged_prefill, reference_paged_prefill
 from .prefix_attention import (CascadePlan, Level, apply_sinks, attend_partial, cascade_attention, cascade_plan,
                                merge_states, reference_attention)
 from .fp8 import dequantize_fp8, fp8_matmul
@@ -24,6 +26,6 @@ from .token_stats import TokenStats, reference_token_stats, token_stats
 __all__ = [
     "HAS_TRITON", "select_impl", "TokenStats", "token_stats", "reference_token_stats",
     "Level", "attend_partial", "merge_states", "cascade_attention", "cascade_plan", "CascadePlan", "apply_sinks",
-    "paged_decode", "reference_paged_decode",
+    "paged_decode", "reference_paged_decode", "paged_prefill", "reference_paged_prefill",
     "reference_attention", "dequantize_mxfp4", "mxfp4_matmul", "dequantize_fp8", "fp8_matmul",
 ]

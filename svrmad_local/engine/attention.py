@@ -30,6 +30,7 @@ from transformers import AttentionInterface
 
 from svrmad_local.kernels import apply_sinks, cascade_attention, cascade_plan, paged_decode, select_impl
 from svrmad_local.kernels.cpu_decode import paged_decode_cpu
+from svrmad_local.kernels.paged_prefill import paged_prefill
 
 from . import mla
 from .context import get_context
@@ -152,6 +153,9 @@ def _view(runs: list[Span], nd: int, window: int | None, pad_decode: bool = True
     return View(decode, None, [(r.row0, r.row1, *_keys(r, window)) for r in rest])
 
 
+_IN_PLACE = View(None, None, [])  # a step whose per-head K/V rows all read the cache in place: nothing to gather
+
+
 @dataclass
 class StepContext:
     cache: KVCache
@@ -168,6 +172,8 @@ class StepContext:
     decode_tables: mla.DecodeTables | None = None  # the decode rows' block tables and lengths (in-place paths)
     decode_impl: str | None = None  # per-head K/V decode rows in place: "cpu" (kernels.cpu_decode) or "triton"
     mla_absorbed: bool = False  # latent decode rows attend to the cached latent (engine.mla)
+    prefill_tables: mla.DecodeTables | None = None  # per-head K/V prefill runs read in place: their tables
+    prefill_cu: list[int] | None = None  # ... and their row offsets within the prefill rows (host values)
     _views: dict = field(default_factory=dict)
     _plans: dict = field(default_factory=dict)
     _per_device: dict = field(default_factory=dict)
@@ -204,7 +210,8 @@ class StepContext:
                 self.cache, self.specs, mv(self.slot_mapping), runs(self.runs), self.decode_rows,
                 mv(self.latent_slots), runs(self.latent_runs), levels, mv(self.decode_pos), self.kernel_impl, flash,
                 None if self.decode_tables is None else self.decode_tables.to(device), self.decode_impl,
-                self.mla_absorbed)
+                self.mla_absorbed, None if self.prefill_tables is None else self.prefill_tables.to(device),
+                self.prefill_cu)
         return self._per_device[device]
 
 
@@ -325,7 +332,7 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
         if ctx.flash is not None:
             return _flash(ctx, layer, q, scaling, spec.window, sinks).unsqueeze(0), None
         kc, vc = ctx.cache.k[layer], ctx.cache.v[layer]
-        view = ctx.view(spec.window)
+        view = _IN_PLACE if ctx.prefill_tables is not None else ctx.view(spec.window)
     out = q.new_empty(q.shape[0], q.shape[1], vc.shape[-1])
     nd = ctx.decode_rows
     if nd and ctx.decode_levels is not None and spec.kind == "kv":  # shared prefixes attended once
@@ -347,6 +354,10 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
                                         ctx.cache.block_size, scaling, ctx.kernel_impl)
     elif nd:
         _attend_padded(ctx, q, kc, vc, layer, view.decode, spec.kind, scaling, sinks, out)
+    if view is _IN_PLACE:  # prefill runs, in place through their block tables (Triton)
+        t = ctx.prefill_tables
+        out[nd:] = paged_prefill(q[nd:], kc, vc, t.block_table, ctx.prefill_cu, t.lens, ctx.cache.block_size,
+                                 scaling, window=spec.window, sinks=sinks, kernel_impl=ctx.kernel_impl)
     if view.prefill is not None:
         _attend_padded(ctx, q, kc, vc, layer, view.prefill, spec.kind, scaling, sinks, out)
     for row0, row1, index, mask in view.prefills:

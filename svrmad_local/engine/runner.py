@@ -53,6 +53,8 @@ class ModelRunner:
         if attention not in ("auto", "flash", "sdpa", "paged"):
             raise ValueError(f"attention must be auto, flash, sdpa or paged, got {attention!r}")
         self.attention_path = "flash-attn" if want_flash else "sdpa"
+        self.kernel_impl = kernel_impl
+        self.cascade = _cascade_enabled(cascade, kernel_impl, self.device) and not want_flash
         # decode rows read K/V in place through their block tables instead of gathering every sequence's
         # context in every layer: Triton's split-K kernel (kernels/paged_decode.py) where Triton runs, the
         # compiled C++ one (kernels/cpu_decode.py) on the CPU; "sdpa" keeps the gather path. The static
@@ -63,21 +65,23 @@ class ModelRunner:
                 self.inplace_decode = "triton"
             elif self.device.type == "cpu" and cpu_decode.available():
                 self.inplace_decode = "cpu"
-        self.decode_impl = None if want_flash else self.inplace_decode
-        if attention == "paged" and self.decode_impl is None:
+        self.decode_impl = None if want_flash or self.cascade else self.inplace_decode
+        if attention == "paged" and self.inplace_decode is None:
             raise ValueError("attention='paged' needs Triton (a GPU, or kernel_impl='triton' under its interpreter) "
                              f"or, on the CPU, the compiled kernel: {cpu_decode.unavailable_reason() or 'not built'}")
         if self.decode_impl:
             self.attention_path += f"+paged-decode:{self.decode_impl}"
+        # where decode runs Triton's kernel (a GPU without flash-attn), per-head K/V prefill chunks are read in
+        # place too (kernels/paged_prefill.py) instead of gathered per layer; the CPU keeps its prefill path
+        self.prefill_in_place = self.decode_impl == "triton"
+        if self.prefill_in_place:
+            self.attention_path += "+paged-prefill:triton"
         self.flash_paged = want_flash and block_size % FLASH_PAGE == 0
         if self.flash_paged:
             self.attention_path += " (paged)"
-        self.kernel_impl = kernel_impl
         self.mla_absorbed = mla.check_mode(mla_mode) == "absorbed" and spec.has_latent
         if self.mla_absorbed:
             self.attention_path += "+mla-absorbed:" + kernels.select_impl(kernel_impl, self.device, "mla_decode")
-        self.cascade = _cascade_enabled(cascade, kernel_impl, self.device) and not want_flash
-        self.decode_impl = None if self.cascade else self.decode_impl
         self.static = None  # engine.graphs.StaticDecode: decode-only steps at fixed shapes (set by the engine)
         cascade_impl = kernels.select_impl(kernel_impl, self.device, "cascade_attention")
         if self.cascade:
@@ -138,6 +142,10 @@ class ModelRunner:
             decode = step.runs[:nd]
             ctx.decode_tables = mla.DecodeTables.build([b for _, _, b in decode], [e for _, e, _ in decode], dev)
             ctx.decode_impl, ctx.mla_absorbed = self.decode_impl, self.mla_absorbed
+        if self.prefill_in_place and len(step.runs) > nd:  # prefill rows read the cache in place
+            prefill = step.runs[nd:]
+            ctx.prefill_tables = mla.DecodeTables.build([b for _, _, b in prefill], [e for _, e, _ in prefill], dev)
+            ctx.prefill_cu = [r.row0 - nd for r in runs[nd:]] + [runs[-1].row1 - nd]  # rows of q[nd:]
         if self.attention_path.startswith("flash-attn"):
             lens = [r.index.shape[0] for r in runs]
             ctx.flash = {
