@@ -29,6 +29,7 @@ import time
 import torch
 
 from bench_engine import engine_overrides
+from bench_mla import best_of
 from bench_vs_vllm import VLLM_DTYPES, VllmWorker, vllm_settings, vllm_unavailable
 from svrmad_local.engine.engine import Engine, EngineConfig
 from svrmad_local.engine.params import SamplingParams
@@ -37,20 +38,11 @@ from svrmad_local.models.linear import FusedGroup, PackedLinear
 from svrmad_local.models.loader import load_model
 
 
-def best_of(fn, repeat: int) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
-def read_bandwidth(mib: int = 512, repeat: int = 7) -> float:
-    """Bytes/s of a sum over a tensor far larger than any cache."""
-    x = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
+def read_bandwidth(mib: int = 512, repeat: int = 7, device="cpu") -> float:
+    """Bytes/s of a sum over a tensor far larger than any cache (on `device`: the model's)."""
+    x = torch.ones(mib * 2**20 // 4, dtype=torch.float32, device=device)
     x.sum()
-    return x.numel() * 4 / best_of(lambda: x.sum(), repeat)
+    return x.numel() * 4 / best_of(lambda: x.sum(), repeat, torch.device(device))
 
 
 def linears_seconds(model, rows: int, repeat: int = 3) -> float:
@@ -59,8 +51,8 @@ def linears_seconds(model, rows: int, repeat: int = 3) -> float:
     of `repeat`: a decode step's matmuls and nothing else (a fused group of siblings is one GEMM). Timed as whole passes so each weight comes from
     memory, as in a step, not from a cache warmed by a repeat."""
     layers = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, PackedLinear, FusedGroup))]
-    xs = [torch.randn(rows, m.in_features).to(m.weight.dtype) for m in layers]
-    return best_of(lambda: [m(x) for x, m in zip(xs, layers)], repeat)
+    xs = [torch.randn(rows, m.in_features).to(m.weight.device, m.weight.dtype) for m in layers]
+    return best_of(lambda: [m(x) for x, m in zip(xs, layers)], repeat, layers[0].weight.device)
 
 
 def weight_bytes_per_step(model) -> int:
@@ -216,7 +208,7 @@ def main() -> int:
         outs = engine.generate_sync(prompts, [SamplingParams(**p) for p in params])
         return [len(o.completions[0].token_ids) for o in outs]
 
-    bw = read_bandwidth()
+    bw = read_bandwidth(device=lm.model.get_input_embeddings().weight.device)
     w_bytes = weight_bytes_per_step(lm.model)
     kv_tok = kv_bytes_per_token(lm.model.config, dtype)
     mean_ctx = args.prompt_tokens + args.new_tokens / 2

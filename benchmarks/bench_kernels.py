@@ -21,6 +21,13 @@
     of a window is visible: the torch path gathers only what some query can see, the triton kernel
     starts each program at its rows' first visible token. Checked against attention over each
     query's last W tokens (scaled_dot_product_attention on copies).
+(d) attention that reads the paged cache in place, at 1k / 4k / 16k contexts (Hq 32, Hkv 8, D 128,
+    blocks of 16 scattered at random): decode (one query per sequence, batches 1 / 8 / 32) with
+    ``paged_decode`` (Triton on a GPU; on the CPU the compiled kernel the engine uses, kernels/cpu_decode)
+    vs the gather path it replaced (each context copied out of the cache, then SDPA), and vs
+    flash-attn's ``flash_attn_with_kvcache`` over 256-token pages where flash-attn is installed; and on
+    a GPU, prefill (a 512-token chunk per sequence at the end of its context) with ``paged_prefill`` vs
+    gather + masked SDPA as the engine called it before.
 
 CPU timings on a shared machine are only indicative (the header prints the load); memory is
 reliable. Ratios are printed; the last line is one JSON object with every figure.
@@ -243,6 +250,99 @@ def bench_window(dev, quick):
     return rows
 
 
+# ----------------------------------------------------------------------------------------------
+# (d) paged attention in place vs gathered
+# ----------------------------------------------------------------------------------------------
+
+def _paged_case(dev, dtype, g, B, L, hq=32, hkv=8, d=128, bs=16):
+    nb = -(-L // bs)
+    k = torch.randn(B * nb * bs, hkv, d, generator=g, device=dev, dtype=dtype)
+    v = torch.randn(B * nb * bs, hkv, d, generator=g, device=dev, dtype=dtype)
+    table = torch.randperm(B * nb, generator=g, device=dev).view(B, nb).to(torch.int32)
+    slots = (table.long()[:, :, None] * bs + torch.arange(bs, device=dev)).flatten(1)[:, :L]  # [B, L]
+    return k, v, table, slots
+
+
+def bench_paged(dev, quick):
+    from svrmad_local.engine.attention import _sdpa as engine_sdpa
+    from svrmad_local.kernels import paged_decode, paged_prefill
+    from svrmad_local.kernels.cpu_decode import available as cpu_decode_available, paged_decode_cpu
+
+    on_gpu = dev.type == "cuda"
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    contexts = (1024, 4096) if quick and not on_gpu else (1024, 4096, 16384)
+    reps = 3 if not on_gpu else 20
+    g = torch.Generator(device=dev).manual_seed(2)
+    try:
+        from flash_attn import flash_attn_with_kvcache  # type: ignore
+    except Exception:
+        flash_attn_with_kvcache = None
+    if not on_gpu and not cpu_decode_available():
+        print("  skipped: the CPU decode kernel is not built")
+        return []
+    rows, scale = [], 128 ** -0.5
+    for L in contexts:
+        for B in (1, 8, 32):
+            if not on_gpu and B * L > 65536:
+                continue
+            k, v, table, slots = _paged_case(dev, dtype, g, B, L)
+            q = torch.randn(B, 32, 128, generator=g, device=dev, dtype=dtype)
+            lens = torch.full((B,), L, dtype=torch.int32, device=dev)
+
+            def in_place():
+                if on_gpu:
+                    return paged_decode(q, k, v, table, lens, 16, scale)
+                return paged_decode_cpu(q, k, v, table, lens, 16, scale)
+
+            def gathered():
+                kk, vv = k[slots].transpose(1, 2), v[slots].transpose(1, 2)  # [B, Hkv, L, D]
+                return engine_sdpa(q[:, :, None], kk, vv, None, scale, None)[:, :, 0]
+
+            err = (in_place().float() - gathered().float()).abs().max().item()
+            row = {"kind": "decode", "context": L, "batch": B, "in_place_s": _time(in_place, dev, reps),
+                   "gathered_s": _time(gathered, dev, reps), "max_abs_diff": err}
+            row["gathered_over_in_place"] = row["gathered_s"] / row["in_place_s"]
+            line = (f"  decode  {L:>5} x {B:>2}: in place {row['in_place_s'] * 1e3:8.3f} ms | gathered + SDPA "
+                    f"{row['gathered_s'] * 1e3:8.3f} ms (x{row['gathered_over_in_place']:.2f})")
+            if flash_attn_with_kvcache is not None and on_gpu and L % 256 == 0:
+                pages = torch.randperm(B * L // 256, generator=g, device=dev).view(B, -1).to(torch.int32)
+                kp, vp = k.view(-1, 256, 8, 128), v.view(-1, 256, 8, 128)
+                row["flash_attn_s"] = _time(lambda: flash_attn_with_kvcache(
+                    q[:, None], kp, vp, cache_seqlens=lens, block_table=pages, softmax_scale=scale), dev, reps)
+                line += f" | flash-attn {row['flash_attn_s'] * 1e3:8.3f} ms"
+            rows.append(row)
+            print(line + f" | max |diff| {err:.1e}", flush=True)
+            if on_gpu:
+                chunk = 512
+                qp = torch.randn(B * chunk, 32, 128, generator=g, device=dev, dtype=dtype)
+                cu = [i * chunk for i in range(B + 1)]
+
+                def prefill_in_place():
+                    return paged_prefill(qp, k, v, table, cu, [L] * B, 16, scale)
+
+                mask = torch.ones(chunk, L, dtype=torch.bool, device=dev).tril(L - chunk)
+
+                def prefill_gathered():
+                    out = []
+                    for b in range(B):
+                        kk, vv = k[slots[b]].transpose(0, 1)[None], v[slots[b]].transpose(0, 1)[None]
+                        qb = qp[b * chunk:(b + 1) * chunk].transpose(0, 1)[None]
+                        out.append(engine_sdpa(qb, kk, vv, mask, scale, None)[0].transpose(0, 1))
+                    return torch.cat(out)
+
+                err = (prefill_in_place().float() - prefill_gathered().float()).abs().max().item()
+                prow = {"kind": "prefill", "context": L, "batch": B, "chunk": chunk,
+                        "in_place_s": _time(prefill_in_place, dev, reps),
+                        "gathered_s": _time(prefill_gathered, dev, reps), "max_abs_diff": err}
+                prow["gathered_over_in_place"] = prow["gathered_s"] / prow["in_place_s"]
+                rows.append(prow)
+                print(f"  prefill {L:>5} x {B:>2} (chunks of {chunk}): in place {prow['in_place_s'] * 1e3:8.3f} ms | "
+                      f"gathered + masked SDPA {prow['gathered_s'] * 1e3:8.3f} ms "
+                      f"(x{prow['gathered_over_in_place']:.2f}) | max |diff| {err:.1e}", flush=True)
+            del k, v
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller CPU sizes (about 2 minutes)")
@@ -272,9 +372,13 @@ def main():
     at = bench_attention(dev, args.quick)
     print(f"(c) sliding-window decode: cascade with window W vs without ({shape}, 8 queries)")
     wi = bench_window(dev, args.quick)
+    if not on_gpu:
+        torch.set_num_threads(os.cpu_count() or 1)
+    print("(d) attention reading the paged cache in place vs gathering each context (Hq 32, Hkv 8, D 128)")
+    pg = bench_paged(dev, args.quick)
     print(json.dumps({"device": str(dev), "path": path, "quick": args.quick, "memory_measure": mem,
                       "attention_threads": torch.get_num_threads(), "load_avg_1min": os.getloadavg()[0],
-                      "token_stats": ts, "attention": at, "window": wi}))
+                      "token_stats": ts, "attention": at, "window": wi, "paged": pg}))
 
 
 if __name__ == "__main__":

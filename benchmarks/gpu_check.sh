@@ -6,13 +6,15 @@
 #     benchmarks/gpu_check.sh LOGDIR MODEL_DIR...    (each MODEL_DIR: a config.json and a tokenizer)
 #
 # Each step has its own time limit and log under LOGDIR, so one failing step leaves the others' figures.
-# Environment: STEPS (default "tests kernels engine"), WORKLOAD (bench_engine's workload flags).
+# Environment: STEPS (default "tests kernels engine decode"), WORKLOAD (bench_engine's workload flags).
+# "engine" times each shape with CUDA graphs (the default) and without; "decode" runs bench_decode on the
+# embedded default (tok/s by batch size, and the torch ops a step dispatches) with graphs on and off.
 set -u
 out=${1:?usage: gpu_check.sh LOGDIR MODEL_DIR...}
 shift
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
-steps=${STEPS:-tests kernels engine}
+steps=${STEPS:-tests kernels engine decode}
 workload=${WORKLOAD:---questions 4 --initial-tokens 128 --debate-tokens 64}
 
 step() {  # step NAME SECONDS CMD...: run with a limit, log to LOGDIR/NAME.log, report the exit code
@@ -40,5 +42,16 @@ case " $steps " in *" engine "*)
     # shellcheck disable=SC2086
     step "engine-$name-nocascade" 200 python benchmarks/bench_engine.py --model "$m" --random-weights --device cuda \
       --dtype bf16 --cascade off --skip-naive $workload
+    # shellcheck disable=SC2086
+    step "engine-$name-nographs" 200 python benchmarks/bench_engine.py --model "$m" --random-weights --device cuda \
+      --dtype bf16 --engine cuda_graphs=off --skip-naive $workload
+  done ;;
+esac
+case " $steps " in *" decode "*)
+  for graphs in auto off; do
+    step "decode-graphs-$graphs" 300 python benchmarks/bench_decode.py --dtype bf16 --batches 1,8,32 \
+      --engine "cuda_graphs=$graphs"
+    step "host-ops-graphs-$graphs" 200 python benchmarks/bench_decode.py --dtype bf16 --host-ops \
+      --engine "cuda_graphs=$graphs"
   done ;;
 esac

@@ -194,3 +194,15 @@ def test_sizes_and_widths():
     assert graphs.widths(512) == [8, 16, 32, 64, 128, 256, 512]
     assert graphs.widths(100) == [8, 16, 32, 64, 100]
     assert graphs.widths(3) == [3]
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt-oss", "deepseek-v3"])
+def test_the_gpu_kernels_in_the_static_step_never_return_to_the_host(interp, name):
+    """What a graph on a GPU records: the Triton decode kernels (paged, absorbed MLA), run here by
+    Triton's interpreter inside the static step; nothing returns to the host, tokens stay exact."""
+    model = make_zoo_model(name)
+    eng = engine(model, cuda_graphs="static", kernel_impl="triton")
+    assert eng.runner.inplace_decode == "triton" and eng.runner.static.found == [], eng.runner.static.found
+    prompts = [rand_prompt(2 * WINDOW + 5 + i, 90 + i) for i in range(3)]
+    got = eng.generate_sync(prompts, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    assert [o.completions[0].token_ids for o in got] == [loop_greedy(model, p, 5) for p in prompts], name

@@ -245,7 +245,8 @@ class StaticDecode:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self.pool):
+            # thread_local: the event loop's thread may touch CUDA (a future's tensor) while this one captures
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 out = self._forward(P, W)
         except Exception as err:
             self.off_reason = f"capturing the decode step at batch {P}, width {W} failed: {err}".splitlines()[0]
