@@ -85,13 +85,9 @@ if HAS_TRITON:
         tl.store(O + rows[:, None] * s_om + n[None, :] * s_on, acc, mask=rmask[:, None] & nmask[None, :])
 
     @triton.jit
-    def _mxfp4_grouped_kernel(X, OFF, W, S, B, O, E, N, K,
-                              s_xm, s_xk, s_we, s_wn, s_wg, s_wb, s_se, s_sn, s_sg, s_be, s_om, s_on,
-                              HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                              BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
-        """Program (t, j): the t-th row tile over all experts (each expert's rows cut into tiles of
-        BLOCK_M), output columns tile j. A t past the last tile finds no expert and does nothing."""
-        tile = tl.program_id(0)
+    def _tile_expert(OFF, E, tile, BLOCK_M: tl.constexpr):
+        """The t-th row tile over all experts (each expert's rows OFF[e]:OFF[e+1] cut into tiles of
+        BLOCK_M): (its expert or -1 past the last tile, its first row, its expert's end row)."""
         expert = tl.full([], -1, tl.int32)
         row0 = tl.full([], 0, tl.int32)
         row_end = tl.full([], 0, tl.int32)
@@ -105,6 +101,16 @@ if HAS_TRITON:
             row0 = tl.where(hit, lo + (tile - seen) * BLOCK_M, row0)
             row_end = tl.where(hit, hi, row_end)
             seen += n_tiles
+        return expert, row0, row_end
+
+    @triton.jit
+    def _mxfp4_grouped_kernel(X, OFF, W, S, B, O, E, N, K,
+                              s_xm, s_xk, s_we, s_wn, s_wg, s_wb, s_se, s_sn, s_sg, s_be, s_om, s_on,
+                              HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                              BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+        """Program (t, j): the t-th row tile over all experts (each expert's rows cut into tiles of
+        BLOCK_M), output columns tile j. A t past the last tile finds no expert and does nothing."""
+        expert, row0, row_end = _tile_expert(OFF, E, tl.program_id(0), BLOCK_M)
         rows = row0 + tl.arange(0, BLOCK_M)
         rmask = rows < row_end  # all false for a tile past the end (row_end 0)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -120,6 +126,34 @@ if HAS_TRITON:
         tl.store(O + rows[:, None] * s_om + n[None, :] * s_on, acc, mask=rmask[:, None] & nmask[None, :])
 
     @triton.jit
+    def _fp8_tile(acc, X, W, S, rows, rmask, n, nmask, k0, K, bn, bk, e_w, e_s,
+                  s_xm, s_xk, s_wn, s_wk, s_sn, s_sk,
+                  SCALE_AFTER: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+        """acc += x[rows, k0:k0+BLOCK_K] @ W[n, k0:k0+BLOCK_K]^T for one e4m3 weight tile and its scales."""
+        k = k0 + tl.arange(0, BLOCK_K)
+        kmask = k < K
+        x = tl.load(X + rows[:, None] * s_xm + k[None, :] * s_xk, mask=rmask[:, None] & kmask[None, :], other=0.0)
+        w = tl.load(W + e_w + n[:, None] * s_wn + k[None, :] * s_wk, mask=nmask[:, None] & kmask[None, :], other=0.0)
+        if DOT_F32:
+            x = x.to(tl.float32)
+        w = w.to(x.dtype)  # e4m3 is exact in fp16, bf16 and fp32
+        if SCALE_AFTER:  # the tile lies inside one K block: scale the partial product per column
+            s = tl.load(S + e_s + (n // bn) * s_sn + (k0 // bk) * s_sk, mask=nmask, other=0.0)
+            if DOT_F32:
+                part = tl.dot(x, tl.trans(w), input_precision="ieee")
+            else:
+                part = tl.dot(x, tl.trans(w))
+            acc += part * s[None, :]
+        else:  # the tile spans K blocks: scale each weight element first
+            s = tl.load(S + e_s + (n // bn)[:, None] * s_sn + (k // bk)[None, :] * s_sk,
+                        mask=nmask[:, None] & kmask[None, :], other=0.0)
+            if DOT_F32:
+                acc = tl.dot(x, tl.trans(w * s), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, tl.trans((w.to(tl.float32) * s).to(x.dtype)), acc)
+        return acc
+
+    @triton.jit
     def _fp8_kernel(X, W, S, B, O, M, N, K, bn, bk,
                     s_xm, s_xk, s_wn, s_wk, s_sn, s_sk, s_om, s_on,
                     HAS_BIAS: tl.constexpr, SCALE_AFTER: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -129,29 +163,30 @@ if HAS_TRITON:
         rmask, nmask = rows < M, n < N
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            kmask = k < K
-            x = tl.load(X + rows[:, None] * s_xm + k[None, :] * s_xk, mask=rmask[:, None] & kmask[None, :], other=0.0)
-            w = tl.load(W + n[:, None] * s_wn + k[None, :] * s_wk, mask=nmask[:, None] & kmask[None, :], other=0.0)
-            if DOT_F32:
-                x = x.to(tl.float32)
-            w = w.to(x.dtype)  # e4m3 is exact in fp16, bf16 and fp32
-            if SCALE_AFTER:  # the tile lies inside one K block: scale the partial product per column
-                s = tl.load(S + (n // bn) * s_sn + (k0 // bk) * s_sk, mask=nmask, other=0.0)
-                if DOT_F32:
-                    part = tl.dot(x, tl.trans(w), input_precision="ieee")
-                else:
-                    part = tl.dot(x, tl.trans(w))
-                acc += part * s[None, :]
-            else:  # the tile spans K blocks: scale each weight element first
-                s = tl.load(S + (n // bn)[:, None] * s_sn + (k // bk)[None, :] * s_sk,
-                            mask=nmask[:, None] & kmask[None, :], other=0.0)
-                if DOT_F32:
-                    acc = tl.dot(x, tl.trans(w * s), acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(x, tl.trans((w.to(tl.float32) * s).to(x.dtype)), acc)
+            acc = _fp8_tile(acc, X, W, S, rows, rmask, n, nmask, k0, K, bn, bk, 0, 0,
+                            s_xm, s_xk, s_wn, s_wk, s_sn, s_sk, SCALE_AFTER, BLOCK_K, DOT_F32)
         if HAS_BIAS:
             acc += tl.load(B + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        tl.store(O + rows[:, None] * s_om + n[None, :] * s_on, acc, mask=rmask[:, None] & nmask[None, :])
+
+    @triton.jit
+    def _fp8_grouped_kernel(X, OFF, W, S, O, E, N, K, bn, bk,
+                            s_xm, s_xk, s_we, s_wn, s_wk, s_se, s_sn, s_sk, s_om, s_on,
+                            SCALE_AFTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+        """Program (t, j): the t-th row tile over all experts against expert e's e4m3 W [N, K] (as the
+        MXFP4 grouped kernel walks them); a t past the last tile does nothing."""
+        expert, row0, row_end = _tile_expert(OFF, E, tl.program_id(0), BLOCK_M)
+        rows = row0 + tl.arange(0, BLOCK_M)
+        rmask = rows < row_end
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = n < N
+        e_safe = tl.maximum(expert, 0).to(tl.int64)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        k_end = tl.where(expert >= 0, K, 0)
+        for k0 in range(0, k_end, BLOCK_K):
+            acc = _fp8_tile(acc, X, W, S, rows, rmask, n, nmask, k0, K, bn, bk, e_safe * s_we, e_safe * s_se,
+                            s_xm, s_xk, s_wn, s_wk, s_sn, s_sk, SCALE_AFTER, BLOCK_K, DOT_F32)
         tl.store(O + rows[:, None] * s_om + n[None, :] * s_on, acc, mask=rmask[:, None] & nmask[None, :])
 
 
@@ -226,9 +261,7 @@ def mxfp4_grouped_matmul_triton(x, offsets, blocks, scales, bias=None):
     e = blocks.shape[0]
     n, k = _check_mxfp4(blocks, scales, (e,), "mxfp4_grouped_matmul")
     _check_x(x, k, "mxfp4_grouped_matmul")
-    if offsets.dim() != 1 or offsets.numel() != e + 1 or offsets.is_floating_point():
-        raise ValueError(f"mxfp4_grouped_matmul: offsets must be an int tensor [E+1]=[{e + 1}], "
-                         f"got {offsets.dtype} {list(offsets.shape)}")
+    _check_offsets(offsets, e, "mxfp4_grouped_matmul")
     if bias is not None and tuple(bias.shape) != (e, n):
         raise ValueError(f"mxfp4_grouped_matmul: bias must be [E, N]=[{e}, {n}], got {list(bias.shape)}")
     m = x.shape[0]
@@ -245,6 +278,49 @@ def mxfp4_grouped_matmul_triton(x, offsets, blocks, scales, bias=None):
     _mxfp4_grouped_kernel[(cdiv(m, bm) + e, cdiv(n, bn))](
         x, off, blocks, scales, b, out, e, n, k, *x.stride(), *blocks.stride(), *scales.stride(), s_be,
         *out.stride(), HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_F32=_dot_f32(x))
+    return _done(out, x)
+
+
+def _check_offsets(offsets, e, name):
+    if offsets.dim() != 1 or offsets.numel() != e + 1 or offsets.is_floating_point():
+        raise ValueError(f"{name}: offsets must be an int tensor [E+1]=[{e + 1}], "
+                         f"got {offsets.dtype} {list(offsets.shape)}")
+
+
+def _fp8_k_tile(bk, bk_s):
+    """The K tile: inside one scale block where the block allows it (the scale then multiplies the
+    partial product, not every weight)."""
+    if bk_s % bk and bk_s % 32 == 0 and not interpreting():
+        return 32
+    return bk
+
+
+def fp8_grouped_matmul_triton(x, offsets, weight, scale_inv, block):
+    """The MoE expert GEMM for block-scaled FP8 experts: rows ``offsets[e]:offsets[e+1]`` of x [M, K]
+    (sorted by expert) times expert e's W [N, K]^T; weight float8_e4m3fn [E, N, K], scale_inv
+    [E, ceil(N/bn), ceil(K/bk)]. Rows past offsets[E] are left unwritten. Returns [M, N] in x's
+    dtype. Reads offsets on the device only (no sync)."""
+    bn_s, bk_s = (int(v) for v in block)
+    if weight.dim() != 3 or weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"fp8_grouped_matmul: weight must be float8_e4m3fn [E, N, K], got {weight.dtype} "
+                         f"{list(weight.shape)}")
+    e, n, k = weight.shape
+    if bn_s < 1 or bk_s < 1 or tuple(scale_inv.shape) != (e, cdiv(n, bn_s), cdiv(k, bk_s)):
+        raise ValueError(f"fp8_grouped_matmul: weight {list(weight.shape)} with block {list(block)} needs scale_inv "
+                         f"[{e}, {cdiv(n, max(bn_s, 1))}, {cdiv(k, max(bk_s, 1))}], got {list(scale_inv.shape)}")
+    _check_x(x, k, "fp8_grouped_matmul")
+    _check_offsets(offsets, e, "fp8_grouped_matmul")
+    m = x.shape[0]
+    out = _out(m, n, x)
+    if m == 0 or n == 0 or e == 0:
+        return _done(out, x)
+    bm, bn, bk = _tiles(max(1, m // max(1, e)), 16)
+    bk = _fp8_k_tile(bk, bk_s)
+    s = scale_inv.float()
+    off = offsets.to(device=x.device, dtype=torch.int32)
+    _fp8_grouped_kernel[(cdiv(m, bm) + e, cdiv(n, bn))](
+        x, off, weight, s, out, e, n, k, bn_s, bk_s, *x.stride(), *weight.stride(), *s.stride(), *out.stride(),
+        SCALE_AFTER=bk_s % bk == 0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_F32=_dot_f32(x))
     return _done(out, x)
 
 
@@ -265,8 +341,7 @@ def fp8_matmul_triton(x, weight, scale_inv, block, bias=None):
     if m == 0 or n == 0:
         return _done(out, x)
     bm, bn, bk = _tiles(m, 16)
-    if bk_s % bk and bk_s % 32 == 0 and not interpreting():
-        bk = 32  # keep the K tile inside one scale block where the block allows it
+    bk = _fp8_k_tile(bk, bk_s)
     s = scale_inv.float()
     b = bias if bias is not None else out
     _fp8_kernel[(cdiv(m, bm), cdiv(n, bn))](

@@ -121,6 +121,25 @@ def test_fp8_matmul(dtype, m, n, k, block, bias):
     close(out, ref, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("block", [(8, 16), (16, 32)], ids=["tile-spans-blocks", "scale-after"])
+def test_fp8_grouped_matmul(dtype, block):
+    g = torch.Generator().manual_seed(9)
+    e, n, k = 4, 19, 64
+    counts = [3, 0, 18, 1]  # an empty expert, a tile boundary crossed, a single row
+    weight = (torch.randn(e, n, k, generator=g) * 50).to(torch.float8_e4m3fn)
+    scale_inv = torch.rand(e, -(-n // block[0]), -(-k // block[1]), generator=g) * 0.02 + 1e-3
+    m = sum(counts)
+    x = torch.randn(m + 2, k, generator=g).to(dtype)  # two rows past offsets[E]: left unwritten
+    offsets = torch.tensor([0] + list(torch.tensor(counts).cumsum(0)))
+    out = qt.fp8_grouped_matmul_triton(x, offsets, weight, scale_inv, block)
+    ref = torch.cat([x[offsets[i]:offsets[i + 1]].double() @ dequant_fp8_f64(weight[i], scale_inv[i], block).T
+                     for i in range(e)])
+    close(out[:m], ref, dtype)
+    with pytest.raises(ValueError, match=r"needs scale_inv \[4, 3, 4\]"):
+        qt.fp8_grouped_matmul_triton(x, offsets, weight, scale_inv[:, :2], (8, 16))
+
+
 def test_bad_shapes_are_one_line_errors():
     blocks, scales = random_mxfp4(torch.Generator().manual_seed(0), (), 4, 32)
     with pytest.raises(ValueError, match="x must be"):

@@ -323,6 +323,39 @@ def test_triton_hand_off_takes_the_same_arguments():
                                fp8_matmul(x, wq, s, BLOCK, bias, "torch"), rtol=1e-4, atol=1e-3)
 
 
+@pytest.mark.parametrize("name", ["gpt-oss", "deepseek", "deepseek-fused"])
+def test_packed_experts_on_the_gpu_path_never_return_to_the_host(interp, folders, refs, name):
+    """Where Triton runs, the packed experts compute as one grouped GEMM per projection over
+    token-expert pairs sorted on the device (kernels/quant_triton.py): the same output as the per-expert
+    loop, and a decode step a CUDA graph can capture (engine/graphs.py's check finds nothing), here run
+    by Triton's interpreter; greedy tokens equal the fp32 reference's."""
+    from svrmad_local.engine import graphs
+
+    qdir, _ = folders[name]
+    eng = Engine.from_pretrained(qdir, device="cpu", kv_cache_memory=4 * 2**20, block_size=4, kernel_impl="triton",
+                                 cuda_graphs="static")
+    try:
+        experts = next(m for m in eng.model.modules() if isinstance(m, PACKED[name]))
+        T, k = 7, 2
+        g = torch.Generator().manual_seed(3)
+        x = torch.randn(T, getattr(experts, "hidden_size", None) or experts.hidden_dim, generator=g)
+        index = torch.randint(0, experts.num_experts, (T, k), generator=g)
+        index[2, 1] = experts.num_experts  # a padding index: no expert, no contribution
+        weights = torch.rand(T, k, generator=g)
+        with graphs.HostSyncCheck() as check:
+            grouped = experts(x, index, weights)
+        assert check.syncs == [] and check.frozen == [], check.found
+        experts.kernel_impl = "torch"  # the per-expert loop
+        torch.testing.assert_close(grouped, experts(x, index, weights), rtol=1e-5, atol=1e-5)
+        experts.kernel_impl = "triton"
+        assert eng.runner.static.found == [], eng.runner.static.found
+        prompts = [rand_prompt(WINDOW + 1, 1), rand_prompt(5, 3)]  # short: Triton's interpreter is slow
+        outs = eng.generate_sync(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        assert [o.completions[0].token_ids for o in outs] == [loop_greedy(refs[name], p, 4) for p in prompts], name
+    finally:
+        eng.close()
+
+
 def test_engine_passes_its_kernel_choice_to_packed_modules(folders):
     eng = Engine.from_pretrained(folders["gpt-oss"][0], device="cpu", kv_cache_memory=2**20, kernel_impl="torch")
     try:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from svrmad_local.kernels._quant_common import run_triton, triton_fn
 from svrmad_local.kernels.fp8 import dequantize_fp8, fp8_matmul
 from svrmad_local.kernels.mxfp4 import dequantize_mxfp4, mxfp4_matmul
 
@@ -42,6 +43,24 @@ def _empty(shape, dtype, device="meta"):
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+def _grouped_experts(hidden, index, weights, num_experts: int, experts) -> torch.Tensor:
+    """The experts' output for every token without a host sync (CUDA-graph safe), where Triton runs:
+    token-expert pairs sorted by expert on the device (a padding index, one outside [0, E), sorts last
+    and gets weight 0), one grouped GEMM per projection over all experts (`experts(rows, offsets)`),
+    then back to pair order and summed over each token's k choices in fp32, in slot order.
+    hidden [T, H], index and weights [T, k]."""
+    T, k = index.shape
+    flat = index.reshape(-1)
+    valid = (flat >= 0) & (flat < num_experts)
+    key = torch.where(valid, flat, num_experts)
+    order = torch.argsort(key, stable=True)
+    offsets = torch.searchsorted(key[order], torch.arange(num_experts + 1, device=flat.device))
+    y = experts(hidden[order // k], offsets)  # rows past offsets[E] (padding pairs) are never written
+    y = torch.empty_like(y).index_copy_(0, order, y)
+    y = torch.where(valid[:, None], y.float() * weights.reshape(-1, 1).float(), 0.0)
+    return y.view(T, k, -1).sum(1).to(hidden.dtype)
+
+
 class Mxfp4Experts(PackedModule):
     """GPT-OSS experts from MXFP4 blocks: transformers' GptOssExperts forward, step for step
     (interleaved gate/up columns, gate clamped above at `limit`, up clamped to +-limit,
@@ -67,6 +86,18 @@ class Mxfp4Experts(PackedModule):
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
     def forward(self, hidden_states: torch.Tensor, router_indices=None, routing_weights=None) -> torch.Tensor:
+        fn = triton_fn("mxfp4_grouped_matmul", self.kernel_impl, hidden_states.device)
+        if fn is not None:  # a GPU: one grouped GEMM per projection, no host sync
+
+            def experts(x, offsets):
+                h = self._apply_gate(fn(x, offsets, self.gate_up_proj_blocks, self.gate_up_proj_scales,
+                                        self.gate_up_proj_bias))
+                return fn(h, offsets, self.down_proj_blocks, self.down_proj_scales, self.down_proj_bias)
+
+            out = run_triton("mxfp4_grouped_matmul", self.kernel_impl, _grouped_experts, hidden_states, router_indices,
+                             routing_weights, self.num_experts, experts)
+            if out is not None:
+                return out
         out = torch.zeros_like(hidden_states)
         for e in torch.unique(router_indices).tolist():  # only the experts some token routed to
             if not 0 <= e < self.num_experts:  # a padding index, skipped as GptOssExperts does
@@ -139,6 +170,23 @@ class Fp8Experts(PackedModule):
                           self.kernel_impl)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        fn = triton_fn("fp8_grouped_matmul", self.kernel_impl, hidden_states.device)
+        if fn is not None:  # a GPU: one grouped GEMM per projection, no host sync
+
+            def mm(x, offsets, name):
+                return fn(x, offsets, getattr(self, name), getattr(self, name + "_scale_inv"), self.block)
+
+            def experts(x, offsets):
+                if self.fused:
+                    gate, up = mm(x, offsets, "gate_up_proj").chunk(2, dim=-1)
+                else:
+                    gate, up = mm(x, offsets, "gate_proj"), mm(x, offsets, "up_proj")
+                return mm(self.act_fn(gate) * up, offsets, "down_proj")
+
+            out = run_triton("fp8_grouped_matmul", self.kernel_impl, _grouped_experts, hidden_states, top_k_index,
+                             top_k_weights, self.num_experts, experts)
+            if out is not None:
+                return out
         out = torch.zeros_like(hidden_states)
         for e in torch.unique(top_k_index).tolist():
             if not 0 <= e < self.num_experts:
