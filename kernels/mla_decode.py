@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from ._attn_tiles import softmax_update
 from ._backend import HAS_TRITON, cdiv, disable_auto, interpreting, next_pow2, resolve_impl, tl, triton
 
 LOG2E = 1.4426950408889634
@@ -121,16 +122,7 @@ if HAS_TRITON:
             else:
                 s = tl.dot(ql, tl.trans(c))
                 s = tl.dot(qr, tl.trans(kr), s)
-            s = tl.where(pmask[None, :], s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every tile holds a visible key
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            if DOT_F32:
-                acc = tl.dot(p, c, acc * alpha[:, None], input_precision="ieee")
-            else:
-                acc = tl.dot(p.to(c.dtype), c, acc * alpha[:, None])
-            m_i = m_new
+            m_i, l_i, acc = softmax_update(s * qk_scale, pmask[None, :], c, m_i, l_i, acc, DOT_F32)
         has = l_i > 0.0
         out = acc / tl.where(has, l_i, 1.0)[:, None]
         lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))

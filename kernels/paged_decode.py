@@ -23,6 +23,7 @@ import operator
 
 import torch
 
+from ._attn_tiles import paged_scores, softmax_update
 from ._backend import HAS_TRITON, cdiv, disable_auto, interpreting, next_pow2, resolve_impl, tl, triton
 from .prefix_attention import apply_sinks
 
@@ -149,28 +150,9 @@ if HAS_TRITON:
         for t0 in range(lo, hi, BLOCK_N):
             pos = t0 + tl.arange(0, BLOCK_N)
             pmask = pos < hi
-            blk = tl.load(BT + bi * s_btb + (pos // BLOCK_SIZE) * s_btp, mask=pmask, other=0).to(tl.int64)
-            slot = blk * BLOCK_SIZE + pos % BLOCK_SIZE
-            k = tl.load(K + slot[:, None] * s_kt + kvh * s_kh + d[None, :] * s_kd,
-                        mask=pmask[:, None] & dmask[None, :], other=0.0)
-            v = tl.load(V + slot[:, None] * s_vt + kvh * s_vh + dv[None, :] * s_vd,
-                        mask=pmask[:, None] & dvmask[None, :], other=0.0)
-            if DOT_F32:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            s = tl.where(pmask[None, :], s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every tile holds a visible key
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            if DOT_F32:
-                acc = tl.dot(p, v, acc * alpha[:, None], input_precision="ieee")
-            else:
-                acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-            m_i = m_new
+            s, v = paged_scores(q, K, V, BT, bi * s_btb, pos, pmask, kvh, d, dmask, dv, dvmask, s_btp, s_kt, s_kh, s_kd,
+                                s_vt, s_vh, s_vd, BLOCK_SIZE, DOT_F32)
+            m_i, l_i, acc = softmax_update(s * qk_scale, pmask[None, :], v, m_i, l_i, acc, DOT_F32)
         has = l_i > 0.0
         out = acc / tl.where(has, l_i, 1.0)[:, None]
         lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from ._attn_tiles import paged_scores, softmax_update
 from ._backend import HAS_TRITON, disable_auto, interpreting, next_pow2, resolve_impl, tl, triton
 from .prefix_attention import apply_sinks
 
@@ -146,32 +147,12 @@ if HAS_TRITON:
         for t0 in range(lo, hi, BLOCK_N):
             pos = t0 + tl.arange(0, BLOCK_N)
             pmask = pos < hi
-            blk = tl.load(BT + run * s_btb + (pos // BLOCK_SIZE) * s_btp, mask=pmask, other=0).to(tl.int64)
-            slot = blk * BLOCK_SIZE + pos % BLOCK_SIZE
-            k = tl.load(K + slot[:, None] * s_kt + kvh * s_kh + d[None, :] * s_kd,
-                        mask=pmask[:, None] & dmask[None, :], other=0.0)
-            v = tl.load(V + slot[:, None] * s_vt + kvh * s_vh + dv[None, :] * s_vd,
-                        mask=pmask[:, None] & dvmask[None, :], other=0.0)
-            if DOT_F32:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
+            s, v = paged_scores(q, K, V, BT, run * s_btb, pos, pmask, kvh, d, dmask, dv, dvmask, s_btp, s_kt, s_kh, s_kd,
+                                s_vt, s_vh, s_vd, BLOCK_SIZE, DOT_F32)
             see = pmask[None, :] & (pos[None, :] <= qpos[:, None])
             if WINDOW:
                 see = see & (pos[None, :] > qpos[:, None] - window)
-            s = tl.where(see, s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet in this tile
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            if DOT_F32:
-                acc = tl.dot(p, v, acc * alpha[:, None], input_precision="ieee")
-            else:
-                acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-            m_i = m_new
+            m_i, l_i, acc = softmax_update(s * qk_scale, see, v, m_i, l_i, acc, DOT_F32)
         den = l_i
         if HAS_SINKS:  # the sink's logit, natural log, joins the denominator in the exp2 domain
             sink = tl.load(SINKS + head).to(tl.float32) * 1.4426950408889634

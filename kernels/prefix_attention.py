@@ -29,6 +29,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
+from ._attn_tiles import softmax_update
 from ._backend import HAS_TRITON, cdiv, disable_auto, interpreting, next_pow2, resolve_impl, tl, triton
 
 
@@ -355,17 +356,7 @@ if HAS_TRITON:
             visible = pmask[None, :]
             if WINDOW:
                 visible = visible & (pos[None, :] >= row_lo[:, None])
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))  # -inf for a row with no visible key so far
-            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)  # never -inf - -inf
-            alpha = tl.exp2(m_i - m_sub)
-            p = tl.exp2(s - m_sub[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            if DOT_F32:
-                acc = tl.dot(p, v, acc * alpha[:, None], input_precision="ieee")
-            else:
-                acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-            m_i = m_new
+            m_i, l_i, acc = softmax_update(s, visible, v, m_i, l_i, acc, DOT_F32)
         has = l_i > 0.0  # false for a row that saw no key in this chunk
         out = acc / tl.where(has, l_i, 1.0)[:, None]
         lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))

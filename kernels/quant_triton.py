@@ -104,20 +104,24 @@ if HAS_TRITON:
         return expert, row0, row_end
 
     @triton.jit
+    def _grouped_tile(OFF, E, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Program (t, j) of a grouped GEMM: its expert (0 when past the last tile), rows and mask (all
+        false past the end), output columns and mask, and how far to walk K (0 past the end)."""
+        expert, row0, row_end = _tile_expert(OFF, E, tl.program_id(0), BLOCK_M)
+        rows = row0 + tl.arange(0, BLOCK_M)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        return (tl.maximum(expert, 0).to(tl.int64), rows, rows < row_end, n, n < N,
+                tl.where(expert >= 0, K, 0))
+
+    @triton.jit
     def _mxfp4_grouped_kernel(X, OFF, W, S, B, O, E, N, K,
                               s_xm, s_xk, s_we, s_wn, s_wg, s_wb, s_se, s_sn, s_sg, s_be, s_om, s_on,
                               HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                               BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
         """Program (t, j): the t-th row tile over all experts (each expert's rows cut into tiles of
         BLOCK_M), output columns tile j. A t past the last tile finds no expert and does nothing."""
-        expert, row0, row_end = _tile_expert(OFF, E, tl.program_id(0), BLOCK_M)
-        rows = row0 + tl.arange(0, BLOCK_M)
-        rmask = rows < row_end  # all false for a tile past the end (row_end 0)
-        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        nmask = n < N
-        e_safe = tl.maximum(expert, 0).to(tl.int64)
+        e_safe, rows, rmask, n, nmask, k_end = _grouped_tile(OFF, E, N, K, BLOCK_M, BLOCK_N)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        k_end = tl.where(expert >= 0, K, 0)
         for k0 in range(0, k_end, BLOCK_K):
             acc = _mxfp4_tile(acc, X, W, S, rows, rmask, n, nmask, k0, K, e_safe * s_we, e_safe * s_se,
                               s_xm, s_xk, s_wn, s_wg, s_wb, s_sn, s_sg, BLOCK_K, DOT_F32)
@@ -176,14 +180,8 @@ if HAS_TRITON:
                             BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
         """Program (t, j): the t-th row tile over all experts against expert e's e4m3 W [N, K] (as the
         MXFP4 grouped kernel walks them); a t past the last tile does nothing."""
-        expert, row0, row_end = _tile_expert(OFF, E, tl.program_id(0), BLOCK_M)
-        rows = row0 + tl.arange(0, BLOCK_M)
-        rmask = rows < row_end
-        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        nmask = n < N
-        e_safe = tl.maximum(expert, 0).to(tl.int64)
+        e_safe, rows, rmask, n, nmask, k_end = _grouped_tile(OFF, E, N, K, BLOCK_M, BLOCK_N)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        k_end = tl.where(expert >= 0, K, 0)
         for k0 in range(0, k_end, BLOCK_K):
             acc = _fp8_tile(acc, X, W, S, rows, rmask, n, nmask, k0, K, bn, bk, e_safe * s_we, e_safe * s_se,
                             s_xm, s_xk, s_wn, s_wk, s_sn, s_sk, SCALE_AFTER, BLOCK_K, DOT_F32)
