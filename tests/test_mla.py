@@ -191,7 +191,7 @@ def test_absorbed_decode_never_waits_for_the_device(model):
     h = model.config.num_attention_heads
     c = torch.randn(64, 1, attn.kv_lora_rank)
     kr = torch.randn(64, 1, attn.qk_rope_head_dim)
-    tables = mla.DecodeTables(torch.tensor([[3, 1, 0], [2, 0, 0]], dtype=torch.int32),
+    tables = mla.BlockTables(torch.tensor([[3, 1, 0], [2, 0, 0]], dtype=torch.int32),
                               torch.tensor([9, 2], dtype=torch.int32))
     q = torch.randn(2, h, attn.qk_head_dim)
     mla.absorbed_weights(attn, h)  # the once-per-weight split is outside the step

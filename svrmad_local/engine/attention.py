@@ -169,10 +169,10 @@ class StepContext:
     decode_pos: torch.Tensor | None = None  # cascade: each decode query's position
     kernel_impl: str = "auto"
     flash: dict | None = None  # flash-attn: cu_q, cu_k, max_q, max_k, and block_table or slots
-    decode_tables: mla.DecodeTables | None = None  # the decode rows' block tables and lengths (in-place paths)
+    decode_tables: mla.BlockTables | None = None  # the decode rows' block tables and lengths (in-place paths)
     decode_impl: str | None = None  # per-head K/V decode rows in place: "cpu" (kernels.cpu_decode) or "triton"
     mla_absorbed: bool = False  # latent decode rows attend to the cached latent (engine.mla)
-    prefill_tables: mla.DecodeTables | None = None  # per-head K/V prefill runs read in place: their tables
+    prefill_tables: mla.BlockTables | None = None  # per-head K/V prefill runs read in place: their tables
     prefill_cu: list[int] | None = None  # ... and their row offsets within the prefill rows (host values)
     _views: dict = field(default_factory=dict)
     _plans: dict = field(default_factory=dict)

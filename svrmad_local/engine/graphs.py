@@ -18,11 +18,12 @@ Modes (`EngineConfig.cuda_graphs`):
   record, checkable on the CPU (tests hold it token-exact to the dynamic path);
 - "off": the dynamic path only.
 
-Before a shape is captured its first step runs eagerly under `HostSyncCheck`; an op that would wait
-for the GPU or bake host data into the graph (`.item`, `.tolist`, `nonzero`, a branch on a tensor,
-a boolean index, a tensor built from Python values) turns graphs off for the engine, naming the op
-and the line that called it (the MoE layers of transformers and of models/quant loop over the experts
-they find routed, which is such a branch). Mixed steps (a prefill chunk among the decodes), steps
+When the engine is built, one probe step (a padding row only) runs under `HostSyncCheck`; an op that
+would wait for the GPU or bake host data into a graph (`.item`, `.tolist`, `nonzero`, a branch on a
+tensor, a boolean index, a tensor built from Python values) keeps graphs off, naming the op and the
+line that called it (dynamic RoPE; our packed experts' torch path, which loops over the experts some
+token chose). Each shape's first step then runs eagerly (the warm-up that compiles the Triton kernels;
+its result is used) and is captured right after. Mixed steps (a prefill chunk among the decodes), steps
 larger than the largest size and contexts wider than the widest table run the dynamic path.
 
 Sampling and the token statistics run right after the replay, eagerly, and their first host read is
@@ -232,7 +233,7 @@ class StaticDecode:
         r = self.runner
         ids, pos, slots = self.inputs[0, :P], self.inputs[1, :P], self.inputs[2, :P]
         ctx = StepContext(r.cache, r.spec.layers, slots, [], P, kernel_impl=r.kernel_impl,
-                          decode_tables=mla.DecodeTables(self.tables[W][:P], self.lens[:P]),
+                          decode_tables=mla.BlockTables(self.tables[W][:P], self.lens[:P]),
                           decode_impl=r.inplace_decode, mla_absorbed=r.mla_absorbed)
         if r.spec.has_latent:
             ctx.latent_runs = []

@@ -8,7 +8,7 @@ directly, and apply W_UV to the [H, kv_lora_rank] result: the cost is one read o
 instead of a [context, heads x 256] expansion in every layer (about 100x less work at a 16k context).
 
 How a step uses it (EngineConfig.mla = "absorbed", the default): the runner builds the decode rows'
-block table (`DecodeTables`); the cache hook then returns the context of the prefill runs only (or, in a
+block table (`BlockTables`); the cache hook then returns the context of the prefill runs only (or, in a
 decode-only step, just the new tokens, which the model expands for nothing); `paged_attention` computes
 the decode rows here, straight from the cache (kernels.mla_decode), and the prefill runs from the
 expansion as before. "expanded" keeps transformers' computation for every row (the reference).
@@ -28,22 +28,23 @@ MODES = ("absorbed", "expanded")
 
 
 @dataclass
-class DecodeTables:
-    """The decode rows' view of the cache: block ids [nd, W] (padded with block 0) and context
-    lengths [nd] (the current token included), int32 on the step's device."""
+class BlockTables:
+    """Runs' view of the cache for the kernels that read it in place (decode rows; prefill runs on the
+    Triton path): block ids [R, W] (padded with block 0) and context lengths [R] (the run's new tokens
+    included), int32 on the step's device."""
 
     block_table: torch.Tensor
     lens: torch.Tensor
 
     @classmethod
-    def build(cls, tables: list[list[int]], lens: list[int], device) -> "DecodeTables":
+    def build(cls, tables: list[list[int]], lens: list[int], device) -> "BlockTables":
         width = max(len(t) for t in tables)
         bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
         lens_t = torch.tensor(lens, dtype=torch.int32)
         return cls(bt.to(device, non_blocking=True), lens_t.to(device, non_blocking=True))
 
-    def to(self, device) -> "DecodeTables":
-        return DecodeTables(self.block_table.to(device, non_blocking=True), self.lens.to(device, non_blocking=True))
+    def to(self, device) -> "BlockTables":
+        return BlockTables(self.block_table.to(device, non_blocking=True), self.lens.to(device, non_blocking=True))
 
 
 def check_mode(mode: str) -> str:
@@ -93,7 +94,7 @@ def absorbed_weights(module, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     return pair
 
 
-def decode_attention(module, q: torch.Tensor, c_cache: torch.Tensor, kr_cache: torch.Tensor, tables: DecodeTables,
+def decode_attention(module, q: torch.Tensor, c_cache: torch.Tensor, kr_cache: torch.Tensor, tables: BlockTables,
                      block_size: int, scaling: float, kernel_impl: str = "auto") -> torch.Tensor:
     """Attention output [nd, H, v_head_dim] of the decode queries `q` [nd, H, nope + rope] (as the
     model hands them to the attention: cat(q_nope, q_rot)) against the latent cache of their layer."""
