@@ -204,6 +204,16 @@ class Engine:
             return None, f"off: {why}"
         return static, "static (eager)" if cfg.cuda_graphs == "static" else "on"
 
+    def _graphs_info(self) -> str:
+        static = self.runner.static
+        if static is None:
+            return self.graphs_path
+        if static.off_reason is not None:
+            return f"off: {static.off_reason}"
+        if static.capture:
+            return f"on ({len(static.graphs)} shapes captured, {static.replays} steps replayed)"
+        return self.graphs_path
+
     def _eos_ids(self) -> set[int]:
         ids = set()
         for src in (getattr(self.model, "generation_config", None), self.model.config, self.tokenizer):
@@ -220,8 +230,7 @@ class Engine:
             "attention": self.runner.attention_path,
             "linear": self.linear_path,
             "decoder": self.decoder_path,
-            "cuda_graphs": self.graphs_path if self.runner.static is None or self.runner.static.off_reason is None
-            else f"off: {self.runner.static.off_reason}",
+            "cuda_graphs": self._graphs_info(),
             "weight_bytes": self.weight_bytes,
             "stats": self._stats_path(),
             "block_size": self.cfg.block_size,
