@@ -130,3 +130,18 @@ def test_the_engine_prefills_in_place_token_exact_under_the_interpreter(interp, 
     warm = eng.generate_sync([prompts[1]], SamplingParams(n=2, temperature=0, max_tokens=5, ignore_eos=True))[0]
     assert [c.token_ids for c in warm.completions] == [refs[1]] * 2, name
     assert gathers == [], name
+
+
+def test_flash_attn_is_chosen_only_where_it_reads_in_place_or_nothing_else_can():
+    from svrmad_local.engine.runner import choose_flash
+
+    cuda, cpu, bf16 = torch.device("cuda"), torch.device("cpu"), torch.bfloat16
+    assert choose_flash("auto", True, cuda, bf16, False, 256, triton_ok=True)  # pages of 256: in place
+    assert not choose_flash("auto", True, cuda, bf16, False, 16, triton_ok=True)  # ours read 16-token blocks
+    assert choose_flash("auto", True, cuda, bf16, False, 16, triton_ok=False)  # a gather, better than SDPA's
+    assert choose_flash("flash", True, cuda, bf16, False, 16, triton_ok=True)  # asked for
+    assert not choose_flash("auto", False, cuda, bf16, False, 256, triton_ok=True)  # not installed
+    assert not choose_flash("flash", True, cpu, bf16, False, 256, triton_ok=False)
+    assert not choose_flash("flash", True, cuda, torch.float32, False, 256, triton_ok=False)
+    assert not choose_flash("auto", True, cuda, bf16, True, 256, triton_ok=True)  # latent (MLA) layers
+    assert not choose_flash("sdpa", True, cuda, bf16, False, 256, triton_ok=True)

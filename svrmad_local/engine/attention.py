@@ -11,9 +11,10 @@ tokens (a prefill chunk or one decode token). Two hooks of transformers carry th
 The model's own modules do everything else (projections, RoPE from our position ids, norms, MoE),
 which is why Llama, Qwen, Mistral, Gemma 3, Phi-3, GPT-OSS and DeepSeek-V3 need no code of their own.
 
-Paths: flash-attn varlen (GPU, fp16/bf16, when installed); else SDPA: decode tokens batched in one
-call over a padded gather of their context, prefill chunks one call each with a bottom-right causal
-mask. A sliding-window layer gathers only the keys its queries can see. Sinks are applied from the
+Paths: in place through the block tables where a kernel can (decode rows: Triton on a GPU, the compiled
+kernel on the CPU; per-head K/V prefill runs: Triton on a GPU); flash-attn varlen (GPU, fp16/bf16, when
+installed and chosen, `runner.choose_flash`); else SDPA: decode tokens batched in one call over a padded
+gather of their context, prefill chunks one call each with a bottom-right causal mask. A sliding-window layer gathers only the keys its queries can see. Sinks are applied from the
 log-sum-exp after attention (`kernels.apply_sinks`). With cascade on, decode tokens that share prefix blocks
 attend to the shared blocks once (kernels.cascade_attention).
 """

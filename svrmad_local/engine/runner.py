@@ -45,8 +45,8 @@ class ModelRunner:
         self.device = self.body.get_input_embeddings().weight.device
         self.softcap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
         dtype = self.lm_head.weight.dtype
-        want_flash = (attention in ("auto", "flash") and HAS_FLASH_ATTN and self.device.type == "cuda"
-                      and dtype in (torch.float16, torch.bfloat16) and not spec.has_latent)
+        triton_ok = kernels.select_impl(kernel_impl, self.device, "paged_decode") == "triton"
+        want_flash = choose_flash(attention, HAS_FLASH_ATTN, self.device, dtype, spec.has_latent, block_size, triton_ok)
         if attention == "flash" and not want_flash:
             raise ValueError("attention='flash' needs flash-attn installed, a CUDA device, fp16/bf16 weights and "
                              "no latent (MLA) layers")
@@ -61,7 +61,7 @@ class ModelRunner:
         # decode path (engine/graphs.py) takes it even where flash-attn runs the dynamic steps.
         self.inplace_decode = None
         if attention in ("auto", "paged", "flash"):
-            if kernels.select_impl(kernel_impl, self.device, "paged_decode") == "triton":
+            if triton_ok:
                 self.inplace_decode = "triton"
             elif self.device.type == "cpu" and cpu_decode.available():
                 self.inplace_decode = "cpu"
@@ -182,6 +182,19 @@ class ModelRunner:
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
+
+
+def choose_flash(attention: str, installed: bool, device: torch.device, dtype: torch.dtype, latent: bool,
+                 block_size: int, triton_ok: bool) -> bool:
+    """Whether steps attend through flash-attn's varlen call. It needs a CUDA device, fp16/bf16 and no
+    latent layers; asked for ("flash"), it is taken; under "auto" only where it reads the cache in place
+    (blocks of a multiple of its 256-token pages) or where our Triton kernels, which read any block size
+    in place, cannot run: flash-attn over a gather of every context in every layer is what they replace."""
+    if not (installed and device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and not latent):
+        return False
+    if attention == "flash":
+        return True
+    return attention == "auto" and (block_size % FLASH_PAGE == 0 or not triton_ok)
 
 
 def _cascade_enabled(cascade: str, kernel_impl: str, device: torch.device) -> bool:
