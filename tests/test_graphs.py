@@ -206,3 +206,48 @@ def test_the_gpu_kernels_in_the_static_step_never_return_to_the_host(interp, nam
     prompts = [rand_prompt(2 * WINDOW + 5 + i, 90 + i) for i in range(3)]
     got = eng.generate_sync(prompts, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
     assert [o.completions[0].token_ids for o in got] == [loop_greedy(model, p, 5) for p in prompts], name
+
+
+def test_capture_and_replay_bookkeeping_with_a_stand_in_graph(monkeypatch):
+    """engine/graphs.py's capture path on the CPU, with torch.cuda's graph API replaced by a stand-in
+    whose replay recomputes the recorded shape from the static buffers into the captured output (what a
+    real replay does): each shape is captured once after its eager first step, later steps replay after
+    their numbers are loaded, and the tokens stay exact."""
+    import contextlib
+
+    class Graph:
+        def replay(self):
+            self.recompute()
+
+    recording = {}
+
+    @contextlib.contextmanager
+    def graph(g, pool=None, capture_error_mode="global"):
+        recording["graph"] = g
+        yield
+        recording.pop("graph")
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
+    model = make_zoo_model("qwen3")
+    eng = engine(model, cuda_graphs="static")
+    static = eng.runner.static
+    static.capture = True  # as on a GPU
+    forward = static._forward
+
+    def recorded(P, W):
+        out = forward(P, W)
+        g = recording.get("graph")
+        if g is not None:  # inside a capture: a replay writes the same output tensor
+            g.recompute = lambda: out.copy_(forward(P, W))
+        return out
+
+    static._forward = recorded
+    prompts = [rand_prompt(2 * WINDOW + 5 + i, 100 + i) for i in range(3)]
+    got = eng.generate_sync(prompts, GREEDY)
+    assert [o.completions[0].token_ids for o in got] == [loop_greedy(model, p, NEW) for p in prompts]
+    assert set(static.graphs) == {(4, 8)} and static.replays == NEW - 2  # the first decode step captured it
+    assert eng.info["cuda_graphs"] == f"on (1 shapes captured, {NEW - 2} steps replayed)"
+    more = eng.generate_sync(prompts[:1], GREEDY)[0].completions[0].token_ids  # a new shape: (1, 8)
+    assert more == loop_greedy(model, prompts[0], NEW) and set(static.graphs) == {(4, 8), (1, 8)}
