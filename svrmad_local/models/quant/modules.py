@@ -43,6 +43,20 @@ def _empty(shape, dtype, device="meta"):
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+def _looped_experts(hidden, index, weights, num_experts: int, expert) -> torch.Tensor:
+    """transformers' experts loop: for each expert some token chose (a host read), its tokens' rows through
+    `expert(rows, e)`, weighted and added into the output in expert order; a padding index (outside
+    [0, E)) is skipped. hidden [T, H], index and weights [T, k]."""
+    out = torch.zeros_like(hidden)
+    for e in torch.unique(index).tolist():
+        if not 0 <= e < num_experts:
+            continue
+        top_k_pos, token_idx = torch.where((index == e).T)
+        y = expert(hidden[token_idx], e) * weights[token_idx, top_k_pos, None]
+        out.index_add_(0, token_idx, y.to(out.dtype))
+    return out
+
+
 def _grouped_experts(hidden, index, weights, num_experts: int, experts) -> torch.Tensor:
     """The experts' output for every token without a host sync (CUDA-graph safe), where Triton runs:
     token-expert pairs sorted by expert on the device (a padding index, one outside [0, E), sorts last
@@ -85,31 +99,29 @@ class Mxfp4Experts(PackedModule):
         up = up.clamp(min=-self.limit, max=self.limit)
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
+    def _ffn(self, x: torch.Tensor, mm) -> torch.Tensor:
+        """gate/up, the clamped gate, down: `mm(rows, name)` multiplies by projection `name` plus its bias."""
+        return mm(self._apply_gate(mm(x, "gate_up_proj")), "down_proj")
+
     def forward(self, hidden_states: torch.Tensor, router_indices=None, routing_weights=None) -> torch.Tensor:
         fn = triton_fn("mxfp4_grouped_matmul", self.kernel_impl, hidden_states.device)
         if fn is not None:  # a GPU: one grouped GEMM per projection, no host sync
 
             def experts(x, offsets):
-                h = self._apply_gate(fn(x, offsets, self.gate_up_proj_blocks, self.gate_up_proj_scales,
-                                        self.gate_up_proj_bias))
-                return fn(h, offsets, self.down_proj_blocks, self.down_proj_scales, self.down_proj_bias)
+                return self._ffn(x, lambda t, name: fn(t, offsets, getattr(self, name + "_blocks"),
+                                                       getattr(self, name + "_scales"), getattr(self, name + "_bias")))
 
             out = run_triton("mxfp4_grouped_matmul", self.kernel_impl, _grouped_experts, hidden_states, router_indices,
                              routing_weights, self.num_experts, experts)
             if out is not None:
                 return out
-        out = torch.zeros_like(hidden_states)
-        for e in torch.unique(router_indices).tolist():  # only the experts some token routed to
-            if not 0 <= e < self.num_experts:  # a padding index, skipped as GptOssExperts does
-                continue
-            top_k_pos, token_idx = torch.where((router_indices == e).T)
-            x = hidden_states[token_idx]
-            gate_up = mxfp4_matmul(x, self.gate_up_proj_blocks[e], self.gate_up_proj_scales[e],
-                                   self.gate_up_proj_bias[e], self.kernel_impl)
-            y = mxfp4_matmul(self._apply_gate(gate_up), self.down_proj_blocks[e], self.down_proj_scales[e],
-                             self.down_proj_bias[e], self.kernel_impl)
-            out.index_add_(0, token_idx, (y * routing_weights[token_idx, top_k_pos, None]).to(out.dtype))
-        return out
+
+        def expert(x, e):  # only the experts some token routed to, as GptOssExperts does
+            return self._ffn(x, lambda t, name: mxfp4_matmul(t, getattr(self, name + "_blocks")[e],
+                                                             getattr(self, name + "_scales")[e],
+                                                             getattr(self, name + "_bias")[e], self.kernel_impl))
+
+        return _looped_experts(hidden_states, router_indices, routing_weights, self.num_experts, expert)
 
     def dense_weight(self, name: str = "gate_up_proj", expert: int | None = None, dtype=None) -> torch.Tensor:
         """Projection `name` ("gate_up_proj" | "down_proj") dequantized, [E, out, in] or one expert's [out, in]."""
@@ -165,41 +177,32 @@ class Fp8Experts(PackedModule):
             self.register_buffer(name + "_scale_inv", _empty((num_experts, *grid), scale_dtype, device))
         self.projections = tuple(shapes)
 
-    def _mm(self, x, name: str, e: int):
-        return fp8_matmul(x, getattr(self, name)[e], getattr(self, name + "_scale_inv")[e], self.block, None,
-                          self.kernel_impl)
+    def _ffn(self, x: torch.Tensor, mm) -> torch.Tensor:
+        """act(gate) * up, then down: `mm(rows, name)` multiplies by projection `name`."""
+        if self.fused:
+            gate, up = mm(x, "gate_up_proj").chunk(2, dim=-1)
+        else:
+            gate, up = mm(x, "gate_proj"), mm(x, "up_proj")
+        return mm(self.act_fn(gate) * up, "down_proj")
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         fn = triton_fn("fp8_grouped_matmul", self.kernel_impl, hidden_states.device)
         if fn is not None:  # a GPU: one grouped GEMM per projection, no host sync
 
-            def mm(x, offsets, name):
-                return fn(x, offsets, getattr(self, name), getattr(self, name + "_scale_inv"), self.block)
-
             def experts(x, offsets):
-                if self.fused:
-                    gate, up = mm(x, offsets, "gate_up_proj").chunk(2, dim=-1)
-                else:
-                    gate, up = mm(x, offsets, "gate_proj"), mm(x, offsets, "up_proj")
-                return mm(self.act_fn(gate) * up, offsets, "down_proj")
+                return self._ffn(x, lambda t, name: fn(t, offsets, getattr(self, name),
+                                                       getattr(self, name + "_scale_inv"), self.block))
 
             out = run_triton("fp8_grouped_matmul", self.kernel_impl, _grouped_experts, hidden_states, top_k_index,
                              top_k_weights, self.num_experts, experts)
             if out is not None:
                 return out
-        out = torch.zeros_like(hidden_states)
-        for e in torch.unique(top_k_index).tolist():
-            if not 0 <= e < self.num_experts:
-                continue
-            top_k_pos, token_idx = torch.where((top_k_index == e).T)
-            x = hidden_states[token_idx]
-            if self.fused:
-                gate, up = self._mm(x, "gate_up_proj", e).chunk(2, dim=-1)
-            else:
-                gate, up = self._mm(x, "gate_proj", e), self._mm(x, "up_proj", e)
-            y = self._mm(self.act_fn(gate) * up, "down_proj", e) * top_k_weights[token_idx, top_k_pos, None]
-            out.index_add_(0, token_idx, y.to(out.dtype))
-        return out
+
+        def expert(x, e):
+            return self._ffn(x, lambda t, name: fp8_matmul(t, getattr(self, name)[e], getattr(self, name + "_scale_inv")[e],
+                                                           self.block, None, self.kernel_impl))
+
+        return _looped_experts(hidden_states, top_k_index, top_k_weights, self.num_experts, expert)
 
     def dense_weight(self, name: str = "down_proj", expert: int | None = None, dtype=None) -> torch.Tensor:
         """Projection `name` dequantized, [E, out, in] or one expert's [out, in]; "gate_up_proj" of a
