@@ -79,23 +79,35 @@ def reference_paged_decode(q, k_cache, v_cache, block_table, context_lens, block
 
 
 def _check(q, k_cache, v_cache, block_table, context_lens, block_size, window, sinks):
-    if q.dim() != 3 or k_cache.dim() != 3 or v_cache.dim() != 3 or k_cache.shape[:2] != v_cache.shape[:2]:
-        raise ValueError(f"paged_decode needs q [B,H,D], k_cache [slots,Hkv,D], v_cache [slots,Hkv,Dv]; got "
-                         f"{list(q.shape)}, {list(k_cache.shape)}, {list(v_cache.shape)}")
-    b, h, d = q.shape
-    if k_cache.shape[2] != d or h % k_cache.shape[1]:
-        raise ValueError(f"paged_decode: q {list(q.shape)} does not fit k_cache {list(k_cache.shape)} "
-                         f"(head dim must match, H a multiple of the KV heads)")
-    if block_table.dim() != 2 or block_table.shape[0] != b or block_table.is_floating_point():
-        raise ValueError(f"paged_decode: block_table must be an int tensor [B={b}, max_blocks], "
-                         f"got {block_table.dtype} {list(block_table.shape)}")
+    b = q.shape[0] if q.dim() else 0  # (a q of the wrong rank is refused first, by name)
+    window = check_paged_call("paged_decode", "B", ("B", b), q, k_cache, v_cache, block_table, block_size, window, sinks)
     if tuple(context_lens.shape) != (b,) or context_lens.is_floating_point():
         raise ValueError(f"paged_decode: context_lens must be an int tensor [B={b}], got "
                          f"{context_lens.dtype} {list(context_lens.shape)}")
+    return window
+
+
+def check_paged_call(name: str, q_rows: str, table_rows: tuple[str, int], q, k_cache, v_cache, block_table,
+                     block_size, window, sinks):
+    """What every kernel reading the flat-slot cache through a block table checks: q [N, H, D] (`q_rows`
+    names N in messages) against k_cache [slots, Hkv, D] and v_cache [slots, Hkv, Dv], an int table of
+    `table_rows` = (label, count) rows, whole blocks, sinks [H]. Returns the window as an int (or None);
+    each ValueError names `name` and the argument."""
+    if q.dim() != 3 or k_cache.dim() != 3 or v_cache.dim() != 3 or k_cache.shape[:2] != v_cache.shape[:2]:
+        raise ValueError(f"{name} needs q [{q_rows},H,D], k_cache [slots,Hkv,D], v_cache [slots,Hkv,Dv]; got "
+                         f"{list(q.shape)}, {list(k_cache.shape)}, {list(v_cache.shape)}")
+    h, d = q.shape[1:]
+    if k_cache.shape[2] != d or h % k_cache.shape[1]:
+        raise ValueError(f"{name}: q {list(q.shape)} does not fit k_cache {list(k_cache.shape)} "
+                         f"(head dim must match, H a multiple of the KV heads)")
+    label, n = table_rows
+    if block_table.dim() != 2 or block_table.shape[0] != n or block_table.is_floating_point():
+        raise ValueError(f"{name}: block_table must be an int tensor [{label}={n}, max_blocks], "
+                         f"got {block_table.dtype} {list(block_table.shape)}")
     if block_size < 1 or k_cache.shape[0] % block_size:
-        raise ValueError(f"paged_decode: the cache's {k_cache.shape[0]} slots are not whole blocks of {block_size}")
+        raise ValueError(f"{name}: the cache's {k_cache.shape[0]} slots are not whole blocks of {block_size}")
     if sinks is not None and tuple(sinks.shape) != (h,):
-        raise ValueError(f"paged_decode: sinks must be [H]=[{h}], got {list(sinks.shape)}")
+        raise ValueError(f"{name}: sinks must be [H]=[{h}], got {list(sinks.shape)}")
     if window is None:
         return None
     try:
@@ -103,7 +115,7 @@ def _check(q, k_cache, v_cache, block_table, context_lens, block_size, window, s
     except TypeError:
         window = 0
     if window < 1:
-        raise ValueError(f"paged_decode: window must be a positive int or None, got {window!r}")
+        raise ValueError(f"{name}: window must be a positive int or None, got {window!r}")
     return window
 
 

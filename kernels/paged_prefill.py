@@ -24,6 +24,7 @@ import torch
 
 from ._attn_tiles import paged_scores, softmax_update
 from ._backend import HAS_TRITON, disable_auto, interpreting, next_pow2, resolve_impl, tl, triton
+from .paged_decode import check_paged_call
 from .prefix_attention import apply_sinks
 
 
@@ -34,7 +35,7 @@ def paged_prefill(q, k_cache, v_cache, block_table, cu_q, context_lens, block_si
     context_lens [R] int, each at least its run's row count. Returns [T, H, Dv] in q's dtype."""
     cu = [int(c) for c in (cu_q.tolist() if torch.is_tensor(cu_q) else cu_q)]
     lens = [int(n) for n in (context_lens.tolist() if torch.is_tensor(context_lens) else context_lens)]
-    _check(q, k_cache, v_cache, block_table, cu, lens, block_size, window, sinks)
+    window = _check(q, k_cache, v_cache, block_table, cu, lens, block_size, window, sinks)
     if resolve_impl(kernel_impl, q.device, "paged_prefill") == "triton":
         try:
             return _paged_prefill_triton(q, k_cache, v_cache, block_table, cu, lens, block_size, scale, window,
@@ -76,17 +77,9 @@ def reference_paged_prefill(q, k_cache, v_cache, block_table, cu_q, context_lens
 
 
 def _check(q, k_cache, v_cache, block_table, cu, lens, block_size, window, sinks):
-    if q.dim() != 3 or k_cache.dim() != 3 or v_cache.dim() != 3 or k_cache.shape[:2] != v_cache.shape[:2]:
-        raise ValueError(f"paged_prefill needs q [T,H,D], k_cache [slots,Hkv,D], v_cache [slots,Hkv,Dv]; got "
-                         f"{list(q.shape)}, {list(k_cache.shape)}, {list(v_cache.shape)}")
-    h, d = q.shape[1:]
-    if k_cache.shape[2] != d or h % k_cache.shape[1]:
-        raise ValueError(f"paged_prefill: q {list(q.shape)} does not fit k_cache {list(k_cache.shape)} "
-                         f"(head dim must match, H a multiple of the KV heads)")
     runs = len(lens)
-    if block_table.dim() != 2 or block_table.shape[0] != runs or block_table.is_floating_point():
-        raise ValueError(f"paged_prefill: block_table must be an int tensor [R={runs}, max_blocks], "
-                         f"got {block_table.dtype} {list(block_table.shape)}")
+    window = check_paged_call("paged_prefill", "T", ("R", runs), q, k_cache, v_cache, block_table, block_size,
+                              window, sinks)
     if len(cu) != runs + 1 or cu[0] != 0 or cu[-1] != q.shape[0] or any(b < a for a, b in zip(cu, cu[1:])):
         raise ValueError(f"paged_prefill: cu_q must be R+1={runs + 1} non-decreasing row offsets from 0 to "
                          f"T={q.shape[0]}, got {cu}")
@@ -94,12 +87,7 @@ def _check(q, k_cache, v_cache, block_table, cu, lens, block_size, window, sinks
         if n < cu[r + 1] - cu[r] or n > block_table.shape[1] * block_size:
             raise ValueError(f"paged_prefill: run {r} has {cu[r + 1] - cu[r]} new rows and context_len {n}: "
                              f"the context must hold the rows and fit its {block_table.shape[1]} blocks")
-    if block_size < 1 or k_cache.shape[0] % block_size:
-        raise ValueError(f"paged_prefill: the cache's {k_cache.shape[0]} slots are not whole blocks of {block_size}")
-    if sinks is not None and tuple(sinks.shape) != (h,):
-        raise ValueError(f"paged_prefill: sinks must be [H]=[{h}], got {list(sinks.shape)}")
-    if window is not None and (not isinstance(window, int) or window < 1):
-        raise ValueError(f"paged_prefill: window must be a positive int or None, got {window!r}")
+    return window
 
 
 # ----------------------------------------------------------------------------------------------
