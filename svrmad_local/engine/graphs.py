@@ -193,15 +193,19 @@ class StaticDecode:
             self._forward(1, self.widths[0])
         self.found = check.found
 
-    def fits(self, step) -> bool:
-        return (self.off_reason is None and step.num_decode == len(step.runs) and 0 < step.num_decode <= self.sizes[-1]
-                and max(len(b) for _, _, b in step.runs) <= self.widths[-1])
-
-    def run(self, step) -> torch.Tensor:
-        """Final hidden states [B, H] of a decode-only step (rows in the step's order)."""
+    def shape(self, step) -> tuple[int, int] | None:
+        """(P rows, W table columns) a decode-only step runs at, or None where it runs the dynamic path."""
         B = step.num_decode
-        P = next(s for s in self.sizes if s >= B)
-        W = next(w for w in self.widths if w >= max(len(b) for _, _, b in step.runs))
+        if self.off_reason is not None or B != len(step.runs) or not 0 < B <= self.sizes[-1]:
+            return None
+        widest = max(len(b) for _, _, b in step.runs)
+        if widest > self.widths[-1]:
+            return None
+        return next(s for s in self.sizes if s >= B), next(w for w in self.widths if w >= widest)
+
+    def run(self, step, shape: tuple[int, int]) -> torch.Tensor:
+        """Final hidden states [B, H] of a decode-only step (rows in the step's order) at `shape`."""
+        B, (P, W) = step.num_decode, shape
         self._load(step, P, W)
         hit = self.graphs.get((P, W))
         if hit is not None:

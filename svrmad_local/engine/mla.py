@@ -43,6 +43,11 @@ class BlockTables:
         lens_t = torch.tensor(lens, dtype=torch.int32)
         return cls(bt.to(device, non_blocking=True), lens_t.to(device, non_blocking=True))
 
+    @classmethod
+    def of_runs(cls, runs, device) -> "BlockTables":
+        """From a step's runs (start, end, block ids covering [0, end)): each run's table, its end as length."""
+        return cls.build([b for _, _, b in runs], [e for _, e, _ in runs], device)
+
     def to(self, device) -> "BlockTables":
         return BlockTables(self.block_table.to(device, non_blocking=True), self.lens.to(device, non_blocking=True))
 

@@ -115,8 +115,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, step: StepInput) -> torch.Tensor:
         self.cache.apply_copies(step.copies)
-        if self.static is not None and self.static.fits(step):
-            return self.static.run(step)
+        shape = self.static.shape(step) if self.static is not None else None
+        if shape is not None:
+            return self.static.run(step, shape)
         dev, bs = self.device, self.block_size
         pos, slot_map, runs = [], [], []
         row = 0
@@ -139,12 +140,10 @@ class ModelRunner:
         elif self.spec.has_latent:
             ctx.latent_runs = []
         if nd and (self.mla_absorbed or self.decode_impl):  # decode rows read the cache in place
-            decode = step.runs[:nd]
-            ctx.decode_tables = mla.BlockTables.build([b for _, _, b in decode], [e for _, e, _ in decode], dev)
+            ctx.decode_tables = mla.BlockTables.of_runs(step.runs[:nd], dev)
             ctx.decode_impl, ctx.mla_absorbed = self.decode_impl, self.mla_absorbed
         if self.prefill_in_place and len(step.runs) > nd:  # prefill rows read the cache in place
-            prefill = step.runs[nd:]
-            ctx.prefill_tables = mla.BlockTables.build([b for _, _, b in prefill], [e for _, e, _ in prefill], dev)
+            ctx.prefill_tables = mla.BlockTables.of_runs(step.runs[nd:], dev)
             ctx.prefill_cu = [r.row0 - nd for r in runs[nd:]] + [runs[-1].row1 - nd]  # rows of q[nd:]
         if self.attention_path.startswith("flash-attn"):
             lens = [r.index.shape[0] for r in runs]
@@ -154,7 +153,7 @@ class ModelRunner:
                 "max_q": max(r.row1 - r.row0 for r in runs), "max_k": max(lens),
             }
             if self.flash_paged:  # flash-attn reads the blocks in place through the block table
-                ctx.flash["block_table"] = mla.BlockTables.build([b for _, _, b in step.runs], lens, dev).block_table
+                ctx.flash["block_table"] = mla.BlockTables.of_runs(step.runs, dev).block_table
             else:  # blocks smaller than flash-attn's 256-token pages: gather the context first
                 ctx.flash["slots"] = torch.cat([r.index for r in runs])
         if self.cascade and nd >= 2:
