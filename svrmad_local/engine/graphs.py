@@ -180,10 +180,9 @@ class StaticDecode:
         self.runner, self.scratch, self.capture = runner, scratch, capture
         self.sizes, self.widths = batch_sizes(max_num_seqs), widths(max_blocks)
         n, dev = self.sizes[-1], runner.device
-        self.inputs = torch.zeros(4, n, dtype=torch.long, device=dev)  # ids, positions, slots, lengths
+        self.inputs = torch.zeros(3, n, dtype=torch.long, device=dev)  # ids, positions, slots
         self.inputs[2] = scratch * runner.block_size
-        self.inputs[3] = 1
-        self.lens = self.inputs[3].to(torch.int32)  # the kernels take int32 lengths: refreshed by each load
+        self.lens = torch.ones(n, dtype=torch.int32, device=dev)  # context lengths (the kernels take int32)
         self.tables = {w: torch.full((n, w), scratch, dtype=torch.int32, device=dev) for w in self.widths}
         self.graphs: dict[tuple[int, int], tuple] = {}
         self.off_reason: str | None = None  # set if a capture fails: every later step runs the dynamic path
@@ -218,19 +217,20 @@ class StaticDecode:
         return hidden[:B]
 
     def _load(self, step, P: int, W: int) -> None:
-        """Copies the step into the static buffers: one host array for the per-row numbers, one for the
+        """Copies the step into the static buffers from host arrays: ids, positions and slots; lengths; the
         block table (numpy, so the host work is a few calls at any batch size)."""
         bs, B = self.runner.block_size, step.num_decode
-        host = np.zeros((4, P), dtype=np.int64)
-        host[2], host[3] = self.scratch * bs, 1
+        host = np.zeros((3, P), dtype=np.int64)
+        host[2] = self.scratch * bs
+        lens = np.ones(P, dtype=np.int32)
         table = np.full((P, W), self.scratch, dtype=np.int32)
         host[0, :B] = step.ids
         for i, (_, end, blocks) in enumerate(step.runs):
-            host[1, i], host[3, i] = end - 1, end
+            host[1, i], lens[i] = end - 1, end
             host[2, i] = blocks[(end - 1) // bs] * bs + (end - 1) % bs
             table[i, : len(blocks)] = blocks
         self.inputs[:, :P].copy_(torch.from_numpy(host), non_blocking=True)
-        self.lens[:P].copy_(self.inputs[3, :P])
+        self.lens[:P].copy_(torch.from_numpy(lens), non_blocking=True)
         self.tables[W][:P].copy_(torch.from_numpy(table), non_blocking=True)
 
     def _forward(self, P: int, W: int) -> torch.Tensor:
