@@ -128,8 +128,6 @@ class Engine:
         # engine made batch-4 steps sleep 66 times each, 119.5 ms a step against 110.6 ms once handed back.
         release_team()
         self.scheduler = Scheduler(self.blocks, self.cache, cfg.max_num_seqs, cfg.max_num_batched_tokens)
-        mc = model.config.get_text_config()
-        self.max_model_len = getattr(mc, "max_position_embeddings", None) or 1 << 30
         self.eos_ids = self._eos_ids()
         self.totals = EngineTotals()
         self._rng = random.Random(cfg.seed)
@@ -166,6 +164,8 @@ class Engine:
         self.decoder_path = "the model's modules (tensor parallel)"
         if not self.sharded:
             self.runner.lean, self.decoder_path = select_decoder(model, spec, cfg.decoder)
+        mc = model.config.get_text_config()
+        self.max_model_len = getattr(mc, "max_position_embeddings", None) or 1 << 30
         self.runner.static, self.graphs_path = self._static_decode(cfg, num_blocks)
         # the static path's padding rows write a scratch block that no sequence may own: the last one
         self.blocks = BlockManager(num_blocks - (self.runner.static is not None), cfg.block_size)
@@ -189,9 +189,7 @@ class Engine:
             why = f"the KV budget holds {num_blocks} blocks: none to spare for the padding rows' scratch block"
         static = None
         if why is None:
-            mc = self.model.config.get_text_config()
-            max_len = getattr(mc, "max_position_embeddings", None) or num_blocks * cfg.block_size
-            max_blocks = max(1, min(-(-max_len // cfg.block_size), num_blocks - 1))
+            max_blocks = max(1, min(-(-self.max_model_len // cfg.block_size), num_blocks - 1))
             static = graphs.StaticDecode(self.runner, cfg.max_num_seqs, max_blocks, num_blocks - 1,
                                          capture=cfg.cuda_graphs != "static")
             if static.found and cfg.cuda_graphs != "static":
