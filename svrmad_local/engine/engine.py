@@ -13,7 +13,7 @@ import logging
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Union
 
 import torch
@@ -25,7 +25,6 @@ from .attention import Attachment
 from .kv_cache import BlockManager, KVCache
 from .lean import select_decoder
 from .memory import keep_freed_memory, kv_budget, parse_memory  # noqa: F401  (parse_memory: public)
-from .params import SamplingParams
 from .runner import ModelRunner
 from .sampler import sample
 from .scheduler import RequestTooLarge, Scheduler, Work  # noqa: F401  (RequestTooLarge: public)
@@ -33,51 +32,13 @@ from .sequence import Completion, Request, RequestOutput, ScoreOutput, Sequence
 from .threads import BarrierSleepWatch, release_team
 from .spec import inspect_model
 from . import graphs, tp
-from .stats import SignalConfig, sequence_signals, stats_from_logits
+from .config import EngineConfig, SamplingParams  # noqa: F401  (EngineConfig: public here too)
+from .stats import sequence_signals, stats_from_logits
 
 
 log = logging.getLogger("svrmad_local")
 
 Prompt = Union[list[int], str, list[dict]]
-
-
-@dataclass
-class EngineConfig:
-    """block_size: tokens per KV block. kv_cache_memory: the KV budget, as bytes (int), a fraction
-    of the memory available after loading (float <= 1), or a string such as "2GiB"; None means
-    90% of free GPU memory, or 2 GiB on the CPU. kernel_impl: "auto" | "torch" | "triton", the path of
-    kernels/ (fused token statistics for scoring, cascade attention): "auto" takes Triton on a GPU,
-    "torch" forces the references. cascade: "auto" (off: measured slower, see runner._cascade_enabled) | "on" | "off".
-    linear: "auto" | "panels" | "onednn" | "aten", how the model's linears run (models/linear.py): "auto"
-    packs fp32 weights into our kernel's panels on the CPU (else oneDNN's layout, else F.linear) and says
-    why not where it cannot; the packing is done in place, once.
-
-    decoder: "auto" | "lean" | "modules", how the layers run (engine/lean.py): "auto" takes the lean
-    forward (fused norms, RoPE and cache writes; bitwise the modules' computation with those norms) for
-    fp32 Llama/Mistral/Qwen2/Qwen3 on the CPU, else the model's own modules, saying why.
-
-    mla: "absorbed" (decode rows of multi-head latent attention read the cached latent, engine/mla.py) |
-    "expanded" (transformers' own expansion of the whole context at every step, the reference).
-
-    cuda_graphs: "auto" | "on" | "static" | "off" (engine/graphs.py): decode-only steps at fixed batch
-    sizes over static buffers, captured in CUDA graphs and replayed; "auto" takes them on a CUDA device
-    when nothing rules them out and says why not in `info["cuda_graphs"]`, "on" makes a reason an
-    error, "static" runs the same fixed-shape path eagerly on any device (what a graph would record)."""
-
-    block_size: int = 16  # 256 (a flash-attn page) lets flash-attn read the cache in place
-    kv_cache_memory: int | float | str | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    attention: str = "auto"
-    kernel_impl: str = "auto"
-    cascade: str = "auto"
-    linear: str = "auto"
-    decoder: str = "auto"
-    mla: str = "absorbed"
-    cuda_graphs: str = "auto"
-    score_chunk: int = 1024
-    signals: SignalConfig = field(default_factory=SignalConfig)
-    seed: int = 0
 
 
 @dataclass
