@@ -29,9 +29,9 @@ from .scheduler import RequestTooLarge, Scheduler  # noqa: F401  (RequestTooLarg
 from .sequence import Request, RequestOutput, ScoreOutput, Sequence
 from .threads import BarrierSleepWatch, release_team
 from .spec import inspect_model
-from . import graphs, step, tp
+from . import graphs, tp
 from .config import EngineConfig, SamplingParams  # noqa: F401  (EngineConfig: public here too)
-from .step import seed_for
+from .step import Step, output, seed_for
 
 
 log = logging.getLogger("svrmad_local")
@@ -85,6 +85,9 @@ class Engine:
         self.scheduler = Scheduler(self.blocks, self.cache, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.eos_ids = self._eos_ids()
         self.totals = EngineTotals()
+        self.stepper = Step(self.scheduler, self.runner, self.totals, block_bytes=self.block_bytes, eos_ids=self.eos_ids,
+                            tokenizer=tokenizer, max_model_len=self.max_model_len, kernel_impl=cfg.kernel_impl,
+                            score_chunk=cfg.score_chunk, watch=self._watch)
         self._rng = random.Random(cfg.seed)
         self._next_id = 0
         self._loop_task: asyncio.Task | None = None
@@ -185,7 +188,7 @@ class Engine:
             "decoder": self.decoder_path,
             "cuda_graphs": self._graphs_info(),
             "weight_bytes": self.weight_bytes,
-            "stats": self._stats_path(),
+            "stats": self.stepper.stats_path,
             "block_size": self.cfg.block_size,
             "kv_blocks": self.blocks.num_blocks,
             "kv_budget_bytes": self.kv_budget_bytes,
@@ -333,7 +336,7 @@ class Engine:
                     if req.error is not None:
                         req.future.set_exception(req.error)
                     else:
-                        req.future.set_result(self._output(req))
+                        req.future.set_result(output(req, self.tokenizer, self.cfg.signals))
 
     def _fail_all(self, exc: BaseException) -> None:
         self.scheduler.abort_all()
@@ -342,12 +345,6 @@ class Engine:
                 req.future.set_exception(exc)
         self._live.clear()
 
-    # -- one step (worker thread): engine/step.py -----------------------------------------------
     def _step(self) -> list[Request]:
-        return step.step(self)
-
-    def _output(self, req: Request) -> RequestOutput | ScoreOutput:
-        return step._output(self, req)
-
-    def _stats_path(self) -> str:
-        return step._stats_path(self)
+        """One step on the worker thread (engine/step.py)."""
+        return self.stepper.run()
