@@ -26,7 +26,7 @@ import torch
 
 from bench_engine import DebateWorkload
 from svrmad_local.engine.engine import Engine, EngineConfig
-from svrmad_local.engine.params import SamplingParams
+from svrmad_local.engine.config import SamplingParams
 from svrmad_local.eval.datasets import load_dataset
 from svrmad_local.models.chat import ChatFormat
 from svrmad_local.models.default import ensure_default_model

@@ -32,7 +32,7 @@ from bench_engine import engine_overrides
 from bench_mla import best_of
 from bench_vs_vllm import VLLM_DTYPES, VllmWorker, vllm_settings, vllm_unavailable
 from svrmad_local.engine.engine import Engine, EngineConfig
-from svrmad_local.engine.params import SamplingParams
+from svrmad_local.engine.config import SamplingParams
 from svrmad_local.models.default import ensure_default_model
 from svrmad_local.models.linear import FusedGroup, PackedLinear
 from svrmad_local.models.loader import load_model

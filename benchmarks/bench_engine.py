@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from svrmad_local.engine.engine import Engine, EngineConfig  # noqa: E402
-from svrmad_local.engine.params import SamplingParams  # noqa: E402
+from svrmad_local.engine.config import SamplingParams  # noqa: E402
 from svrmad_local.eval.datasets import load_dataset  # noqa: E402
 from svrmad_local.models.chat import ChatFormat  # noqa: E402
 from svrmad_local.models.default import ensure_default_model  # noqa: E402

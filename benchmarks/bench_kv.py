@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from svrmad_local.engine.attention import Attachment  # noqa: E402
 from svrmad_local.engine.engine import Engine, EngineConfig  # noqa: E402
-from svrmad_local.engine.params import SamplingParams  # noqa: E402
+from svrmad_local.engine.config import SamplingParams  # noqa: E402
 from svrmad_local.engine.spec import ModelSpec, inspect_model  # noqa: E402
 
 

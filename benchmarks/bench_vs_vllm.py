@@ -51,7 +51,7 @@ import torch
 
 from bench_engine import DebateWorkload, QuestionRun, check_runs, engine_overrides, prefill_lower_bound, run_engine
 from svrmad_local.engine.engine import Engine, EngineConfig
-from svrmad_local.engine.params import SamplingParams
+from svrmad_local.engine.config import SamplingParams
 from svrmad_local.models.default import ensure_default_model
 from svrmad_local.models.loader import load_model
 

@@ -11,14 +11,14 @@ __all__ = ["Engine", "EngineConfig", "SamplingParams", "load_model"]
 
 def __getattr__(name: str):
     """The public names, imported on first use (so `import svrmad_local` stays light)."""
-    if name in ("Engine", "EngineConfig"):
-        from svrmad_local.engine import engine
+    if name == "Engine":
+        from svrmad_local.engine.engine import Engine
 
-        return getattr(engine, name)
-    if name == "SamplingParams":
-        from svrmad_local.engine.params import SamplingParams
+        return Engine
+    if name in ("EngineConfig", "SamplingParams"):
+        from svrmad_local.engine import config
 
-        return SamplingParams
+        return getattr(config, name)
     if name == "load_model":
         from svrmad_local.models.loader import load_model
 

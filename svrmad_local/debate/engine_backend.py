@@ -19,7 +19,7 @@ from svrmad_local.grading import extract_answer
 from svrmad_local.debate.prompts import debate_format, initial_messages
 from svrmad_local.debate.types import Question, Response, debate_id
 from svrmad_local.engine.engine import Engine
-from svrmad_local.engine.params import SamplingParams
+from svrmad_local.engine.config import SamplingParams
 from svrmad_local.engine.stats import sequence_signals
 from svrmad_local.models.chat import ChatFormat
 from svrmad_local.models.reasoning import detect, effort_kwargs

@@ -13,71 +13,30 @@ import logging
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Union
 
 import torch
 
-from svrmad_local import kernels
 from svrmad_local.models.linear import select_linear, weight_bytes
 
 from .attention import Attachment
 from .kv_cache import BlockManager, KVCache
 from .lean import select_decoder
 from .memory import keep_freed_memory, kv_budget, parse_memory  # noqa: F401  (parse_memory: public)
-from .params import SamplingParams
 from .runner import ModelRunner
-from .sampler import sample
-from .scheduler import RequestTooLarge, Scheduler, Work  # noqa: F401  (RequestTooLarge: public)
-from .sequence import Completion, Request, RequestOutput, ScoreOutput, Sequence
+from .scheduler import RequestTooLarge, Scheduler  # noqa: F401  (RequestTooLarge: public)
+from .sequence import Request, RequestOutput, ScoreOutput, Sequence
 from .threads import BarrierSleepWatch, release_team
 from .spec import inspect_model
 from . import graphs, tp
-from .stats import SignalConfig, sequence_signals, stats_from_logits
+from .config import EngineConfig, SamplingParams  # noqa: F401  (EngineConfig: public here too)
+from .step import Step, output, seed_for
 
 
 log = logging.getLogger("svrmad_local")
 
 Prompt = Union[list[int], str, list[dict]]
-
-
-@dataclass
-class EngineConfig:
-    """block_size: tokens per KV block. kv_cache_memory: the KV budget, as bytes (int), a fraction
-    of the memory available after loading (float <= 1), or a string such as "2GiB"; None means
-    90% of free GPU memory, or 2 GiB on the CPU. kernel_impl: "auto" | "torch" | "triton", the path of
-    kernels/ (fused token statistics for scoring, cascade attention): "auto" takes Triton on a GPU,
-    "torch" forces the references. cascade: "auto" (off: measured slower, see runner._cascade_enabled) | "on" | "off".
-    linear: "auto" | "panels" | "onednn" | "aten", how the model's linears run (models/linear.py): "auto"
-    packs fp32 weights into our kernel's panels on the CPU (else oneDNN's layout, else F.linear) and says
-    why not where it cannot; the packing is done in place, once.
-
-    decoder: "auto" | "lean" | "modules", how the layers run (engine/lean.py): "auto" takes the lean
-    forward (fused norms, RoPE and cache writes; bitwise the modules' computation with those norms) for
-    fp32 Llama/Mistral/Qwen2/Qwen3 on the CPU, else the model's own modules, saying why.
-
-    mla: "absorbed" (decode rows of multi-head latent attention read the cached latent, engine/mla.py) |
-    "expanded" (transformers' own expansion of the whole context at every step, the reference).
-
-    cuda_graphs: "auto" | "on" | "static" | "off" (engine/graphs.py): decode-only steps at fixed batch
-    sizes over static buffers, captured in CUDA graphs and replayed; "auto" takes them on a CUDA device
-    when nothing rules them out and says why not in `info["cuda_graphs"]`, "on" makes a reason an
-    error, "static" runs the same fixed-shape path eagerly on any device (what a graph would record)."""
-
-    block_size: int = 16  # 256 (a flash-attn page) lets flash-attn read the cache in place
-    kv_cache_memory: int | float | str | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    attention: str = "auto"
-    kernel_impl: str = "auto"
-    cascade: str = "auto"
-    linear: str = "auto"
-    decoder: str = "auto"
-    mla: str = "absorbed"
-    cuda_graphs: str = "auto"
-    score_chunk: int = 1024
-    signals: SignalConfig = field(default_factory=SignalConfig)
-    seed: int = 0
 
 
 @dataclass
@@ -100,10 +59,6 @@ def _layer_device(model, layers, i: int) -> torch.device:
         if p is not None:
             return p.device
     return model.base_model.get_input_embeddings().weight.device
-
-
-def _seed_for(seed: int, index: int) -> int:
-    return (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9 + 1) % (2**63 - 1)
 
 
 class Engine:
@@ -130,6 +85,9 @@ class Engine:
         self.scheduler = Scheduler(self.blocks, self.cache, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.eos_ids = self._eos_ids()
         self.totals = EngineTotals()
+        self.stepper = Step(self.scheduler, self.runner, self.totals, block_bytes=self.block_bytes, eos_ids=self.eos_ids,
+                            tokenizer=tokenizer, max_model_len=self.max_model_len, kernel_impl=cfg.kernel_impl,
+                            score_chunk=cfg.score_chunk, watch=self._watch)
         self._rng = random.Random(cfg.seed)
         self._next_id = 0
         self._loop_task: asyncio.Task | None = None
@@ -230,7 +188,7 @@ class Engine:
             "decoder": self.decoder_path,
             "cuda_graphs": self._graphs_info(),
             "weight_bytes": self.weight_bytes,
-            "stats": self._stats_path(),
+            "stats": self.stepper.stats_path,
             "block_size": self.cfg.block_size,
             "kv_blocks": self.blocks.num_blocks,
             "kv_budget_bytes": self.kv_budget_bytes,
@@ -345,7 +303,7 @@ class Engine:
         release_team()
         req.future = loop.create_future()
         seed = req.params.seed if req.params.seed is not None else self._rng.getrandbits(62)
-        gen = random.Random(_seed_for(seed, 0))
+        gen = random.Random(seed_for(seed, 0))
         leader = Sequence(req, 0, list(req.prompt), len(req.prompt), gen, is_leader_prefill=req.params.n > 1)
         req.seed = seed
         req.sequences.append(leader)
@@ -378,7 +336,7 @@ class Engine:
                     if req.error is not None:
                         req.future.set_exception(req.error)
                     else:
-                        req.future.set_result(self._output(req))
+                        req.future.set_result(output(req, self.tokenizer, self.cfg.signals))
 
     def _fail_all(self, exc: BaseException) -> None:
         self.scheduler.abort_all()
@@ -387,150 +345,6 @@ class Engine:
                 req.future.set_exception(exc)
         self._live.clear()
 
-    # -- one step (worker thread) -------------------------------------------------------------
-    @torch.inference_mode()
     def _step(self) -> list[Request]:
-        batch = self.scheduler.schedule()
-        finished: list[Request] = []
-        for seq, exc in batch.rejected:
-            seq.request.error = exc
-            self.scheduler.abort(seq.request)
-            finished.append(seq.request)
-        if not batch:
-            return finished
-        self.totals.steps += 1
-        hidden = self.runner.forward(batch)
-        if self._watch is not None:
-            self._watch.step()
-        work = batch.work  # in row order
-        for w in work:  # prompt tokens run through the model (not the fed-back sampled tokens)
-            counted = max(0, min(w.end, max(w.seq.num_prompt, len(w.seq.tokens) - 1)) - w.start)
-            w.seq.request.usage.computed_tokens += counted
-            self.totals.computed_tokens += counted
-        self.scheduler.postprocess(batch)
-        for req in {w.seq.request for w in work}:  # distinct blocks: a shared prefix counts once
-            held = len({b for s in req.sequences for b in s.blocks})
-            req.usage.peak_kv_bytes = max(req.usage.peak_kv_bytes, held * self.block_bytes)
-        to_sample: list[tuple[Sequence, int]] = []
-        row = 0
-        for w in work:
-            seq, req = w.seq, w.seq.request
-            if req.score_from is not None:
-                self._score_rows(seq, hidden[row : row + w.num_tokens], w)
-                if w.end == len(seq.tokens):
-                    self._finish(seq, "stop", finished)
-            elif w.end == len(seq.tokens):
-                if req.params.max_tokens == 0:
-                    self._finish(seq, "length", finished)
-                else:
-                    to_sample.append((seq, row + w.num_tokens - 1))
-            row += w.num_tokens
-        if to_sample:
-            self._sample(hidden, to_sample, finished)
-        return finished
-
-    def _sample(self, hidden: torch.Tensor, to_sample: list[tuple[Sequence, int]], finished: list[Request]) -> None:
-        logits = self.runner.logits(hidden[[r for _, r in to_sample]])
-        # a leader that just computed an n>1 prompt draws all n first tokens from the same row
-        rows, samples = [], []
-        for i, (seq, _) in enumerate(to_sample):
-            if seq.is_leader_prefill:
-                seq.is_leader_prefill = False
-                for j in range(seq.params.n):
-                    samples.append((seq, j))
-                    rows.append(i)
-            else:
-                samples.append((seq, None))
-                rows.append(i)
-        logits = logits[rows]
-        gens = []
-        for seq, j in samples:
-            gens.append(seq.generator if not j else random.Random(_seed_for(seq.request.seed, j)))
-        ps = [s.params for s, _ in samples]
-        toks = sample(logits, [p.temperature for p in ps], [p.top_k for p in ps], [p.top_p for p in ps], gens)
-        k = max(p.topk_logprobs for p in ps)
-        st = stats_from_logits(logits, toks, k)
-        toks_l, lp, ent = toks.tolist(), st.logprob.tolist(), st.entropy.tolist()
-        tkl, tki = st.topk_logprobs.tolist(), st.topk_ids.tolist()
-        for i, (seq, j) in enumerate(samples):
-            target = seq
-            if j:  # a new sample forks from the leader's prompt KV
-                target = Sequence(seq.request, j, list(seq.tokens[: seq.num_prompt]), seq.num_prompt, gens[i])
-                seq.request.sequences.append(target)
-                self.scheduler.fork(seq, target)
-            kk = seq.params.topk_logprobs
-            target.tokens.append(toks_l[i])
-            target.logprobs.append(lp[i])
-            target.entropies.append(ent[i])
-            target.topk_logprobs.append(tkl[i][:kk])
-            target.topk_ids.append(tki[i][:kk])
-            self.totals.generated_tokens += 1
-            target.request.usage.generated_tokens += 1
-            reason = self._stop_reason(target)
-            if reason:
-                self._finish(target, reason, finished)
-
-    def _stop_reason(self, seq: Sequence) -> str | None:
-        p, tok = seq.params, seq.tokens[-1]
-        if (not p.ignore_eos and tok in self.eos_ids) or tok in p.stop_token_ids:
-            return "stop"
-        if p.stop and self.tokenizer is not None:
-            tail = self.tokenizer.decode(seq.tokens[max(seq.num_prompt, len(seq.tokens) - 32):], skip_special_tokens=True)
-            if any(s in tail for s in p.stop):
-                return "stop"
-        if seq.num_generated >= p.max_tokens or len(seq.tokens) >= self.max_model_len:
-            return "length"
-        return None
-
-    def _finish(self, seq: Sequence, reason: str, finished: list[Request]) -> None:
-        if self.scheduler.finish(seq, reason):
-            req = seq.request
-            req.usage.time_s = time.perf_counter() - req.t0
-            finished.append(req)
-
-    def _stats_path(self) -> str:
-        return "kernels:" + kernels.select_impl(self.cfg.kernel_impl, self.runner.lm_head.weight)
-
-    def _score_rows(self, seq: Sequence, hidden: torch.Tensor, w: Work) -> None:
-        """Statistics for the positions of this chunk that predict a continuation token."""
-        lo = max(w.start, seq.request.score_from - 1)
-        hi = min(w.end, len(seq.tokens) - 1)
-        if lo >= hi:
-            return
-        h = hidden[lo - w.start : hi - w.start]
-        targets = torch.tensor(seq.tokens[lo + 1 : hi + 1], device=h.device)
-        st = self._token_stats(h, targets, seq.params.topk_logprobs)
-        seq.logprobs += st.logprob.tolist()
-        seq.entropies += st.entropy.tolist()
-        seq.topk_logprobs += st.topk_logprobs.tolist()
-        seq.topk_ids += st.topk_ids.tolist()
-
-    def _token_stats(self, h: torch.Tensor, targets: torch.Tensor, k: int):
-        """Teacher-forced statistics without [tokens x vocab] fp32 logits: the fused kernel (or its
-        chunked torch reference) of kernels/, else (an LM head with a bias, or one packed for oneDNN,
-        whose weight only the module itself can multiply) chunks of the module's own logits."""
-        w = self.runner.lm_head
-        if getattr(w, "bias", None) is None and type(w) is torch.nn.Linear:
-            return kernels.token_stats(h.to(w.weight.device), w.weight, targets.to(w.weight.device), k,
-                                       kernel_impl=self.cfg.kernel_impl, chunk_tokens=self.cfg.score_chunk, softcap=self.runner.softcap)
-        parts = [stats_from_logits(self.runner.logits(h[c : c + self.cfg.score_chunk]), targets[c : c + self.cfg.score_chunk], k)
-                 for c in range(0, h.shape[0], self.cfg.score_chunk)]
-        return type(parts[0])(*(torch.cat([getattr(p, f) for p in parts]) for f in ("logprob", "entropy", "topk_logprobs", "topk_ids")))
-
-    # -- outputs ----------------------------------------------------------------------------
-    def _output(self, req: Request) -> RequestOutput | ScoreOutput:
-        sig = self.cfg.signals
-        if req.score_from is not None:
-            s = req.finished[0]
-            return ScoreOutput(s.logprobs, s.entropies, s.topk_logprobs, s.topk_ids,
-                               sequence_signals(s.logprobs, s.entropies, s.topk_logprobs, sig), req.usage)
-        comps = []
-        for s in sorted(req.finished, key=lambda s: s.index):
-            gen = s.tokens[s.num_prompt :]
-            text = self.tokenizer.decode(gen, skip_special_tokens=True) if self.tokenizer is not None else ""
-            for stop in req.params.stop:
-                if stop in text:
-                    text = text[: text.index(stop)]
-            comps.append(Completion(s.index, gen, text, s.finish_reason, s.logprobs, s.entropies, s.topk_logprobs,
-                                    s.topk_ids, sequence_signals(s.logprobs, s.entropies, s.topk_logprobs, sig)))
-        return RequestOutput(req.id, req.prompt, comps, req.usage)
+        """One step on the worker thread (engine/step.py)."""
+        return self.stepper.run()

@@ -11,6 +11,9 @@ Reuse is indexed by a tree whose nodes are blocks and whose edges are the tokens
   matters for debates: [question + own answer] rarely ends on a block boundary.
 Unreferenced blocks stay in the tree as cache and are evicted least-recently-used first, a whole
 subtree at a time (a block is only reachable through its ancestors).
+
+`BlockTables` is the view of the cache that the kernels reading it in place take: each run's
+block ids and context length, as tensors on the step's device.
 """
 
 from __future__ import annotations
@@ -234,3 +237,28 @@ class KVCache:
         if self.replay:
             for c in copies:
                 self._apply(*c)
+
+
+@dataclass
+class BlockTables:
+    """Runs' view of the cache for the kernels that read it in place (decode rows; prefill runs on the
+    Triton path): block ids [R, W] (padded with block 0) and context lengths [R] (the run's new tokens
+    included), int32 on the step's device."""
+
+    block_table: torch.Tensor
+    lens: torch.Tensor
+
+    @classmethod
+    def build(cls, tables: list[list[int]], lens: list[int], device) -> "BlockTables":
+        width = max(len(t) for t in tables)
+        bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        lens_t = torch.tensor(lens, dtype=torch.int32)
+        return cls(bt.to(device, non_blocking=True), lens_t.to(device, non_blocking=True))
+
+    @classmethod
+    def of_runs(cls, runs, device) -> "BlockTables":
+        """From a step's runs (start, end, block ids covering [0, end)): each run's table, its end as length."""
+        return cls.build([b for _, _, b in runs], [e for _, e, _ in runs], device)
+
+    def to(self, device) -> "BlockTables":
+        return BlockTables(self.block_table.to(device, non_blocking=True), self.lens.to(device, non_blocking=True))

@@ -8,7 +8,7 @@ directly, and apply W_UV to the [H, kv_lora_rank] result: the cost is one read o
 instead of a [context, heads x 256] expansion in every layer (about 100x less work at a 16k context).
 
 How a step uses it (EngineConfig.mla = "absorbed", the default): the runner builds the decode rows'
-block table (`BlockTables`); the cache hook then returns the context of the prefill runs only (or, in a
+block table (`kv_cache.BlockTables`); the cache hook then returns the context of the prefill runs only (or, in a
 decode-only step, just the new tokens, which the model expands for nothing); `paged_attention` computes
 the decode rows here, straight from the cache (kernels.mla_decode), and the prefill runs from the
 expansion as before. "expanded" keeps transformers' computation for every row (the reference).
@@ -17,39 +17,15 @@ expansion as before. "expanded" keeps transformers' computation for every row (t
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
 
 import torch
 
 from svrmad_local.kernels.mla_decode import mla_decode
 from svrmad_local.models.linear import dense_weight
 
+from .kv_cache import BlockTables
+
 MODES = ("absorbed", "expanded")
-
-
-@dataclass
-class BlockTables:
-    """Runs' view of the cache for the kernels that read it in place (decode rows; prefill runs on the
-    Triton path): block ids [R, W] (padded with block 0) and context lengths [R] (the run's new tokens
-    included), int32 on the step's device."""
-
-    block_table: torch.Tensor
-    lens: torch.Tensor
-
-    @classmethod
-    def build(cls, tables: list[list[int]], lens: list[int], device) -> "BlockTables":
-        width = max(len(t) for t in tables)
-        bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-        lens_t = torch.tensor(lens, dtype=torch.int32)
-        return cls(bt.to(device, non_blocking=True), lens_t.to(device, non_blocking=True))
-
-    @classmethod
-    def of_runs(cls, runs, device) -> "BlockTables":
-        """From a step's runs (start, end, block ids covering [0, end)): each run's table, its end as length."""
-        return cls.build([b for _, _, b in runs], [e for _, e, _ in runs], device)
-
-    def to(self, device) -> "BlockTables":
-        return BlockTables(self.block_table.to(device, non_blocking=True), self.lens.to(device, non_blocking=True))
 
 
 def check_mode(mode: str) -> str:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .params import SamplingParams
+from .config import SamplingParams
 
 
 @dataclass

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .config import SignalConfig
+
 
 @dataclass
 class StepStats:
@@ -36,16 +38,6 @@ def stats_from_logits(logits: torch.Tensor, chosen: torch.Tensor, topk: int) -> 
         topk_logprobs=top.values if top is not None else logp.new_zeros(logp.shape[0], 0),
         topk_ids=top.indices if top is not None else chosen.new_zeros(logp.shape[0], 0),
     )
-
-
-@dataclass
-class SignalConfig:
-    """DeepConf-style confidence windows (Fu et al., 2025 use 2048 for both); a researcher with short
-    answers will want smaller ones, so both are parameters of the engine."""
-
-    group_window: int = 2048
-    tail_tokens: int = 2048
-    bottom_fraction: float = 0.10
 
 
 def sequence_signals(

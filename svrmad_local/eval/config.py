@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from svrmad_local.engine.engine import EngineConfig, parse_memory
-from svrmad_local.engine.params import SamplingParams
+from svrmad_local.engine.config import EngineConfig, SamplingParams
 from svrmad_local.eval.options import (METHODS, add_method_arguments, method_default, method_flag,
                                        method_options, parse_methods, stray_options)
 from svrmad_local.methods import accepted_params
 from svrmad_local.models.reasoning import EFFORTS
+from svrmad_local.sizes import parse_memory
 
 # The run's own --max-tokens default. The paper uses 16,384 (--paper-settings); 256 is what the
 # embedded 135M default can afford on a CPU and still box an answer. SamplingParams' own default

@@ -367,7 +367,7 @@ def tp_split_dim(w: Weight) -> int | None:
 
 def parse_gpus(text: str) -> tuple[int, int]:
     """"8x80GiB" -> (8, 80 GiB); "80GB" -> (1, 80e9). A unit is required."""
-    from svrmad_local.engine.memory import parse_memory
+    from svrmad_local.sizes import parse_memory
 
     m = re.fullmatch(r"\s*(?:(\d+)\s*[x×*]\s*)?(.+?)\s*", text or "")
     count = int(m.group(1) or 1) if m else 0

@@ -1,0 +1,206 @@
+"""One engine step (on the engine's worker thread), and what a finished request returns.
+
+engine.py keeps the loop and the public API; the step is everything between "a batch is due" and
+"these requests finished": the model's forward through the runner, the token accounting, sampling
+with n>1 forks, the stop rules and scoring. `output` turns a finished request into what
+`Engine.generate` or `Engine.score` returns.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import torch
+
+from svrmad_local import kernels
+
+from .config import SignalConfig
+from .sampler import sample
+from .scheduler import Work
+from .sequence import Completion, Request, RequestOutput, ScoreOutput, Sequence
+from .stats import sequence_signals, stats_from_logits
+
+
+def seed_for(seed: int, index: int) -> int:
+    """The seed of sample `index` of a request seeded `seed`: each sample draws from its own stream,
+    so its tokens do not depend on what else shares the batch."""
+    return (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9 + 1) % (2**63 - 1)
+
+
+class Step:
+    """One engine step, run on the engine's worker thread: schedule a batch, run the model over it,
+    count the computed prompt tokens and the KV held, then sample the rows that end a sequence's
+    known tokens (forking the n-1 other samples of an n>1 request from its leader's prompt KV),
+    apply the stop rules, and compute the teacher-forced statistics of scoring requests.
+
+    It holds what a step reads and writes, and nothing of the event loop: the engine calls `run()`
+    and resolves the futures of the requests it returns."""
+
+    def __init__(self, scheduler, runner, totals, *, block_bytes: int, eos_ids: set[int], tokenizer,
+                 max_model_len: int, kernel_impl: str, score_chunk: int, watch=None):
+        self.scheduler, self.runner, self.totals = scheduler, runner, totals
+        self.block_bytes, self.eos_ids, self.tokenizer = block_bytes, eos_ids, tokenizer
+        self.max_model_len, self.kernel_impl, self.score_chunk = max_model_len, kernel_impl, score_chunk
+        self.watch = watch  # threads.BarrierSleepWatch on the CPU: warns when other torch work slows the steps
+
+    @torch.inference_mode()
+    def run(self) -> list[Request]:
+        """Schedule, run the model once, account, sample or score; the requests that finished."""
+        batch = self.scheduler.schedule()
+        finished: list[Request] = []
+        for seq, exc in batch.rejected:
+            seq.request.error = exc
+            self.scheduler.abort(seq.request)
+            finished.append(seq.request)
+        if not batch:
+            return finished
+        self.totals.steps += 1
+        hidden = self.runner.forward(batch)
+        if self.watch is not None:
+            self.watch.step()
+        work = batch.work  # in row order
+        self._count_computed(work)
+        self.scheduler.postprocess(batch)
+        self._note_peak_kv(work)
+        to_sample: list[tuple[Sequence, int]] = []
+        row = 0
+        for w in work:
+            seq, req = w.seq, w.seq.request
+            if req.score_from is not None:
+                self._score_rows(seq, hidden[row : row + w.num_tokens], w)
+                if w.end == len(seq.tokens):
+                    self._finish(seq, "stop", finished)
+            elif w.end == len(seq.tokens):
+                if req.params.max_tokens == 0:
+                    self._finish(seq, "length", finished)
+                else:
+                    to_sample.append((seq, row + w.num_tokens - 1))
+            row += w.num_tokens
+        if to_sample:
+            self._sample(hidden, to_sample, finished)
+        return finished
+
+    def _count_computed(self, work: list[Work]) -> None:
+        """Prompt tokens run through the model (not the fed-back sampled tokens), per request and in all."""
+        for w in work:
+            counted = max(0, min(w.end, max(w.seq.num_prompt, len(w.seq.tokens) - 1)) - w.start)
+            w.seq.request.usage.computed_tokens += counted
+            self.totals.computed_tokens += counted
+
+    def _note_peak_kv(self, work: list[Work]) -> None:
+        """The most KV each request has held: its distinct blocks, so a shared prefix counts once."""
+        for req in {w.seq.request for w in work}:
+            held = len({b for s in req.sequences for b in s.blocks})
+            req.usage.peak_kv_bytes = max(req.usage.peak_kv_bytes, held * self.block_bytes)
+
+    def _sample(self, hidden: torch.Tensor, to_sample: list[tuple[Sequence, int]], finished: list[Request]) -> None:
+        logits = self.runner.logits(hidden[[r for _, r in to_sample]])
+        # a leader that just computed an n>1 prompt draws all n first tokens from the same row
+        rows, samples = [], []
+        for i, (seq, _) in enumerate(to_sample):
+            if seq.is_leader_prefill:
+                seq.is_leader_prefill = False
+                for j in range(seq.params.n):
+                    samples.append((seq, j))
+                    rows.append(i)
+            else:
+                samples.append((seq, None))
+                rows.append(i)
+        logits = logits[rows]
+        gens = []
+        for seq, j in samples:
+            gens.append(seq.generator if not j else random.Random(seed_for(seq.request.seed, j)))
+        ps = [s.params for s, _ in samples]
+        toks = sample(logits, [p.temperature for p in ps], [p.top_k for p in ps], [p.top_p for p in ps], gens)
+        k = max(p.topk_logprobs for p in ps)
+        st = stats_from_logits(logits, toks, k)
+        toks_l, lp, ent = toks.tolist(), st.logprob.tolist(), st.entropy.tolist()
+        tkl, tki = st.topk_logprobs.tolist(), st.topk_ids.tolist()
+        for i, (seq, j) in enumerate(samples):
+            target = seq
+            if j:  # a new sample forks from the leader's prompt KV
+                target = Sequence(seq.request, j, list(seq.tokens[: seq.num_prompt]), seq.num_prompt, gens[i])
+                seq.request.sequences.append(target)
+                self.scheduler.fork(seq, target)
+            kk = seq.params.topk_logprobs
+            target.tokens.append(toks_l[i])
+            target.logprobs.append(lp[i])
+            target.entropies.append(ent[i])
+            target.topk_logprobs.append(tkl[i][:kk])
+            target.topk_ids.append(tki[i][:kk])
+            self.totals.generated_tokens += 1
+            target.request.usage.generated_tokens += 1
+            reason = self._stop_reason(target)
+            if reason:
+                self._finish(target, reason, finished)
+
+    def _stop_reason(self, seq: Sequence) -> str | None:
+        """"stop" at an end-of-sequence token (unless ignored), a stop token or a stop string in the
+        tail of the text; "length" at max_tokens or the model's context; else None."""
+        p, tok = seq.params, seq.tokens[-1]
+        if (not p.ignore_eos and tok in self.eos_ids) or tok in p.stop_token_ids:
+            return "stop"
+        if p.stop and self.tokenizer is not None:
+            tail = self.tokenizer.decode(seq.tokens[max(seq.num_prompt, len(seq.tokens) - 32):], skip_special_tokens=True)
+            if any(s in tail for s in p.stop):
+                return "stop"
+        if seq.num_generated >= p.max_tokens or len(seq.tokens) >= self.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str, finished: list[Request]) -> None:
+        if self.scheduler.finish(seq, reason):
+            req = seq.request
+            req.usage.time_s = time.perf_counter() - req.t0
+            finished.append(req)
+
+    @property
+    def stats_path(self) -> str:
+        """How the token statistics run (engine.info['stats'])."""
+        return "kernels:" + kernels.select_impl(self.kernel_impl, self.runner.lm_head.weight)
+
+    def _score_rows(self, seq: Sequence, hidden: torch.Tensor, w: Work) -> None:
+        """Statistics for the positions of this chunk that predict a continuation token."""
+        lo = max(w.start, seq.request.score_from - 1)
+        hi = min(w.end, len(seq.tokens) - 1)
+        if lo >= hi:
+            return
+        h = hidden[lo - w.start : hi - w.start]
+        targets = torch.tensor(seq.tokens[lo + 1 : hi + 1], device=h.device)
+        st = self._token_stats(h, targets, seq.params.topk_logprobs)
+        seq.logprobs += st.logprob.tolist()
+        seq.entropies += st.entropy.tolist()
+        seq.topk_logprobs += st.topk_logprobs.tolist()
+        seq.topk_ids += st.topk_ids.tolist()
+
+    def _token_stats(self, h: torch.Tensor, targets: torch.Tensor, k: int):
+        """Teacher-forced statistics without [tokens x vocab] fp32 logits: the fused kernel (or its
+        chunked torch reference) of kernels/, else (an LM head with a bias, or one packed for oneDNN,
+        whose weight only the module itself can multiply) chunks of the module's own logits."""
+        w = self.runner.lm_head
+        if getattr(w, "bias", None) is None and type(w) is torch.nn.Linear:
+            return kernels.token_stats(h.to(w.weight.device), w.weight, targets.to(w.weight.device), k,
+                                       kernel_impl=self.kernel_impl, chunk_tokens=self.score_chunk, softcap=self.runner.softcap)
+        parts = [stats_from_logits(self.runner.logits(h[c : c + self.score_chunk]), targets[c : c + self.score_chunk], k)
+                 for c in range(0, h.shape[0], self.score_chunk)]
+        return type(parts[0])(*(torch.cat([getattr(p, f) for p in parts]) for f in ("logprob", "entropy", "topk_logprobs", "topk_ids")))
+
+
+def output(req: Request, tokenizer, sig: SignalConfig) -> RequestOutput | ScoreOutput:
+    """What a finished request returns (on the event loop's thread): its completions, their text cut
+    at the first stop string, and the per-sequence signals; or a scoring request's statistics."""
+    if req.score_from is not None:
+        s = req.finished[0]
+        return ScoreOutput(s.logprobs, s.entropies, s.topk_logprobs, s.topk_ids,
+                           sequence_signals(s.logprobs, s.entropies, s.topk_logprobs, sig), req.usage)
+    comps = []
+    for s in sorted(req.finished, key=lambda s: s.index):
+        gen = s.tokens[s.num_prompt :]
+        text = tokenizer.decode(gen, skip_special_tokens=True) if tokenizer is not None else ""
+        for stop in req.params.stop:
+            if stop in text:
+                text = text[: text.index(stop)]
+        comps.append(Completion(s.index, gen, text, s.finish_reason, s.logprobs, s.entropies, s.topk_logprobs,
+                                s.topk_ids, sequence_signals(s.logprobs, s.entropies, s.topk_logprobs, sig)))
+    return RequestOutput(req.id, req.prompt, comps, req.usage)
