@@ -66,6 +66,21 @@ def select_impl(kernel_impl: str, tensor_or_device, name: str = "token_stats") -
     return resolve_impl(kernel_impl, dev, name)
 
 
+def capturing() -> bool:
+    """True while the current CUDA stream records a graph (False where CUDA is absent)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def fall_back(name: str, err: BaseException, kernel_impl: str) -> None:
+    """What a dispatcher does when its Triton path of ``name`` raised: re-raise where asked for Triton
+    explicitly, and while a CUDA graph is being captured (a fallback there would record the slow
+    reference into the graph, and the error usually belongs to the capture, not the kernel: the caller
+    that captures decides, and the kernel stays on for eager steps); else ``disable_auto``."""
+    if kernel_impl != "auto" or capturing():
+        raise err
+    disable_auto(name, err)
+
+
 def disable_auto(name: str, err: BaseException) -> None:
     """Called when the triton path of ``name`` failed under kernel_impl="auto" (e.g. a compile error on
     an untested GPU): warn once and serve later auto calls from the torch reference, so a kernel

@@ -24,7 +24,7 @@ import operator
 import torch
 
 from ._attn_tiles import paged_scores, softmax_update
-from ._backend import HAS_TRITON, cdiv, disable_auto, interpreting, next_pow2, resolve_impl, tl, triton
+from ._backend import HAS_TRITON, cdiv, fall_back, interpreting, next_pow2, resolve_impl, tl, triton
 from .prefix_attention import apply_sinks
 
 
@@ -44,9 +44,7 @@ def paged_decode(q, k_cache, v_cache, block_table, context_lens, block_size: int
             return _paged_decode_triton(q, k_cache, v_cache, block_table, context_lens, block_size, scale,
                                         window, sinks, num_splits)
         except Exception as err:
-            if kernel_impl != "auto":
-                raise
-            disable_auto("paged_decode", err)
+            fall_back("paged_decode", err, kernel_impl)
     return reference_paged_decode(q, k_cache, v_cache, block_table, context_lens, block_size, scale, window, sinks)
 
 

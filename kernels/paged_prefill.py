@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from ._attn_tiles import paged_scores, softmax_update
-from ._backend import HAS_TRITON, disable_auto, interpreting, next_pow2, resolve_impl, tl, triton
+from ._backend import HAS_TRITON, fall_back, interpreting, next_pow2, resolve_impl, tl, triton
 from .paged_decode import check_paged_call
 from .prefix_attention import apply_sinks
 
@@ -41,9 +41,7 @@ def paged_prefill(q, k_cache, v_cache, block_table, cu_q, context_lens, block_si
             return _paged_prefill_triton(q, k_cache, v_cache, block_table, cu, lens, block_size, scale, window,
                                          sinks)
         except Exception as err:
-            if kernel_impl != "auto":
-                raise
-            disable_auto("paged_prefill", err)
+            fall_back("paged_prefill", err, kernel_impl)
     return reference_paged_prefill(q, k_cache, v_cache, block_table, cu, lens, block_size, scale, window, sinks)
 
 
