@@ -111,16 +111,60 @@ def test_the_check_sees_what_would_return_to_the_host():
     assert "tolist" not in torch.Tensor.__dict__  # the patch is undone
 
 
+def _staged_only(check) -> list[str]:
+    """The host values a check saw entering the step by any other way than kernels._backend.staged
+    (pinned, copied without blocking): a `torch.tensor(values, device="cuda")` there blocks the host."""
+    return [f for f in check.frozen if "in staged)" not in f]
+
+
 def test_sampling_and_statistics_after_the_step_never_wait_for_the_device():
-    """What runs between a replay and the step's `.tolist()`: no sync (host values go in, none come out)."""
+    """What runs between a replay and the step's `.tolist()`: no sync (host values go in, none come out),
+    and every host value goes in through `staged`, never a blocking copy."""
     logits = torch.randn(5, 50)
     import random
 
     gens = [random.Random(i) for i in range(5)]
-    with graphs.HostSyncCheck() as check:
-        toks = sample(logits, [0.0, 0.7, 1.0, 0.0, 0.5], [0, 5, 0, 0, 20], [1.0, 0.9, 0.8, 1.0, 1.0], gens)
-        stats_from_logits(logits, toks, 4)
-    assert check.syncs == []
+    for temps in ([0.0, 0.7, 1.0, 0.0, 0.5], [0.7] * 5, [0.0] * 5):
+        with graphs.HostSyncCheck() as check:
+            toks = sample(logits, temps, [0, 5, 0, 0, 20], [1.0, 0.9, 0.8, 1.0, 1.0], gens)
+            stats_from_logits(logits, toks, 4)
+        assert check.syncs == [] and _staged_only(check) == [], (temps, check.found)
+
+
+def test_a_dynamic_step_reads_nothing_back_and_stages_what_it_sends(interp):
+    """The steps that do not replay a graph (prefill chunks, mixed steps) on the Triton path, in place:
+    paged prefill lays out its tiles from the step's host lengths (it read the device's lengths back in
+    every layer), the runner and the sampler stage their numbers; the only reads are the sampled
+    tokens and their statistics."""
+    model = make_zoo_model("llama")
+    eng = engine(model, cuda_graphs="off", kernel_impl="triton")
+    assert "paged-prefill:triton" in eng.info["attention"]
+    checks = []
+    for obj, attr in ((eng.runner, "execute"), (eng, "_sample")):
+        def checked(*a, _f=getattr(obj, attr), **k):
+            with graphs.HostSyncCheck() as check:
+                out = _f(*a, **k)
+            checks.append(check)
+            return out
+        setattr(obj, attr, checked)
+    prompts = [rand_prompt(2 * WINDOW + 5 + i, 110 + i) for i in range(3)]
+    got = eng.generate_sync(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert [o.completions[0].token_ids for o in got] == [loop_greedy(model, p, 4) for p in prompts]
+    assert len(checks) == 8  # four steps, each a forward and a sampling
+    for check in checks:
+        assert [s for s in check.syncs if not ("Tensor.tolist" in s and "in _sample" in s)] == [], check.syncs
+        assert _staged_only(check) == [], check.frozen
+
+
+def test_the_prefill_tiles_are_laid_out_once_per_step():
+    from svrmad_local.kernels import paged_prefill as _  # noqa: F401
+    import importlib
+
+    pp = importlib.import_module("svrmad_local.kernels.paged_prefill")
+    a = pp._tiles([0, 3, 40], [10, 37], 16, torch.device("cpu"))
+    assert a.tolist() == [[0, 0, 3, 7], [1, 3, 16, 0], [1, 19, 16, 16], [1, 35, 5, 32]]
+    assert pp._tiles([0, 3, 40], [10, 37], 16, torch.device("cpu")) is a  # the next layer of the step
+    assert pp._tiles([0, 3, 40], [11, 37], 16, torch.device("cpu")) is not a
 
 
 def test_dynamic_rope_keeps_graphs_off_and_says_where():

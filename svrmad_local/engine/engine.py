@@ -19,6 +19,7 @@ from typing import Union
 import torch
 
 from svrmad_local import kernels
+from svrmad_local.kernels._backend import staged
 from svrmad_local.models.linear import select_linear, weight_bytes
 
 from .attention import Attachment
@@ -430,7 +431,8 @@ class Engine:
         return finished
 
     def _sample(self, hidden: torch.Tensor, to_sample: list[tuple[Sequence, int]], finished: list[Request]) -> None:
-        logits = self.runner.logits(hidden[[r for _, r in to_sample]])
+        # row indices reach the device pinned, without blocking (kernels._backend.staged)
+        logits = self.runner.logits(hidden[staged([r for _, r in to_sample], torch.long, hidden.device)])
         # a leader that just computed an n>1 prompt draws all n first tokens from the same row
         rows, samples = [], []
         for i, (seq, _) in enumerate(to_sample):
@@ -442,7 +444,7 @@ class Engine:
             else:
                 samples.append((seq, None))
                 rows.append(i)
-        logits = logits[rows]
+        logits = logits[staged(rows, torch.long, logits.device)]
         gens = []
         for seq, j in samples:
             gens.append(seq.generator if not j else random.Random(_seed_for(seq.request.seed, j)))
@@ -498,7 +500,7 @@ class Engine:
         if lo >= hi:
             return
         h = hidden[lo - w.start : hi - w.start]
-        targets = torch.tensor(seq.tokens[lo + 1 : hi + 1], device=h.device)
+        targets = staged(seq.tokens[lo + 1 : hi + 1], torch.long, h.device)
         st = self._token_stats(h, targets, seq.params.topk_logprobs)
         seq.logprobs += st.logprob.tolist()
         seq.entropies += st.entropy.tolist()

@@ -84,7 +84,8 @@ class HostSyncCheck(TorchDispatchMode):
     """Records, while active, every op that returns to the host (`syncs`: a CUDA graph cannot capture
     it) or freezes host data into the step (`frozen`: a graph would replay the values it saw at
     capture), each as "op (file:line in function)"; nothing is raised, the caller decides. On the
-    CPU it sees what a GPU run would dispatch; only a copy between devices needs a GPU to be seen."""
+    CPU it sees what a GPU run would dispatch; only a copy between devices needs a GPU to be seen (one to
+    the host, and a blocking one from it: both are `syncs`)."""
 
     def __init__(self):
         super().__init__()
@@ -114,6 +115,8 @@ class HostSyncCheck(TorchDispatchMode):
             self._note(self.syncs, f"aten.{name} by a boolean mask")
         elif name in ("_to_copy", "copy_") and _crosses_to_host(name, args, kwargs):
             self._note(self.syncs, f"aten.{name} to the host")
+        elif name in ("_to_copy", "copy_") and _blocking_upload(name, args, kwargs):
+            self._note(self.syncs, f"aten.{name} from the host, blocking (pageable memory or non_blocking=False)")
         elif name == "lift_fresh":
             self._note(self.frozen, "torch.tensor of Python values")
         return func(*args, **kwargs)
@@ -145,6 +148,22 @@ def _crosses_to_host(name: str, args, kwargs) -> bool:
         dev = kwargs.get("device")
         return torch.is_tensor(args[0]) and args[0].is_cuda and dev is not None and torch.device(dev).type == "cpu"
     return len(args) > 1 and torch.is_tensor(args[1]) and args[1].is_cuda and not args[0].is_cuda
+
+
+def _blocking_upload(name: str, args, kwargs) -> bool:
+    """A host -> CUDA copy that makes the host wait (pageable memory, or non_blocking=False): the
+    blocking half of `torch.tensor(values, device="cuda")`. Only seen where CUDA is."""
+    if name == "_to_copy":
+        src, dev = args[0] if args else None, kwargs.get("device")
+        if not (torch.is_tensor(src) and src.device.type == "cpu" and dev is not None
+                and torch.device(dev).type == "cuda"):
+            return False
+    elif len(args) > 1 and torch.is_tensor(args[1]) and args[1].device.type == "cpu" and args[0].is_cuda:
+        src = args[1]
+    else:
+        return False
+    non_blocking = kwargs.get("non_blocking", args[2] if name == "copy_" and len(args) > 2 else False)
+    return not (non_blocking and src.is_pinned())
 
 
 def why_off(mode: str, runner, sharded: bool) -> str | None:

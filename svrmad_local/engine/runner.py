@@ -6,11 +6,13 @@ decode) and, in chunks, to the rows a scoring request asks about: never to every
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 
 from svrmad_local import kernels
+from svrmad_local.kernels._backend import staged
 from svrmad_local.kernels import cpu_decode
 
 from . import mla
@@ -127,7 +129,7 @@ class ModelRunner:
             runs.append(Span(row, row + end - start, table=(blocks, end, bs, dev)))
             row += end - start
         nd = step.num_decode
-        ctx = StepContext(self.cache, self.spec.layers, torch.tensor(slot_map, device=dev), runs, nd,
+        ctx = StepContext(self.cache, self.spec.layers, staged(slot_map, torch.long, dev), runs, nd,
                           kernel_impl=self.kernel_impl)
         # latent layers get the step's context back from the cache hook, each distinct slot once (forks
         # share their prefix), to be expanded once by the model's own code; with MLA absorbed only the
@@ -148,8 +150,8 @@ class ModelRunner:
         if self.attention_path.startswith("flash-attn"):
             lens = [r.index.shape[0] for r in runs]
             ctx.flash = {
-                "cu_q": torch.tensor([0] + [r.row1 for r in runs], dtype=torch.int32, device=dev),
-                "cu_k": torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=dev),
+                "cu_q": staged([0] + [r.row1 for r in runs], torch.int32, dev),
+                "cu_k": staged([0] + list(itertools.accumulate(lens)), torch.int32, dev),
                 "max_q": max(r.row1 - r.row0 for r in runs), "max_k": max(lens),
             }
             if self.flash_paged:  # flash-attn reads the blocks in place through the block table
@@ -160,8 +162,8 @@ class ModelRunner:
             decode = step.runs[:nd]
             ctx.decode_levels = decode_levels([b for _, _, b in decode], [e for _, e, _ in decode], bs,
                                               self.levels_device)
-            ctx.decode_pos = torch.tensor([e - 1 for _, e, _ in decode], device=dev)
-        return self.run_body(ctx, torch.tensor([step.ids], device=dev), torch.tensor([pos], device=dev))
+            ctx.decode_pos = staged([e - 1 for _, e, _ in decode], torch.long, dev)
+        return self.run_body(ctx, staged([step.ids], torch.long, dev), staged([pos], torch.long, dev))
 
     def run_body(self, ctx: StepContext, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """The model body (or the lean forward) over ids/pos [1, T] with the step's context parked for
