@@ -66,6 +66,21 @@ def select_impl(kernel_impl: str, tensor_or_device, name: str = "token_stats") -
     return resolve_impl(kernel_impl, dev, name)
 
 
+def capturing() -> bool:
+    """True while the current CUDA stream records a graph (False where CUDA is absent)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def fall_back(name: str, err: BaseException, kernel_impl: str) -> None:
+    """What a dispatcher does when its Triton path of ``name`` raised: re-raise where asked for Triton
+    explicitly, and while a CUDA graph is being captured (a fallback there would record the slow
+    reference into the graph, and the error usually belongs to the capture, not the kernel: the caller
+    that captures decides, and the kernel stays on for eager steps); else ``disable_auto``."""
+    if kernel_impl != "auto" or capturing():
+        raise err
+    disable_auto(name, err)
+
+
 def disable_auto(name: str, err: BaseException) -> None:
     """Called when the triton path of ``name`` failed under kernel_impl="auto" (e.g. a compile error on
     an untested GPU): warn once and serve later auto calls from the torch reference, so a kernel
@@ -73,6 +88,62 @@ def disable_auto(name: str, err: BaseException) -> None:
     _disabled[name] = repr(err)
     warnings.warn(f"kernels.{name}: triton path failed ({err!r}); using the torch reference",
                   RuntimeWarning, stacklevel=3)
+
+
+def staged(values, dtype: torch.dtype, device) -> torch.Tensor:
+    """A tensor of host values (a list, a numpy array or a CPU tensor) on ``device``, for the per-step
+    numbers the engine hands a GPU: built on the host, pinned and copied without blocking where the
+    device is CUDA. A copy from pageable memory (``torch.tensor(values, device="cuda")``) makes the host
+    wait until every kernel queued before it has run, so the host cannot prepare the next step meanwhile.
+    The pinned buffer outlives the copy (torch's caching host allocator records its use by the stream)."""
+    host = values if torch.is_tensor(values) else torch.as_tensor(values)
+    host = host.to(dtype)
+    device = torch.device(device)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+# Shared memory one program may use: the H100's (and H200's) opt-in maximum per block, 227 KB; the device's
+# own figure where torch reports it. A config past it fails to compile, which "auto" used to turn into a
+# silent fallback to the reference.
+H100_SMEM = 227 * 1024
+NUM_STAGES = 2  # the attention kernels' software pipeline depth, passed to every launch
+
+
+def smem_limit(device) -> int:
+    device = torch.device(device)
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return int(getattr(props, "shared_memory_per_block_optin", 0) or H100_SMEM)
+    return H100_SMEM
+
+
+def attn_smem(block_m: int, block_n: int, block_d: int, block_dv: int, elem_bytes: int,
+              stages: int = NUM_STAGES) -> int:
+    """Upper estimate of the shared memory of an attention tile program: its Q tile [M, D] once, and per
+    pipeline stage a K tile [N, D] and a V tile [N, Dv], in the dot's element size (4 where it runs in
+    fp32), plus the [M, N] probabilities handed to the second dot."""
+    return elem_bytes * (block_m * block_d + stages * block_n * (block_d + block_dv) + block_m * block_n)
+
+
+def fit_attn_tiles(block_m: int, block_n: int, block_d: int, block_dv: int, elem_bytes: int, limit: int,
+                   stages: int = NUM_STAGES, smallest: int = 16) -> tuple[int, int]:
+    """(block_m, block_n) no larger than asked whose `attn_smem` fits `limit`: halves the key tile first
+    (it counts once per stage), then the query tile, down to `smallest` (the dot's minimum); raises if
+    even that does not fit, naming the need."""
+    while attn_smem(block_m, block_n, block_d, block_dv, elem_bytes, stages) > limit:
+        if block_n > smallest and block_n >= block_m:
+            block_n //= 2
+        elif block_m > smallest:
+            block_m //= 2
+        elif block_n > smallest:
+            block_n //= 2
+        else:
+            need = attn_smem(block_m, block_n, block_d, block_dv, elem_bytes, stages)
+            raise ValueError(f"attention tiles of head dims {block_d}/{block_dv} need {need} bytes of shared "
+                             f"memory at the smallest tile, over the {limit} this device has")
+    return block_m, block_n
 
 
 def next_pow2(n: int) -> int:

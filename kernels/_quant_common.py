@@ -6,7 +6,7 @@ quant_triton.py is optional (written separately, and triton itself is optional):
 """
 from __future__ import annotations
 
-from ._backend import disable_auto, resolve_impl
+from ._backend import disable_auto, fall_back, resolve_impl
 
 # Largest weight slice (elements) the torch path dequantizes at once: one expert or one matrix is
 # usually smaller; larger ones go block-row by block-row, so no call ever holds a dense model.
@@ -29,13 +29,12 @@ def triton_fn(name: str, kernel_impl: str, device):
 
 
 def run_triton(name: str, kernel_impl: str, fn, *args):
-    """Call the Triton path; under "auto" a failure falls back (returns None) instead of stopping a run."""
+    """Call the Triton path; under "auto" a failure falls back (returns None) instead of stopping a run,
+    except while a CUDA graph is captured (``fall_back``)."""
     try:
         return fn(*args)
-    except Exception as exc:  # a compile error on an untested GPU, say
-        if kernel_impl == "triton":
-            raise
-        disable_auto(name, exc)
+    except Exception as exc:  # a compile error on an untested GPU, say (re-raised while capturing a graph)
+        fall_back(name, exc, kernel_impl)
         return None
 
 

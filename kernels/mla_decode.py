@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from ._attn_tiles import softmax_update
-from ._backend import HAS_TRITON, cdiv, disable_auto, interpreting, next_pow2, resolve_impl, tl, triton
+from ._backend import HAS_TRITON, cdiv, fall_back, interpreting, next_pow2, resolve_impl, tl, triton
 
 LOG2E = 1.4426950408889634
 
@@ -37,9 +37,7 @@ def mla_decode(q_lat, q_rot, c_cache, kr_cache, block_table, lens, block_size: i
         try:
             return _mla_triton(q_lat, q_rot, c2, kr2, block_table, lens, block_size, scale)
         except Exception as e:  # noqa: BLE001 - a kernel problem degrades speed under "auto", not the run
-            if kernel_impl != "auto":
-                raise
-            disable_auto("mla_decode", e)
+            fall_back("mla_decode", e, kernel_impl)
     return reference_mla_decode(q_lat, q_rot, c2, kr2, block_table, lens, block_size, scale)
 
 

@@ -24,7 +24,8 @@ import operator
 import torch
 
 from ._attn_tiles import paged_scores, softmax_update
-from ._backend import HAS_TRITON, cdiv, disable_auto, interpreting, next_pow2, resolve_impl, tl, triton
+from ._backend import (HAS_TRITON, NUM_STAGES, cdiv, fall_back, fit_attn_tiles, interpreting, next_pow2, resolve_impl,
+                       smem_limit, tl, triton)
 from .prefix_attention import apply_sinks
 
 
@@ -44,9 +45,7 @@ def paged_decode(q, k_cache, v_cache, block_table, context_lens, block_size: int
             return _paged_decode_triton(q, k_cache, v_cache, block_table, context_lens, block_size, scale,
                                         window, sinks, num_splits)
         except Exception as err:
-            if kernel_impl != "auto":
-                raise
-            disable_auto("paged_decode", err)
+            fall_back("paged_decode", err, kernel_impl)
     return reference_paged_decode(q, k_cache, v_cache, block_table, context_lens, block_size, scale, window, sinks)
 
 
@@ -210,7 +209,12 @@ def _paged_decode_triton(q, k_cache, v_cache, block_table, context_lens, block_s
     out = torch.empty(b, h, dv, device=dev, dtype=q.dtype)
     if b == 0:
         return out
-    block_n = 16 if interpreting() else 64
+    # fp32 inputs (exact ieee dot), mixed dtypes, or bf16 under the interpreter (its bf16 dot is wrong)
+    dot_f32 = (q.dtype == torch.float32 or q.dtype != k_cache.dtype or k_cache.dtype != v_cache.dtype
+               or (interpreting() and q.dtype == torch.bfloat16))
+    block_g, block_d, block_dv = max(16, next_pow2(g)), max(16, next_pow2(d)), max(16, next_pow2(dv))
+    block_n = 16 if interpreting() else fit_attn_tiles(
+        block_g, 64, block_d, block_dv, 4 if dot_f32 else q.element_size(), smem_limit(dev), smallest=block_g)[1]
     span = max(1, block_table.shape[1] * block_size)  # the longest context the table can hold
     if window is not None:
         span = min(span, window)
@@ -223,15 +227,12 @@ def _paged_decode_triton(q, k_cache, v_cache, block_table, context_lens, block_s
     l_part = torch.empty(b, h, n_split, device=dev, dtype=torch.float32)
     bt = block_table if block_table.device == dev else block_table.to(dev)
     lens = context_lens if context_lens.device == dev else context_lens.to(dev)
-    # fp32 inputs (exact ieee dot), mixed dtypes, or bf16 under the interpreter (its bf16 dot is wrong)
-    dot_f32 = (q.dtype == torch.float32 or q.dtype != k_cache.dtype or k_cache.dtype != v_cache.dtype
-               or (interpreting() and q.dtype == torch.bfloat16))
     _decode_split_kernel[(b, hkv, n_split)](
         q, k_cache, v_cache, bt, lens, o_part, l_part, scale * 1.4426950408889634, window or 0, chunk, n_split,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *bt.stride(),
-        BLOCK_SIZE=block_size, G=g, D=d, DV=dv, BLOCK_G=max(16, next_pow2(g)), BLOCK_N=block_n,
-        BLOCK_D=max(16, next_pow2(d)), BLOCK_DV=max(16, next_pow2(dv)), WINDOW=window is not None,
-        DOT_F32=dot_f32)
+        BLOCK_SIZE=block_size, G=g, D=d, DV=dv, BLOCK_G=block_g, BLOCK_N=block_n,
+        BLOCK_D=block_d, BLOCK_DV=block_dv, WINDOW=window is not None,
+        DOT_F32=dot_f32, num_stages=NUM_STAGES)
     sk = sinks if sinks is not None else l_part
     # the interpreter truncates fp32 -> bf16 on store (a GPU rounds to nearest): round in torch there
     dst = out.float() if interpreting() and q.dtype == torch.bfloat16 else out

@@ -23,7 +23,8 @@ from __future__ import annotations
 import torch
 
 from ._attn_tiles import paged_scores, softmax_update
-from ._backend import HAS_TRITON, disable_auto, interpreting, next_pow2, resolve_impl, tl, triton
+from ._backend import (HAS_TRITON, NUM_STAGES, fall_back, fit_attn_tiles, interpreting, next_pow2, resolve_impl,
+                       smem_limit, staged, tl, triton)
 from .paged_decode import check_paged_call
 from .prefix_attention import apply_sinks
 
@@ -31,8 +32,10 @@ from .prefix_attention import apply_sinks
 def paged_prefill(q, k_cache, v_cache, block_table, cu_q, context_lens, block_size: int, scale: float,
                   window: int | None = None, sinks=None, kernel_impl: str = "auto"):
     """Causal attention of R prefill runs against their paged contexts. q [T, H, D]; block_table
-    [R, max_blocks] int; cu_q [R + 1] int row offsets (a list or a tensor; host values are read);
-    context_lens [R] int, each at least its run's row count. Returns [T, H, Dv] in q's dtype."""
+    [R, max_blocks] int; cu_q [R + 1] int row offsets; context_lens [R] int, each at least its run's row
+    count. Returns [T, H, Dv] in q's dtype. The Triton path lays out its tiles on the host, so cu_q and
+    context_lens are host values: lists (what the engine passes, once per step), or tensors, which
+    are read back here (a host sync on a GPU: for callers outside the engine)."""
     cu = [int(c) for c in (cu_q.tolist() if torch.is_tensor(cu_q) else cu_q)]
     lens = [int(n) for n in (context_lens.tolist() if torch.is_tensor(context_lens) else context_lens)]
     window = _check(q, k_cache, v_cache, block_table, cu, lens, block_size, window, sinks)
@@ -41,9 +44,7 @@ def paged_prefill(q, k_cache, v_cache, block_table, cu_q, context_lens, block_si
             return _paged_prefill_triton(q, k_cache, v_cache, block_table, cu, lens, block_size, scale, window,
                                          sinks)
         except Exception as err:
-            if kernel_impl != "auto":
-                raise
-            disable_auto("paged_prefill", err)
+            fall_back("paged_prefill", err, kernel_impl)
     return reference_paged_prefill(q, k_cache, v_cache, block_table, cu, lens, block_size, scale, window, sinks)
 
 
@@ -150,31 +151,46 @@ if HAS_TRITON:
                  mask=imask[:, None] & dvmask[None, :])
 
 
-def _paged_prefill_triton(q, k_cache, v_cache, block_table, cu, lens, block_size, scale, window, sinks):
-    t, h, d = q.shape
-    hkv, dv = k_cache.shape[1], v_cache.shape[2]
-    dev = q.device
-    block_m = 16 if interpreting() else 64
-    block_n = 16 if interpreting() else 64
+_last_tiles: dict = {}  # the last layout built: every layer of a step asks for the same one
+
+
+def _tiles(cu: list[int], lens: list[int], block_m: int, dev) -> torch.Tensor | None:
+    """(run, row0, rows, pos0) per tile of at most block_m rows, int32 on `dev` (None: no rows), laid out
+    on the host once per step and staged without blocking; later layers of the step reuse it."""
+    key = (tuple(cu), tuple(lens), block_m, dev)
+    if key in _last_tiles:
+        return _last_tiles[key]
     tiles = []
     for r in range(len(lens)):
         n_rows = cu[r + 1] - cu[r]
         for i0 in range(0, n_rows, block_m):
             tiles.append((r, cu[r] + i0, min(block_m, n_rows - i0), lens[r] - n_rows + i0))
+    _last_tiles.clear()
+    _last_tiles[key] = staged(tiles, torch.int32, dev) if tiles else None
+    return _last_tiles[key]
+
+
+def _paged_prefill_triton(q, k_cache, v_cache, block_table, cu, lens, block_size, scale, window, sinks):
+    t, h, d = q.shape
+    hkv, dv = k_cache.shape[1], v_cache.shape[2]
+    dev = q.device
+    dot_f32 = (q.dtype == torch.float32 or q.dtype != k_cache.dtype or k_cache.dtype != v_cache.dtype
+               or (interpreting() and q.dtype == torch.bfloat16))
+    block_d, block_dv = max(16, next_pow2(d)), max(16, next_pow2(dv))
+    block_m, block_n = (16, 16) if interpreting() else fit_attn_tiles(
+        64, 64, block_d, block_dv, 4 if dot_f32 else q.element_size(), smem_limit(dev))
+    tiles_t = _tiles(cu, lens, block_m, dev)
     # the interpreter truncates fp32 -> bf16 on store (a GPU rounds to nearest): store fp32 there
     out = torch.empty(t, h, dv, device=dev, dtype=torch.float32 if interpreting() and q.dtype == torch.bfloat16
                       else q.dtype)
-    if not tiles:
+    if tiles_t is None:
         return out.to(q.dtype)
-    tiles_t = torch.tensor(tiles, dtype=torch.int32).to(dev, non_blocking=True)
     bt = block_table if block_table.device == dev else block_table.to(dev)
-    dot_f32 = (q.dtype == torch.float32 or q.dtype != k_cache.dtype or k_cache.dtype != v_cache.dtype
-               or (interpreting() and q.dtype == torch.bfloat16))
-    _prefill_kernel[(len(tiles), h)](
+    _prefill_kernel[(tiles_t.shape[0], h)](
         q, k_cache, v_cache, bt, tiles_t, sinks if sinks is not None else tiles_t, out,
         scale * 1.4426950408889634, window or 0,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *bt.stride(), *out.stride(),
         BLOCK_SIZE=block_size, G=h // hkv, D=d, DV=dv, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=max(16, next_pow2(d)), BLOCK_DV=max(16, next_pow2(dv)), WINDOW=window is not None,
-        HAS_SINKS=sinks is not None, DOT_F32=dot_f32)
+        BLOCK_D=block_d, BLOCK_DV=block_dv, WINDOW=window is not None,
+        HAS_SINKS=sinks is not None, DOT_F32=dot_f32, num_stages=NUM_STAGES)
     return out.to(q.dtype)

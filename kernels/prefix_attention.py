@@ -30,7 +30,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from ._attn_tiles import softmax_update
-from ._backend import HAS_TRITON, cdiv, disable_auto, interpreting, next_pow2, resolve_impl, tl, triton
+from ._backend import HAS_TRITON, cdiv, fall_back, interpreting, next_pow2, resolve_impl, tl, triton
 
 
 class Level(NamedTuple):
@@ -75,9 +75,7 @@ def attend_partial(q, k_cache, v_cache, block_table, kv_len: int, scale: float, 
                                 num_splits=num_splits)
             return _cascade_triton(q, k_cache, v_cache, plan, scale)
         except Exception as err:
-            if kernel_impl != "auto":
-                raise
-            disable_auto("attend_partial", err)
+            fall_back("attend_partial", err, kernel_impl)
     lo = None if lo_abs is None else lo_abs - kv_start
     return _attend_partial_torch(q, k_cache, v_cache, block_table, kv_len, scale, lo)
 
@@ -92,9 +90,7 @@ def merge_states(out_a, lse_a, out_b, lse_b, *, kernel_impl: str = "auto"):
         try:
             return _merge_triton(out_a, lse_a, out_b, lse_b)
         except Exception as err:
-            if kernel_impl != "auto":
-                raise
-            disable_auto("merge_states", err)
+            fall_back("merge_states", err, kernel_impl)
     return _merge_torch(out_a, lse_a, out_b, lse_b)
 
 
@@ -129,9 +125,7 @@ def cascade_attention(q, k_cache, v_cache, levels: Sequence[Level], scale: float
             plan = plan or cascade_plan(q, k_cache, levels, q_pos=q_pos, window=window, num_splits=num_splits)
             out, lse = _cascade_triton(q, k_cache, v_cache, plan, scale)
         except Exception as err:
-            if kernel_impl != "auto":
-                raise
-            disable_auto("cascade_attention", err)
+            fall_back("cascade_attention", err, kernel_impl)
     if out is None:
         out = q.new_zeros(q.shape, dtype=torch.float32)
         lse = q.new_full(q.shape[:2], float("-inf"), dtype=torch.float32)

@@ -23,7 +23,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ._backend import HAS_TRITON, cdiv, disable_auto, interpreting, next_pow2, resolve_impl, tl, triton
+from ._backend import HAS_TRITON, cdiv, fall_back, interpreting, next_pow2, resolve_impl, tl, triton
 
 
 class TokenStats(NamedTuple):
@@ -61,9 +61,7 @@ def token_stats(hidden: torch.Tensor, weight: torch.Tensor, targets: Optional[to
         try:
             return _token_stats_triton(hidden, weight, targets, topk, softcap)
         except Exception as err:
-            if kernel_impl != "auto":
-                raise
-            disable_auto("token_stats", err)
+            fall_back("token_stats", err, kernel_impl)
     return _token_stats_torch(hidden, weight, targets, topk, chunk_tokens, softcap)
 
 

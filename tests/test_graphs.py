@@ -111,16 +111,60 @@ def test_the_check_sees_what_would_return_to_the_host():
     assert "tolist" not in torch.Tensor.__dict__  # the patch is undone
 
 
+def _staged_only(check) -> list[str]:
+    """The host values a check saw entering the step by any other way than kernels._backend.staged
+    (pinned, copied without blocking): a `torch.tensor(values, device="cuda")` there blocks the host."""
+    return [f for f in check.frozen if "in staged)" not in f]
+
+
 def test_sampling_and_statistics_after_the_step_never_wait_for_the_device():
-    """What runs between a replay and the step's `.tolist()`: no sync (host values go in, none come out)."""
+    """What runs between a replay and the step's `.tolist()`: no sync (host values go in, none come out),
+    and every host value goes in through `staged`, never a blocking copy."""
     logits = torch.randn(5, 50)
     import random
 
     gens = [random.Random(i) for i in range(5)]
-    with graphs.HostSyncCheck() as check:
-        toks = sample(logits, [0.0, 0.7, 1.0, 0.0, 0.5], [0, 5, 0, 0, 20], [1.0, 0.9, 0.8, 1.0, 1.0], gens)
-        stats_from_logits(logits, toks, 4)
-    assert check.syncs == []
+    for temps in ([0.0, 0.7, 1.0, 0.0, 0.5], [0.7] * 5, [0.0] * 5):
+        with graphs.HostSyncCheck() as check:
+            toks = sample(logits, temps, [0, 5, 0, 0, 20], [1.0, 0.9, 0.8, 1.0, 1.0], gens)
+            stats_from_logits(logits, toks, 4)
+        assert check.syncs == [] and _staged_only(check) == [], (temps, check.found)
+
+
+def test_a_dynamic_step_reads_nothing_back_and_stages_what_it_sends(interp):
+    """The steps that do not replay a graph (prefill chunks, mixed steps) on the Triton path, in place:
+    paged prefill lays out its tiles from the step's host lengths (it read the device's lengths back in
+    every layer), the runner and the sampler stage their numbers; the only reads are the sampled
+    tokens and their statistics."""
+    model = make_zoo_model("llama")
+    eng = engine(model, cuda_graphs="off", kernel_impl="triton")
+    assert "paged-prefill:triton" in eng.info["attention"]
+    checks = []
+    for obj, attr in ((eng.runner, "execute"), (eng, "_sample")):
+        def checked(*a, _f=getattr(obj, attr), **k):
+            with graphs.HostSyncCheck() as check:
+                out = _f(*a, **k)
+            checks.append(check)
+            return out
+        setattr(obj, attr, checked)
+    prompts = [rand_prompt(2 * WINDOW + 5 + i, 110 + i) for i in range(3)]
+    got = eng.generate_sync(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert [o.completions[0].token_ids for o in got] == [loop_greedy(model, p, 4) for p in prompts]
+    assert len(checks) == 8  # four steps, each a forward and a sampling
+    for check in checks:
+        assert [s for s in check.syncs if not ("Tensor.tolist" in s and "in _sample" in s)] == [], check.syncs
+        assert _staged_only(check) == [], check.frozen
+
+
+def test_the_prefill_tiles_are_laid_out_once_per_step():
+    from svrmad_local.kernels import paged_prefill as _  # noqa: F401
+    import importlib
+
+    pp = importlib.import_module("svrmad_local.kernels.paged_prefill")
+    a = pp._tiles([0, 3, 40], [10, 37], 16, torch.device("cpu"))
+    assert a.tolist() == [[0, 0, 3, 7], [1, 3, 16, 0], [1, 19, 16, 16], [1, 35, 5, 32]]
+    assert pp._tiles([0, 3, 40], [10, 37], 16, torch.device("cpu")) is a  # the next layer of the step
+    assert pp._tiles([0, 3, 40], [11, 37], 16, torch.device("cpu")) is not a
 
 
 def test_dynamic_rope_keeps_graphs_off_and_says_where():
@@ -206,46 +250,139 @@ def test_the_gpu_kernels_in_the_static_step_never_return_to_the_host(interp, nam
     assert [o.completions[0].token_ids for o in got] == [loop_greedy(model, p, 5) for p in prompts], name
 
 
-def test_capture_and_replay_bookkeeping_with_a_stand_in_graph(monkeypatch):
-    """engine/graphs.py's capture path on the CPU, with torch.cuda's graph API replaced by a stand-in
-    whose replay recomputes the recorded shape from the static buffers into the captured output (what a
-    real replay does): each shape is captured once after its eager first step, later steps replay after
-    their numbers are loaded, and the tokens stay exact."""
-    import contextlib
+class StandIn:
+    """torch.cuda's graph API replaced on the CPU: a "capture" runs the step once (as the real capture
+    does, recording instead of computing) and its replay recomputes that shape from the static buffers
+    into the captured output (what a real replay does); `_backend.capturing()` is true inside it, as
+    on a GPU; `fail(P, W)` says which captures raise (and what); `device_bytes` grows by `per_graph`
+    bytes with each graph captured, standing in for the pool's memory."""
 
-    class Graph:
-        def replay(self):
-            self.recompute()
+    def __init__(self, monkeypatch, fail=lambda P, W: None, per_graph: int = 1000):
+        import contextlib
 
-    recording = {}
+        from svrmad_local.kernels import _backend
 
-    @contextlib.contextmanager
-    def graph(g, pool=None, capture_error_mode="global"):
-        recording["graph"] = g
-        yield
-        recording.pop("graph")
+        self.made, self.active = 0, None
+        stand_in = self
 
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
-    monkeypatch.setattr(torch.cuda, "graph", graph)
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
+        class Graph:
+            def replay(self):
+                self.recompute()
+
+        @contextlib.contextmanager
+        def graph(g, pool=None, capture_error_mode="global"):
+            self.active = g
+            try:
+                yield
+            finally:
+                self.active = None
+            self.made += 1
+
+        forward = graphs.StaticDecode._forward
+
+        def recorded(static, P, W):
+            out = forward(static, P, W)
+            g = stand_in.active
+            if g is not None:
+                err = fail(P, W)
+                if err is not None:
+                    raise err
+                g.recompute = lambda: out.copy_(forward(static, P, W))
+            return out
+
+        monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+        monkeypatch.setattr(torch.cuda, "graph", graph)
+        monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
+        monkeypatch.setattr(graphs.StaticDecode, "_forward", recorded)
+        monkeypatch.setattr(graphs, "can_capture", lambda device: True)
+        monkeypatch.setattr(graphs, "device_bytes", lambda device: per_graph * self.made)
+        monkeypatch.setattr(_backend, "capturing", lambda: self.active is not None)
+
+
+def test_every_shape_is_captured_at_start_up_and_replayed(monkeypatch):
+    """engine/graphs.py's capture path on the CPU with the stand-in graph API: every (batch size, width)
+    is captured when the engine is built, before any request; serving captures nothing more, every
+    decode step replays, and the tokens stay exact."""
+    stand_in = StandIn(monkeypatch)
     model = make_zoo_model("qwen3")
-    eng = engine(model, cuda_graphs="static")
+    eng = engine(model)  # cuda_graphs="auto", as on a GPU
     static = eng.runner.static
-    static.capture = True  # as on a GPU
-    forward = static._forward
-
-    def recorded(P, W):
-        out = forward(P, W)
-        g = recording.get("graph")
-        if g is not None:  # inside a capture: a replay writes the same output tensor
-            g.recompute = lambda: out.copy_(forward(P, W))
-        return out
-
-    static._forward = recorded
+    assert static.capture and set(static.graphs) == set(static.shapes) and static.failed == {}
+    assert len(static.shapes) == len(static.sizes) * len(static.widths) > 4
+    made = stand_in.made
     prompts = [rand_prompt(2 * WINDOW + 5 + i, 100 + i) for i in range(3)]
     got = eng.generate_sync(prompts, GREEDY)
     assert [o.completions[0].token_ids for o in got] == [loop_greedy(model, p, NEW) for p in prompts]
-    assert set(static.graphs) == {(4, 8)} and static.replays == NEW - 2  # the first decode step captured it
-    assert eng.info["cuda_graphs"] == f"on (1 shapes captured, {NEW - 2} steps replayed)"
-    more = eng.generate_sync(prompts[:1], GREEDY)[0].completions[0].token_ids  # a new shape: (1, 8)
-    assert more == loop_greedy(model, prompts[0], NEW) and set(static.graphs) == {(4, 8), (1, 8)}
+    assert stand_in.made == made and static.replays == NEW - 1  # every decode step, the first one too
+    assert eng.info["cuda_graphs"] == f"on ({len(static.shapes)} shapes captured, {NEW - 1} steps replayed)"
+
+
+def test_a_failed_capture_keeps_the_graphs_already_made(monkeypatch):
+    """One shape's capture fails (an OOM at the widest table, say): the others are kept and replayed,
+    that shape runs the same static step eagerly, the info says which and why."""
+    StandIn(monkeypatch, fail=lambda P, W: RuntimeError("CUDA out of memory (injected)") if P == 4 else None)
+    model = make_zoo_model("qwen3")
+    eng = engine(model)
+    static = eng.runner.static
+    assert set(static.failed) == {(4, w) for w in static.widths}
+    assert set(static.graphs) == set(static.shapes) - set(static.failed)
+    prompts = [rand_prompt(2 * WINDOW + 5 + i, 100 + i) for i in range(3)]
+    got = eng.generate_sync(prompts, GREEDY)  # 3 sequences in 4 rows: eagerly
+    assert [o.completions[0].token_ids for o in got] == [loop_greedy(model, p, NEW) for p in prompts]
+    assert static.replays == 0
+    one = eng.generate_sync(prompts[0], GREEDY)[0].completions[0].token_ids  # batch 1: replayed
+    assert one == loop_greedy(model, prompts[0], NEW) and static.replays >= NEW - 1  # (a cached prompt: NEW)
+    info = eng.info["cuda_graphs"]
+    assert f"{len(static.widths)} failed, run eagerly (batch 4, width" in info, info
+    assert "RuntimeError: CUDA out of memory (injected)" in info, info
+
+
+def test_the_graphs_memory_comes_out_of_the_kv_budget(monkeypatch):
+    """Measured before the cache is sized: the largest shape's capture over a provisional cache, plus one
+    output per other shape; the cache holds the budget less that."""
+    StandIn(monkeypatch, per_graph=123_456)
+    model = make_zoo_model("llama")
+    eng = engine(model)
+    static = eng.runner.static
+    hidden_row = model.config.hidden_size * 4  # fp32
+    reserve = 123_456 + sum(p for p, _ in static.shapes[1:]) * hidden_row
+    assert eng.graph_reserve == reserve
+    blocks = (eng.kv_budget_bytes - reserve) // eng.block_bytes
+    assert eng.cache.k[0].shape[0] == blocks * eng.cfg.block_size and eng.blocks.num_blocks == blocks - 1
+    assert eng.info["graph_bytes"] == {"reserved": reserve, "taken": 123_456 * len(static.shapes)}
+    plain = engine(model, cuda_graphs="static")  # nothing captured: the whole budget is the cache's
+    assert plain.graph_reserve == 0 and plain.blocks.num_blocks == plain.kv_budget_bytes // plain.block_bytes - 1
+
+
+def test_a_kernel_failure_while_capturing_fails_the_capture_not_the_kernel(monkeypatch):
+    """Defect 2 end to end: the absorbed MLA kernel's Triton path (taken under "auto", as on a GPU)
+    raises only while a graph is captured; the capture fails and is recorded, the kernel is not turned
+    off (eager steps keep taking it) and no reference is recorded into a graph."""
+    import importlib
+
+    from svrmad_local.kernels import _backend
+
+    mla_mod = importlib.import_module("svrmad_local.kernels.mla_decode")
+    stand_in = StandIn(monkeypatch)
+    monkeypatch.setattr(_backend, "_disabled", {})
+    calls = []
+
+    def triton_path(*args):
+        if _backend.capturing():
+            raise RuntimeError("operation not permitted when stream is capturing (injected)")
+        calls.append(1)
+        return mla_mod.reference_mla_decode(*args)
+
+    monkeypatch.setattr(mla_mod, "resolve_impl", lambda impl, dev, name: "triton")
+    monkeypatch.setattr(mla_mod, "_mla_triton", triton_path)
+    model = make_zoo_model("deepseek-v3")
+    eng = engine(model)
+    static = eng.runner.static
+    assert static.graphs == {} and set(static.failed) == set(static.shapes) and stand_in.made == 0
+    assert all("stream is capturing (injected)" in why for why in static.failed.values())
+    assert _backend._disabled == {}
+    calls.clear()
+    prompts = [rand_prompt(2 * WINDOW + 5 + i, 120 + i) for i in range(2)]
+    got = eng.generate_sync(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert [o.completions[0].token_ids for o in got] == [loop_greedy(model, p, 4) for p in prompts]
+    assert calls and _backend._disabled == {}  # the eager steps took the "Triton" path

@@ -145,3 +145,19 @@ def test_flash_attn_is_chosen_only_where_it_reads_in_place_or_nothing_else_can()
     assert not choose_flash("flash", True, cuda, torch.float32, False, 256, triton_ok=False)
     assert not choose_flash("auto", True, cuda, bf16, True, 256, triton_ok=True)  # latent (MLA) layers
     assert not choose_flash("sdpa", True, cuda, bf16, False, 256, triton_ok=True)
+    # a flash-attn whose varlen call takes no block table (before 2.5.7) would gather: ours read in place
+    assert not choose_flash("auto", True, cuda, bf16, False, 256, triton_ok=True, paged=False)
+    assert choose_flash("auto", True, cuda, bf16, False, 256, triton_ok=False, paged=False)  # gather, no Triton
+
+
+def test_flash_attn_paging_is_read_from_the_call_it_would_make():
+    from svrmad_local.engine.runner import flash_takes_block_table
+
+    def new(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None, causal=False,
+            block_table=None):
+        pass
+
+    def old(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None, causal=False):
+        pass
+
+    assert flash_takes_block_table(new) and not flash_takes_block_table(old)

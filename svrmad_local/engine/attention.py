@@ -357,7 +357,7 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
         _attend_padded(ctx, q, kc, vc, layer, view.decode, spec.kind, scaling, sinks, out)
     if view is _IN_PLACE:  # prefill runs, in place through their block tables (Triton)
         t = ctx.prefill_tables
-        out[nd:] = paged_prefill(q[nd:], kc, vc, t.block_table, ctx.prefill_cu, t.lens, ctx.cache.block_size,
+        out[nd:] = paged_prefill(q[nd:], kc, vc, t.block_table, ctx.prefill_cu, t.host_lens, ctx.cache.block_size,
                                  scaling, window=spec.window, sinks=sinks, kernel_impl=ctx.kernel_impl)
     if view.prefill is not None:
         _attend_padded(ctx, q, kc, vc, layer, view.prefill, spec.kind, scaling, sinks, out)

@@ -116,7 +116,10 @@ class Engine:
         if devices[0].type == "cpu":
             keep_freed_memory()
             self._watch = BarrierSleepWatch()  # warns once if another thread's torch work slows the steps
-        self.cache = KVCache(num_blocks, cfg.block_size, spec.layers, devices, spec.dtype)
+        # graphs to capture: the cache is sized after their memory is measured over a provisional one
+        measure = cfg.cuda_graphs in ("auto", "on") and graphs.can_capture(devices[0]) and not self.sharded
+        self.cache = KVCache(graphs.PROVISIONAL_BLOCKS if measure else num_blocks, cfg.block_size, spec.layers,
+                             devices, spec.dtype)
         self.runner = ModelRunner(model, attached, self.cache, spec, cfg.block_size, cfg.attention, cfg.cascade,
                                   cfg.kernel_impl, cfg.mla)
         self.decoder_path = "the model's modules (tensor parallel)"
@@ -124,6 +127,15 @@ class Engine:
             self.runner.lean, self.decoder_path = select_decoder(model, spec, cfg.decoder)
         mc = model.config.get_text_config()
         self.max_model_len = getattr(mc, "max_position_embeddings", None) or 1 << 30
+        self.graph_reserve = 0  # bytes of the KV budget kept for the decode graphs
+        if measure:
+            if graphs.why_off(cfg.cuda_graphs, self.runner, self.sharded) is None:
+                self.graph_reserve = graphs.graph_memory(self.runner, cfg.max_num_seqs, self._max_blocks(num_blocks))
+            num_blocks = (self.kv_budget_bytes - self.graph_reserve) // block_bytes
+            if num_blocks < 3:
+                raise ValueError(f"kv_cache_memory={cfg.kv_cache_memory!r} less the decode graphs' "
+                                 f"{self.graph_reserve} bytes holds {num_blocks} blocks; need at least 3")
+            self.cache = self.runner.cache = KVCache(num_blocks, cfg.block_size, spec.layers, devices, spec.dtype)
         self.runner.static, self.graphs_path = self._static_decode(cfg, num_blocks)
         # the static path's padding rows write a scratch block that no sequence may own: the last one
         self.blocks = BlockManager(num_blocks - (self.runner.static is not None), cfg.block_size)
@@ -147,11 +159,12 @@ class Engine:
             why = f"the KV budget holds {num_blocks} blocks: none to spare for the padding rows' scratch block"
         static = None
         if why is None:
-            max_blocks = max(1, min(-(-self.max_model_len // cfg.block_size), num_blocks - 1))
-            static = graphs.StaticDecode(self.runner, cfg.max_num_seqs, max_blocks, num_blocks - 1,
+            static = graphs.StaticDecode(self.runner, cfg.max_num_seqs, self._max_blocks(num_blocks), num_blocks - 1,
                                          capture=cfg.cuda_graphs != "static")
             if static.found and cfg.cuda_graphs != "static":
                 why, static = "the decode step returns to the host: " + "; ".join(static.found[:3]), None
+            elif static.capture:  # every shape at start-up, before any request (engine/graphs.py)
+                static.capture_all()
         if why is not None and cfg.cuda_graphs in ("on", "static"):
             raise ValueError(f"cuda_graphs={cfg.cuda_graphs!r} cannot run here: {why}")
         if why is not None:
@@ -160,14 +173,20 @@ class Engine:
             return None, f"off: {why}"
         return static, "static (eager)" if cfg.cuda_graphs == "static" else "on"
 
+    def _max_blocks(self, num_blocks: int) -> int:
+        """The static path's widest block table: the model's context, or the cache less its scratch block."""
+        return max(1, min(-(-self.max_model_len // self.cfg.block_size), num_blocks - 1))
+
     def _graphs_info(self) -> str:
         static = self.runner.static
         if static is None:
             return self.graphs_path
-        if static.off_reason is not None:
-            return f"off: {static.off_reason}"
         if static.capture:
-            return f"on ({len(static.graphs)} shapes captured, {static.replays} steps replayed)"
+            failed = ""
+            if static.failed:
+                (p, w), why = next(iter(static.failed.items()))
+                failed = f"; {len(static.failed)} failed, run eagerly (batch {p}, width {w}: {why})"
+            return f"on ({len(static.graphs)} shapes captured, {static.replays} steps replayed{failed})"
         return self.graphs_path
 
     def _eos_ids(self) -> set[int]:
@@ -192,6 +211,8 @@ class Engine:
             "block_size": self.cfg.block_size,
             "kv_blocks": self.blocks.num_blocks,
             "kv_budget_bytes": self.kv_budget_bytes,
+            "graph_bytes": {"reserved": self.graph_reserve,
+                            "taken": self.runner.static.pool_bytes if self.runner.static is not None else 0},
             "peak_kv_bytes": self.blocks.peak_used * self.block_bytes,
             "evictions": self.blocks.evictions,
             "in_flight": len(self._live),

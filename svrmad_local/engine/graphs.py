@@ -22,13 +22,24 @@ When the engine is built, one probe step (a padding row only) runs under `HostSy
 would wait for the GPU or bake host data into a graph (`.item`, `.tolist`, `nonzero`, a branch on a
 tensor, a boolean index, a tensor built from Python values) keeps graphs off, naming the op and the
 line that called it (dynamic RoPE; our packed experts' torch path, which loops over the experts some
-token chose). Each shape's first step then runs eagerly (the warm-up that compiles the Triton kernels;
-its result is used) and is captured right after. Mixed steps (a prefill chunk among the decodes), steps
-larger than the largest size and contexts wider than the widest table run the dynamic path.
+token chose). Graphs are captured at start-up, every (P, W) of `batch_sizes` x `widths`, largest first,
+each after one eager warm-up step (padding rows only; it compiles the Triton kernels), as vLLM and
+SGLang do: never in the middle of serving. Their memory is counted in the KV budget: before the cache
+is sized, the largest shape is captured over a provisional cache of a few blocks and what it took is
+measured (`graph_memory`); the cache gets the budget less that. A shape whose capture fails (an OOM, an
+op the probe could not see, such as a host copy inside a fused op) is recorded with its reason and runs
+the same step eagerly; the graphs already made are kept. Mixed steps (a prefill chunk among the
+decodes), steps larger than the largest size and contexts wider than the widest table run the dynamic
+path.
+
+A Triton kernel that fails while a graph is captured raises (kernels._backend.fall_back) instead of
+falling back to its torch reference: the fallback would be recorded into the graph and the kernel turned
+off for every later eager step.
 
 Sampling and the token statistics run right after the replay, eagerly, and their first host read is
 the step's `.tolist()` of the sampled tokens (a `HostSyncCheck` test holds them to that); the sampling
-parameters stay Python values because the per-sample random streams are drawn on the host.
+parameters stay Python values because the per-sample random streams are drawn on the host, and reach
+the device pinned, without blocking (kernels._backend.staged).
 """
 
 from __future__ import annotations
@@ -40,6 +51,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from svrmad_local.kernels._backend import staged
 
 from . import mla
 from .attention import StepContext
@@ -84,7 +97,8 @@ class HostSyncCheck(TorchDispatchMode):
     """Records, while active, every op that returns to the host (`syncs`: a CUDA graph cannot capture
     it) or freezes host data into the step (`frozen`: a graph would replay the values it saw at
     capture), each as "op (file:line in function)"; nothing is raised, the caller decides. On the
-    CPU it sees what a GPU run would dispatch; only a copy between devices needs a GPU to be seen."""
+    CPU it sees what a GPU run would dispatch; only a copy between devices needs a GPU to be seen (one to
+    the host, and a blocking one from it: both are `syncs`)."""
 
     def __init__(self):
         super().__init__()
@@ -114,6 +128,8 @@ class HostSyncCheck(TorchDispatchMode):
             self._note(self.syncs, f"aten.{name} by a boolean mask")
         elif name in ("_to_copy", "copy_") and _crosses_to_host(name, args, kwargs):
             self._note(self.syncs, f"aten.{name} to the host")
+        elif name in ("_to_copy", "copy_") and _blocking_upload(name, args, kwargs):
+            self._note(self.syncs, f"aten.{name} from the host, blocking (pageable memory or non_blocking=False)")
         elif name == "lift_fresh":
             self._note(self.frozen, "torch.tensor of Python values")
         return func(*args, **kwargs)
@@ -147,6 +163,22 @@ def _crosses_to_host(name: str, args, kwargs) -> bool:
     return len(args) > 1 and torch.is_tensor(args[1]) and args[1].is_cuda and not args[0].is_cuda
 
 
+def _blocking_upload(name: str, args, kwargs) -> bool:
+    """A host -> CUDA copy that makes the host wait (pageable memory, or non_blocking=False): the
+    blocking half of `torch.tensor(values, device="cuda")`. Only seen where CUDA is."""
+    if name == "_to_copy":
+        src, dev = args[0] if args else None, kwargs.get("device")
+        if not (torch.is_tensor(src) and src.device.type == "cpu" and dev is not None
+                and torch.device(dev).type == "cuda"):
+            return False
+    elif len(args) > 1 and torch.is_tensor(args[1]) and args[1].device.type == "cpu" and args[0].is_cuda:
+        src = args[1]
+    else:
+        return False
+    non_blocking = kwargs.get("non_blocking", args[2] if name == "copy_" and len(args) > 2 else False)
+    return not (non_blocking and src.is_pinned())
+
+
 def why_off(mode: str, runner, sharded: bool) -> str | None:
     """Why the static path (mode "static") or graphs ("auto"/"on") cannot run here, or None."""
     if mode not in MODES:
@@ -155,7 +187,7 @@ def why_off(mode: str, runner, sharded: bool) -> str | None:
         return "as asked"
     if sharded:
         return "tensor parallel (the ranks' steps meet in collectives the engine sends from the host)"
-    if mode != "static" and runner.device.type != "cuda":
+    if mode != "static" and not can_capture(runner.device):
         return f"{runner.device.type}: CUDA graphs need a CUDA device"
     if runner.cascade:
         return "cascade attention plans its levels on the host every step"
@@ -171,10 +203,10 @@ def why_off(mode: str, runner, sharded: bool) -> str | None:
 
 
 class StaticDecode:
-    """The static-shape decode path over one runner, with graphs captured per (batch size, width)
-    when `capture` (CUDA), else run eagerly. `scratch` is a block of the cache no sequence owns.
-    Built, it runs one probe step (a padding row only: it writes the scratch block) under
-    `HostSyncCheck`; `found` lists what would keep a graph from capturing the step."""
+    """The static-shape decode path over one runner, with a graph per (batch size, width) captured at
+    start-up by `capture_all` where `capture` (CUDA), else run eagerly. `scratch` is a block of the
+    cache no sequence owns. Built, it runs one probe step (a padding row only: it writes the scratch
+    block) under `HostSyncCheck`; `found` lists what would keep a graph from capturing the step."""
 
     def __init__(self, runner, max_num_seqs: int, max_blocks: int, scratch: int, capture: bool):
         self.runner, self.scratch, self.capture = runner, scratch, capture
@@ -185,17 +217,24 @@ class StaticDecode:
         self.lens = torch.ones(n, dtype=torch.int32, device=dev)  # context lengths (the kernels take int32)
         self.tables = {w: torch.full((n, w), scratch, dtype=torch.int32, device=dev) for w in self.widths}
         self.graphs: dict[tuple[int, int], tuple] = {}
-        self.off_reason: str | None = None  # set if a capture fails: every later step runs the dynamic path
+        self.failed: dict[tuple[int, int], str] = {}  # shapes whose capture failed: they run eagerly
         self.pool = None
+        self.pool_bytes = 0  # device memory the captures took (measured around them)
         self.replays = 0
         with torch.inference_mode(), HostSyncCheck() as check:
             self._forward(1, self.widths[0])
         self.found = check.found
 
+    @property
+    def shapes(self) -> list[tuple[int, int]]:
+        """Every (P, W) the path runs at, largest first (the order of capture: smaller steps then reuse
+        the memory pool's blocks that the larger ones freed)."""
+        return sorted(((p, w) for p in self.sizes for w in self.widths), key=lambda s: (-s[0] * s[1], -s[0]))
+
     def shape(self, step) -> tuple[int, int] | None:
         """(P rows, W table columns) a decode-only step runs at, or None where it runs the dynamic path."""
         B = step.num_decode
-        if self.off_reason is not None or B != len(step.runs) or not 0 < B <= self.sizes[-1]:
+        if B != len(step.runs) or not 0 < B <= self.sizes[-1]:
             return None
         widest = max(len(b) for _, _, b in step.runs)
         if widest > self.widths[-1]:
@@ -203,7 +242,8 @@ class StaticDecode:
         return next(s for s in self.sizes if s >= B), next(w for w in self.widths if w >= widest)
 
     def run(self, step, shape: tuple[int, int]) -> torch.Tensor:
-        """Final hidden states [B, H] of a decode-only step (rows in the step's order) at `shape`."""
+        """Final hidden states [B, H] of a decode-only step (rows in the step's order) at `shape`:
+        the shape's graph replayed, or (no graph: not captured, or its capture failed) run eagerly."""
         B, (P, W) = step.num_decode, shape
         self._load(step, P, W)
         hit = self.graphs.get((P, W))
@@ -211,15 +251,28 @@ class StaticDecode:
             hit[0].replay()
             self.replays += 1
             return hit[1][:B]
-        hidden = self._forward(P, W)  # eagerly; on a GPU also the warm-up that compiles the Triton kernels
-        if self.capture:
+        return self._forward(P, W)[:B]
+
+    @torch.inference_mode()
+    def capture_all(self, shapes: list[tuple[int, int]] | None = None) -> None:
+        """Captures `shapes` (default: every shape), before any request is served: each after one eager
+        warm-up step (padding rows only: they write the scratch block; it compiles the Triton kernels).
+        A shape whose capture fails is recorded in `failed` with the reason and runs eagerly; the graphs
+        already made are kept, and the others are still tried. `pool_bytes`: what the captures took."""
+        before = device_bytes(self.runner.device)
+        for P, W in self.shapes if shapes is None else shapes:
+            self._forward(P, W)
             self._capture(P, W)
-        return hidden[:B]
+        self.pool_bytes = device_bytes(self.runner.device) - before
+        if self.failed:
+            (P, W), why = next(iter(self.failed.items()))
+            log.warning("svrmad: %d of %d decode shapes not captured (they run eagerly); batch %d, width %d: %s",
+                        len(self.failed), len(self.failed) + len(self.graphs), P, W, why)
 
     def _load(self, step, P: int, W: int) -> None:
         """Copies the step into the static buffers from host arrays: ids, positions and slots; lengths; the
-        block table (numpy, so the host work is a few calls at any batch size)."""
-        bs, B = self.runner.block_size, step.num_decode
+        block table (numpy, so the host work is a few calls at any batch size), staged without blocking."""
+        bs, B, dev = self.runner.block_size, step.num_decode, self.runner.device
         host = np.zeros((3, P), dtype=np.int64)
         host[2] = self.scratch * bs
         lens = np.ones(P, dtype=np.int32)
@@ -229,9 +282,9 @@ class StaticDecode:
             host[1, i], lens[i] = end - 1, end
             host[2, i] = blocks[(end - 1) // bs] * bs + (end - 1) % bs
             table[i, : len(blocks)] = blocks
-        self.inputs[:, :P].copy_(torch.from_numpy(host), non_blocking=True)
-        self.lens[:P].copy_(torch.from_numpy(lens), non_blocking=True)
-        self.tables[W][:P].copy_(torch.from_numpy(table), non_blocking=True)
+        self.inputs[:, :P].copy_(staged(torch.from_numpy(host), torch.long, dev))
+        self.lens[:P].copy_(staged(torch.from_numpy(lens), torch.int32, dev))
+        self.tables[W][:P].copy_(staged(torch.from_numpy(table), torch.int32, dev))
 
     def _forward(self, P: int, W: int) -> torch.Tensor:
         r = self.runner
@@ -243,9 +296,9 @@ class StaticDecode:
             ctx.latent_runs = []
         return r.run_body(ctx, ids.unsqueeze(0), pos.unsqueeze(0))
 
-    def _capture(self, P: int, W: int) -> None:  # pragma: no cover - needs a CUDA device
-        """Records the step of shape (P, W) into a graph sharing one memory pool with the others. A
-        failed capture turns the static path off (the step in hand was already computed eagerly)."""
+    def _capture(self, P: int, W: int) -> None:
+        """Records the step of shape (P, W) into a graph sharing one memory pool with the others; a
+        failure is recorded in `failed` (first line of the error, with its type)."""
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
@@ -254,7 +307,41 @@ class StaticDecode:
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 out = self._forward(P, W)
         except Exception as err:
-            self.off_reason = f"capturing the decode step at batch {P}, width {W} failed: {err}".splitlines()[0]
-            log.warning("svrmad: CUDA graphs off (%s)", self.off_reason)
+            self.failed[(P, W)] = f"{type(err).__name__}: {err}".splitlines()[0]
             return
         self.graphs[(P, W)] = (graph, out)
+
+
+PROVISIONAL_BLOCKS = 3  # the cache the graphs' memory is measured over, before the real one is sized
+
+
+@torch.inference_mode()
+def graph_memory(runner, max_num_seqs: int, max_blocks: int) -> int:
+    """Bytes to keep out of the KV budget for the decode graphs, measured before the KV cache is sized:
+    over the runner's provisional cache (PROVISIONAL_BLOCKS blocks: padding rows read and write only
+    the scratch block, whatever the table's width), the largest shape is captured and what it took
+    measured; every other shape adds its output rows, which each graph keeps (its intermediates reuse
+    the shared pool). 0 where the step cannot be captured (the probe found a host sync)."""
+    n = runner.cache.k[0].shape[0] // runner.block_size
+    probe = StaticDecode(runner, max_num_seqs, max_blocks, n - 1, capture=True)
+    if probe.found:
+        return 0
+    probe.capture_all(probe.shapes[:1])
+    taken = probe.pool_bytes
+    out = probe._forward(1, probe.widths[0])
+    rest = sum(p for p, _ in probe.shapes[1:]) * out.shape[-1] * out.element_size()
+    del probe, out
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return max(0, taken) + rest
+
+
+def device_bytes(device) -> int:
+    """Memory torch's allocator holds on `device` (0 off CUDA): what a capture took, measured around it."""
+    device = torch.device(device)
+    return torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
+
+
+def can_capture(device) -> bool:
+    """Whether CUDA graphs can record steps on `device`."""
+    return torch.device(device).type == "cuda"

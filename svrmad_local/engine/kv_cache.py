@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from svrmad_local.kernels._backend import staged
+
 
 class CacheFull(RuntimeError):
     """No free or evictable block: the scheduler must wait or preempt."""
@@ -243,17 +245,18 @@ class KVCache:
 class BlockTables:
     """Runs' view of the cache for the kernels that read it in place (decode rows; prefill runs on the
     Triton path): block ids [R, W] (padded with block 0) and context lengths [R] (the run's new tokens
-    included), int32 on the step's device."""
+    included), int32 on the step's device; `host_lens` the same lengths as host ints where the step built
+    them (paged prefill lays out its tiles from them, so no layer reads the device's copy back)."""
 
     block_table: torch.Tensor
     lens: torch.Tensor
+    host_lens: list[int] | None = None
 
     @classmethod
     def build(cls, tables: list[list[int]], lens: list[int], device) -> "BlockTables":
         width = max(len(t) for t in tables)
-        bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-        lens_t = torch.tensor(lens, dtype=torch.int32)
-        return cls(bt.to(device, non_blocking=True), lens_t.to(device, non_blocking=True))
+        return cls(staged([t + [0] * (width - len(t)) for t in tables], torch.int32, device),
+                   staged(lens, torch.int32, device), list(lens))  # pinned: the copies never block the host
 
     @classmethod
     def of_runs(cls, runs, device) -> "BlockTables":
@@ -261,4 +264,5 @@ class BlockTables:
         return cls.build([b for _, _, b in runs], [e for _, e, _ in runs], device)
 
     def to(self, device) -> "BlockTables":
-        return BlockTables(self.block_table.to(device, non_blocking=True), self.lens.to(device, non_blocking=True))
+        return BlockTables(self.block_table.to(device, non_blocking=True), self.lens.to(device, non_blocking=True),
+                           self.host_lens)

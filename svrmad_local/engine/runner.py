@@ -6,15 +6,18 @@ decode) and, in chunks, to the rows a scoring request asks about: never to every
 
 from __future__ import annotations
 
+import inspect
+import itertools
 from dataclasses import dataclass
 
 import torch
 
 from svrmad_local import kernels
+from svrmad_local.kernels._backend import staged
 from svrmad_local.kernels import cpu_decode
 
 from . import mla
-from .attention import FLASH_PAGE, HAS_FLASH_ATTN, Attachment, PagedKV, Span, StepContext
+from .attention import FLASH_PAGE, HAS_FLASH_ATTN, Attachment, PagedKV, Span, StepContext, flash_attn_varlen_func
 from .context import set_context
 from .kv_cache import KVCache
 from .scheduler import Batch
@@ -46,7 +49,9 @@ class ModelRunner:
         self.softcap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
         dtype = self.lm_head.weight.dtype
         triton_ok = kernels.select_impl(kernel_impl, self.device, "paged_decode") == "triton"
-        want_flash = choose_flash(attention, HAS_FLASH_ATTN, self.device, dtype, spec.has_latent, block_size, triton_ok)
+        flash_paged = flash_takes_block_table() if HAS_FLASH_ATTN else False
+        want_flash = choose_flash(attention, HAS_FLASH_ATTN, self.device, dtype, spec.has_latent, block_size, triton_ok,
+                                  flash_paged)
         if attention == "flash" and not want_flash:
             raise ValueError("attention='flash' needs flash-attn installed, a CUDA device, fp16/bf16 weights and "
                              "no latent (MLA) layers")
@@ -76,7 +81,7 @@ class ModelRunner:
         self.prefill_in_place = self.decode_impl == "triton"
         if self.prefill_in_place:
             self.attention_path += "+paged-prefill:triton"
-        self.flash_paged = want_flash and block_size % FLASH_PAGE == 0
+        self.flash_paged = want_flash and flash_paged and block_size % FLASH_PAGE == 0
         if self.flash_paged:
             self.attention_path += " (paged)"
         self.mla_absorbed = mla.check_mode(mla_mode) == "absorbed" and spec.has_latent
@@ -127,7 +132,7 @@ class ModelRunner:
             runs.append(Span(row, row + end - start, table=(blocks, end, bs, dev)))
             row += end - start
         nd = step.num_decode
-        ctx = StepContext(self.cache, self.spec.layers, torch.tensor(slot_map, device=dev), runs, nd,
+        ctx = StepContext(self.cache, self.spec.layers, staged(slot_map, torch.long, dev), runs, nd,
                           kernel_impl=self.kernel_impl)
         # latent layers get the step's context back from the cache hook, each distinct slot once (forks
         # share their prefix), to be expanded once by the model's own code; with MLA absorbed only the
@@ -148,8 +153,8 @@ class ModelRunner:
         if self.attention_path.startswith("flash-attn"):
             lens = [r.index.shape[0] for r in runs]
             ctx.flash = {
-                "cu_q": torch.tensor([0] + [r.row1 for r in runs], dtype=torch.int32, device=dev),
-                "cu_k": torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=dev),
+                "cu_q": staged([0] + [r.row1 for r in runs], torch.int32, dev),
+                "cu_k": staged([0] + list(itertools.accumulate(lens)), torch.int32, dev),
                 "max_q": max(r.row1 - r.row0 for r in runs), "max_k": max(lens),
             }
             if self.flash_paged:  # flash-attn reads the blocks in place through the block table
@@ -160,8 +165,8 @@ class ModelRunner:
             decode = step.runs[:nd]
             ctx.decode_levels = decode_levels([b for _, _, b in decode], [e for _, e, _ in decode], bs,
                                               self.levels_device)
-            ctx.decode_pos = torch.tensor([e - 1 for _, e, _ in decode], device=dev)
-        return self.run_body(ctx, torch.tensor([step.ids], device=dev), torch.tensor([pos], device=dev))
+            ctx.decode_pos = staged([e - 1 for _, e, _ in decode], torch.long, dev)
+        return self.run_body(ctx, staged([step.ids], torch.long, dev), staged([pos], torch.long, dev))
 
     def run_body(self, ctx: StepContext, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """The model body (or the lean forward) over ids/pos [1, T] with the step's context parked for
@@ -184,16 +189,31 @@ class ModelRunner:
 
 
 def choose_flash(attention: str, installed: bool, device: torch.device, dtype: torch.dtype, latent: bool,
-                 block_size: int, triton_ok: bool) -> bool:
+                 block_size: int, triton_ok: bool, paged: bool = True) -> bool:
     """Whether steps attend through flash-attn's varlen call. It needs a CUDA device, fp16/bf16 and no
     latent layers; asked for ("flash"), it is taken; under "auto" only where it reads the cache in place
-    (blocks of a multiple of its 256-token pages) or where our Triton kernels, which read any block size
-    in place, cannot run: flash-attn over a gather of every context in every layer is what they replace."""
+    (blocks of a multiple of its 256-token pages, and an installed release whose varlen call takes a
+    block table: `paged`, see `flash_takes_block_table`) or where our Triton kernels, which read any
+    block size in place, cannot run: flash-attn over a gather of every context in every layer is what
+    they replace."""
     if not (installed and device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and not latent):
         return False
     if attention == "flash":
         return True
-    return attention == "auto" and (block_size % FLASH_PAGE == 0 or not triton_ok)
+    return attention == "auto" and ((paged and block_size % FLASH_PAGE == 0) or not triton_ok)
+
+
+def flash_takes_block_table(fn=None) -> bool:
+    """Whether the installed flash-attn's varlen call reads a paged cache: its `block_table` argument came
+    in flash-attn 2.5.7 (Dao-AILab/flash-attention#831); `flash-attn>=2.5` admits releases without it,
+    which would fail at the first step. Read from the signature, not the version string."""
+    fn = fn if fn is not None else flash_attn_varlen_func
+    if fn is None:
+        return False
+    try:
+        return "block_table" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a compiled function without a signature: assume the old call
+        return False
 
 
 def _cascade_enabled(cascade: str, kernel_impl: str, device: torch.device) -> bool:

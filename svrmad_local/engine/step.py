@@ -14,6 +14,7 @@ import time
 import torch
 
 from svrmad_local import kernels
+from svrmad_local.kernels._backend import staged
 
 from .config import SignalConfig
 from .sampler import sample
@@ -95,7 +96,8 @@ class Step:
             req.usage.peak_kv_bytes = max(req.usage.peak_kv_bytes, held * self.block_bytes)
 
     def _sample(self, hidden: torch.Tensor, to_sample: list[tuple[Sequence, int]], finished: list[Request]) -> None:
-        logits = self.runner.logits(hidden[[r for _, r in to_sample]])
+        # row indices reach the device pinned, without blocking (kernels._backend.staged)
+        logits = self.runner.logits(hidden[staged([r for _, r in to_sample], torch.long, hidden.device)])
         # a leader that just computed an n>1 prompt draws all n first tokens from the same row
         rows, samples = [], []
         for i, (seq, _) in enumerate(to_sample):
@@ -107,7 +109,7 @@ class Step:
             else:
                 samples.append((seq, None))
                 rows.append(i)
-        logits = logits[rows]
+        logits = logits[staged(rows, torch.long, logits.device)]
         gens = []
         for seq, j in samples:
             gens.append(seq.generator if not j else random.Random(seed_for(seq.request.seed, j)))
@@ -167,7 +169,7 @@ class Step:
         if lo >= hi:
             return
         h = hidden[lo - w.start : hi - w.start]
-        targets = torch.tensor(seq.tokens[lo + 1 : hi + 1], device=h.device)
+        targets = staged(seq.tokens[lo + 1 : hi + 1], torch.long, h.device)
         st = self._token_stats(h, targets, seq.params.topk_logprobs)
         seq.logprobs += st.logprob.tolist()
         seq.entropies += st.entropy.tolist()
