@@ -140,7 +140,7 @@ def test_a_dynamic_step_reads_nothing_back_and_stages_what_it_sends(interp):
     eng = engine(model, cuda_graphs="off", kernel_impl="triton")
     assert "paged-prefill:triton" in eng.info["attention"]
     checks = []
-    for obj, attr in ((eng.runner, "execute"), (eng, "_sample")):
+    for obj, attr in ((eng.runner, "execute"), (eng.stepper, "_sample")):
         def checked(*a, _f=getattr(obj, attr), **k):
             with graphs.HostSyncCheck() as check:
                 out = _f(*a, **k)
