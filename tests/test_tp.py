@@ -1,8 +1,8 @@
 """Tensor parallelism over 2 CPU processes (gloo): the same tokens as one process.
 
-transformers' tp_plan shards q/k/v/o and the MLP; the sums of the row-parallel layers are reduced in
-another order than one process adds them, so log-probs are compared within 1e-4 and greedy tokens
-exactly (on this tiny model no near-tie flips them)."""
+Our own plan (models/shard.py) splits attention by heads and the MLP by columns/rows; the sums of the row-parallel
+blocks are reduced in another order than one process adds them, so log-probs are compared within 1e-4 and greedy
+tokens exactly (on this tiny model no near-tie flips them)."""
 
 from __future__ import annotations
 
