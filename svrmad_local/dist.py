@@ -1,5 +1,5 @@
-"""Data parallel over processes started by torchrun or `accelerate launch`: who this process is, and
-the c10d store they share.
+"""Data parallel over processes started by torchrun or `accelerate launch`: who this process is, the
+c10d store they share, and how the launch splits into replicas of a tensor-parallel group.
 
 The launcher sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT; `torch.distributed`'s
 env:// rendezvous turns them into a TCPStore (torchrun's own, when its agent hosts one). The store's
@@ -8,6 +8,16 @@ slot), and its set/get hands rank 0's decisions (the RunConfig, the questions to
 ranks without a collective, so a rank that idles for an hour waiting on a long question never hits
 a collective timeout. The process group itself is initialised too (gloo on CPU, nccl on CUDA, each
 rank on cuda:LOCAL_RANK) for what needs collectives (tensor parallel).
+
+With `--tp T` the W processes are W/T replicas of T consecutive ranks (torchrun numbers a node's
+processes consecutively, so a group whose T divides --nproc-per-node stays on one node, on NVLink):
+each group has its own process group for its collectives, and the groups' first ranks (the
+leaders) are the data-parallel workers, taking questions from the one shared counter as single
+processes do without --tp. The other ranks of a group only follow their leader's steps.
+
+The run's start message: rank 0 publishes the RunConfig and the questions to run (or the one-line
+error that stops everyone) under "start"; at the end each worker publishes what it did under
+"rank/i" and rank 0 waits for all of them.
 """
 
 from __future__ import annotations
@@ -57,6 +67,53 @@ class Dist:
         # torchrun restarts a failed group with the same store: keep each attempt's keys apart
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         return cls(rank, world, local_rank, dist.PrefixStore(f"svrmad/{attempt}", store))
+
+    # -- replicas of a tensor-parallel group -------------------------------------------------
+    def check_tp(self, tp: int) -> None:
+        """One line when the launch does not split into whole tensor-parallel groups."""
+        if tp > 1 and self.world_size % tp:
+            raise ValueError(f"--tp {tp} needs a number of processes that is a multiple of {tp} (replicas of {tp} "
+                             f"ranks, e.g. torchrun --nproc-per-node {tp}); this launch has {self.world_size}")
+
+    def split(self, tp: int):
+        """(this rank's engine.tp.Group or None for tp 1, the replicas' data-parallel view): the view
+        numbers the replicas 0..W/T-1 and shares the store, so its counters are the whole launch's.
+        Every rank calls this (making the groups is a collective)."""
+        if tp <= 1:
+            return None, self
+        import torch.distributed as dist
+
+        from svrmad_local.engine.tp import Group
+
+        self.check_tp(tp)
+        mine = None
+        for first in range(0, self.world_size, tp):  # every rank makes every group, in the same order
+            ranks = tuple(range(first, first + tp))
+            pg = dist.new_group(list(ranks))
+            if self.rank in ranks:
+                mine = Group(ranks, self.rank - first, pg)
+        replicas = self.world_size // tp
+        view = Dist(self.rank // tp, replicas, self.local_rank, self.store) if replicas > 1 else Dist()
+        return mine, view
+
+    # -- the run's start and end messages ------------------------------------------------------
+    def start(self, message: dict) -> None:
+        """Rank 0: what the other ranks start from ({"error": line} stops them)."""
+        if self.enabled:
+            self.publish("start", message)
+
+    def wait_start(self) -> dict:
+        return self.fetch("start")
+
+    def gather(self, info: dict) -> list[dict] | None:
+        """Each worker's `info` (its questions, its engine's counters); the list on rank 0 once every
+        worker has published, None on the others."""
+        self.publish(f"rank/{self.rank}", info)
+        self.store.add("finished", 1)
+        if not self.is_main:
+            return None
+        self.wait_count("finished", self.world_size)
+        return [self.fetch(f"rank/{r}") for r in range(self.world_size)]
 
     def device(self, asked: str | None) -> str | None:
         """This rank's device: cuda:LOCAL_RANK for "cuda" or the default on a GPU machine."""

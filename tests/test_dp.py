@@ -27,17 +27,17 @@ RUN = ["--max-tokens", "10", "--kv-cache-memory", "4MiB", "--block-size", "4", "
        "--agents", "3", "--methods", "svr-mad,self-consistency", "--concurrency", "2"]
 
 
-def launch(launcher: str, *argv: str) -> subprocess.Popen:
-    """`svrmad` under a launcher, in 2 processes; the launchers start fresh interpreters, so they are
+def launch(launcher: str, *argv: str, nproc: int = 2) -> subprocess.Popen:
+    """`svrmad` under a launcher, in `nproc` processes; the launchers start fresh interpreters, so they are
     pointed at this checkout with PYTHONPATH."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     if launcher == "torchrun":
-        pre = ["torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+        pre = ["torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
     else:
         with socket.socket() as s:  # accelerate's default port may be taken by a neighbour
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        pre = ["accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+        pre = ["accelerate.commands.launch", "--multi_gpu", "--num_processes", str(nproc), "--num_machines", "1",
                "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port)]
     return subprocess.Popen([sys.executable, "-m", *pre, "-m", "svrmad_local", *argv], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -136,7 +136,7 @@ def test_torchrun_on_the_embedded_default(tmp_path):
 
 
 def test_torchrun_tensor_parallel_run_equals_one_process(tiny):
-    """`--tp 2`: one engine over both processes (the model sharded by transformers' tp_plan), rank 0
+    """`--tp 2`: one engine over both processes (the model split by our plan, models/shard.py), rank 0
     running the questions; the folder is the single-process one (no parts, world size recorded)."""
     ck, data, root = tiny
     out = root / "tp"

@@ -106,9 +106,10 @@ class Engine:
         block_bytes = KVCache.bytes_per_block(spec.layers, cfg.block_size, spec.dtype)
         self.kv_budget_bytes = kv_budget(cfg.kv_cache_memory, devices[0])
         num_blocks = self.kv_budget_bytes // block_bytes
-        self.sharded = tp.is_sharded(model)
+        self.tp_group = tp.group_of(model)
+        self.sharded = self.tp_group is not None
         if self.sharded:
-            num_blocks = tp.agree_on_blocks(num_blocks, devices[0])
+            num_blocks = tp.agree_on_blocks(num_blocks, devices[0], self.tp_group)
         if num_blocks < 2:
             raise ValueError(f"kv_cache_memory={cfg.kv_cache_memory!r} holds {num_blocks} blocks of {block_bytes} bytes; need at least 2")
         self.block_bytes = block_bytes
@@ -140,12 +141,9 @@ class Engine:
         # the static path's padding rows write a scratch block that no sequence may own: the last one
         self.blocks = BlockManager(num_blocks - (self.runner.static is not None), cfg.block_size)
         self.rank = 0
-        if self.sharded:  # tensor parallel: rank 0 runs the engine, the others follow its steps
-            import torch.distributed as dist
-
-            self.rank = dist.get_rank()
-            self.runner.lm_head = tp.full_lm_head(self.runner.lm_head)
-            self._channel = tp.StepChannel()
+        if self.sharded:  # tensor parallel: the group's leader runs the engine, the others follow its steps
+            self.rank = self.tp_group.rank
+            self._channel = tp.StepChannel(self.tp_group)
             if self.rank == 0:
                 self.runner.tp = self._channel
             else:
@@ -291,7 +289,7 @@ class Engine:
         return asyncio.run(self.score(prompt, continuation, topk))
 
     def follow(self) -> None:
-        """Tensor-parallel ranks other than 0: run rank 0's steps until rank 0 calls `close()`."""
+        """Tensor-parallel ranks other than the leader: run its steps until it calls `close()`."""
         if not self.sharded or self.rank == 0:
             raise RuntimeError("follow() is for tensor-parallel ranks other than 0")
         while (step := self._channel.recv()) is not None:

@@ -1,64 +1,102 @@
-"""Tensor parallelism: one engine over a model that transformers sharded across a process group.
+"""Tensor parallelism at run time: one engine over a model that models/shard.py split across a group.
 
-The model is loaded with transformers' own `tp_plan="auto"` (q/k/v/o and the MLP split by heads and
-columns, collectives inside its modules), so every rank must run every forward together. Rank 0 runs
-the engine as usual: the controllers, the scheduler, sampling. Each step it broadcasts the step's
-plain numbers (`runner.StepInput`: token ids, positions, block tables, cache copies) and the other
-ranks run the same forward on their shard of the heads. Block tables are identical on all ranks
-because only rank 0 decides them; each rank's paged cache holds its own KV heads (the spec probe sees
-the local head count). The LM head is gathered once into a full copy on rank 0, so sampling and the
-token statistics need no collective and the tokens come from rank 0 alone.
+Each rank holds its slice of every split weight (models/shard.py says which, docs/plan.md why) and the
+model's own modules run on it; the only collectives inside the forward are the all-reduces this
+module hooks after each attention block and each MLP/MoE block (their outputs are partial sums over
+the rank's heads, columns or expert slices): two per decoder layer.
+
+The group's first rank (its leader) runs the engine as usual: the controllers, the scheduler,
+sampling. Each step it broadcasts the step's plain numbers (`runner.StepInput`: token ids, positions,
+block tables, cache copies) and the other ranks run the same forward on their shard. Block tables are
+identical on all ranks because only the leader decides them; each rank's paged cache holds its own KV
+heads (the spec probe sees the local head count). Embeddings and the LM head are whole on every rank,
+so sampling and the token statistics need no collective and the tokens come from the leader alone.
+
+Several groups may share one launch (replicas of a TP group, svrmad_local/dist.py): every collective
+here names its group.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
-
-def is_sharded(model) -> bool:
-    """True when transformers sharded the model's weights (DTensor parameters) over >1 rank."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return False
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for p in model.parameters())
+from svrmad_local.errors import UserError
 
 
-def agree_on_blocks(num_blocks: int, device: torch.device) -> int:
-    """Every rank allocates the same number of blocks (the smallest budget), since rank 0's block
+class GroupLost(UserError, RuntimeError):
+    """A rank of the tensor-parallel group stopped (died, or was killed) while the others waited on it."""
+
+
+@dataclass(frozen=True)
+class Group:
+    """One tensor-parallel group: `ranks` are global ranks, `rank` this process's index among them."""
+
+    ranks: tuple[int, ...]
+    rank: int
+    pg: object = None  # the torch.distributed ProcessGroup (None: the default group)
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def leader(self) -> int:
+        """The global rank that runs the engine and sends the steps."""
+        return self.ranks[0]
+
+    @classmethod
+    def whole_world(cls) -> Group:
+        world = dist.get_world_size()
+        return cls(tuple(range(world)), dist.get_rank(), None)
+
+
+def group_of(model) -> Group | None:
+    """The tensor-parallel group the model was split over (models/shard.py), None for a whole model."""
+    g = getattr(model, "svrmad_tp", None)
+    return g if g is not None and g.size > 1 else None
+
+
+def _cpu_or(device: torch.device, group: Group) -> torch.device:
+    return device if dist.get_backend(group.pg) == "nccl" else torch.device("cpu")
+
+
+def agree_on_blocks(num_blocks: int, device: torch.device, group: Group) -> int:
+    """Every rank allocates the same number of blocks (the smallest budget), since the leader's block
     tables index all of them."""
-    t = torch.tensor([num_blocks], dtype=torch.long, device=device if dist.get_backend() == "nccl" else "cpu")
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    t = torch.tensor([num_blocks], dtype=torch.long, device=_cpu_or(device, group))
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group.pg)
     return int(t.item())
 
 
-def full_lm_head(head: torch.nn.Module) -> torch.nn.Linear:
-    """A plain Linear with the whole (gathered) LM head; a collective: every rank calls it."""
-    from torch.distributed.tensor import DTensor
+def reduce_outputs(module: torch.nn.Module, group: Group) -> None:
+    """Sum `module`'s output (a tensor, or a tuple whose first item is the tensor) over the group, in
+    place, after every forward: the row-parallel end of an attention or MLP block."""
 
-    weight = head.weight.full_tensor() if isinstance(head.weight, DTensor) else head.weight
-    bias = getattr(head, "bias", None)
-    if isinstance(bias, DTensor):
-        bias = bias.full_tensor()
-    out = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device, dtype=weight.dtype)
-    with torch.no_grad():
-        out.weight.copy_(weight)
-        if bias is not None:
-            out.bias.copy_(bias)
-    return out.eval()
+    def hook(_mod, _args, out):
+        t = out[0] if isinstance(out, tuple) else out
+        dist.all_reduce(t, group=group.pg)
+        return out
+
+    module.register_forward_hook(hook)
 
 
 class StepChannel:
-    """Rank 0 sends every step (or None to stop) to the other ranks of the group."""
+    """The leader sends every step (or None to stop) to the other ranks of its group."""
 
-    def __init__(self, group=None):
+    def __init__(self, group: Group):
         self.group = group
 
     def send(self, step) -> None:
-        dist.broadcast_object_list([step], src=0, group=self.group)
+        dist.broadcast_object_list([step], src=self.group.leader, group=self.group.pg)
 
     def recv(self):
         box = [None]
-        dist.broadcast_object_list(box, src=0, group=self.group)
+        try:
+            dist.broadcast_object_list(box, src=self.group.leader, group=self.group.pg)
+        except (RuntimeError, dist.DistBackendError) as exc:
+            raise GroupLost(f"rank {dist.get_rank()}: the tensor-parallel leader (rank {self.group.leader}) "
+                            f"stopped sending steps ({' '.join(str(exc).split())[:160]})") from None
         return box[0]

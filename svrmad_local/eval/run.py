@@ -11,7 +11,8 @@ phase the model-free parts run from the trace (eval/posthoc.py).
 Under torchrun or `accelerate launch` every process runs one engine (svrmad_local/dist.py): rank 0
 checks the folder and publishes the RunConfig and the questions to run, each rank takes the next
 question from a shared counter whenever it has a free slot and commits into its own part files,
-and rank 0 merges them into one run folder at the end.
+and rank 0 merges them into one run folder at the end. With --tp T, each T consecutive processes are
+one engine (a replica) and its first rank is the one that takes questions.
 """
 
 from __future__ import annotations
@@ -218,12 +219,13 @@ async def work(todo: list[Question], backend: RecordingBackend, cfg: RunConfig, 
     return counts
 
 
-def build_engine(cfg: RunConfig, device: str | None, model_path: str):
-    """The engine over the loaded model; with --tp > 1 every rank calls this (the model is sharded)."""
+def build_engine(cfg: RunConfig, device: str | None, model_path: str, group=None):
+    """The engine over the loaded model; with --tp > 1 every rank of `group` calls this (the model is
+    split over the group)."""
     from svrmad_local.engine.engine import Engine
     from svrmad_local.models.loader import load_model
 
-    lm = load_model(model_path, dtype=cfg.dtype, device=device, device_map=cfg.device_map, tp=cfg.tp > 1,
+    lm = load_model(model_path, dtype=cfg.dtype, device=device, device_map=cfg.device_map, tp=group or False,
                     quantization=cfg.quantization)
     quant = getattr(lm.model, "svrmad_quantization", None)
     if quant:
@@ -231,11 +233,11 @@ def build_engine(cfg: RunConfig, device: str | None, model_path: str):
     return Engine(lm.model, lm.tokenizer, cfg.engine)
 
 
-def make_backend(cfg: RunConfig, device: str | None, model_path: str):
+def make_backend(cfg: RunConfig, device: str | None, model_path: str, group=None):
     """The live backend, a callable giving the engine's counters, and one releasing the engine."""
     from svrmad_local.debate.engine_backend import EngineBackend
 
-    engine = build_engine(cfg, device, model_path)
+    engine = build_engine(cfg, device, model_path, group)
     try:
         backend = EngineBackend(engine, cfg.sampling, elicit_confidence=cfg.elicit_confidence, seed=cfg.seed,
                                 reasoning_effort=cfg.reasoning_effort)
@@ -270,9 +272,7 @@ def _main(args, d: Dist, held: list) -> int:
             cfg = from_args(args)
             cfg.validate()
             set_grader(cfg.grader)  # math-verify missing: one line, before the model loads
-            if cfg.tp > 1 and d.world_size != cfg.tp:
-                raise ValueError(f"--tp {cfg.tp} needs exactly {cfg.tp} processes (torchrun --nproc-per-node {cfg.tp}); "
-                                 f"this launch has {d.world_size}")
+            d.check_tp(cfg.tp)
             if d.enabled and cfg.device_map:
                 raise ValueError("--device-map with several processes would spread every process over every GPU; "
                                  "run one process, or data parallel without --device-map")
@@ -280,36 +280,33 @@ def _main(args, d: Dist, held: list) -> int:
             folder, todo = _prepare(cfg, questions, held)
             path = model_path(cfg) if todo else None
         except BaseException as exc:
-            if d.enabled:
-                d.publish("start", {"error": str(exc)})
+            d.start({"error": str(exc)})
             raise
-        if d.enabled:
-            d.publish("start", {"config": cfg.to_dict(), "todo": [asdict(q) for q in todo], "model": path})
+        d.start({"config": cfg.to_dict(), "todo": [asdict(q) for q in todo], "model": path})
         print(f"svrmad run: {len(questions)} questions from {cfg.dataset}, {len(questions) - len(todo)} already in "
               f"{folder.out}, {len(todo)} to run; methods {', '.join(cfg.methods)}"
               + (f"; {d.world_size} processes" if d.enabled else ""), file=sys.stderr)
     else:
-        start = d.fetch("start")
+        start = d.wait_start()
         if "error" in start:
             return 2
         cfg, path = RunConfig.from_dict(start["config"]), start["model"]
         todo = [Question(**q) for q in start["todo"]]
         set_grader(cfg.grader)
-    if cfg.tp > 1:  # tensor parallel: one engine over every rank; rank 0 runs the questions alone
-        if not d.is_main:
-            if path:
-                build_engine(cfg, d.device(cfg.device), path).follow()
-            return 0
-        device, d = d.device(cfg.device), Dist()
+    device = d.device(cfg.device)
+    group, d = d.split(cfg.tp)  # with --tp: this rank's group, and the replicas' data-parallel view
+    if group is not None and group.rank != 0:  # a follower: its leader runs the questions
+        if path:
+            build_engine(cfg, device, path, group).follow()
+        return 0
     writer = RunFolder(cfg.out_dir, part=f"rank-{d.rank}") if d.enabled else folder
-    rank_info = {"rank": d.rank, "host": socket.gethostname(), "pid": os.getpid(),
-                 "device": device if cfg.tp > 1 else d.device(cfg.device)}
+    rank_info = {"rank": d.rank, "host": socket.gethostname(), "pid": os.getpid(), "device": device}
     if d.enabled:
         write_json(writer.dir / "rank.json", rank_info)  # who writes this part (and whose pid to signal)
     counts, engine_info = {"done": 0, "failed": 0}, {}
     try:
         if todo:
-            inner, engine_counters, release = make_backend(cfg, rank_info["device"], path)
+            inner, engine_counters, release = make_backend(cfg, device, path, group)
             try:
                 backend = RecordingBackend(inner, run_ahead=cfg.run_ahead)
                 if d.enabled:  # nobody takes work before every engine is up, so early ranks do not take it all
@@ -332,12 +329,9 @@ def _main(args, d: Dist, held: list) -> int:
         return 130
     rank_info.update(questions=counts["done"], failed=counts["failed"], engine=engine_info)
     if d.enabled:
-        d.publish(f"rank/{d.rank}", rank_info)
-        d.store.add("finished", 1)
-        if not d.is_main:
+        ranks = d.gather(rank_info)
+        if ranks is None:
             return 0
-        d.wait_count("finished", d.world_size)
-        ranks = [d.fetch(f"rank/{r}") for r in range(d.world_size)]
         folder.merge_parts()
     else:
         ranks = [rank_info]

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,13 +59,13 @@ def parse_dtype(dtype: str | torch.dtype | None, device: str | None) -> torch.dt
 
 
 def load_model(path: str | Path, *, dtype: str | torch.dtype | None = None, device: str | None = None,
-               device_map: str | dict | None = None, tp: bool = False, quantization: str = "auto") -> LoadedModel:
+               device_map: str | dict | None = None, tp=False, quantization: str = "auto") -> LoadedModel:
     """`device`: "cpu", "cuda", "cuda:1"... (default: cuda if available). `device_map`: passed to
-    accelerate ("auto" spreads a model too large for one GPU over all visible GPUs). `tp`: shard the
-    model over the initialised torch.distributed group with transformers' own tensor-parallel plan
-    (every rank calls this; see engine/tp.py). `quantization`: for MXFP4 / FP8 checkpoints, "native"
-    keeps the weights packed, "dequantize" expands them exactly into `dtype`, "auto" takes native where
-    a packed path exists for the device (models/quant, docs/quantization.md)."""
+    accelerate ("auto" spreads a model too large for one GPU over all visible GPUs). `tp`: this rank's
+    part of the model under our tensor-parallel plan (models/shard.py) over `tp`, an engine.tp.Group,
+    or True for the whole initialised torch.distributed world (every rank of the group calls this).
+    `quantization`: for MXFP4 / FP8 checkpoints, "native" keeps the weights packed, "dequantize"
+    expands them exactly into `dtype`, "auto" takes native where a packed path exists for the device (models/quant, docs/quantization.md)."""
     from svrmad_local.models import quant
 
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -105,7 +104,7 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype | None = None, devi
         device = "cuda" if torch.cuda.is_available() else "cpu"
     torch_dtype = parse_dtype(dtype, device)
     spec = quant.quant_spec(raw if isinstance(raw, dict) else {})
-    mode, why = quant.choose_mode(quantization, spec, device, tp, device_map)
+    mode, why = quant.choose_mode(quantization, spec, device, bool(tp), device_map)
     if spec is not None:
         held = "with the weights packed (native)" if mode == "native" else f"dequantized into {torch_dtype}"
         line = f"loading {path.name} ({spec.describe()}) {held}: {why}"
@@ -116,17 +115,14 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype | None = None, devi
     kwargs = dict(SAFE, dtype=torch_dtype, use_safetensors=True, output_loading_info=True)
     if device_map is not None:
         kwargs["device_map"] = device_map
-    if tp:
-        from transformers.distributed import DistributedConfig
-
-        from svrmad_local.models.plan import check_tp_heads
+    if tp:  # our own plan (models/shard.py): each rank reads its slice; `tp` is the group, or True for the world
+        from svrmad_local.engine.tp import Group
+        from svrmad_local.models.shard import load_sharded
 
         if device_map is not None:
             raise ModelLoadError("tensor parallelism and a device map do not mix: pass one of them")
-        dist = torch.distributed
-        world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-        check_tp_heads(config.to_dict(), world)  # one line naming the heads, not a shape error deep inside
-        kwargs["distributed_config"] = DistributedConfig(tp_plan="auto")
+        group = Group.whole_world() if tp is True else tp
+        return LoadedModel(load_sharded(path, config, torch_dtype, device, group), load_tokenizer(path), path)
     from transformers.utils import logging as hf_logging
 
     # Quiet only for this call (our checks below say what matters, in our words), not for the process;
