@@ -34,7 +34,7 @@ from svrmad_local.dist import Dist
 from svrmad_local.eval.config import RunConfig, add_run_arguments, diff_fingerprints, from_args, parse_shard
 from svrmad_local.eval.datasets import DatasetError, load_dataset
 from svrmad_local.eval.folder import RunFolder, note, write_json
-from svrmad_local.eval.posthoc import finalize, live_methods, rebuild_results
+from svrmad_local.eval.posthoc import finalize, rebuild_results, recorded_methods
 from svrmad_local.methods import run_method
 from svrmad_local.methods.svr_mad import possible_debates
 from svrmad_local.signals import prior_score
@@ -99,9 +99,7 @@ async def run_question(q: Question, backend: RecordingBackend, cfg: RunConfig, f
                                "answers": [r.answer for r in initial], "tokens": sum(r.tokens_total for r in initial),
                                "computed_tokens": sum(r.computed_tokens for r in initial)})
         return []
-    live = live_methods(cfg)
-    if "sid-et" in cfg.methods and "all-to-all" not in live:
-        live.append("all-to-all")  # SID-ET debates all-to-all when it does not skip: record those rounds
+    live = recorded_methods(cfg)  # with what SID-ET replays afterwards (eval/posthoc.py)
     results = await _all(_stage(f"method {m}", run_method(m, q, initial, backend, **cfg.params_for(m))) for m in live)
     if cfg.ablations:  # every debate an SVR-MAD variant may ask for, so any (posterior, tau) replays
         svr = cfg.params_for("svr-mad")
