@@ -31,8 +31,8 @@ from svrmad_local.grading import equivalent, set_grader
 from svrmad_local.debate.trace import RecordingBackend, read_jsonl
 from svrmad_local.debate.types import Question, Response
 from svrmad_local.dist import Dist
-from svrmad_local.eval.config import RunConfig, add_run_arguments, diff_fingerprints, from_args, parse_shard
-from svrmad_local.eval.datasets import DatasetError, load_dataset
+from svrmad_local.eval.config import RunConfig, add_run_arguments, from_args
+from svrmad_local.eval.preflight import check_settings, load_questions, model_path, preflight, shard  # noqa: F401
 from svrmad_local.eval.folder import RunFolder, note, write_json
 from svrmad_local.eval.posthoc import finalize, rebuild_results, recorded_methods
 from svrmad_local.methods import run_method
@@ -42,21 +42,6 @@ from svrmad_local.signals import prior_score
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_run_arguments(p)
-
-
-def shard(questions: list, spec: str) -> list:
-    k, n = parse_shard(spec)
-    return questions[k::n]
-
-
-def load_questions(cfg: RunConfig) -> list[Question]:
-    questions = load_dataset(cfg.dataset, limit=cfg.limit or None, seed=cfg.seed, category=cfg.category,
-                             on_error=cfg.on_error, data_dir=cfg.data_dir)
-    questions = shard(questions, cfg.shard) if cfg.shard else questions
-    if not questions:
-        raise DatasetError(f"dataset {cfg.dataset!r} has no questions to run"
-                           + (" (after --category/--shard)" if cfg.category or cfg.shard else ""))
-    return questions
 
 
 def unanimous(initial: list[Response], answer_type: str) -> bool:
@@ -129,10 +114,7 @@ def _prepare(cfg: RunConfig, questions: list[Question], held: list) -> tuple[Run
     meta = folder.read_meta()
     done = folder.committed_ids()
     if "fingerprint" in meta:
-        diff = diff_fingerprints(meta["fingerprint"], cfg.fingerprint())
-        if diff:
-            raise ValueError(f"{folder.out} holds a run with other settings ({'; '.join(diff)}); rerun with the "
-                             f"folder's settings to resume it, or pass a new --out to start another run")
+        check_settings(folder, cfg, done)  # again, under the lock
     elif done:
         note(f"{folder.out}/run.json records no settings (an older run): cannot check that they match")
     rebuilt = rebuild_results(folder, cfg)
@@ -243,12 +225,6 @@ def make_backend(cfg: RunConfig, device: str | None, model_path: str):
     return backend, lambda: engine.info, engine.close
 
 
-def model_path(cfg: RunConfig) -> str:
-    from svrmad_local.models.default import ensure_default_model
-
-    return str(cfg.model or ensure_default_model(cfg.cache_dir))
-
-
 def main(args) -> int:
     d = Dist.from_env()
     held: list[RunFolder] = []
@@ -266,17 +242,10 @@ def _main(args, d: Dist, held: list) -> int:
     if d.is_main:
         try:
             cfg = from_args(args)
-            cfg.validate()
-            set_grader(cfg.grader)  # math-verify missing: one line, before the model loads
-            if cfg.tp > 1 and d.world_size != cfg.tp:
-                raise ValueError(f"--tp {cfg.tp} needs exactly {cfg.tp} processes (torchrun --nproc-per-node {cfg.tp}); "
-                                 f"this launch has {d.world_size}")
-            if d.enabled and cfg.device_map:
-                raise ValueError("--device-map with several processes would spread every process over every GPU; "
-                                 "run one process, or data parallel without --device-map")
-            questions = load_questions(cfg)
+            checked = preflight(cfg, d.world_size)  # everything that reads no weight, before any write
+            questions = checked.questions
             folder, todo = _prepare(cfg, questions, held)
-            path = model_path(cfg) if todo else None
+            path = checked.model or (model_path(cfg) if todo else None)
         except BaseException as exc:
             if d.enabled:
                 d.publish("start", {"error": str(exc)})
