@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import threading
+import warnings
 
 import torch
 
@@ -28,20 +30,49 @@ def isa() -> str:
     return torch.backends.cpu.get_cpu_capability().lower()
 
 
+class KernelBuildWarning(UserWarning):
+    """A kernel did not build: the engine runs torch's own ops instead (same tokens, slower)."""
+
+
+_KERNELS: list["Kernel"] = []  # every kernel defined, for the one line that names them all
+_SAID: set[str] = set()  # the build failures already said (one line per cause, not per kernel)
+INSTEAD = "torch's own CPU ops run instead (same tokens, slower)"
+
+
+def compiler() -> str | None:
+    """The C++ compiler torch's extension builder would call ($CXX, else c++), if it is on PATH."""
+    return shutil.which(os.environ.get("CXX", "c++"))
+
+
+def _say_once(key: str, message: str) -> None:
+    if key not in _SAID:
+        _SAID.add(key)
+        warnings.warn(message, KernelBuildWarning, stacklevel=3)
+
+
 def build(name: str, source: str, functions: list[str], extra_cflags: tuple[str, ...] = ()):
     """The compiled module `{name}_{isa}`; raises whatever the toolchain raises (no compiler, no ninja...)."""
     from torch.utils.cpp_extension import load_inline
 
     omp = ["-fopenmp"] if torch.backends.openmp.is_available() else []
-    return load_inline(name=f"{name}_{isa()}", cpp_sources=[source], functions=functions,
-                       extra_cflags=["-O3", "-fopenmp-simd", *omp, *ISA_FLAGS.get(isa(), []), *extra_cflags], extra_ldflags=omp,
-                       verbose=False)
+    quiet = logging.getLogger("torch.utils.cpp_extension")  # its compiler banners: our one line says what matters
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        return load_inline(name=f"{name}_{isa()}", cpp_sources=[source], functions=functions,
+                           extra_cflags=["-O3", "-fopenmp-simd", *omp, *ISA_FLAGS.get(isa(), []), *extra_cflags],
+                           extra_ldflags=omp, verbose=False)
+    finally:
+        quiet.setLevel(level)
 
 
 class Kernel:
     """One compiled kernel module, built on first use by any thread, once; a failed build is
-    remembered with its reason (said once at info level) and the caller keeps its fallback path.
-    `env_off`: an environment variable that, set to 0, turns the kernel off."""
+    remembered with its reason and the caller keeps its fallback path. A build that could not run
+    or failed is said in one svrmad warning line (which kernels, why, what runs instead, how to get
+    them; one line for all kernels when the cause is the same, e.g. no compiler); a CPU without AVX2
+    is said at info level (nothing to fix). `env_off`: an environment variable that, set to 0, turns
+    the kernel off."""
 
     def __init__(self, name: str, source: str, functions: list[str], env_off: str, what: str,
                  needs_avx2: bool = False, extra_cflags: tuple[str, ...] = ()):
@@ -50,20 +81,30 @@ class Kernel:
         self._lock = threading.Lock()
         self._module = None
         self.error: str | None = None
+        _KERNELS.append(self)
 
     def load(self):
         with self._lock:
             if self._module is None and self.error is None:
                 if self.needs_avx2 and isa() not in ("avx2", "avx512"):
                     self.error = f"this CPU has no AVX2/FMA (torch sees {isa()})"
+                    log.info("%s unavailable (%s)", self.what, self.error)
                 else:
-                    try:
+                    try:  # without a compiler too: a build cached by an earlier run may still load
                         self._module = build(self.name, self.source, self.functions, self.extra_cflags)
                     except Exception as exc:  # no compiler, no ninja, a read-only cache...
-                        self.error = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
-                if self.error:
-                    log.info("%s unavailable (%s)", self.what, self.error)
+                        self._failed(exc)
         return self._module
+
+    def _failed(self, exc: Exception) -> None:
+        if compiler() is None:
+            self.error = f"no C++ compiler ({os.environ.get('CXX', 'c++')} is not on PATH)"
+            names = ", ".join(k.what for k in _KERNELS if not k.off())
+            _say_once("compiler", f"{self.error}: the CPU kernels ({names}) are not built and {INSTEAD}; install "
+                                  "one (e.g. apt install g++, or set CXX) to build them on the next run")
+        else:
+            self.error = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+            _say_once(self.name, f"the {self.what} did not build ({self.error}); {INSTEAD}")
 
     def off(self) -> bool:
         return os.environ.get(self.env_off, "1") == "0"

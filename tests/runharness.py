@@ -11,6 +11,7 @@ from pathlib import Path
 from svrmad_local import cli
 from svrmad_local.debate.scripted import ScriptedBackend
 from svrmad_local.debate.trace import read_jsonl
+from svrmad_local.eval import preflight as preflight_mod
 from svrmad_local.eval import run as run_mod
 
 # id -> (initial answers of 4 agents, {(sender, receiver): new answer}, gold)
@@ -55,7 +56,9 @@ def write_dataset(path: Path, ids=SCRIPT) -> Path:
 
 
 def use_script(monkeypatch, fail: dict[str, str] | None = None) -> None:
+    """Scripted agents instead of a model: no backend built, no checkpoint folder checked."""
     monkeypatch.setattr(run_mod, "make_backend", lambda cfg, device, path: (PerQuestion(fail), dict, lambda: None))
+    monkeypatch.setattr(preflight_mod, "check_model", lambda cfg, path: None)
 
 
 def run(tmp_path: Path, out: Path, *extra: str) -> int:
@@ -85,4 +88,5 @@ if __name__ == "__main__":
     # python -m tests.runharness HANG_ID svrmad-args...: `svrmad run` in this process over the script,
     # the debates of question HANG_ID never returning (for a real Ctrl-C)
     run_mod.make_backend = lambda cfg, device, path: (PerQuestion({sys.argv[1]: "hang"}), dict, lambda: None)
+    preflight_mod.check_model = lambda cfg, path: None
     sys.exit(cli.main(sys.argv[2:]))

@@ -5,9 +5,10 @@ parallel op. The engine runs every forward on its one worker thread for that rea
 can still start torch work on another thread (a `model.generate` beside the engine, a big op in a
 callback): once more OpenMP threads are kept than there are cores, every team stops spinning at its
 barriers and sleeps on a futex instead, tens of times per layer, and steps get 1.7x slower on a
-2-core CPU (docs/engine.md, "One worker thread for every forward"). Nothing fails, so nobody would
-know; this watch reads the worker thread's voluntary context switches every `every` steps (one
-small /proc read) and says so once, in one line, with what to do.
+2-core CPU (docs/engine.md, "One worker thread for every forward"). Another process busy on the
+same cores does the same from outside. Nothing fails, so nobody would know; this watch reads the
+worker thread's voluntary context switches every `every` steps (one small /proc read) and says
+once, in one line, what it measured and the two things that cause it: it cannot tell which.
 
 The commonest such thread is the caller's own: loading or preparing a model there (a cast, an
 init, a warm-up) leaves it an idle team for the rest of the process. `release_team()` hands that team
@@ -87,9 +88,10 @@ class BarrierSleepWatch:
         if self.last is not None and (now - self.last) / self.every > self.limit:
             self.warned = True
             log.warning(
-                f"the engine's worker thread slept {(now - self.last) / self.every:.0f} times a step (a healthy "
-                f"step: under 1): another thread is running torch CPU ops beside the engine, and GNU OpenMP's "
-                f"thread teams now sleep at their barriers (steps can be 1.7x slower). Run torch work "
-                f"before or after the engine, on its thread, or on the thread that calls it "
-                f"(docs/engine.md, 'One worker thread').")
+                f"the engine's worker thread slept {(now - self.last) / self.every:.0f} times a step over its last "
+                f"{self.every} steps (a healthy step: under 1): its GNU OpenMP threads are waiting at their "
+                f"barriers instead of spinning, and steps can be 1.7x slower. Two things do this: more threads "
+                f"wanting these cores than there are (other processes on the machine, or torch CPU work on another "
+                f"thread of this process beside the engine); give the run its cores, or run such torch work "
+                f"before or after the engine (docs/engine.md, 'One worker thread').")
         self.last = now

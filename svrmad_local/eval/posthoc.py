@@ -16,6 +16,7 @@ import asyncio
 import hashlib
 from typing import TYPE_CHECKING
 
+from svrmad_local.debate.replay import MissingDebate
 from svrmad_local.debate.trace import read_jsonl, read_trace, row_question
 from svrmad_local.eval.folder import FolderBusy, RunFolder, note
 
@@ -27,6 +28,22 @@ POST_HOC = {"sid-et"}  # needs every question's initial responses: runs from the
 
 def live_methods(cfg: RunConfig) -> list[str]:
     return [m for m in cfg.methods if m not in POST_HOC]
+
+
+def sid_et_tunes(cfg: RunConfig) -> bool:
+    """True when SID-ET's skip rate is tuned against SVR-MAD (Algorithm 2): no --skip-rate, no --threshold."""
+    return "sid-et" in cfg.methods and cfg.skip_rate is None and cfg.params_for("sid-et").get("threshold") is None
+
+
+def recorded_methods(cfg: RunConfig) -> list[str]:
+    """The methods a live question runs: the live ones, plus what the post-hoc parts replay from
+    the trace. SID-ET debates all-to-all when it does not skip, and tuning its skip rate replays
+    SVR-MAD with the run's parameters, so both are recorded even when not asked for (their rows
+    are written only for the methods asked for)."""
+    out = live_methods(cfg)
+    if "sid-et" in cfg.methods:
+        out += [m for m in ("all-to-all", "svr-mad" if sid_et_tunes(cfg) else None) if m and m not in out]
+    return out
 
 
 def rebuild_results(folder: RunFolder, cfg: RunConfig, trace: list[dict] | None = None) -> int:
@@ -57,23 +74,35 @@ def needs_post_hoc(cfg: RunConfig) -> bool:
 
 def post_hoc(folder: RunFolder, cfg: RunConfig, trace: list[dict] | None = None) -> dict:
     """SID-ET over the whole trace and the ablation sweeps; returns run.json's "post_hoc" entry."""
-    from svrmad_local.eval.replay import sid_et
-
     trace = read_trace(folder.trace) if trace is None else trace
     entry = stamp(trace)
     if "sid-et" in cfg.methods and trace:
-        res, rate, thr = sid_et(trace, cfg.params_for("sid-et"), cfg.params_for("svr-mad"), cfg.skip_rate)
-        rows = []
-        for row, r in zip(trace, res):
-            r.params.update(skip_rate=rate, threshold=thr)
-            rows.append(r.to_row(row_question(row)))
-        folder.append_results(rows)
-        entry["sid_et"] = {"skip_rate": rate, "threshold": thr}
+        entry["sid_et"] = _sid_et(folder, cfg, trace)
     if cfg.ablations and trace:
         from svrmad_local.eval.ablations import sweep
 
         folder.replace_file("ablations.jsonl", sweep(trace, cfg.params_for("svr-mad")))
     return entry
+
+
+def _sid_et(folder: RunFolder, cfg: RunConfig, trace: list[dict]) -> dict:
+    """Append SID-ET's rows over the whole trace; its tuning as run.json records it. A trace that
+    lacks the SVR-MAD debates the tuning replays (a folder written before they were recorded) gets
+    no SID-ET rows and one line saying how to get them; everything else is kept."""
+    from svrmad_local.eval.replay import sid_et
+
+    try:
+        res, rate, thr = sid_et(trace, cfg.params_for("sid-et"), cfg.params_for("svr-mad"), cfg.skip_rate)
+    except MissingDebate as exc:
+        note(f"SID-ET has no rows: tuning its skip rate replays SVR-MAD, and {str(exc).split(';')[0]}; run again "
+             f"on {folder.out} with --skip-rate R (e.g. 0.5) to give SID-ET a fixed skip rate instead")
+        return {"error": str(exc)}
+    rows = []
+    for row, r in zip(trace, res):
+        r.params.update(skip_rate=rate, threshold=thr)
+        rows.append(r.to_row(row_question(row)))
+    folder.append_results(rows)
+    return {"skip_rate": rate, "threshold": thr}
 
 
 def finalize(folder: RunFolder, cfg: RunConfig) -> dict:

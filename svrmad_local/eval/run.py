@@ -32,10 +32,10 @@ from svrmad_local.grading import equivalent, set_grader
 from svrmad_local.debate.trace import RecordingBackend, read_jsonl
 from svrmad_local.debate.types import Question, Response
 from svrmad_local.dist import Dist
-from svrmad_local.eval.config import RunConfig, add_run_arguments, diff_fingerprints, from_args, parse_shard
-from svrmad_local.eval.datasets import DatasetError, load_dataset
+from svrmad_local.eval.config import RunConfig, add_run_arguments, from_args
+from svrmad_local.eval.preflight import check_settings, load_questions, model_path, preflight, shard  # noqa: F401
 from svrmad_local.eval.folder import RunFolder, note, write_json
-from svrmad_local.eval.posthoc import finalize, live_methods, rebuild_results
+from svrmad_local.eval.posthoc import finalize, rebuild_results, recorded_methods
 from svrmad_local.methods import run_method
 from svrmad_local.methods.svr_mad import possible_debates
 from svrmad_local.signals import prior_score
@@ -43,21 +43,6 @@ from svrmad_local.signals import prior_score
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_run_arguments(p)
-
-
-def shard(questions: list, spec: str) -> list:
-    k, n = parse_shard(spec)
-    return questions[k::n]
-
-
-def load_questions(cfg: RunConfig) -> list[Question]:
-    questions = load_dataset(cfg.dataset, limit=cfg.limit or None, seed=cfg.seed, category=cfg.category,
-                             on_error=cfg.on_error, data_dir=cfg.data_dir)
-    questions = shard(questions, cfg.shard) if cfg.shard else questions
-    if not questions:
-        raise DatasetError(f"dataset {cfg.dataset!r} has no questions to run"
-                           + (" (after --category/--shard)" if cfg.category or cfg.shard else ""))
-    return questions
 
 
 def unanimous(initial: list[Response], answer_type: str) -> bool:
@@ -100,9 +85,7 @@ async def run_question(q: Question, backend: RecordingBackend, cfg: RunConfig, f
                                "answers": [r.answer for r in initial], "tokens": sum(r.tokens_total for r in initial),
                                "computed_tokens": sum(r.computed_tokens for r in initial)})
         return []
-    live = live_methods(cfg)
-    if "sid-et" in cfg.methods and "all-to-all" not in live:
-        live.append("all-to-all")  # SID-ET debates all-to-all when it does not skip: record those rounds
+    live = recorded_methods(cfg)  # with what SID-ET replays afterwards (eval/posthoc.py)
     results = await _all(_stage(f"method {m}", run_method(m, q, initial, backend, **cfg.params_for(m))) for m in live)
     if cfg.ablations:  # every debate an SVR-MAD variant may ask for, so any (posterior, tau) replays
         svr = cfg.params_for("svr-mad")
@@ -132,10 +115,7 @@ def _prepare(cfg: RunConfig, questions: list[Question], held: list) -> tuple[Run
     meta = folder.read_meta()
     done = folder.committed_ids()
     if "fingerprint" in meta:
-        diff = diff_fingerprints(meta["fingerprint"], cfg.fingerprint())
-        if diff:
-            raise ValueError(f"{folder.out} holds a run with other settings ({'; '.join(diff)}); rerun with the "
-                             f"folder's settings to resume it, or pass a new --out to start another run")
+        check_settings(folder, cfg, done)  # again, under the lock
     elif done:
         note(f"{folder.out}/run.json records no settings (an older run): cannot check that they match")
     rebuilt = rebuild_results(folder, cfg)
@@ -247,12 +227,6 @@ def make_backend(cfg: RunConfig, device: str | None, model_path: str, group=None
     return backend, lambda: engine.info, engine.close
 
 
-def model_path(cfg: RunConfig) -> str:
-    from svrmad_local.models.default import ensure_default_model
-
-    return str(cfg.model or ensure_default_model(cfg.cache_dir))
-
-
 def main(args) -> int:
     d = Dist.from_env()
     held: list[RunFolder] = []
@@ -270,15 +244,11 @@ def _main(args, d: Dist, held: list) -> int:
     if d.is_main:
         try:
             cfg = from_args(args)
-            cfg.validate()
-            set_grader(cfg.grader)  # math-verify missing: one line, before the model loads
-            d.check_tp(cfg.tp)
-            if d.enabled and cfg.device_map:
-                raise ValueError("--device-map with several processes would spread every process over every GPU; "
-                                 "run one process, or data parallel without --device-map")
-            questions = load_questions(cfg)
+            d.check_tp(cfg.tp)  # whole tensor-parallel groups, before anything else
+            checked = preflight(cfg, d.world_size)  # everything that reads no weight, before any write
+            questions = checked.questions
             folder, todo = _prepare(cfg, questions, held)
-            path = model_path(cfg) if todo else None
+            path = checked.model or (model_path(cfg) if todo else None)
         except BaseException as exc:
             d.start({"error": str(exc)})
             raise

@@ -58,17 +58,52 @@ def parse_dtype(dtype: str | torch.dtype | None, device: str | None) -> torch.dt
     return table[dtype]
 
 
-def load_model(path: str | Path, *, dtype: str | torch.dtype | None = None, device: str | None = None,
-               device_map: str | dict | None = None, tp=False, quantization: str = "auto") -> LoadedModel:
-    """`device`: "cpu", "cuda", "cuda:1"... (default: cuda if available). `device_map`: passed to
-    accelerate ("auto" spreads a model too large for one GPU over all visible GPUs). `tp`: this rank's
-    part of the model under our tensor-parallel plan (models/shard.py) over `tp`, an engine.tp.Group,
-    or True for the whole initialised torch.distributed world (every rank of the group calls this).
-    `quantization`: for MXFP4 / FP8 checkpoints, "native" keeps the weights packed, "dequantize"
-    expands them exactly into `dtype`, "auto" takes native where a packed path exists for the device (models/quant, docs/quantization.md)."""
-    from svrmad_local.models import quant
+@dataclass
+class CheckedFolder:
+    """What `check_folder` read, for the load that follows."""
+    path: Path
+    raw: dict
+    config: object
+    spec: object  # quant.QuantSpec | None
+    mode: str
+    why: str
+    dtype: torch.dtype
+    device: str | None
 
-    from transformers import AutoConfig, AutoModelForCausalLM
+
+def check_device(device: str | None) -> None:
+    """A --device this torch can use, before anything is built on it."""
+    if device is None or device == "auto":
+        return
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ModelLoadError(f"device {device!r} is not a device torch knows (cpu, cuda, cuda:N)") from None
+    if dev.type != "cuda":
+        return
+    if torch.version.cuda is None and torch.version.hip is None:
+        raise ModelLoadError(f"device {device!r}: this torch ({torch.__version__}) was built without CUDA; install "
+                             "the CUDA build (https://pytorch.org/get-started/locally/, e.g. pip install torch "
+                             "--index-url https://download.pytorch.org/whl/cu128), or run on cpu")
+    count = torch.cuda.device_count()
+    if count == 0:
+        raise ModelLoadError(f"device {device!r}: torch {torch.__version__} has CUDA but sees no GPU "
+                             "(check nvidia-smi and CUDA_VISIBLE_DEVICES), or run on cpu")
+    if dev.index is not None and dev.index >= count:
+        raise ModelLoadError(f"device {device!r}: only {count} GPU{'s' if count > 1 else ''} visible (cuda:0"
+                             f"{f' to cuda:{count - 1}' if count > 1 else ''})")
+
+
+def check_folder(path: str | Path, *, dtype: str | torch.dtype | None = None, device: str | None = None,
+                 device_map: str | dict | None = None, tp=False, quantization: str = "auto") -> CheckedFolder:
+    """Every check of a checkpoint folder that reads no weight: the folder, config.json and its
+    fields, the architecture, the weight files against their headers (sizes, the index's shards),
+    the quantization and its tensors' dtypes, the tokenizer files, the device. `svrmad run` calls it
+    before it writes anything (eval/preflight.py); `load_model` calls it first too."""
+    from svrmad_local.models import files, quant
+    from svrmad_local.models.plan import PlanError, check_config_fields
+
+    from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     path = Path(path).expanduser()
@@ -79,7 +114,7 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype | None = None, devi
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{path} has no config.json")
     weights = sorted(path.glob("*.safetensors"))
-    if not weights:
+    if not weights and not (path / files.INDEX).is_file():
         other = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".gguf"))
         hint = f" (found {other}; convert to safetensors)" if other else ""
         raise ModelLoadError(f"{path} holds no *.safetensors weights{hint}")
@@ -88,9 +123,13 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype | None = None, devi
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ModelLoadError(f"{path}/config.json is not valid JSON: {exc}") from None
     try:
+        check_config_fields(raw, f"{path}/config.json")
+    except PlanError as exc:
+        raise ModelLoadError(str(exc)) from None
+    try:
         config = AutoConfig.from_pretrained(path, **SAFE)
     except Exception as exc:
-        if isinstance(raw, dict) and raw.get("auto_map"):
+        if raw.get("auto_map"):
             raise ModelLoadError(
                 f"{path} needs its own Python code (auto_map in config.json), which svrmad-local never runs; "
                 "use a checkpoint of an architecture transformers ships") from None
@@ -100,18 +139,42 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype | None = None, devi
             f"architecture {config.model_type!r} ({json.dumps(getattr(config, 'architectures', None))}) is not a "
             "decoder-only causal LM that transformers can build"
         )
+    headers = files.check_files(path)
+    check_device(device)
     if device is None and device_map is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     torch_dtype = parse_dtype(dtype, device)
-    spec = quant.quant_spec(raw if isinstance(raw, dict) else {})
+    spec = quant.quant_spec(raw)
     mode, why = quant.choose_mode(quantization, spec, device, bool(tp), device_map)
     if spec is not None:
+        quant.check_dtypes({k: t["dtype"] for h in headers.values() for k, t in h.items()}, spec)
+    return CheckedFolder(path, raw, config, spec, mode, why, torch_dtype, device)
+
+
+def load_model(path: str | Path, *, dtype: str | torch.dtype | None = None, device: str | None = None,
+               device_map: str | dict | None = None, tp=False, quantization: str = "auto") -> LoadedModel:
+    """`device`: "cpu", "cuda", "cuda:1"... (default: cuda if available). `device_map`: passed to
+    accelerate ("auto" spreads a model too large for one GPU over all visible GPUs). `tp`: this rank's
+    part of the model under our tensor-parallel plan (models/shard.py) over `tp`, an engine.tp.Group,
+    or True for the whole initialised torch.distributed world (every rank of the group calls this).
+    `quantization`: for MXFP4 / FP8 checkpoints, "native"
+    keeps the weights packed, "dequantize" expands them exactly into `dtype`, "auto" takes native where
+    a packed path exists for the device (models/quant, docs/quantization.md). Every check that needs
+    no weight runs first (`check_folder`), and the tokenizer loads before the weights."""
+    from svrmad_local.models import quant
+
+    from transformers import AutoModelForCausalLM
+
+    c = check_folder(path, dtype=dtype, device=device, device_map=device_map, tp=tp, quantization=quantization)
+    path, config, spec, mode, torch_dtype, device = c.path, c.config, c.spec, c.mode, c.dtype, c.device
+    tokenizer = load_tokenizer(path)
+    if spec is not None:
         held = "with the weights packed (native)" if mode == "native" else f"dequantized into {torch_dtype}"
-        line = f"loading {path.name} ({spec.describe()}) {held}: {why}"
+        line = f"loading {path.name} ({spec.describe()}) {held}: {c.why}"
         log.info(line)
         model = quant.load_quantized(path, config, spec, mode, torch_dtype, device, device_map)
         model.svrmad_quantization["summary"] = line
-        return LoadedModel(model, load_tokenizer(path), path)
+        return LoadedModel(model, tokenizer, path)
     kwargs = dict(SAFE, dtype=torch_dtype, use_safetensors=True, output_loading_info=True)
     if device_map is not None:
         kwargs["device_map"] = device_map
@@ -122,7 +185,7 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype | None = None, devi
         if device_map is not None:
             raise ModelLoadError("tensor parallelism and a device map do not mix: pass one of them")
         group = Group.whole_world() if tp is True else tp
-        return LoadedModel(load_sharded(path, config, torch_dtype, device, group), load_tokenizer(path), path)
+        return LoadedModel(load_sharded(path, config, torch_dtype, device, group), tokenizer, path)
     from transformers.utils import logging as hf_logging
 
     # Quiet only for this call (our checks below say what matters, in our words), not for the process;
@@ -151,7 +214,7 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype | None = None, devi
         raise ModelLoadError(f"checkpoint {path} does not match its config.json: {detail}")
     if device_map is None and not tp:
         model = model.to(device)
-    return LoadedModel(model.eval(), load_tokenizer(path), path)
+    return LoadedModel(model.eval(), tokenizer, path)
 
 
 def load_tokenizer(path: Path):

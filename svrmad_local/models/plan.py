@@ -17,11 +17,12 @@ import fnmatch
 import json
 import math
 import re
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 from svrmad_local.errors import UserError
+from svrmad_local.models import files as checkpoint_files
+from svrmad_local.models.files import DTYPE_BYTES
 
 GiB = 2**30
 AGENTS, NEW_TOKENS = 6, 16_384  # the paper's shape: 6 agents, up to 16,384 generated tokens each
@@ -29,8 +30,6 @@ PROMPT_TOKENS = 1_024  # the question in its chat template (debate prompts reuse
 RESERVE_FRACTION, RESERVE_MIN = 0.10, 2 * GiB  # per GPU: CUDA context, activations, logits, NCCL
 KV_ITEM = 2  # the cache holds bf16 keys and values
 MXFP4_BLOCK = 32  # values per e8m0 scale; 16 bytes of e2m1 codes + 1 byte of scale
-DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "F8_E4M3": 1, "F8_E5M2": 1, "U8": 1, "I8": 1,
-               "I16": 2, "I32": 4, "I64": 8, "BOOL": 1}
 CONFIG_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 DENSE = ("llama", "mistral", "qwen2", "qwen3")
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "gate_up_proj", "q_b_proj", "kv_b_proj")
@@ -89,31 +88,48 @@ def read_config(path: Path) -> dict:
         raise PlanError(f"{path} has no config.json") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise PlanError(f"{path}/config.json is not valid JSON: {exc}") from None
-    cfg = cfg.get("text_config", cfg) | {k: v for k, v in cfg.items() if k == "quantization_config"}
+    cfg = check_config_fields(cfg, f"{path}/config.json")
     method = (cfg.get("quantization_config") or {}).get("quant_method")
     if method not in (None, "mxfp4", "fp8"):
         raise PlanError(f"{path}: quantization {method!r} is not one svrmad-local reads (mxfp4, fp8, or none)")
     return cfg
 
 
+# config.json fields the plan and the engine compute with: an integer >= 1 (>= 0 for the second
+# group) where present; a string, a zero or a float here is one line naming the field, not a
+# ZeroDivisionError or a TypeError deep inside the count.
+POSITIVE_FIELDS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "num_key_value_heads", "head_dim",
+                   "intermediate_size", "vocab_size", "num_local_experts", "n_routed_experts", "moe_intermediate_size",
+                   "kv_lora_rank", "qk_rope_head_dim", "v_head_dim", "q_lora_rank", "sliding_window",
+                   "moe_layer_freq", "max_position_embeddings")
+NON_NEGATIVE_FIELDS = ("first_k_dense_replace", "n_shared_experts", "qk_nope_head_dim")
+
+
+def check_config_fields(raw, where: str) -> dict:
+    """The model's own config (a multimodal config's text_config, with the quantization_config of
+    the whole), its integer fields checked; PlanError naming the field otherwise."""
+    if not isinstance(raw, dict):
+        raise PlanError(f"{where} is {type(raw).__name__} JSON, not an object of fields")
+    text = raw.get("text_config", raw)
+    if not isinstance(text, dict):
+        raise PlanError(f"{where}: text_config is {type(text).__name__} JSON, not an object of fields")
+    cfg = text | {k: v for k, v in raw.items() if k == "quantization_config"}
+    if not isinstance(cfg.get("quantization_config") or {}, dict):
+        raise PlanError(f"{where}: quantization_config is not an object of fields")
+    for low, names in ((1, POSITIVE_FIELDS), (0, NON_NEGATIVE_FIELDS)):
+        for name in names:
+            v = cfg.get(name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < low):
+                raise PlanError(f"{where}: {name} is {json.dumps(v)}; expected an integer >= {low}")
+    return cfg
+
+
 def read_header(file: Path) -> dict:
-    """The JSON header of a safetensors file: 8 bytes little-endian length, then the JSON."""
-    with open(file, "rb") as f:
-        head = f.read(8)
-        n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
-        if not 2 <= n <= 2**28:
-            raise PlanError(f"{file} is not a safetensors file (header length {n})")
-        try:
-            header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise PlanError(f"{file}: its safetensors header is not valid JSON: {exc}") from None
-    if not isinstance(header, dict):
-        raise PlanError(f"{file}: its safetensors header is not a JSON object")
-    header.pop("__metadata__", None)
-    for name, t in header.items():
-        if not (isinstance(t, dict) and {"dtype", "shape", "data_offsets"} <= t.keys()):
-            raise PlanError(f"{file}: header entry {name!r} lacks dtype, shape or data_offsets")
-    return header
+    """The JSON header of a safetensors file, checked against the file's size (models/files.py)."""
+    try:
+        return checkpoint_files.read_header(file)
+    except checkpoint_files.CheckpointFileError as exc:
+        raise PlanError(str(exc)) from None
 
 
 def header_weights(path: Path, cfg: dict) -> tuple[list[Weight], list[Path]] | None:

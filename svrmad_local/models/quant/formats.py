@@ -106,3 +106,43 @@ class Reader:
             self._open[info.file] = safe_open(info.file, "pt")
         self.used.add(key)
         return self._open[info.file].get_tensor(key)
+
+
+PLAIN_DTYPES = ("F32", "BF16", "F16", "F64")
+SCALE_DTYPES = {"fp8": ("F32", "BF16", "F8_E8M0"), "mxfp4": ("U8",)}
+
+
+def check_dtypes(dtypes: dict[str, str], spec: QuantSpec) -> None:
+    """Refuse, from the headers alone, a tensor whose dtype has no place in `spec`'s layout: an
+    8-bit weight that is not the format's packed one (an FP8 weight saved as F8_E5M2 or U8 would
+    otherwise be read as plain numbers and generate garbage), a packed weight without its scales,
+    or scales of a dtype the format does not use. One line naming the tensor and its dtype."""
+    for name, dt in sorted(dtypes.items()):
+        if dt in PLAIN_DTYPES and not name.endswith(("_scale_inv", "_scales", "_blocks")):
+            continue
+        problem = _fp8_problem(name, dt, dtypes) if spec.method == "fp8" else _mxfp4_problem(name, dt, dtypes)
+        if problem:
+            raise QuantError(f"tensor {name} ({dt}): {problem}")
+
+
+def _fp8_problem(name: str, dt: str, dtypes: dict[str, str]) -> str | None:
+    if name.endswith("_scale_inv"):
+        if dt not in SCALE_DTYPES["fp8"]:
+            return "FP8 block scales are F32, BF16 or F8_E8M0"
+        base = name.removesuffix("_scale_inv")
+        return None if base in dtypes else f"the weight it scales, {base} is missing from the checkpoint"
+    if dt == "F8_E4M3":
+        return None if name + "_scale_inv" in dtypes else f"its scale tensor {name}_scale_inv is missing"
+    return (f"a weight stored as {dt} is not read by the fp8 layout, which holds F8_E4M3 weights with "
+            "_scale_inv block scales and plain F32/BF16/F16 ones")
+
+
+def _mxfp4_problem(name: str, dt: str, dtypes: dict[str, str]) -> str | None:
+    if name.endswith(("_blocks", "_scales")):
+        base = name[:-7]
+        other = base + ("_scales" if name.endswith("_blocks") else "_blocks")
+        if other not in dtypes:
+            return f"{other} is missing from the checkpoint"
+        return None if dt == "U8" else "MXFP4 blocks and scales are U8"
+    return (f"a weight stored as {dt} is not read by the mxfp4 layout, which holds U8 _blocks/_scales pairs "
+            "and plain F32/BF16/F16 weights")

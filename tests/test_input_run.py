@@ -1,0 +1,144 @@
+"""Issue 30, rows 2, 8, 10 and 11: `svrmad run` checks everything that reads no weight before it
+loads, writes or takes the lock (eval/preflight.py), and a start that fails later leaves a folder
+the next valid command takes over. Tiny checkpoints written here; the agents are scripted, so
+`make_backend` (the model load) is the seam: a test that must stop before it makes it raise."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from svrmad_local import cli
+from svrmad_local.eval import run as run_mod
+from svrmad_local.models.loader import ModelLoadError, check_device
+
+from .conftest import make_model
+from .runharness import PerQuestion, state, write_dataset
+
+
+@pytest.fixture
+def ck(tmp_path, tiny_tokenizer):
+    path = tmp_path / "ck"
+    make_model("llama", vocab=len(tiny_tokenizer), layers=1).save_pretrained(path)
+    tiny_tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def loads(monkeypatch):
+    """make_backend: scripted agents, or (after `loads.fail = exc`) a load that fails; counts calls."""
+    class Seam:
+        calls, fail = 0, None
+
+    def make(cfg, device, path):
+        Seam.calls += 1
+        if Seam.fail is not None:
+            raise Seam.fail
+        return PerQuestion(), dict, lambda: None
+
+    monkeypatch.setattr(run_mod, "make_backend", make)
+    return Seam
+
+
+def run(tmp_path, ck, out, *extra) -> int:
+    data = tmp_path / "qs.jsonl"
+    if not data.exists():
+        write_dataset(data)
+    return cli.main(["run", "--model", str(ck), "--dataset", str(data), "--out", str(out), "--agents", "4",
+                     "--limit", "0", "--methods", "svr-mad", *extra])
+
+
+def last_line(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err, err
+    return err.splitlines()[-1]
+
+
+# ---------------------------------------------------------------- row 2: a failed start leaves nothing behind
+
+@pytest.mark.parametrize("flags, says", [
+    (["--dtype", "fp8"], "unknown dtype 'fp8'"),
+    (["--quantization", "native"], "quantization 'native' asked for, but the checkpoint is not quantized"),
+])
+def test_a_refused_start_leaves_the_folder_as_it_found_it(tmp_path, ck, loads, capsys, flags, says):
+    out = tmp_path / "out"
+    assert run(tmp_path, ck, out, *flags) == 2
+    assert says in last_line(capsys)
+    assert not out.exists() and loads.calls == 0
+    out.mkdir()  # an existing, empty folder stays empty too
+    assert run(tmp_path, ck, out, *flags) == 2
+    assert list(out.iterdir()) == []
+    assert run(tmp_path, ck, out) == 0  # the plain run is not refused
+    assert set(state(out)["trace"]) == {"q1", "q3", "q4"}
+
+
+def test_a_broken_model_refused_before_its_first_question_is_taken_over(tmp_path, ck, loads, capsys):
+    out = tmp_path / "out"
+    assert run(tmp_path, ck, out, "--model", str(tmp_path / "nope")) == 2
+    assert not out.exists()
+    loads.fail = ModelLoadError("out of memory while loading (simulated)")  # a failure only loading can find
+    assert run(tmp_path, ck, out, "--agents", "5") == 2
+    assert json.loads((out / "run.json").read_text())["config"]["agents"] == 5  # nothing saved, settings written
+    loads.fail = None
+    assert run(tmp_path, ck, out) == 0  # other settings, but no question was saved: taken over
+    assert json.loads((out / "run.json").read_text())["config"]["agents"] == 4
+    capsys.readouterr()
+    assert run(tmp_path, ck, out, "--agents", "5") == 2  # now it holds questions: refused, naming the flag
+    assert "--agents 4 in the folder, 5 now" in last_line(capsys)
+
+
+# ---------------------------------------------------------------- row 10: the tokenizer, before any weight
+
+def test_a_folder_without_a_tokenizer_is_refused_before_loading(tmp_path, ck, loads, capsys):
+    for f in ck.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            f.unlink()
+    assert run(tmp_path, ck, tmp_path / "out") == 2
+    assert "has no tokenizer" in last_line(capsys)
+    assert loads.calls == 0 and not (tmp_path / "out").exists()
+
+
+def test_a_tokenizer_without_a_chat_template_is_refused_before_loading(tmp_path, ck, loads, capsys):
+    cfg = json.loads((ck / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (ck / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (ck / "chat_template.jinja").unlink(missing_ok=True)
+    assert run(tmp_path, ck, tmp_path / "out") == 2
+    assert "has no chat template" in last_line(capsys)
+    assert loads.calls == 0
+
+
+# ---------------------------------------------------------------- row 8: a device this torch cannot use
+
+@pytest.mark.skipif(torch.version.cuda is not None, reason="this torch has CUDA")
+def test_cuda_on_a_cpu_only_torch_is_one_line(tmp_path, ck, loads, capsys):
+    assert run(tmp_path, ck, tmp_path / "out", "--device", "cuda") == 2
+    line = last_line(capsys)
+    assert "this torch" in line and "built without CUDA" in line and "download.pytorch.org" in line
+    assert loads.calls == 0 and not (tmp_path / "out").exists()
+
+
+def test_a_device_torch_does_not_know(monkeypatch):
+    with pytest.raises(ModelLoadError, match="'gpu' is not a device torch knows"):
+        check_device("gpu")
+    check_device("cpu")
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ModelLoadError, match=r"only 2 GPUs visible \(cuda:0 to cuda:1\)"):
+        check_device("cuda:2")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(ModelLoadError, match="has CUDA but sees no GPU"):
+        check_device("cuda")
+
+
+# ---------------------------------------------------------------- row 11: --run-ahead where it does nothing
+
+@pytest.mark.parametrize("methods, noted", [(["self-consistency,group-debate,s2-mad", "--groups", "2-2"], True),
+                                            (["all-to-all"], True), (["svr-mad,self-consistency"], False),
+                                            (["sid-et"], False)])  # SID-ET records SVR-MAD to tune against
+def test_run_ahead_says_when_it_has_no_effect(tmp_path, ck, loads, capsys, methods, noted):
+    assert run(tmp_path, ck, tmp_path / "out", "--run-ahead", "--methods", *methods) == 0
+    err = capsys.readouterr().err
+    assert ("--run-ahead has no effect for" in err) == noted, err
