@@ -32,7 +32,7 @@ def loads(monkeypatch):
     class Seam:
         calls, fail = 0, None
 
-    def make(cfg, device, path):
+    def make(cfg, device, path, group=None):
         Seam.calls += 1
         if Seam.fail is not None:
             raise Seam.fail

@@ -44,7 +44,7 @@ def no_model(monkeypatch):
     (["--methods", "group-debate", "--groups", "3-3"], "--groups 3-3 does not split --agents 4"),
     (["--methods", "self-consistency", "--tau", "0.5"], "--tau given, but none of the methods"),
     (["--shard", "2/2"], "expected K/N"),
-    (["--tp", "2"], "--tp 2 needs exactly 2 processes"),
+    (["--tp", "2"], "--tp 2 needs a number of processes that is a multiple of 2"),
     (["--tp", "0"], "--tp must be >= 1"),
 ])
 def test_bad_settings_fail_in_one_line_before_loading(tmp_path, no_model, capsys, flags, says):
