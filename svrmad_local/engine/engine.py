@@ -9,32 +9,20 @@ future as it finishes. `generate_sync` wraps it for scripts.
 from __future__ import annotations
 
 import asyncio
-import logging
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Union
 
-import torch
-
-from svrmad_local.models.linear import select_linear, weight_bytes
-
-from .attention import Attachment
-from .kv_cache import BlockManager, KVCache
-from .lean import select_decoder
-from .memory import keep_freed_memory, kv_budget, parse_memory  # noqa: F401  (parse_memory: public)
-from .runner import ModelRunner
+from . import build
+from .config import EngineConfig, SamplingParams  # noqa: F401  (EngineConfig: public here too)
+from .memory import parse_memory  # noqa: F401  (public here too)
 from .scheduler import RequestTooLarge, Scheduler  # noqa: F401  (RequestTooLarge: public)
 from .sequence import Request, RequestOutput, ScoreOutput, Sequence
-from .threads import BarrierSleepWatch, release_team
-from .spec import inspect_model
-from . import graphs, tp
-from .config import EngineConfig, SamplingParams  # noqa: F401  (EngineConfig: public here too)
 from .step import Step, output, seed_for
+from .threads import release_team
 
-
-log = logging.getLogger("svrmad_local")
 
 Prompt = Union[list[int], str, list[dict]]
 
@@ -52,15 +40,6 @@ class EngineTotals:
         return {**self.__dict__, "cached_tokens": self.prompt_tokens - self.computed_tokens}
 
 
-def _layer_device(model, layers, i: int) -> torch.device:
-    """Where layer i's KV lives: its own device under an accelerate device map."""
-    if layers is not None and i < len(layers):
-        p = next(layers[i].parameters(), None)
-        if p is not None:
-            return p.device
-    return model.base_model.get_input_embeddings().weight.device
-
-
 class Engine:
     def __init__(self, model, tokenizer=None, config: EngineConfig | None = None):
         self.cfg = cfg = config or EngineConfig()
@@ -74,7 +53,7 @@ class Engine:
         # slept ~50 times each and `svrmad run` left one of two cores mostly idle.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="svrmad-engine")
         try:
-            self._executor.submit(self._build, model, cfg).result()
+            self._executor.submit(build.build, self, model, cfg).result()
         except BaseException:
             self._executor.shutdown(wait=False)
             raise
@@ -95,81 +74,6 @@ class Engine:
         self._live: dict[int, Request] = {}
         self._chat = None
 
-    def _build(self, model, cfg: EngineConfig) -> None:
-        """The engine's torch state (worker thread): linears, probe, KV-cache, runner."""
-        attached = Attachment(model)
-        self.linear_path = select_linear(model, cfg.linear)
-        self.weight_bytes = weight_bytes(model)
-        self.spec = spec = inspect_model(model, attached)  # raises UnsupportedModel, naming the feature
-        layers = model.base_model.layers if hasattr(model.base_model, "layers") else None
-        devices = [_layer_device(model, layers, i) for i in range(len(spec.layers))]
-        block_bytes = KVCache.bytes_per_block(spec.layers, cfg.block_size, spec.dtype)
-        self.kv_budget_bytes = kv_budget(cfg.kv_cache_memory, devices[0])
-        num_blocks = self.kv_budget_bytes // block_bytes
-        self.sharded = tp.is_sharded(model)
-        if self.sharded:
-            num_blocks = tp.agree_on_blocks(num_blocks, devices[0])
-        if num_blocks < 2:
-            raise ValueError(f"kv_cache_memory={cfg.kv_cache_memory!r} holds {num_blocks} blocks of {block_bytes} bytes; need at least 2")
-        self.block_bytes = block_bytes
-        self._watch = None
-        if devices[0].type == "cpu":
-            keep_freed_memory()
-            self._watch = BarrierSleepWatch()  # warns once if another thread's torch work slows the steps
-        self.cache = KVCache(num_blocks, cfg.block_size, spec.layers, devices, spec.dtype)
-        self.runner = ModelRunner(model, attached, self.cache, spec, cfg.block_size, cfg.attention, cfg.cascade,
-                                  cfg.kernel_impl, cfg.mla)
-        self.decoder_path = "the model's modules (tensor parallel)"
-        if not self.sharded:
-            self.runner.lean, self.decoder_path = select_decoder(model, spec, cfg.decoder)
-        mc = model.config.get_text_config()
-        self.max_model_len = getattr(mc, "max_position_embeddings", None) or 1 << 30
-        self.runner.static, self.graphs_path = self._static_decode(cfg, num_blocks)
-        # the static path's padding rows write a scratch block that no sequence may own: the last one
-        self.blocks = BlockManager(num_blocks - (self.runner.static is not None), cfg.block_size)
-        self.rank = 0
-        if self.sharded:  # tensor parallel: rank 0 runs the engine, the others follow its steps
-            import torch.distributed as dist
-
-            self.rank = dist.get_rank()
-            self.runner.lm_head = tp.full_lm_head(self.runner.lm_head)
-            self._channel = tp.StepChannel()
-            if self.rank == 0:
-                self.runner.tp = self._channel
-            else:
-                self.cache.replay = True
-
-    def _static_decode(self, cfg: EngineConfig, num_blocks: int):
-        """engine/graphs.py's StaticDecode where cfg.cuda_graphs and the machine allow it, and one line
-        saying what runs ("on", "static (eager)" or "off: why")."""
-        why = graphs.why_off(cfg.cuda_graphs, self.runner, self.sharded)
-        if why is None and num_blocks < 3:
-            why = f"the KV budget holds {num_blocks} blocks: none to spare for the padding rows' scratch block"
-        static = None
-        if why is None:
-            max_blocks = max(1, min(-(-self.max_model_len // cfg.block_size), num_blocks - 1))
-            static = graphs.StaticDecode(self.runner, cfg.max_num_seqs, max_blocks, num_blocks - 1,
-                                         capture=cfg.cuda_graphs != "static")
-            if static.found and cfg.cuda_graphs != "static":
-                why, static = "the decode step returns to the host: " + "; ".join(static.found[:3]), None
-        if why is not None and cfg.cuda_graphs in ("on", "static"):
-            raise ValueError(f"cuda_graphs={cfg.cuda_graphs!r} cannot run here: {why}")
-        if why is not None:
-            if cfg.cuda_graphs == "auto" and self.runner.device.type == "cuda":
-                log.info("svrmad: CUDA graphs off (%s)", why)
-            return None, f"off: {why}"
-        return static, "static (eager)" if cfg.cuda_graphs == "static" else "on"
-
-    def _graphs_info(self) -> str:
-        static = self.runner.static
-        if static is None:
-            return self.graphs_path
-        if static.off_reason is not None:
-            return f"off: {static.off_reason}"
-        if static.capture:
-            return f"on ({len(static.graphs)} shapes captured, {static.replays} steps replayed)"
-        return self.graphs_path
-
     def _eos_ids(self) -> set[int]:
         ids = set()
         for src in (getattr(self.model, "generation_config", None), self.model.config, self.tokenizer):
@@ -186,7 +90,7 @@ class Engine:
             "attention": self.runner.attention_path,
             "linear": self.linear_path,
             "decoder": self.decoder_path,
-            "cuda_graphs": self._graphs_info(),
+            "cuda_graphs": build.graphs_info(self),
             "weight_bytes": self.weight_bytes,
             "stats": self.stepper.stats_path,
             "block_size": self.cfg.block_size,
