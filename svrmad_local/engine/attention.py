@@ -237,7 +237,7 @@ class PagedKV:
 
 
 # On a GPU, SDPA's cuDNN backend builds a graph for each new shape: with a context that grows every
-# step it spent ~0.9 ms of host time per call on an H100 (a 30-layer model's decode step: 33 ms).
+# step, that host time dominated a decode step (docs/engine.md, "On a GPU").
 # The memory-efficient kernel takes a mask and any shape, but not enable_gqa (SDPA then falls back to
 # its many-op math path): the KV heads are expanded for it instead.
 _GPU_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]

@@ -1,6 +1,10 @@
 """The engine's torch state, built once on its worker thread, and the execution choices made on the way.
 
-Moved out of engine.py whole: each function takes the engine it builds.
+`build` sets the engine's KV pool (sized from `EngineConfig.kv_cache_memory`, agreed across ranks under
+tensor parallelism), its cache, runner and block manager, and records which linear, decoder and decode
+path run (`linear_path`, `decoder_path`, `graphs_path`, with the runner's `attention_path`): these are
+what `Engine.info` reports and run.json stores. The functions take the engine they build; the choices
+they record are still made in the places docs/architecture.md lists.
 """
 
 from __future__ import annotations

@@ -4,6 +4,10 @@ Many coroutines (one per question's controller) call `await engine.generate(...)
 loop gathers every pending request into one batch per step, runs the step in a worker thread (so
 the event loop keeps accepting requests while the model computes) and resolves each request's
 future as it finishes. `generate_sync` wraps it for scripts.
+
+This file is the loop and the public API; the engine's torch state is built by engine/build.py, one
+step (sampling, forks, stop rules, scoring, outputs) is engine/step.py, and its settings are
+engine/config.py.
 """
 
 from __future__ import annotations
@@ -49,8 +53,7 @@ class Engine:
         # the cache's zero fill), runs on its one worker thread: with the GNU OpenMP that torch uses,
         # each thread that runs a parallel op keeps its own team of threads, and once more threads are
         # kept than there are cores, every team stops spinning at its barriers and sleeps instead
-        # (docs/engine.md, "One worker thread"). Built on the caller's thread, the engine's steps
-        # slept ~50 times each and `svrmad run` left one of two cores mostly idle.
+        # (docs/engine.md, "One worker thread").
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="svrmad-engine")
         try:
             self._executor.submit(build.build, self, model, cfg).result()
@@ -58,8 +61,7 @@ class Engine:
             self._executor.shutdown(wait=False)
             raise
         # The caller's own idle team (from loading the model, say) counts too: hand it back, here and
-        # on each request (cheap when there is none). Measured: one torch op on the caller before the
-        # engine made batch-4 steps sleep 66 times each, 119.5 ms a step against 110.6 ms once handed back.
+        # on each request (cheap when there is none; docs/engine.md has the measured cost).
         release_team()
         self.scheduler = Scheduler(self.blocks, self.cache, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.eos_ids = self._eos_ids()

@@ -4,8 +4,8 @@ Torch's CPU parallel ops run on GNU OpenMP, which keeps one thread team per thre
 parallel op. The engine runs every forward on its one worker thread for that reason, but a caller
 can still start torch work on another thread (a `model.generate` beside the engine, a big op in a
 callback): once more OpenMP threads are kept than there are cores, every team stops spinning at its
-barriers and sleeps on a futex instead, tens of times per layer, and steps get 1.7x slower on a
-2-core CPU (docs/engine.md, "One worker thread for every forward"). Nothing fails, so nobody would
+barriers and sleeps on a futex instead, tens of times per layer, and the steps slow down (by how
+much, on which machine: docs/engine.md, "One worker thread for every forward"). Nothing fails, so nobody would
 know; this watch reads the worker thread's voluntary context switches every `every` steps (one
 small /proc read) and says so once, in one line, with what to do.
 
