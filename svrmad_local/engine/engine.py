@@ -45,6 +45,9 @@ class EngineTotals:
 
 
 class Engine:
+    """The public face: `generate` / `score` (async, many callers at once) and their `_sync` wrappers,
+    `encode`, `info`, `close`; underneath, one loop that feeds `Step.run` to the worker thread."""
+
     def __init__(self, model, tokenizer=None, config: EngineConfig | None = None):
         self.cfg = cfg = config or EngineConfig()
         self.model = model.eval()
