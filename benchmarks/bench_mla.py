@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from svrmad_local.engine import mla
+from svrmad_local.engine.kv_cache import BlockTables
 
 BLOCK = 16
 
@@ -50,7 +51,7 @@ def make_case(layer, batch: int, ctx: int, dtype, device):
     c = (torch.randn(slots, 1, layer.kv_lora_rank, generator=g) / 4).to(device=device, dtype=dtype)
     kr = torch.randn(slots, 1, layer.qk_rope_head_dim, generator=g).to(device=device, dtype=dtype)
     q = torch.randn(batch, layer.num_heads, layer.qk_head_dim, generator=g).to(device=device, dtype=dtype)
-    tables = mla.BlockTables(blocks.to(device=device, dtype=torch.int32),
+    tables = BlockTables(blocks.to(device=device, dtype=torch.int32),
                               torch.full((batch,), ctx, dtype=torch.int32, device=device))
     ctx_slots = ((blocks.unsqueeze(-1) * BLOCK + torch.arange(BLOCK)).flatten(1)[:, :ctx]).to(device)
     return q, c, kr, tables, ctx_slots

@@ -10,6 +10,7 @@ import torch
 
 from svrmad_local.engine import mla
 from svrmad_local.engine.context import get_context
+from svrmad_local.engine.kv_cache import BlockTables
 from svrmad_local.engine.engine import Engine, EngineConfig
 from svrmad_local.engine.params import SamplingParams
 from svrmad_local.kernels import HAS_TRITON
@@ -191,7 +192,7 @@ def test_absorbed_decode_never_waits_for_the_device(model):
     h = model.config.num_attention_heads
     c = torch.randn(64, 1, attn.kv_lora_rank)
     kr = torch.randn(64, 1, attn.qk_rope_head_dim)
-    tables = mla.BlockTables(torch.tensor([[3, 1, 0], [2, 0, 0]], dtype=torch.int32),
+    tables = BlockTables(torch.tensor([[3, 1, 0], [2, 0, 0]], dtype=torch.int32),
                               torch.tensor([9, 2], dtype=torch.int32))
     q = torch.randn(2, h, attn.qk_head_dim)
     mla.absorbed_weights(attn, h)  # the once-per-weight split is outside the step

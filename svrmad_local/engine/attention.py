@@ -35,7 +35,7 @@ from svrmad_local.kernels.paged_prefill import paged_prefill
 
 from . import mla
 from .context import get_context
-from .kv_cache import KVCache
+from .kv_cache import BlockTables, KVCache
 from .spec import LayerSpec, Probe
 
 ATTN_NAME = "svrmad_paged"
@@ -170,10 +170,10 @@ class StepContext:
     decode_pos: torch.Tensor | None = None  # cascade: each decode query's position
     kernel_impl: str = "auto"
     flash: dict | None = None  # flash-attn: cu_q, cu_k, max_q, max_k, and block_table or slots
-    decode_tables: mla.BlockTables | None = None  # the decode rows' block tables and lengths (in-place paths)
+    decode_tables: BlockTables | None = None  # the decode rows' block tables and lengths (in-place paths)
     decode_impl: str | None = None  # per-head K/V decode rows in place: "cpu" (kernels.cpu_decode) or "triton"
     mla_absorbed: bool = False  # latent decode rows attend to the cached latent (engine.mla)
-    prefill_tables: mla.BlockTables | None = None  # per-head K/V prefill runs read in place: their tables
+    prefill_tables: BlockTables | None = None  # per-head K/V prefill runs read in place: their tables
     prefill_cu: list[int] | None = None  # ... and their row offsets within the prefill rows (host values)
     _views: dict = field(default_factory=dict)
     _plans: dict = field(default_factory=dict)
@@ -237,7 +237,7 @@ class PagedKV:
 
 
 # On a GPU, SDPA's cuDNN backend builds a graph for each new shape: with a context that grows every
-# step it spent ~0.9 ms of host time per call on an H100 (a 30-layer model's decode step: 33 ms).
+# step, that host time dominated a decode step (docs/engine.md, "On a GPU").
 # The memory-efficient kernel takes a mask and any shape, but not enable_gqa (SDPA then falls back to
 # its many-op math path): the KV heads are expanded for it instead.
 _GPU_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]

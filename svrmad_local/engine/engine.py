@@ -4,37 +4,29 @@ Many coroutines (one per question's controller) call `await engine.generate(...)
 loop gathers every pending request into one batch per step, runs the step in a worker thread (so
 the event loop keeps accepting requests while the model computes) and resolves each request's
 future as it finishes. `generate_sync` wraps it for scripts.
+
+This file is the loop and the public API; the engine's torch state is built by engine/build.py, one
+step (sampling, forks, stop rules, scoring, outputs) is engine/step.py, and its settings are
+engine/config.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Union
 
-import torch
-
-from svrmad_local.models.linear import select_linear, weight_bytes
-
-from .attention import Attachment
-from .kv_cache import BlockManager, KVCache
-from .lean import select_decoder
-from .memory import keep_freed_memory, kv_budget, parse_memory  # noqa: F401  (parse_memory: public)
-from .runner import ModelRunner
+from . import build
+from .config import EngineConfig, SamplingParams  # noqa: F401  (EngineConfig: public here too)
+from .memory import parse_memory  # noqa: F401  (public here too)
 from .scheduler import RequestTooLarge, Scheduler  # noqa: F401  (RequestTooLarge: public)
 from .sequence import Request, RequestOutput, ScoreOutput, Sequence
-from .threads import BarrierSleepWatch, release_team
-from .spec import inspect_model
-from . import graphs, tp
-from .config import EngineConfig, SamplingParams  # noqa: F401  (EngineConfig: public here too)
 from .step import Step, output, seed_for
+from .threads import release_team
 
-
-log = logging.getLogger("svrmad_local")
 
 Prompt = Union[list[int], str, list[dict]]
 
@@ -52,16 +44,10 @@ class EngineTotals:
         return {**self.__dict__, "cached_tokens": self.prompt_tokens - self.computed_tokens}
 
 
-def _layer_device(model, layers, i: int) -> torch.device:
-    """Where layer i's KV lives: its own device under an accelerate device map."""
-    if layers is not None and i < len(layers):
-        p = next(layers[i].parameters(), None)
-        if p is not None:
-            return p.device
-    return model.base_model.get_input_embeddings().weight.device
-
-
 class Engine:
+    """The public face: `generate` / `score` (async, many callers at once) and their `_sync` wrappers,
+    `encode`, `info`, `close`; underneath, one loop that feeds `Step.run` to the worker thread."""
+
     def __init__(self, model, tokenizer=None, config: EngineConfig | None = None):
         self.cfg = cfg = config or EngineConfig()
         self.model = model.eval()
@@ -70,17 +56,15 @@ class Engine:
         # the cache's zero fill), runs on its one worker thread: with the GNU OpenMP that torch uses,
         # each thread that runs a parallel op keeps its own team of threads, and once more threads are
         # kept than there are cores, every team stops spinning at its barriers and sleeps instead
-        # (docs/engine.md, "One worker thread"). Built on the caller's thread, the engine's steps
-        # slept ~50 times each and `svrmad run` left one of two cores mostly idle.
+        # (docs/engine.md, "One worker thread").
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="svrmad-engine")
         try:
-            self._executor.submit(self._build, model, cfg).result()
+            self._executor.submit(build.build, self, model, cfg).result()
         except BaseException:
             self._executor.shutdown(wait=False)
             raise
         # The caller's own idle team (from loading the model, say) counts too: hand it back, here and
-        # on each request (cheap when there is none). Measured: one torch op on the caller before the
-        # engine made batch-4 steps sleep 66 times each, 119.5 ms a step against 110.6 ms once handed back.
+        # on each request (cheap when there is none; docs/engine.md has the measured cost).
         release_team()
         self.scheduler = Scheduler(self.blocks, self.cache, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.eos_ids = self._eos_ids()
@@ -94,98 +78,6 @@ class Engine:
         self._wake: asyncio.Event | None = None
         self._live: dict[int, Request] = {}
         self._chat = None
-
-    def _build(self, model, cfg: EngineConfig) -> None:
-        """The engine's torch state (worker thread): linears, probe, KV-cache, runner."""
-        attached = Attachment(model)
-        self.linear_path = select_linear(model, cfg.linear)
-        self.weight_bytes = weight_bytes(model)
-        self.spec = spec = inspect_model(model, attached)  # raises UnsupportedModel, naming the feature
-        layers = model.base_model.layers if hasattr(model.base_model, "layers") else None
-        devices = [_layer_device(model, layers, i) for i in range(len(spec.layers))]
-        block_bytes = KVCache.bytes_per_block(spec.layers, cfg.block_size, spec.dtype)
-        self.kv_budget_bytes = kv_budget(cfg.kv_cache_memory, devices[0])
-        num_blocks = self.kv_budget_bytes // block_bytes
-        self.tp_group = tp.group_of(model)
-        self.sharded = self.tp_group is not None
-        if self.sharded:
-            num_blocks = tp.agree_on_blocks(num_blocks, devices[0], self.tp_group)
-        if num_blocks < 2:
-            raise ValueError(f"kv_cache_memory={cfg.kv_cache_memory!r} holds {num_blocks} blocks of {block_bytes} bytes; need at least 2")
-        self.block_bytes = block_bytes
-        self._watch = None
-        if devices[0].type == "cpu":
-            keep_freed_memory()
-            self._watch = BarrierSleepWatch()  # warns once if another thread's torch work slows the steps
-        # graphs to capture: the cache is sized after their memory is measured over a provisional one
-        measure = cfg.cuda_graphs in ("auto", "on") and graphs.can_capture(devices[0]) and not self.sharded
-        self.cache = KVCache(graphs.PROVISIONAL_BLOCKS if measure else num_blocks, cfg.block_size, spec.layers,
-                             devices, spec.dtype)
-        self.runner = ModelRunner(model, attached, self.cache, spec, cfg.block_size, cfg.attention, cfg.cascade,
-                                  cfg.kernel_impl, cfg.mla)
-        self.decoder_path = "the model's modules (tensor parallel)"
-        if not self.sharded:
-            self.runner.lean, self.decoder_path = select_decoder(model, spec, cfg.decoder)
-        mc = model.config.get_text_config()
-        self.max_model_len = getattr(mc, "max_position_embeddings", None) or 1 << 30
-        self.graph_reserve = 0  # bytes of the KV budget kept for the decode graphs
-        if measure:
-            if graphs.why_off(cfg.cuda_graphs, self.runner, self.sharded) is None:
-                self.graph_reserve = graphs.graph_memory(self.runner, cfg.max_num_seqs, self._max_blocks(num_blocks))
-            num_blocks = (self.kv_budget_bytes - self.graph_reserve) // block_bytes
-            if num_blocks < 3:
-                raise ValueError(f"kv_cache_memory={cfg.kv_cache_memory!r} less the decode graphs' "
-                                 f"{self.graph_reserve} bytes holds {num_blocks} blocks; need at least 3")
-            self.cache = self.runner.cache = KVCache(num_blocks, cfg.block_size, spec.layers, devices, spec.dtype)
-        self.runner.static, self.graphs_path = self._static_decode(cfg, num_blocks)
-        # the static path's padding rows write a scratch block that no sequence may own: the last one
-        self.blocks = BlockManager(num_blocks - (self.runner.static is not None), cfg.block_size)
-        self.rank = 0
-        if self.sharded:  # tensor parallel: the group's leader runs the engine, the others follow its steps
-            self.rank = self.tp_group.rank
-            self._channel = tp.StepChannel(self.tp_group)
-            if self.rank == 0:
-                self.runner.tp = self._channel
-            else:
-                self.cache.replay = True
-
-    def _static_decode(self, cfg: EngineConfig, num_blocks: int):
-        """engine/graphs.py's StaticDecode where cfg.cuda_graphs and the machine allow it, and one line
-        saying what runs ("on", "static (eager)" or "off: why")."""
-        why = graphs.why_off(cfg.cuda_graphs, self.runner, self.sharded)
-        if why is None and num_blocks < 3:
-            why = f"the KV budget holds {num_blocks} blocks: none to spare for the padding rows' scratch block"
-        static = None
-        if why is None:
-            static = graphs.StaticDecode(self.runner, cfg.max_num_seqs, self._max_blocks(num_blocks), num_blocks - 1,
-                                         capture=cfg.cuda_graphs != "static")
-            if static.found and cfg.cuda_graphs != "static":
-                why, static = "the decode step returns to the host: " + "; ".join(static.found[:3]), None
-            elif static.capture:  # every shape at start-up, before any request (engine/graphs.py)
-                static.capture_all()
-        if why is not None and cfg.cuda_graphs in ("on", "static"):
-            raise ValueError(f"cuda_graphs={cfg.cuda_graphs!r} cannot run here: {why}")
-        if why is not None:
-            if cfg.cuda_graphs == "auto" and self.runner.device.type == "cuda":
-                log.info("svrmad: CUDA graphs off (%s)", why)
-            return None, f"off: {why}"
-        return static, "static (eager)" if cfg.cuda_graphs == "static" else "on"
-
-    def _max_blocks(self, num_blocks: int) -> int:
-        """The static path's widest block table: the model's context, or the cache less its scratch block."""
-        return max(1, min(-(-self.max_model_len // self.cfg.block_size), num_blocks - 1))
-
-    def _graphs_info(self) -> str:
-        static = self.runner.static
-        if static is None:
-            return self.graphs_path
-        if static.capture:
-            failed = ""
-            if static.failed:
-                (p, w), why = next(iter(static.failed.items()))
-                failed = f"; {len(static.failed)} failed, run eagerly (batch {p}, width {w}: {why})"
-            return f"on ({len(static.graphs)} shapes captured, {static.replays} steps replayed{failed})"
-        return self.graphs_path
 
     def _eos_ids(self) -> set[int]:
         ids = set()
@@ -203,7 +95,7 @@ class Engine:
             "attention": self.runner.attention_path,
             "linear": self.linear_path,
             "decoder": self.decoder_path,
-            "cuda_graphs": self._graphs_info(),
+            "cuda_graphs": build.graphs_info(self),
             "weight_bytes": self.weight_bytes,
             "stats": self.stepper.stats_path,
             "block_size": self.cfg.block_size,

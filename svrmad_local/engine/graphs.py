@@ -54,8 +54,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from svrmad_local.kernels._backend import staged
 
-from . import mla
 from .attention import StepContext
+from .kv_cache import BlockTables
 
 log = logging.getLogger("svrmad_local")
 
@@ -290,7 +290,7 @@ class StaticDecode:
         r = self.runner
         ids, pos, slots = self.inputs[0, :P], self.inputs[1, :P], self.inputs[2, :P]
         ctx = StepContext(r.cache, r.spec.layers, slots, [], P, kernel_impl=r.kernel_impl,
-                          decode_tables=mla.BlockTables(self.tables[W][:P], self.lens[:P]),
+                          decode_tables=BlockTables(self.tables[W][:P], self.lens[:P]),
                           decode_impl=r.inplace_decode, mla_absorbed=r.mla_absorbed)
         if r.spec.has_latent:
             ctx.latent_runs = []

@@ -3,8 +3,8 @@ without their per-call Python.
 
 Why: with the linears at the machine's bandwidth (models/linear.py), a batch-1 decode step of the
 default (30 layers) spent more time around the linears than in them: ~2,100 small torch ops and
-transformers' per-layer plumbing (decorators, kwargs, config lookups), against ~25 ms of linears in a
-~59 ms step. Here a layer is nine calls: fused residual-add + RMSNorm, the fused q/k/v GEMM, RoPE with
+transformers' per-layer plumbing (decorators, kwargs, config lookups; the measured split is in
+docs/engine.md, "The lean decoder forward"). Here a layer is nine calls: fused residual-add + RMSNorm, the fused q/k/v GEMM, RoPE with
 the K/V cache write (kernels/cpu_ops.py), the engine's attention, o_proj, add + norm, the fused
 gate/up GEMM, SiLU-and-multiply, down.
 

@@ -19,7 +19,7 @@ from svrmad_local.kernels import cpu_decode
 from . import mla
 from .attention import FLASH_PAGE, HAS_FLASH_ATTN, Attachment, PagedKV, Span, StepContext, flash_attn_varlen_func
 from .context import set_context
-from .kv_cache import KVCache
+from .kv_cache import BlockTables, KVCache
 from .scheduler import Batch
 from .spec import ModelSpec
 
@@ -145,10 +145,10 @@ class ModelRunner:
         elif self.spec.has_latent:
             ctx.latent_runs = []
         if nd and (self.mla_absorbed or self.decode_impl):  # decode rows read the cache in place
-            ctx.decode_tables = mla.BlockTables.of_runs(step.runs[:nd], dev)
+            ctx.decode_tables = BlockTables.of_runs(step.runs[:nd], dev)
             ctx.decode_impl, ctx.mla_absorbed = self.decode_impl, self.mla_absorbed
         if self.prefill_in_place and len(step.runs) > nd:  # prefill rows read the cache in place
-            ctx.prefill_tables = mla.BlockTables.of_runs(step.runs[nd:], dev)
+            ctx.prefill_tables = BlockTables.of_runs(step.runs[nd:], dev)
             ctx.prefill_cu = [r.row0 - nd for r in runs[nd:]] + [runs[-1].row1 - nd]  # rows of q[nd:]
         if self.attention_path.startswith("flash-attn"):
             lens = [r.index.shape[0] for r in runs]
@@ -158,7 +158,7 @@ class ModelRunner:
                 "max_q": max(r.row1 - r.row0 for r in runs), "max_k": max(lens),
             }
             if self.flash_paged:  # flash-attn reads the blocks in place through the block table
-                ctx.flash["block_table"] = mla.BlockTables.of_runs(step.runs, dev).block_table
+                ctx.flash["block_table"] = BlockTables.of_runs(step.runs, dev).block_table
             else:  # blocks smaller than flash-attn's 256-token pages: gather the context first
                 ctx.flash["slots"] = torch.cat([r.index for r in runs])
         if self.cascade and nd >= 2:

@@ -4,10 +4,10 @@ Torch's CPU parallel ops run on GNU OpenMP, which keeps one thread team per thre
 parallel op. The engine runs every forward on its one worker thread for that reason, but a caller
 can still start torch work on another thread (a `model.generate` beside the engine, a big op in a
 callback): once more OpenMP threads are kept than there are cores, every team stops spinning at its
-barriers and sleeps on a futex instead, tens of times per layer, and steps get 1.7x slower on a
-2-core CPU (docs/engine.md, "One worker thread for every forward"). Another process busy on the
-same cores does the same from outside. Nothing fails, so nobody would know; this watch reads the
-worker thread's voluntary context switches every `every` steps (one small /proc read) and says
+barriers and sleeps on a futex instead, tens of times per layer, and the steps slow down (by how
+much, on which machine: docs/engine.md, "One worker thread for every forward"). Another process busy
+on the same cores does the same from outside. Nothing fails, so nobody would know; this watch reads
+the worker thread's voluntary context switches every `every` steps (one small /proc read) and says
 once, in one line, what it measured and the two things that cause it: it cannot tell which.
 
 The commonest such thread is the caller's own: loading or preparing a model there (a cast, an

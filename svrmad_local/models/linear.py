@@ -3,25 +3,24 @@
 - "aten": each module's own forward (`F.linear`: MKL sgemm on the CPU, cuBLAS on a GPU).
 - "panels": CPU, fp32, AVX2. Every `nn.Linear` weight is re-laid once into 16-column panels and
   multiplied by our kernel (kernels/cpu_linear.py), which streams the weights at close to the
-  machine's read bandwidth: on a 2-core AVX2 EPYC the default's linears took 39.0 ms a decode step at
-  1 row, 47.3 at 4, 124 at 24 through oneDNN's packed GEMM, 24.8 / 30.3 / 105 through it, and about
-  the same at prefill sizes (M = 512: 1509 vs 1553). Its arithmetic does not depend on the batch, so
+  machine's read bandwidth: faster than oneDNN's packed GEMM at decode sizes and about the same at
+  prefill sizes (the figures, with the machines: docs/engine.md, "CPU linears"). Its arithmetic does not depend on the batch, so
   a row's output is bitwise the same at any batch size. A tied LM head and its embedding share one
   panel matrix: the embedding reads its rows from the panels (an exact copy).
 - "onednn": CPU, fp32 or bf16. Every weight is reordered once into oneDNN's blocked layout and the
   module computes with `mkldnn._linear_pointwise` (the pair that inductor's freezing pass uses, and
-  what vLLM's CPU backend does): at M = 1-64 MKL's fp32 GEMM runs 2-4.5x slower than that, on AVX2
-  and AVX-512 alike (benchmarks/bench_linear.py). A tied LM head runs through oneDNN on the dense
+  what vLLM's CPU backend does): at M = 1-64 MKL's fp32 GEMM runs several times slower than that, on
+  AVX2 and AVX-512 alike (benchmarks/bench_linear.py prints the ratio). A tied LM head runs through oneDNN on the dense
   matrix it shares with the embedding (no second copy).
 - "auto": panels for fp32 where the kernel builds; else oneDNN (bf16 with a oneDNN bf16 path); else
-  F.linear, saying why. On a 2-core AVX-512 EPYC the (AVX2) panels beat oneDNN's AVX-512 GEMM too:
-  17.6 vs 24.5 ms a step at M=1, equal at M=8-64, 794 vs 1158 at M=512 (docs/engine.md).
+  F.linear, saying why. The (AVX2) panels beat oneDNN's AVX-512 GEMM on an AVX-512 machine too
+  (docs/engine.md).
 - Packed quantized modules (models/quant: MXFP4 experts, FP8 linears) are not `nn.Linear`s: they
   own their matmul and are left alone here.
 
 Either layout *replaces* the dense weight (same bytes). bf16 weights are packed only where oneDNN has
-a bf16 path on this CPU (avx512_bf16 / AMX / avx_ne_convert); without one a bf16 GEMM is ~3x slower
-than fp32, and the engine says so instead of silently changing the dtype (bf16 changes the token
+a bf16 path on this CPU (avx512_bf16 / AMX / avx_ne_convert); without one a bf16 GEMM is slower than
+fp32, and the engine says so instead of silently changing the dtype (bf16 changes the token
 statistics; choose it with --dtype). Numerics move at fp32 rounding level against F.linear (another
 summation order), so exactness is stated against a reference that runs the same backend; see
 docs/engine.md, "CPU linears".
@@ -123,8 +122,8 @@ SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("q_a_proj
 
 class FusedGroup(nn.Module):
     """Sibling projections of one input (q/k/v, gate/up, DeepSeek's q_a/kv_a) packed as one matrix:
-    one GEMM where there were two or three. At decode shapes a call's fixed cost (~50 us for oneDNN
-    on a 2-core AVX2 EPYC) is larger than a small projection's arithmetic, so fewer, larger calls win.
+    one GEMM where there were two or three. At decode shapes a call's fixed cost is larger than a
+    small projection's arithmetic, so fewer, larger calls win (docs/engine.md, "CPU linears").
     The first part called with an input computes every part's rows; its siblings, called with the same
     tensor (as transformers' modules do), take their slices of that result."""
 

@@ -1,0 +1,130 @@
+"""The engine's torch state, built once on its worker thread, and the execution choices made on the way.
+
+`build` sets the engine's KV pool (sized from `EngineConfig.kv_cache_memory`, agreed across ranks under
+tensor parallelism), its cache, runner and block manager, and records which linear, decoder and decode
+path run (`linear_path`, `decoder_path`, `graphs_path`, with the runner's `attention_path`): these are
+what `Engine.info` reports and run.json stores. The functions take the engine they build; the choices
+they record are still made in the places docs/architecture.md lists.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from svrmad_local.models.linear import select_linear, weight_bytes
+
+from . import graphs, tp
+from .attention import Attachment
+from .config import EngineConfig
+from .kv_cache import BlockManager, KVCache
+from .lean import select_decoder
+from .memory import keep_freed_memory, kv_budget
+from .runner import ModelRunner
+from .spec import inspect_model
+from .threads import BarrierSleepWatch
+
+log = logging.getLogger("svrmad_local")
+
+
+def layer_device(model, layers, i: int) -> torch.device:
+    """Where layer i's KV lives: its own device under an accelerate device map."""
+    if layers is not None and i < len(layers):
+        p = next(layers[i].parameters(), None)
+        if p is not None:
+            return p.device
+    return model.base_model.get_input_embeddings().weight.device
+
+
+def build(eng, model, cfg: EngineConfig) -> None:
+    """The engine's torch state (worker thread): linears, probe, KV-cache, runner."""
+    attached = Attachment(model)
+    eng.linear_path = select_linear(model, cfg.linear)
+    eng.weight_bytes = weight_bytes(model)
+    eng.spec = spec = inspect_model(model, attached)  # raises UnsupportedModel, naming the feature
+    layers = model.base_model.layers if hasattr(model.base_model, "layers") else None
+    devices = [layer_device(model, layers, i) for i in range(len(spec.layers))]
+    block_bytes = KVCache.bytes_per_block(spec.layers, cfg.block_size, spec.dtype)
+    eng.kv_budget_bytes = kv_budget(cfg.kv_cache_memory, devices[0])
+    num_blocks = eng.kv_budget_bytes // block_bytes
+    eng.tp_group = tp.group_of(model)
+    eng.sharded = eng.tp_group is not None
+    if eng.sharded:
+        num_blocks = tp.agree_on_blocks(num_blocks, devices[0], eng.tp_group)
+    if num_blocks < 2:
+        raise ValueError(f"kv_cache_memory={cfg.kv_cache_memory!r} holds {num_blocks} blocks of {block_bytes} bytes; need at least 2")
+    eng.block_bytes = block_bytes
+    eng._watch = None
+    if devices[0].type == "cpu":
+        keep_freed_memory()
+        eng._watch = BarrierSleepWatch()  # warns once if another thread's torch work slows the steps
+    # graphs to capture: the cache is sized after their memory is measured over a provisional one
+    measure = cfg.cuda_graphs in ("auto", "on") and graphs.can_capture(devices[0]) and not eng.sharded
+    eng.cache = KVCache(graphs.PROVISIONAL_BLOCKS if measure else num_blocks, cfg.block_size, spec.layers,
+                         devices, spec.dtype)
+    eng.runner = ModelRunner(model, attached, eng.cache, spec, cfg.block_size, cfg.attention, cfg.cascade,
+                              cfg.kernel_impl, cfg.mla)
+    eng.decoder_path = "the model's modules (tensor parallel)"
+    if not eng.sharded:
+        eng.runner.lean, eng.decoder_path = select_decoder(model, spec, cfg.decoder)
+    mc = model.config.get_text_config()
+    eng.max_model_len = getattr(mc, "max_position_embeddings", None) or 1 << 30
+    eng.graph_reserve = 0  # bytes of the KV budget kept for the decode graphs
+    if measure:
+        if graphs.why_off(cfg.cuda_graphs, eng.runner, eng.sharded) is None:
+            eng.graph_reserve = graphs.graph_memory(eng.runner, cfg.max_num_seqs, max_blocks(eng, num_blocks))
+        num_blocks = (eng.kv_budget_bytes - eng.graph_reserve) // block_bytes
+        if num_blocks < 3:
+            raise ValueError(f"kv_cache_memory={cfg.kv_cache_memory!r} less the decode graphs' "
+                             f"{eng.graph_reserve} bytes holds {num_blocks} blocks; need at least 3")
+        eng.cache = eng.runner.cache = KVCache(num_blocks, cfg.block_size, spec.layers, devices, spec.dtype)
+    eng.runner.static, eng.graphs_path = static_decode(eng, cfg, num_blocks)
+    # the static path's padding rows write a scratch block that no sequence may own: the last one
+    eng.blocks = BlockManager(num_blocks - (eng.runner.static is not None), cfg.block_size)
+    eng.rank = 0
+    if eng.sharded:  # tensor parallel: the group's leader runs the engine, the others follow its steps
+        eng.rank = eng.tp_group.rank
+        eng._channel = tp.StepChannel(eng.tp_group)
+        if eng.rank == 0:
+            eng.runner.tp = eng._channel
+        else:
+            eng.cache.replay = True
+
+def static_decode(eng, cfg: EngineConfig, num_blocks: int):
+    """engine/graphs.py's StaticDecode where cfg.cuda_graphs and the machine allow it, and one line
+    saying what runs ("on", "static (eager)" or "off: why")."""
+    why = graphs.why_off(cfg.cuda_graphs, eng.runner, eng.sharded)
+    if why is None and num_blocks < 3:
+        why = f"the KV budget holds {num_blocks} blocks: none to spare for the padding rows' scratch block"
+    static = None
+    if why is None:
+        static = graphs.StaticDecode(eng.runner, cfg.max_num_seqs, max_blocks(eng, num_blocks), num_blocks - 1,
+                                     capture=cfg.cuda_graphs != "static")
+        if static.found and cfg.cuda_graphs != "static":
+            why, static = "the decode step returns to the host: " + "; ".join(static.found[:3]), None
+        elif static.capture:  # every shape at start-up, before any request (engine/graphs.py)
+            static.capture_all()
+    if why is not None and cfg.cuda_graphs in ("on", "static"):
+        raise ValueError(f"cuda_graphs={cfg.cuda_graphs!r} cannot run here: {why}")
+    if why is not None:
+        if cfg.cuda_graphs == "auto" and eng.runner.device.type == "cuda":
+            log.info("svrmad: CUDA graphs off (%s)", why)
+        return None, f"off: {why}"
+    return static, "static (eager)" if cfg.cuda_graphs == "static" else "on"
+
+def max_blocks(eng, num_blocks: int) -> int:
+    """The static path's widest block table: the model's context, or the cache less its scratch block."""
+    return max(1, min(-(-eng.max_model_len // eng.cfg.block_size), num_blocks - 1))
+
+def graphs_info(eng) -> str:
+    static = eng.runner.static
+    if static is None:
+        return eng.graphs_path
+    if static.capture:
+        failed = ""
+        if static.failed:
+            (p, w), why = next(iter(static.failed.items()))
+            failed = f"; {len(static.failed)} failed, run eagerly (batch {p}, width {w}: {why})"
+        return f"on ({len(static.graphs)} shapes captured, {static.replays} steps replayed{failed})"
+    return eng.graphs_path
