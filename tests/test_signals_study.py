@@ -23,6 +23,8 @@ import pytest
 from svrmad_local import cli
 from svrmad_local.eval import signals_page, signals_study as study, token_stats
 from svrmad_local.eval.figures import count_label
+from svrmad_local.eval.metrics import read_jsonl
+from tests.test_run_e2e import run as run_e2e, setup  # noqa: F401  (a fixture)
 
 AGENTS = {
     "q1": ("A", [("A", True, -0.5, 0.95, 0.2, 0.5), ("B", False, -2.0, 0.85, -0.6, -0.9),
@@ -171,3 +173,28 @@ def test_cli_two_runs_side_by_side(tmp_path, capsys):
     assert cli.main(["signals", str(tmp_path / "nowhere")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and "--out" in err[0] and "does not exist" in err[1]
+
+
+def test_run_saves_token_stats_that_match_the_trace(setup):
+    """`svrmad run --save-token-stats` on a tiny random model: one file per debated question holding
+    every response of its trace line, as many tokens as it generated, whose min and mean give the
+    trace's min-LL and mean entropy; without the flag there is no folder."""
+    ck, data, out = setup
+    assert run_e2e(ck, data, out, "--limit", "2", "--methods", "svr-mad", "--save-token-stats") == 0
+    trace = read_jsonl(out / "trace.jsonl")
+    assert trace, "a random model should disagree with itself"
+    saved = token_stats.read(out)
+    assert len(list((out / token_stats.FOLDER).glob("*.npz"))) == len(trace)
+    for row in trace:
+        for r in row["agents"] + row["debates"]:
+            lp, ent = saved[row["id"], r["id"]]
+            assert len(lp) == len(ent) == r["completion_tokens"]
+            if r in row["agents"]:
+                assert float(lp.min()) == pytest.approx(r["signals"]["min_ll"], abs=1e-5)
+                assert float(ent.mean()) == pytest.approx(r["signals"]["mean_entropy"], abs=1e-5)
+    size, tokens = token_stats.bytes_per_token(out)
+    assert tokens == sum(r["completion_tokens"] for row in trace for r in row["agents"] + row["debates"])
+    page = signals_page.write_study([out], out / "signals", n_boot=10).read_text()
+    assert "bytes per token on disk" in page and (out / "signals" / "token_track.png").exists()
+    assert run_e2e(ck, data, tmp := out.with_name("plain"), "--limit", "1", "--methods", "svr-mad") == 0
+    assert not (tmp / token_stats.FOLDER).exists()

@@ -33,6 +33,7 @@ from svrmad_local.debate.types import Question, Response
 from svrmad_local.dist import Dist
 from svrmad_local.eval.config import RunConfig, add_run_arguments, diff_fingerprints, from_args, parse_shard
 from svrmad_local.eval.datasets import DatasetError, load_dataset
+from svrmad_local.eval import token_stats
 from svrmad_local.eval.folder import RunFolder, note, write_json
 from svrmad_local.eval.posthoc import finalize, live_methods, rebuild_results
 from svrmad_local.methods import run_method
@@ -110,6 +111,8 @@ async def run_question(q: Question, backend: RecordingBackend, cfg: RunConfig, f
         await _all(_stage("ablations", backend.debate(q, initial[r], [initial[s]], repeat=k)) for s, r, k in wanted)
     priors = [prior_score(r.signals, cfg.prior) for r in initial]
     rows = [r.to_row(q) for r in results if r.method in cfg.methods]
+    if cfg.save_token_stats:  # before the commit record: a committed question always has its file
+        token_stats.write(cfg.out_dir, q.id, backend.recorded(q.id))
     folder.commit_debated(backend.trace_row(q, priors), rows)
     return rows
 
@@ -238,7 +241,7 @@ def make_backend(cfg: RunConfig, device: str | None, model_path: str):
     engine = build_engine(cfg, device, model_path)
     try:
         backend = EngineBackend(engine, cfg.sampling, elicit_confidence=cfg.elicit_confidence, seed=cfg.seed,
-                                reasoning_effort=cfg.reasoning_effort)
+                                reasoning_effort=cfg.reasoning_effort, keep_token_stats=cfg.save_token_stats)
     except BaseException:
         engine.close()
         raise

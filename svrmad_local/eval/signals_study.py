@@ -184,7 +184,7 @@ def filtered_vote(g: pd.DataFrame, s: Signal, k: int) -> bool:
     filtered voting). A tie goes to the tied answer of the better-ranked agent; no answer at all is
     wrong. Correctness comes from an agent giving the voted answer, as graded by the run."""
     top = ranked(g, s).head(k)
-    answers = top["answer"].tolist()
+    answers = [None if a is None or (isinstance(a, float) and math.isnan(a)) else str(a) for a in top["answer"]]
     voted = majority(answers, str(top["answer_type"].iloc[0]))
     if voted is None:
         return False
