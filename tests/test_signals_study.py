@@ -22,8 +22,9 @@ import pytest
 
 from svrmad_local import cli
 from svrmad_local.eval import signals_page, signals_study as study, token_stats
+from svrmad_local.eval import figures
 from svrmad_local.eval.figures import count_label
-from svrmad_local.eval.metrics import read_jsonl
+from svrmad_local.eval.metrics import load_run, read_jsonl
 from tests.test_run_e2e import run as run_e2e, setup  # noqa: F401  (a fixture)
 
 AGENTS = {
@@ -34,12 +35,12 @@ AGENTS = {
 }
 
 
-def write_run(d, accepted=(True, False)):
+def write_run(d, accepted=(True, False), all_wrong=False):
     d.mkdir(parents=True)
     with open(d / "trace.jsonl", "w") as t, open(d / "results.jsonl", "w") as r:
         for (qid, (gold, agents)), acc in zip(AGENTS.items(), accepted):
             t.write(json.dumps({"id": qid, "gold": gold, "answer_type": "mc", "question": "?", "debates": [],
-                                "agents": [{"agent": i, "answer": a, "correct": c, "prior": p,
+                                "agents": [{"agent": i, "answer": a, "correct": c and not all_wrong, "prior": p,
                                             "signals": {"min_ll": m, "self_conf": s}}
                                            for i, (a, c, m, s, p, _) in enumerate(agents)]}) + "\n")
             r.write(json.dumps({"id": qid, "method": "svr-mad", "answer": gold if acc else "D", "gold": gold,
@@ -133,6 +134,17 @@ def test_reordering_and_acceptance_by_hand(tmp_path, df):
 
 def test_count_labels_say_n():
     assert count_label(1, 1) == "1/1 tiny" and count_label(0, 0) == "n=0" and count_label(3, 7) == "3/7"
+
+
+def test_report_figure1_says_n_and_why_it_is_empty(tmp_path, monkeypatch):
+    said = []
+    monkeypatch.setattr(figures, "say", lambda ax, text: said.append(text))
+    path, data = figures.figure1(load_run(write_run(tmp_path / "wrong", all_wrong=True)), tmp_path)
+    assert path.exists() and data["questions"].sum() == 0
+    assert len(said) == 1 and "No debated question has a correct agent" in said[0] and "n = 2" in said[0]
+    said.clear()
+    figures.figure1(load_run(write_run(tmp_path / "run")), tmp_path)
+    assert said == []  # q1 has 2 correct agents, q2 one: nothing to excuse
 
 
 class _R:

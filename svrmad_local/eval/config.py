@@ -52,7 +52,7 @@ def _meta(flag: str, affects: bool = False) -> dict:
 @dataclass
 class RunConfig:
     # data
-    dataset: str = field(default="gsm8k", metadata=_meta("--dataset", True))
+    dataset: str = field(default="commonsenseqa", metadata=_meta("--dataset", True))  # docs/signals.md, "The default job"
     data_dir: str | None = field(default=None, metadata=_meta("--data-dir"))
     limit: int = field(default=8, metadata=_meta("--limit"))
     category: str | None = field(default=None, metadata=_meta("--category", True))

@@ -394,7 +394,8 @@ def print_summary(folder: RunFolder, totals: dict, rows: list[dict], failed: dic
         first = next(iter(failed.values()))
         print(f"{len(failed)} questions failed (e.g. {first['id']} at {first['stage']}: {first['message']}); "
               f"all are in {folder.errors}. Run the same command again to retry them.")
-    print(f"trace: {folder.trace}\nresults: {folder.results}\nreport: svrmad report {folder.out}")
+    print(f"trace: {folder.trace}\nresults: {folder.results}\nreport: svrmad report {folder.out}\n"
+          f"signals: svrmad signals {folder.out}")
 
 
 def _finish(folder: RunFolder, cfg: RunConfig, questions: list[Question], ranks: list[dict], wall: float,
