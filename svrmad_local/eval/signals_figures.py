@@ -87,8 +87,8 @@ def selective_figure(data: pd.DataFrame, out: Path) -> Path:
     fig, axes = _panels(len(runs), 5.0, 4.0)
     for ax, run in zip(axes, runs):
         g = data[data["run"] == run]
-        for signal, s in g.groupby("signal", sort=False):
-            ax.plot(s["coverage"], s["accuracy"], marker=".", lw=1, label=signal)
+        for i, (signal, s) in enumerate(g.groupby("signal", sort=False)):  # styles tell apart lines that coincide
+            ax.plot(s["coverage"], s["accuracy"], marker=".", lw=1, ls=["-", "--", ":", "-."][i % 4], label=signal)
         n = int(g["questions"].max())
         ax.set_title(f"{run}: n = {n} questions" + (" (tiny)" if n < TINY else ""), fontsize=8)
         ax.set_xlabel("coverage: top k of N agents kept, then majority vote", fontsize=8)
