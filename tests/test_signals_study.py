@@ -181,10 +181,15 @@ def test_cli_two_runs_side_by_side(tmp_path, capsys):
     # one run: written beside it; errors are one line, exit 2
     assert cli.main(["signals", str(a), "--bootstrap", "0"]) == 0 and (a / "signals" / "signals.md").exists()
     capsys.readouterr()
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "trace.jsonl").write_text("")
     assert cli.main(["signals", str(a), str(b)]) == 2
     assert cli.main(["signals", str(tmp_path / "nowhere")]) == 2
+    assert cli.main(["signals", str(tmp_path / "empty")]) == 2
+    assert cli.main(["signals", str(a), "--bins", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 2 and "--out" in err[0] and "does not exist" in err[1]
+    assert len(err) == 4 and "--out" in err[0] and "does not exist" in err[1]
+    assert "no debated question" in err[2] and "--bins" in err[3]
 
 
 def test_run_saves_token_stats_that_match_the_trace(setup):
