@@ -15,6 +15,8 @@ from __future__ import annotations
 import hashlib
 from dataclasses import replace
 
+import numpy as np
+
 from svrmad_local.grading import extract_answer
 from svrmad_local.debate.prompts import debate_format, initial_messages
 from svrmad_local.debate.types import Question, Response, debate_id
@@ -45,12 +47,13 @@ def model_name(engine: Engine) -> str:
 class EngineBackend:
     def __init__(self, engine: Engine, params: SamplingParams | None = None, *, elicit_confidence: bool = True,
                  seed: int = 0, reasoning_effort: str | None = None, own_turn: str = "final",
-                 signals_over: str = "final"):
+                 signals_over: str = "final", keep_token_stats: bool = False):
         """`reasoning_effort`: none | low | medium | high through the chat template (None: the
         template's default); `own_turn`: "final" | "exact" (see the module docstring);
         `signals_over`: the span the prior signals (min-LL, PPL, entropy, confidences) are computed
         over for a reasoning model: "final" (the final response: what an API returns logprobs
-        for) or "completion" (reasoning included)."""
+        for) or "completion" (reasoning included); `keep_token_stats`: each response keeps its
+        tokens' log-probs and entropies (whole completion) in `token_stats`, for --save-token-stats."""
         for name, value, allowed in (("own_turn", own_turn, OWN_TURNS), ("signals_over", signals_over, SIGNALS_OVER)):
             if value not in allowed:
                 raise ValueError(f"{name}={value!r}: expected one of {', '.join(allowed)}")
@@ -63,6 +66,7 @@ class EngineBackend:
         self.seed = seed
         self.own_turn = own_turn
         self.signals_over = signals_over
+        self.keep_token_stats = keep_token_stats
 
     def _parts(self, c) -> tuple[str, str, list[int], bool, dict]:
         """(final response text, reasoning text, final response tokens, whether there is a final
@@ -86,6 +90,8 @@ class EngineBackend:
             completion_tokens=len(c.token_ids), computed_tokens=computed, round=round_,
             peers=tuple(peers), brief=tuple(brief), context=context, reasoning=reasoning,
             final_tokens=final_tokens, final=final, finish_reason=c.finish_reason,
+            token_stats=(np.asarray(c.logprobs, np.float32), np.asarray(c.entropies, np.float32))
+            if self.keep_token_stats else None,
         )
 
     def _own_turn(self, own: Response) -> dict:

@@ -142,10 +142,15 @@ class RecordingBackend:
         await settle([resp.answer], q.answer_type, against=[r.answer for r in known], gold=q.gold)
         return resp
 
+    def recorded(self, qid: str) -> list[Response]:
+        """Question `qid`'s initial responses, then the debates asked for (in order of first request)."""
+        return [*self.initials[qid], *(r for r in self.debates.get(qid, {}).values() if r is not None)]
+
     def trace_row(self, q: Question, priors: Sequence[float | None] | None = None) -> dict:
         """The trace.jsonl line of question `q` from what was recorded for it."""
-        recorded = [r for r in self.debates.get(q.id, {}).values() if r is not None]
-        return trace_row(q, self.initials[q.id], recorded, priors)
+        n = len(self.initials[q.id])
+        recorded = self.recorded(q.id)
+        return trace_row(q, recorded[:n], recorded[n:], priors)
 
     def forget(self, qid: str) -> None:
         """Drop a written question's records and memo (they are in the trace now). Its prefetched

@@ -78,6 +78,9 @@ class Response:
     # Backend-private handle (e.g. the prompt segments an engine backend needs to extend this
     # response's context in a later round). Never serialised.
     context: Any = field(default=None, repr=False, compare=False)
+    # (log-probs, entropies) per completion token, kept only when the run saves them
+    # (`svrmad run --save-token-stats`, eval/token_stats.py); never in the trace.
+    token_stats: Any = field(default=None, repr=False, compare=False)
 
     @property
     def tokens_total(self) -> int:

@@ -52,7 +52,7 @@ def _meta(flag: str, affects: bool = False) -> dict:
 @dataclass
 class RunConfig:
     # data
-    dataset: str = field(default="gsm8k", metadata=_meta("--dataset", True))
+    dataset: str = field(default="commonsenseqa", metadata=_meta("--dataset", True))  # docs/signals.md, "The default job"
     data_dir: str | None = field(default=None, metadata=_meta("--data-dir"))
     limit: int = field(default=8, metadata=_meta("--limit"))
     category: str | None = field(default=None, metadata=_meta("--category", True))
@@ -85,6 +85,7 @@ class RunConfig:
     out: str | None = field(default=None, metadata=_meta("--out"))
     concurrency: int = field(default=16, metadata=_meta("--concurrency"))
     run_ahead: bool = field(default=False, metadata=_meta("--run-ahead"))
+    save_token_stats: bool = field(default=False, metadata=_meta("--save-token-stats"))
 
     # -- derived -----------------------------------------------------------------------------
     @property
@@ -298,6 +299,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--run-ahead", action="store_true",
                    help="start the debates SVR-MAD may ask for next while the batch has room; results, NComm and "
                         "billed tokens are those of the sequential run, the unused ones are reported (docs/engine.md)")
+    g.add_argument("--save-token-stats", action="store_true",
+                   help="keep every response's per-token log-prob and entropy in RUN_DIR/token_stats/ "
+                        "(one compressed .npz per debated question, about 8 bytes a token; docs/signals.md)")
 
 
 def from_args(args: argparse.Namespace) -> RunConfig:
@@ -328,4 +332,5 @@ def from_args(args: argparse.Namespace) -> RunConfig:
         reasoning_effort=pick("reasoning_effort", None), elicit_confidence=not args.no_confidence,
         paper_settings=args.paper_settings, methods=methods, agents=args.agents, method_params=params,
         skip_rate=args.skip_rate, grader=args.grader or "ours", ablations=args.ablations, out=args.out,
-        concurrency=args.concurrency, run_ahead=args.run_ahead)
+        concurrency=args.concurrency, run_ahead=args.run_ahead,
+        save_token_stats=getattr(args, "save_token_stats", False))

@@ -123,25 +123,58 @@ def _save(fig: Figure, path: Path) -> Path:
     return path
 
 
-def _bars(ax, labels, series: dict[str, list[float]]):
-    """Grouped bars: one group per label, one bar per series."""
+# A group of fewer questions than this is labelled "tiny" on the figure: its share is one or two answers.
+TINY = 5
+
+
+def say(ax, text: str) -> None:
+    """Write `text` across the middle of the axes: what an empty chart shows instead of nothing."""
+    ax.text(0.5, 0.5, text, transform=ax.transAxes, ha="center", va="center", fontsize=9, wrap=True,
+            bbox={"boxstyle": "round", "facecolor": "lightyellow", "edgecolor": "gray"})
+
+
+def count_label(hits: int, n: int) -> str:
+    """A bar's label: "hits/n", "n=0" for an empty group, "hits/n tiny" below TINY."""
+    if n == 0:
+        return "n=0"
+    return f"{hits}/{n}" + (" tiny" if n < TINY else "")
+
+
+def _bars(ax, labels, series: dict[str, list[float]], counts: dict[str, list[str]] | None = None):
+    """Grouped bars: one group per label, one bar per series; `counts` labels each bar (its n)."""
     width = 0.8 / max(len(series), 1)
     for i, (name, values) in enumerate(series.items()):
         xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(labels))]
-        ax.bar(xs, [0 if pd.isna(v) else v for v in values], width, label=name)
+        bars = ax.bar(xs, [0 if pd.isna(v) else v for v in values], width, label=name)
+        if counts is not None:
+            ax.bar_label(bars, counts[name], fontsize=6, rotation=90, padding=2)
     ax.set_xticks(range(len(labels)), labels)
 
 
 def figure1(run: Run, out_dir, svr_method: str = SVR_METHOD) -> tuple[Path, pd.DataFrame]:
+    """Each bar is labelled with its counts (correct top agents / questions), an empty group "n=0";
+    a run with no question that has a correct agent says so across the chart."""
     data = signal_ranking(run, svr_method)
-    fig = Figure(figsize=(6.4, 3.6))
+    fig = Figure(figsize=(6.4, 3.8))
     ax = fig.add_subplot()
     order = list(reversed(DIFFICULTY))  # easiest first, as difficulty increases to the right
-    table = data.pivot(index="difficulty", columns="signal", values="share").reindex(order)
-    _bars(ax, order, {label: table[label].tolist() for label in [l for _, l, _ in PRIOR_SIGNALS] + ["SVR"]})
+    labels = [l for _, l, _ in PRIOR_SIGNALS] + ["SVR"]
+    share = data.pivot(index="difficulty", columns="signal", values="share").reindex(order)
+    cell = data.set_index(["signal", "difficulty"])
+    counts = {s: [count_label(int(cell.at[(s, d), "top_correct"]), int(cell.at[(s, d), "questions"])) for d in order]
+              for s in labels}
+    _bars(ax, order, {s: share[s].tolist() for s in labels}, counts)
+    per_group = data[data["signal"] == labels[0]].set_index("difficulty")["questions"]
+    ranked = int(per_group.sum())
+    traced = run.agents["id"].nunique() if not run.agents.empty else 0
+    ax.set_title(f"n = {ranked} of {traced} debated questions have a correct agent "
+                 f"(per group: {', '.join(f'{d}: {int(per_group[d])}' for d in order)})", fontsize=8)
+    if ranked == 0:
+        say(ax, f"No debated question has a correct agent before debate (n = {traced} questions),\n"
+                "so there is no correct agent to rank: every bar is 0 by construction.")
     ax.set_xlabel("agents correct before debate (harder to the right)")
     ax.set_ylabel("top-ranked agent correct (%)")
-    ax.set_ylim(0, 118)  # headroom for the legend
+    ax.set_ylim(0, 130)  # headroom for the legend and the bar labels
     ax.legend(fontsize=8, loc="upper center", ncols=4)
     return _save(fig, Path(out_dir) / "figure1_signals.png"), data
 
@@ -154,7 +187,12 @@ def figure2(run: Run, out_dir) -> tuple[Path, pd.DataFrame]:
     bars = ax.bar(labels, data["accuracy"].fillna(0))
     ax.bar_label(bars, [f"{c}/{n}" for c, n in zip(data["correct"], data["questions"])], fontsize=8)
     ax.set_ylabel(f"accuracy on hard questions (%)\n({HARD[0]}-{HARD[1]} agents correct before debate)")
-    ax.set_ylim(0, 105)
+    n_hard = int(data["questions"].max()) if len(data) else 0
+    ax.set_title(f"n = {n_hard} hard questions (bar labels: correct/questions)", fontsize=8)
+    if n_hard == 0:
+        say(ax, f"No hard question ({HARD[0]}-{HARD[1]} agents correct before debate) in this run:\n"
+                "no method can be compared here.")
+    ax.set_ylim(0, 115)
     ax.tick_params(axis="x", labelsize=8)
     return _save(fig, Path(out_dir) / "figure2_hard.png"), data
 
@@ -171,6 +209,8 @@ def figure3(run: Run, out_dir) -> tuple[Path | None, pd.DataFrame]:
         ax.plot(g["tokens_k"], g["accuracy"], marker="o", label=posterior)
     ax.set_xlabel("tokens per question (x10^3)")
     ax.set_ylabel("accuracy (%)")
+    n = pd.to_numeric(data.get("questions"), errors="coerce").max() if "questions" in data else math.nan
+    ax.set_title(f"n = {'?' if pd.isna(n) else int(n)} questions per point", fontsize=8)
     ax.legend(title="posterior", fontsize=8)
     return _save(fig, Path(out_dir) / "figure3_ablation.png"), data
 
@@ -182,6 +222,7 @@ def figure_kv_cache(run: Run, out_dir) -> tuple[Path, pd.DataFrame]:
     _bars(ax, [method_name(m) for m in data["method"]],
           {"billed": data["prompt_tokens"].tolist(), "computed": data["computed_tokens"].tolist()})
     ax.set_ylabel("prompt tokens per question")
+    ax.set_title(f"n = {run.results['id'].nunique()} questions (means per question and method)", fontsize=8)
     ax.tick_params(axis="x", labelsize=8)
     ax.legend(fontsize=8)
     return _save(fig, Path(out_dir) / "kv_cache.png"), data

@@ -132,7 +132,9 @@ def write_report(run: Run) -> Path:
         "Share of questions (%) whose top-ranked agent is correct, under three prior signals of the "
         "initial responses (higher min-LL, lower PPL, higher self-reported confidence) and under the "
         "final SVR scores of SVR-MAD, grouped by how many agents were correct before debate "
-        "(0 excluded: no agent can be right there).\n",
+        "(0 excluded: no agent can be right there). Each bar is labelled correct/questions (\"n=0\": an empty "
+        "group; \"tiny\": fewer than 5). How well every signal of the trace separates correct from wrong "
+        "responses (AUROC, calibration, filtered voting): `svrmad signals`, docs/signals.md.\n",
         _figure1_md(data1),
         "\n## Figure 2: accuracy on hard questions\n",
         f"![Figure 2]({fig2.name})\n",

@@ -34,6 +34,7 @@ from svrmad_local.debate.types import Question, Response
 from svrmad_local.dist import Dist
 from svrmad_local.eval.config import RunConfig, add_run_arguments, from_args
 from svrmad_local.eval.preflight import check_settings, load_questions, model_path, preflight, shard  # noqa: F401
+from svrmad_local.eval import token_stats
 from svrmad_local.eval.folder import RunFolder, note, write_json
 from svrmad_local.eval.posthoc import finalize, rebuild_results, recorded_methods
 from svrmad_local.methods import run_method
@@ -94,6 +95,8 @@ async def run_question(q: Question, backend: RecordingBackend, cfg: RunConfig, f
         await _all(_stage("ablations", backend.debate(q, initial[r], [initial[s]], repeat=k)) for s, r, k in wanted)
     priors = [prior_score(r.signals, cfg.prior) for r in initial]
     rows = [r.to_row(q) for r in results if r.method in cfg.methods]
+    if cfg.save_token_stats:  # before the commit record: a committed question always has its file
+        token_stats.write(cfg.out_dir, q.id, backend.recorded(q.id))
     folder.commit_debated(backend.trace_row(q, priors), rows)
     return rows
 
@@ -220,7 +223,7 @@ def make_backend(cfg: RunConfig, device: str | None, model_path: str, group=None
     engine = build_engine(cfg, device, model_path, group)
     try:
         backend = EngineBackend(engine, cfg.sampling, elicit_confidence=cfg.elicit_confidence, seed=cfg.seed,
-                                reasoning_effort=cfg.reasoning_effort)
+                                reasoning_effort=cfg.reasoning_effort, keep_token_stats=cfg.save_token_stats)
     except BaseException:
         engine.close()
         raise
@@ -355,7 +358,8 @@ def print_summary(folder: RunFolder, totals: dict, rows: list[dict], failed: dic
         first = next(iter(failed.values()))
         print(f"{len(failed)} questions failed (e.g. {first['id']} at {first['stage']}: {first['message']}); "
               f"all are in {folder.errors}. Run the same command again to retry them.")
-    print(f"trace: {folder.trace}\nresults: {folder.results}\nreport: svrmad report {folder.out}")
+    print(f"trace: {folder.trace}\nresults: {folder.results}\nreport: svrmad report {folder.out}\n"
+          f"signals: svrmad signals {folder.out}")
 
 
 def _finish(folder: RunFolder, cfg: RunConfig, questions: list[Question], ranks: list[dict], wall: float,
