@@ -49,7 +49,7 @@ DEFECTS = {
     "1 MoE capture": "graphs: gpt-oss-mxfp4 and deepseek-fp8 must capture every decode shape (a failed shape is "
                      "named with its error)",
     "2 fallback inside a capture": "graphs: no Triton kernel may fall back (kernels_fell_back), no shape may fail",
-    "3 paged prefill sync": "graphs: no host sync in any step (host_syncs)",
+    "3 paged prefill sync": "graphs: no host sync from paged_prefill.py in any step (host_syncs lists all)",
     "4 capture at start-up": "graphs: every shape captured at build, graph memory within what the KV budget kept",
     "5 blocking copies": "graphs: no blocking host->device copy in any step (host_syncs)",
     "6 Triton resource limits": "tests (the compiled kernels against their references) and graphs (kernels_fell_back "

@@ -3,7 +3,8 @@ its figures and a list of `failures` (each a plain sentence naming the model and
 
     gpu_probe.py models DIR     build the model folders the check needs (no GPU needed)
     gpu_probe.py graphs DIR     every model captures every decode shape at start-up, replays, no Triton
-                                kernel fell back to its reference, no host sync or blocking copy in a step,
+                                kernel fell back to its reference, no blocking copy from the host, no read
+                                back in paged prefill or sampling (other host syncs of a step are listed),
                                 the graphs took no more memory than the KV budget kept for them
     gpu_probe.py bf16 DIR       bf16 is checked, not only timed: greedy tokens against a cache-free
                                 transformers reference in the same dtype, log-probs within TOL
@@ -97,14 +98,14 @@ def prompts(vocab: int, n: int = 3) -> list[list[int]]:
     return [[r.randrange(3, min(vocab, 400)) for _ in range(40 + 9 * i)] for i in range(n)]
 
 
-def probe_graphs(root: Path, device: str) -> dict:
+def probe_graphs(root: Path, device: str, models: list[str] | None = None) -> dict:
     from svrmad_local.engine import graphs
     from svrmad_local.engine.engine import Engine, EngineConfig
     from svrmad_local.engine.params import SamplingParams
     from svrmad_local.kernels import _backend
 
     figures, failures = {}, []
-    for name in ["smollm2-135m", *QUANT, "qwen3-1.7b"]:
+    for name in models or ["smollm2-135m", *QUANT, "qwen3-1.7b"]:
         _backend._disabled.clear()
         mode = "on" if device == "cuda" else "static"
         try:
@@ -116,19 +117,12 @@ def probe_graphs(root: Path, device: str) -> dict:
         except Exception as e:  # noqa: BLE001 - e.g. cuda_graphs="on" refused: the probe found a host sync
             failures.append(f"{name}: no engine with cuda_graphs={mode!r}: {type(e).__name__}: {str(e)[:300]}")
             continue
-        checks = []
-        for obj, attr in ((eng.runner, "execute"), (eng, "_sample")):
-            def checked(*a, _f=getattr(obj, attr), **k):
-                with graphs.HostSyncCheck() as check:
-                    out = _f(*a, **k)
-                checks.append(check)
-                return out
-            setattr(obj, attr, checked)
+        checks = graphs.watch_steps(eng)
         vocab = eng.runner.lm_head.out_features
         eng.generate_sync(prompts(vocab), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
         eng.generate_sync(prompts(vocab), SamplingParams(temperature=0.8, top_p=0.9, max_tokens=8, ignore_eos=True))
         static = eng.runner.static
-        syncs = sorted({s for c in checks for s in c.syncs if not ("Tensor.tolist" in s and "in _sample" in s)})
+        syncs = sorted({s for c in checks for s in graphs.waits(c)})
         info = eng.info
         figures[name] = {"cuda_graphs": info["cuda_graphs"], "graph_bytes": info["graph_bytes"],
                          "attention": info["attention"], "shapes": len(static.shapes) if static else 0,
@@ -148,8 +142,11 @@ def probe_graphs(root: Path, device: str) -> dict:
                 failures.append(f"{name}: the graphs took {taken} bytes, {kept} were kept out of the KV budget")
         for kernel, why in _backend._disabled.items():
             failures.append(f"{name}: Triton kernel {kernel} failed and fell back to its reference: {why[:300]}")
-        if syncs:
-            failures.append(f"{name}: a step waits for the device: {'; '.join(syncs[:3])}")
+        # what issue 28 named: a blocking copy from the host (defect 5), paged prefill reading back (defect 3);
+        # other syncs of prefill steps (e.g. MLA's unique over the prefill slots) are listed, not failed
+        bad = [x for x in syncs if "from the host, blocking" in x or "paged_prefill.py" in x or "in sample" in x]
+        if bad:
+            failures.append(f"{name}: a step waits for the device: {'; '.join(bad[:3])}")
         del eng, model
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -178,14 +175,16 @@ def _greedy_vs_reference(model, eng, ps, new: int):
     return n, bad, worst
 
 
-def probe_bf16(root: Path, device: str) -> dict:
+def probe_bf16(root: Path, device: str, models: list[str] | None = None) -> dict:
     from svrmad_local.engine.engine import Engine, EngineConfig
     from tests.model_zoo import EXACT, make_zoo_model
 
     figures, failures = {"tolerance_nats": TOL}, []
-    models = [(z, lambda z=z: (make_zoo_model(z).to(device=device, dtype=torch.bfloat16), None)) for z in EXACT]
-    models.append(("smollm2-135m", lambda: load(root, "smollm2-135m", device)))
-    for name, make in models:
+    makers = [(z, lambda z=z: (make_zoo_model(z).to(device=device, dtype=torch.bfloat16), None)) for z in EXACT]
+    makers.append(("smollm2-135m", lambda: load(root, "smollm2-135m", device)))
+    for name, make in makers:
+        if models and name not in models:
+            continue
         model, tok = make()
         eng = Engine(model, tok, EngineConfig(kv_cache_memory=KV, max_num_seqs=8))
         n, bad, worst = _greedy_vs_reference(model, eng, prompts(eng.runner.lm_head.out_features, 4), 16)
@@ -199,7 +198,7 @@ def probe_bf16(root: Path, device: str) -> dict:
     return {**figures, "failures": failures}
 
 
-def probe_flash(root: Path, device: str) -> dict:
+def probe_flash(root: Path, device: str, models: list[str] | None = None) -> dict:
     from svrmad_local.engine import attention
     from svrmad_local.engine.engine import Engine, EngineConfig
     from svrmad_local.engine.runner import flash_takes_block_table
@@ -212,7 +211,7 @@ def probe_flash(root: Path, device: str) -> dict:
 
     figures = {"flash_attn": flash_attn.__version__, "varlen_block_table": flash_takes_block_table()}
     failures = []
-    for name in ("llama", "gpt-oss", "mistral-sliding"):  # plain, sinks (its LSE layout), a sliding window
+    for name in models or ("llama", "gpt-oss", "mistral-sliding"):  # plain, sinks (its LSE layout), a window
         model = make_zoo_model(name).to(device=device, dtype=torch.bfloat16)
         for block in (16, 256):  # 256: the paged call (block_table); 16: over a gather
             try:
@@ -239,11 +238,13 @@ def main() -> int:
     ap.add_argument("mode", choices=["models", "graphs", "bf16", "flash"])
     ap.add_argument("dir", type=Path, help="the model folders (built by the mode models)")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--models", help="comma-separated: only these (default: all of the mode's)")
     args = ap.parse_args()
     if args.mode == "models":
         result = build_models(args.dir)
     else:
-        result = {"graphs": probe_graphs, "bf16": probe_bf16, "flash": probe_flash}[args.mode](args.dir, args.device)
+        result = {"graphs": probe_graphs, "bf16": probe_bf16, "flash": probe_flash}[args.mode](
+            args.dir, args.device, args.models.split(",") if args.models else None)
     print(json.dumps(result))
     return 0
 
