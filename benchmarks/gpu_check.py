@@ -108,8 +108,10 @@ class Check:
             step.reason = "needs CUDA: " + ("dry run on a CPU machine" if self.dry else "no CUDA device here")
             return
         if self.left() < expect:
+            group = step.name.split("-")[0]
+            group = "decode" if group == "host" else group
             step.reason = (f"{self.left():.0f} s left in this call, the step may take {expect} s: run it in the next "
-                           f"call (--steps {dict(host="decode").get(step.name.split('-')[0], step.name.split('-')[0])})")
+                           f"call (--steps {group})")
             return
         limit = int(self.left())
         log = self.out / "logs" / f"{step.name}.log"

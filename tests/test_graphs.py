@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -343,6 +345,13 @@ def test_the_graphs_memory_comes_out_of_the_kv_budget(monkeypatch):
     blocks = (eng.kv_budget_bytes - reserve) // eng.block_bytes
     assert eng.cache.k[0].shape[0] == blocks * eng.cfg.block_size and eng.blocks.num_blocks == blocks - 1
     assert eng.info["graph_bytes"] == {"reserved": reserve, "taken": 123_456 * len(static.shapes)}
+    tight = 123_456 + 2 * eng.block_bytes  # the graphs would leave at most 2 blocks: off, the budget the cache's
+    small = engine(model, kv_cache_memory=tight)
+    assert small.runner.static is None and small.graph_reserve == 0, small.info["cuda_graphs"]
+    assert re.match(r"off: the decode graphs take \d+ bytes, leaving less than 3 KV blocks", small.info["cuda_graphs"])
+    assert small.blocks.num_blocks == tight // small.block_bytes
+    with pytest.raises(ValueError, match="cuda_graphs='on' cannot run here: the decode graphs take"):
+        engine(model, kv_cache_memory=tight, cuda_graphs="on")
     plain = engine(model, cuda_graphs="static")  # nothing captured: the whole budget is the cache's
     assert plain.graph_reserve == 0 and plain.blocks.num_blocks == plain.kv_budget_bytes // plain.block_bytes - 1
 

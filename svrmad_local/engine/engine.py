@@ -171,15 +171,17 @@ class Engine:
         mc = model.config.get_text_config()
         self.max_model_len = getattr(mc, "max_position_embeddings", None) or 1 << 30
         self.graph_reserve = 0  # bytes of the KV budget kept for the decode graphs
+        unaffordable = None
         if measure:
             if graphs.why_off(cfg.cuda_graphs, self.runner, self.sharded) is None:
                 self.graph_reserve = graphs.graph_memory(self.runner, cfg.max_num_seqs, self._max_blocks(num_blocks))
+            if (self.kv_budget_bytes - self.graph_reserve) // block_bytes < 3:
+                unaffordable = (f"the decode graphs take {self.graph_reserve} bytes, leaving less than 3 KV blocks of "
+                                f"kv_cache_memory={cfg.kv_cache_memory!r}")
+                self.graph_reserve = 0
             num_blocks = (self.kv_budget_bytes - self.graph_reserve) // block_bytes
-            if num_blocks < 3:
-                raise ValueError(f"kv_cache_memory={cfg.kv_cache_memory!r} less the decode graphs' "
-                                 f"{self.graph_reserve} bytes holds {num_blocks} blocks; need at least 3")
             self.cache = self.runner.cache = KVCache(num_blocks, cfg.block_size, spec.layers, devices, spec.dtype)
-        self.runner.static, self.graphs_path = self._static_decode(cfg, num_blocks)
+        self.runner.static, self.graphs_path = self._static_decode(cfg, num_blocks, unaffordable)
         # the static path's padding rows write a scratch block that no sequence may own: the last one
         self.blocks = BlockManager(num_blocks - (self.runner.static is not None), cfg.block_size)
         self.rank = 0
@@ -194,10 +196,10 @@ class Engine:
             else:
                 self.cache.replay = True
 
-    def _static_decode(self, cfg: EngineConfig, num_blocks: int):
-        """engine/graphs.py's StaticDecode where cfg.cuda_graphs and the machine allow it, and one line
-        saying what runs ("on", "static (eager)" or "off: why")."""
-        why = graphs.why_off(cfg.cuda_graphs, self.runner, self.sharded)
+    def _static_decode(self, cfg: EngineConfig, num_blocks: int, why: str | None = None):
+        """engine/graphs.py's StaticDecode where cfg.cuda_graphs and the machine allow it (and `why` gives
+        no reason against), and one line saying what runs ("on", "static (eager)" or "off: why")."""
+        why = graphs.why_off(cfg.cuda_graphs, self.runner, self.sharded) or why
         if why is None and num_blocks < 3:
             why = f"the KV budget holds {num_blocks} blocks: none to spare for the padding rows' scratch block"
         static = None
