@@ -1,13 +1,13 @@
 """The GPU check for a bare, offline GPU machine (what benchmarks/gpu_check.sh runs), in steps.
 
-    benchmarks/gpu_check.sh OUTDIR [--steps a,b,...]      on the GPU machine (OUTDIR: the run tool's $OUT)
-    benchmarks/gpu_check.sh --dry-run OUTDIR              here, on a CPU: everything but CUDA
+    benchmarks/gpu_check.sh OUTDIR [--steps 1|2|3|a,b,...]  on the GPU machine (OUTDIR: the run tool's $OUT)
+    benchmarks/gpu_check.sh --dry-run OUTDIR                here, on a CPU: everything but CUDA
 
-It installs nothing into the machine's Python: the wheels carried in .whl/ (downloaded beforehand, see
-WHEELS) go into a private folder with `pip install --no-index --no-deps --target`, only where the
-installed release does not meet what we need; the project is imported from the working tree through a
-folder of links laid out as the installed package would be (svrmad_local, and kernels/ as
-svrmad_local.kernels), so neither setuptools nor the network is needed. It builds every model it needs
+It installs nothing into the machine's Python: the wheels carried in .whl/ (downloaded beforehand by
+FETCH) go into a private folder with `pip install --no-index --no-deps --target`, only where the
+installed release does not meet what we need; the project is imported from the working tree, with a
+sitecustomize.py that maps svrmad_local.kernels to kernels/ (as pyproject's package-dir installs it), so
+neither setuptools nor the network is needed. It builds every model it needs
 on the spot (config folders at the real shapes of the embedded default and of a 1.7B Qwen3, with a
 tokenizer trained here, for random weights; tiny MXFP4 GPT-OSS and FP8 DeepSeek-V3 checkpoints in the
 published layouts from tests/quant_zoo.py), then runs the steps (each killed if the call's time runs out), and writes
@@ -15,7 +15,8 @@ OUTDIR/summary.json: {"steps": [{"name", "status": "ran" | "skipped", "reason", 
 "pass" | "fail" (where it ran), "seconds", "command", "figures", "log"}], ...}. Every step's output is kept
 in OUTDIR/logs/NAME.log. A step needing CUDA is "skipped" on a CPU, with its command. Steps that cannot
 finish within the call's time left (--budget-s, 570 s by default: the run tool allows 600) are skipped
-with that reason, so one call never overruns; run the rest in a second call with --steps.
+with that reason, so one call never overruns; the parts 1, 2 and 3 each fit one call on an H100 (a guess:
+the first lent machine will tell).
 """
 
 from __future__ import annotations
@@ -62,6 +63,25 @@ DEFECTS = {
 }
 
 
+SITECUSTOMIZE = '''"""Written by benchmarks/gpu_check.py: svrmad_local.kernels is the working tree's kernels/ folder, as
+pyproject.toml's package-dir installs it."""
+import importlib.abc
+import importlib.util
+import sys
+
+
+class _Kernels(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name != "svrmad_local.kernels":
+            return None
+        return importlib.util.spec_from_file_location(name, {kernels!r} + "/__init__.py",
+                                                      submodule_search_locations=[{kernels!r}])
+
+
+sys.meta_path.insert(0, _Kernels())
+'''
+
+
 @dataclass
 class Step:
     name: str
@@ -91,7 +111,7 @@ class Check:
         return self.budget - (time.monotonic() - self.t0)
 
     def env(self) -> dict:
-        """The children's environment: the private site folder and the package links first on the path;
+        """The children's environment: the private site folder and the kernels finder first on the path;
         no network, no download of the default model (every step passes its model)."""
         env = dict(os.environ, PYTHONUNBUFFERED="1", TRITON_INTERPRET="0", HF_HUB_OFFLINE="1",
                    TRANSFORMERS_OFFLINE="1", SVRMAD_CACHE=str(self.work / "no-default-model"))
@@ -202,21 +222,20 @@ class Check:
         return [f"requirements not met: {', '.join(unmet)}"] if unmet and not self.dry else []
 
     def step_package(self, step: Step):
-        """svrmad_local from the working tree, laid out as installed: links, no setuptools, no network."""
-        if self.pkg.exists():
-            shutil.rmtree(self.pkg)
-        (self.pkg / "svrmad_local").mkdir(parents=True)
-        for entry in (ROOT / "svrmad_local").iterdir():
-            if entry.name != "__pycache__":
-                (self.pkg / "svrmad_local" / entry.name).symlink_to(entry)
-        (self.pkg / "svrmad_local" / "kernels").symlink_to(ROOT / "kernels")
-        probe = ("import svrmad_local.kernels as k, svrmad_local.engine.engine, transformers; "
-                 "print(k.__file__, transformers.__version__)")
-        env = dict(self.env(), PYTHONPATH=os.pathsep.join([str(self.site), str(self.pkg)]))
-        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, cwd="/",
-                             timeout=300)
-        if out.returncode != 0:
-            return [f"the package does not import: {_last_line(out.stderr)}"]
+        """svrmad_local from the working tree, with no install: pyproject installs the top-level kernels/ as
+        svrmad_local.kernels, so a sitecustomize.py on the children's path adds a finder that maps it (what
+        setuptools' editable install does), whatever order sys.path puts the tree in (the benchmarks and
+        pytest put it first). No setuptools, no network."""
+        self.pkg.mkdir(parents=True, exist_ok=True)
+        (self.pkg / "sitecustomize.py").write_text(SITECUSTOMIZE.format(kernels=str(ROOT / "kernels")))
+        probe = ("import sys; sys.path.insert(0, {root!r}); import svrmad_local.kernels as k, "
+                 "svrmad_local.engine.engine, transformers; print(k.__file__, transformers.__version__)")
+        env = dict(self.env(), PYTHONPATH=os.pathsep.join([str(self.site), str(self.pkg), str(ROOT)]))
+        for root in (str(ROOT), "/"):  # the tree first on the path (as the benchmarks put it), or only after
+            out = subprocess.run([sys.executable, "-c", probe.format(root=root)], capture_output=True, text=True,
+                                 env=env, cwd="/", timeout=300)
+            if out.returncode != 0:
+                return [f"the package does not import: {_last_line(out.stderr)}"]
         where, tf = out.stdout.split()
         step.figures.update(kernels=where, transformers=tf)
         return [] if Path(where).resolve().is_relative_to(ROOT) else [f"imported from {where}, not the working tree"]

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check in one command, for a bare, offline GPU machine (the run tool's), or --dry-run on a CPU:
 #
-#     benchmarks/gpu_check.sh OUTDIR [--steps 1|2|a,b,...]     on the GPU machine (OUTDIR: $OUT)
+#     benchmarks/gpu_check.sh OUTDIR [--steps 1|2|3|a,b,...]   on the GPU machine (OUTDIR: $OUT)
 #     benchmarks/gpu_check.sh --dry-run OUTDIR                  here: everything but CUDA
 #
 # It runs benchmarks/gpu_check.py (see its docstring): installs the carried wheels of .whl/ into a private
@@ -18,6 +18,6 @@ if [ -z "$py" ]; then
 fi
 dry=()
 if [ "${1:-}" = "--dry-run" ]; then dry=(--dry-run); shift; fi
-out=${1:?usage: gpu_check.sh [--dry-run] OUTDIR [--steps 1|2|a,b,...]}
+out=${1:?usage: gpu_check.sh [--dry-run] OUTDIR [--steps 1|2|3|a,b,...]}
 shift
 exec "$py" benchmarks/gpu_check.py "$out" "${dry[@]}" "$@"

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # tests/ (the zoo and quant_zoo builders)
+sys.path.append(str(ROOT))  # tests/ (the zoo and quant_zoo builders)
 
 TOL = 0.05
 KV = 1 << 30
