@@ -1,6 +1,6 @@
 """Decode tokens/s of our engine at batch 1, 8 and 32, next to this machine's weight-streaming limit.
 
-    python benchmarks/bench_decode.py [--model PATH] [--dtype fp32|bf16] [--batches 1,8,32]
+    python benchmarks/bench_decode.py [--model PATH [--random-weights]] [--dtype fp32|bf16] [--batches 1,8,32]
         [--prompt-tokens 32] [--new-tokens 128] [--greedy] [--engine decoder=modules,...]
         [--vllm-python PATH [--vllm-dtype D]]
 
@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from bench_engine import engine_overrides
+from bench_engine import engine_overrides, load_bench_model
 from bench_mla import best_of
 from bench_vs_vllm import VLLM_DTYPES, VllmWorker, vllm_settings, vllm_unavailable
 from svrmad_local.engine.engine import Engine, EngineConfig
@@ -153,6 +153,15 @@ def sampling(i: int, max_tokens: int, greedy: bool) -> dict:
                 top_p=0.95, top_k=40)
 
 
+def load(args):
+    """The model of --model (default: the embedded one), or random weights at its config's shape, on
+    load_model's default device (CUDA where there is one)."""
+    if not args.random_weights:
+        return load_model(str(args.model or ensure_default_model()), dtype=args.dtype)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return load_bench_model(argparse.Namespace(model=args.model, random_weights=True, dtype=args.dtype, device=device))
+
+
 def timed_pair(generate, gen, B: int, args, vocab: int) -> tuple[float, float]:
     """(prefill-only seconds, full seconds) for B fresh prompts each; checks every output's length."""
     times = []
@@ -181,10 +190,12 @@ def main() -> int:
     ap.add_argument("--host-ops", action="store_true",
                     help="count the torch ops one decode step dispatches at each batch size, and stop")
     ap.add_argument("--json", action="store_true", help="with --host-ops: one JSON object only")
+    ap.add_argument("--random-weights", action="store_true",
+                    help="random weights from --model's config.json (a checkpoint's shape: timing only)")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     if args.host_ops:
-        lm = load_model(str(args.model or ensure_default_model()), dtype=args.dtype)
+        lm = load(args)
         rows = host_ops(lm.model, lm.tokenizer, batches, args.block_size, overrides=engine_overrides(args.engine))
         if not args.json:
             for r in rows:
@@ -196,7 +207,7 @@ def main() -> int:
     if why_not:
         print(f"vLLM skipped: {why_not}")
     model_path = str(args.model or ensure_default_model())
-    lm = load_model(model_path, dtype=args.dtype)
+    lm = load(args)
     dtype = next(lm.model.parameters()).dtype
     vocab = lm.model.get_output_embeddings().out_features
     engine = Engine(lm.model, lm.tokenizer, EngineConfig(**{"block_size": args.block_size, "max_num_seqs": max(batches),

@@ -383,9 +383,16 @@ def main():
         torch.set_num_threads(os.cpu_count() or 1)
     print("(d) attention reading the paged cache in place vs gathering each context (Hq 32, Hkv 8, D 128)")
     pg = bench_paged(dev, args.quick)
+    # a Triton kernel that failed (a compile error past the device's resources, say) fell back to its
+    # reference under "auto" and was timed as such: name it and fail instead of reporting its timings
+    fell_back = dict(kernels._backend._disabled)
+    for name, why in fell_back.items():
+        print(f"FAIL: Triton kernel {name} failed and fell back to its torch reference: {why[:300]}")
     print(json.dumps({"device": str(dev), "path": path, "quick": args.quick, "memory_measure": mem,
                       "attention_threads": torch.get_num_threads(), "load_avg_1min": os.getloadavg()[0],
-                      "token_stats": ts, "attention": at, "window": wi, "paged": pg}))
+                      "token_stats": ts, "attention": at, "window": wi, "paged": pg, "fell_back": fell_back}))
+    if on_gpu and fell_back:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -1,57 +1,23 @@
 #!/usr/bin/env bash
-# The GPU checks in one command, for a CUDA machine: the GPU tests (zoo exactness on the GPU, the compiled
-# Triton kernels against their references), the kernel benchmark, and the engine against plain
-# model.generate loops on checkpoint shapes with random weights (timing only: no weights need to travel).
+# The GPU check in one command, for a bare, offline GPU machine (the run tool's), or --dry-run on a CPU:
 #
-#     benchmarks/gpu_check.sh LOGDIR MODEL_DIR...    (each MODEL_DIR: a config.json and a tokenizer)
+#     benchmarks/gpu_check.sh OUTDIR [--steps 1|2|3|a,b,...]   on the GPU machine (OUTDIR: $OUT)
+#     benchmarks/gpu_check.sh --dry-run OUTDIR                  here: everything but CUDA
 #
-# Each step has its own time limit and log under LOGDIR, so one failing step leaves the others' figures.
-# Environment: STEPS (default "tests kernels engine decode"), WORKLOAD (bench_engine's workload flags).
-# "engine" times each shape with CUDA graphs (the default) and without; "decode" runs bench_decode on the
-# embedded default (tok/s by batch size, and the torch ops a step dispatches) with graphs on and off.
+# It runs benchmarks/gpu_check.py (see its docstring): installs the carried wheels of .whl/ into a private
+# folder where the machine's releases fall short, imports the project from the working tree, builds the
+# models it needs, runs the GPU tests, the graph / bf16 / flash-attn probes, the kernel, engine and decode
+# benchmarks, and writes OUTDIR/summary.json (each step ran or skipped, pass or fail, with its reason and
+# figures) and OUTDIR/logs/. Exit 0 when every step that ran passed.
+# PYTHON: the interpreter (default: .venv/bin/python where there is one, else python3).
 set -u
-out=${1:?usage: gpu_check.sh LOGDIR MODEL_DIR...}
+cd "$(dirname "$0")/.."
+py=${PYTHON:-}
+if [ -z "$py" ]; then
+  if [ -x .venv/bin/python ]; then py=.venv/bin/python; else py=python3; fi
+fi
+dry=()
+if [ "${1:-}" = "--dry-run" ]; then dry=(--dry-run); shift; fi
+out=${1:?usage: gpu_check.sh [--dry-run] OUTDIR [--steps 1|2|3|a,b,...]}
 shift
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
-steps=${STEPS:-tests kernels engine decode}
-workload=${WORKLOAD:---questions 4 --initial-tokens 128 --debate-tokens 64}
-
-step() {  # step NAME SECONDS CMD...: run with a limit, log to LOGDIR/NAME.log, report the exit code
-  local name=$1 limit=$2
-  shift 2
-  echo "== $name: $*"
-  timeout "$limit" "$@" >"$out/$name.log" 2>&1
-  echo "== $name: exit $? ($(tail -n 1 "$out/$name.log" | cut -c1-300))"
-}
-
-nvidia-smi -L
-python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
-case " $steps " in *" tests "*)
-  step tests 420 python -m pytest -q -x -p no:cacheprovider tests/test_gpu.py ;;
-esac
-case " $steps " in *" kernels "*)
-  step kernels 300 python benchmarks/bench_kernels.py --device cuda ;;
-esac
-case " $steps " in *" engine "*)
-  for m in "$@"; do
-    name=$(basename "$m")
-    # shellcheck disable=SC2086
-    step "engine-$name" 420 python benchmarks/bench_engine.py --model "$m" --random-weights --device cuda \
-      --dtype bf16 --batched-baseline $workload
-    # shellcheck disable=SC2086
-    step "engine-$name-nocascade" 200 python benchmarks/bench_engine.py --model "$m" --random-weights --device cuda \
-      --dtype bf16 --cascade off --skip-naive $workload
-    # shellcheck disable=SC2086
-    step "engine-$name-nographs" 200 python benchmarks/bench_engine.py --model "$m" --random-weights --device cuda \
-      --dtype bf16 --engine cuda_graphs=off --skip-naive $workload
-  done ;;
-esac
-case " $steps " in *" decode "*)
-  for graphs in auto off; do
-    step "decode-graphs-$graphs" 300 python benchmarks/bench_decode.py --dtype bf16 --batches 1,8,32 \
-      --engine "cuda_graphs=$graphs"
-    step "host-ops-graphs-$graphs" 200 python benchmarks/bench_decode.py --dtype bf16 --host-ops \
-      --engine "cuda_graphs=$graphs"
-  done ;;
-esac
+exec "$py" benchmarks/gpu_check.py "$out" "${dry[@]}" "$@"

@@ -96,8 +96,7 @@ def staged(values, dtype: torch.dtype, device) -> torch.Tensor:
     device is CUDA. A copy from pageable memory (``torch.tensor(values, device="cuda")``) makes the host
     wait until every kernel queued before it has run, so the host cannot prepare the next step meanwhile.
     The pinned buffer outlives the copy (torch's caching host allocator records its use by the stream)."""
-    host = values if torch.is_tensor(values) else torch.as_tensor(values)
-    host = host.to(dtype)
+    host = values.to(dtype) if torch.is_tensor(values) else torch.as_tensor(values, dtype=dtype)
     device = torch.device(device)
     if device.type != "cuda":
         return host.to(device)

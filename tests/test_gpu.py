@@ -73,12 +73,17 @@ def test_zoo_is_token_exact_on_the_gpu(zoo, path):
     got = eng.score_sync(prompts[3], cont, topk=4)
     rows = full_logprobs(model, prompts[3] + cont)[len(prompts[3]) - 1: len(prompts[3]) + len(cont) - 1]
     assert got.logprobs == pytest.approx([rows[i, t].item() for i, t in enumerate(cont)], abs=1e-4), name
-    if path == "sdpa":  # decode steps replayed from CUDA graphs, unless the model's step returns to the host
+    if path == "sdpa":  # decode steps replayed from CUDA graphs captured at start-up
         graphs = eng.info["cuda_graphs"]
-        assert graphs.startswith("on (") or graphs.startswith("off: the decode step returns to the host"), (name, graphs)
-        assert not graphs.startswith("on") or eng.runner.static.replays > 0, name
+        static = eng.runner.static
         if name in ("llama", "qwen2", "qwen3", "mistral-sliding", "phi3-sliding", "gemma3", "qwen2-sliding"):
-            assert graphs.startswith("on ("), (name, graphs)  # dense models capture
+            # dense models capture every shape and replay every decode step
+            assert graphs.startswith("on (") and static.failed == {} and static.replays > 0, (name, graphs)
+        else:  # fp32 MoE: transformers' experts may copy to the host inside an op (issue 28, defect 1); the
+            # info then names the shapes that failed and why; gpu_probe.py holds the packed bf16 ones to all shapes
+            assert graphs.startswith("on (") or graphs.startswith("off: the decode step returns to the host"), \
+                (name, graphs)
+            assert static is None or static.replays > 0 or "failed, run eagerly" in graphs, (name, graphs)
 
 
 DTYPES = {"fp32": (torch.float32, 1e-5), "fp16": (torch.float16, 2e-2), "bf16": (torch.bfloat16, 3e-2)}
@@ -176,3 +181,52 @@ def test_auto_uses_triton_on_cuda_and_the_engine_reports_it():
                                                                         cascade="on"))
     assert "cascade:triton" in eng.info["attention"], eng.info["attention"]
     assert os.environ.get("SVRMAD_KERNELS", "") != "torch"
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_compiled_paged_kernels_fit_the_device_at_every_head_dim(dtype, head_dim):
+    """Paged decode and prefill compiled for real (kernel_impl="triton": a compile error raises instead of
+    falling back), up to fp32 at head dim 256, whose 64x64 tiles would pass the H100's shared memory
+    (issue 28, defect 6): the tiles are fitted from their arithmetic (kernels._backend.fit_attn_tiles)."""
+    _compiled_triton()
+    from svrmad_local.kernels.paged_decode import paged_decode, reference_paged_decode
+    from svrmad_local.kernels.paged_prefill import paged_prefill, reference_paged_prefill
+
+    dt, tol = DTYPES[dtype]
+    g = torch.Generator(device=CUDA).manual_seed(3)
+    bs, blocks, hq, hkv = 16, 64, 8, 2
+    k = torch.randn(blocks * bs, hkv, head_dim, generator=g, device=CUDA).to(dt)
+    v = torch.randn(blocks * bs, hkv, head_dim, generator=g, device=CUDA).to(dt)
+    table = torch.randperm(blocks, generator=g, device=CUDA)[:30].view(3, 10).int()
+    lens = [150, 37, 160]
+    q = torch.randn(3, hq, head_dim, generator=g, device=CUDA).to(dt)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device=CUDA)
+    got = paged_decode(q, k, v, table, lens_t, bs, head_dim ** -0.5, kernel_impl="triton")
+    ref = reference_paged_decode(q, k, v, table, lens_t, bs, head_dim ** -0.5)
+    assert ((got.float() - ref.float()).norm() / ref.float().norm()).item() < tol
+    rows = [70, 37, 5]
+    cu = [0, 70, 107, 112]
+    qp = torch.randn(sum(rows), hq, head_dim, generator=g, device=CUDA).to(dt)
+    got = paged_prefill(qp, k, v, table, cu, lens, bs, head_dim ** -0.5, kernel_impl="triton")
+    ref = reference_paged_prefill(qp, k, v, table, cu, lens, bs, head_dim ** -0.5)
+    assert ((got.float() - ref.float()).norm() / ref.float().norm()).item() < tol
+
+
+def test_the_check_sees_a_blocking_copy_from_the_host():
+    """Defect 5 on the device: `torch.tensor(values, device="cuda")` blocks the host; the staged copy
+    (pinned, non_blocking) that the sampler and the runner use does not, and the sampler's step has none."""
+    import random
+
+    from svrmad_local.engine.graphs import HostSyncCheck
+    from svrmad_local.engine.sampler import sample
+    from svrmad_local.kernels._backend import staged
+
+    with HostSyncCheck() as check:
+        torch.tensor([1, 2, 3], device=CUDA)
+    assert any("from the host, blocking" in s for s in check.syncs), check.syncs
+    with HostSyncCheck() as check:
+        staged([1, 2, 3], torch.long, CUDA)
+        logits = torch.randn(4, 50, device=CUDA)
+        sample(logits, [0.0, 0.7, 1.0, 0.5], [0, 5, 0, 20], [1.0, 0.9, 0.8, 1.0], [random.Random(i) for i in range(4)])
+    assert check.syncs == [], check.syncs

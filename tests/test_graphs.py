@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -139,20 +141,13 @@ def test_a_dynamic_step_reads_nothing_back_and_stages_what_it_sends(interp):
     model = make_zoo_model("llama")
     eng = engine(model, cuda_graphs="off", kernel_impl="triton")
     assert "paged-prefill:triton" in eng.info["attention"]
-    checks = []
-    for obj, attr in ((eng.runner, "execute"), (eng.stepper, "_sample")):
-        def checked(*a, _f=getattr(obj, attr), **k):
-            with graphs.HostSyncCheck() as check:
-                out = _f(*a, **k)
-            checks.append(check)
-            return out
-        setattr(obj, attr, checked)
+    checks = graphs.watch_steps(eng)
     prompts = [rand_prompt(2 * WINDOW + 5 + i, 110 + i) for i in range(3)]
     got = eng.generate_sync(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert [o.completions[0].token_ids for o in got] == [loop_greedy(model, p, 4) for p in prompts]
     assert len(checks) == 8  # four steps, each a forward and a sampling
     for check in checks:
-        assert [s for s in check.syncs if not ("Tensor.tolist" in s and "in _sample" in s)] == [], check.syncs
+        assert graphs.waits(check) == [], check.syncs
         assert _staged_only(check) == [], check.frozen
 
 
@@ -350,6 +345,13 @@ def test_the_graphs_memory_comes_out_of_the_kv_budget(monkeypatch):
     blocks = (eng.kv_budget_bytes - reserve) // eng.block_bytes
     assert eng.cache.k[0].shape[0] == blocks * eng.cfg.block_size and eng.blocks.num_blocks == blocks - 1
     assert eng.info["graph_bytes"] == {"reserved": reserve, "taken": 123_456 * len(static.shapes)}
+    tight = 123_456 + 2 * eng.block_bytes  # the graphs would leave at most 2 blocks: off, the budget the cache's
+    small = engine(model, kv_cache_memory=tight)
+    assert small.runner.static is None and small.graph_reserve == 0, small.info["cuda_graphs"]
+    assert re.match(r"off: the decode graphs take \d+ bytes, leaving less than 3 KV blocks", small.info["cuda_graphs"])
+    assert small.blocks.num_blocks == tight // small.block_bytes
+    with pytest.raises(ValueError, match="cuda_graphs='on' cannot run here: the decode graphs take"):
+        engine(model, kv_cache_memory=tight, cuda_graphs="on")
     plain = engine(model, cuda_graphs="static")  # nothing captured: the whole budget is the cache's
     assert plain.graph_reserve == 0 and plain.blocks.num_blocks == plain.kv_budget_bytes // plain.block_bytes - 1
 

@@ -121,3 +121,15 @@ def test_the_quantized_matmuls_follow_the_same_rule(monkeypatch, fresh):
 
 def test_capturing_is_false_without_cuda():
     assert _backend.capturing() is (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+def test_staged_host_values_keep_their_precision_and_land_on_the_device():
+    """kernels._backend.staged builds the tensor in the asked dtype from the values themselves (the
+    sampler's uniform draws are float64: a float32 detour would change which token a seed picks)."""
+    import numpy as np
+
+    u = 0.1234567890123456
+    assert _backend.staged([u], torch.float64, "cpu").item() == u
+    t = _backend.staged(np.array([[1, 2], [3, 4]]), torch.int32, torch.device("cpu"))
+    assert t.dtype == torch.int32 and t.tolist() == [[1, 2], [3, 4]]
+    assert _backend.staged(torch.tensor([5]), torch.long, "cpu").tolist() == [5]

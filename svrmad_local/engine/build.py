@@ -71,15 +71,17 @@ def build(eng, model, cfg: EngineConfig) -> None:
     mc = model.config.get_text_config()
     eng.max_model_len = getattr(mc, "max_position_embeddings", None) or 1 << 30
     eng.graph_reserve = 0  # bytes of the KV budget kept for the decode graphs
+    unaffordable = None
     if measure:
         if graphs.why_off(cfg.cuda_graphs, eng.runner, eng.sharded) is None:
             eng.graph_reserve = graphs.graph_memory(eng.runner, cfg.max_num_seqs, max_blocks(eng, num_blocks))
+        if (eng.kv_budget_bytes - eng.graph_reserve) // block_bytes < 3:
+            unaffordable = (f"the decode graphs take {eng.graph_reserve} bytes, leaving less than 3 KV blocks of "
+                            f"kv_cache_memory={cfg.kv_cache_memory!r}")
+            eng.graph_reserve = 0
         num_blocks = (eng.kv_budget_bytes - eng.graph_reserve) // block_bytes
-        if num_blocks < 3:
-            raise ValueError(f"kv_cache_memory={cfg.kv_cache_memory!r} less the decode graphs' "
-                             f"{eng.graph_reserve} bytes holds {num_blocks} blocks; need at least 3")
         eng.cache = eng.runner.cache = KVCache(num_blocks, cfg.block_size, spec.layers, devices, spec.dtype)
-    eng.runner.static, eng.graphs_path = static_decode(eng, cfg, num_blocks)
+    eng.runner.static, eng.graphs_path = static_decode(eng, cfg, num_blocks, unaffordable)
     # the static path's padding rows write a scratch block that no sequence may own: the last one
     eng.blocks = BlockManager(num_blocks - (eng.runner.static is not None), cfg.block_size)
     eng.rank = 0
@@ -91,10 +93,10 @@ def build(eng, model, cfg: EngineConfig) -> None:
         else:
             eng.cache.replay = True
 
-def static_decode(eng, cfg: EngineConfig, num_blocks: int):
-    """engine/graphs.py's StaticDecode where cfg.cuda_graphs and the machine allow it, and one line
-    saying what runs ("on", "static (eager)" or "off: why")."""
-    why = graphs.why_off(cfg.cuda_graphs, eng.runner, eng.sharded)
+def static_decode(eng, cfg: EngineConfig, num_blocks: int, why: str | None = None):
+    """engine/graphs.py's StaticDecode where cfg.cuda_graphs and the machine allow it (and `why` gives
+    no reason against), and one line saying what runs ("on", "static (eager)" or "off: why")."""
+    why = graphs.why_off(cfg.cuda_graphs, eng.runner, eng.sharded) or why
     if why is None and num_blocks < 3:
         why = f"the KV budget holds {num_blocks} blocks: none to spare for the padding rows' scratch block"
     static = None

@@ -156,6 +156,26 @@ class HostSyncCheck(TorchDispatchMode):
         return super().__exit__(*exc)
 
 
+def watch_steps(engine) -> list[HostSyncCheck]:
+    """Runs each of the engine's forwards (`runner.execute`) and samplings (`engine.stepper._sample`) under its own
+    HostSyncCheck from now on; returns the list the checks are appended to (tests, the GPU check)."""
+    checks: list[HostSyncCheck] = []
+    for obj, attr in ((engine.runner, "execute"), (engine.stepper, "_sample")):
+        def checked(*a, _f=getattr(obj, attr), **k):
+            with HostSyncCheck() as check:
+                out = _f(*a, **k)
+            checks.append(check)
+            return out
+        setattr(obj, attr, checked)
+    return checks
+
+
+def waits(check: HostSyncCheck) -> list[str]:
+    """A watched call's syncs but the one read a step makes on purpose: its sampled tokens and their
+    statistics (`.tolist()` in `_sample`)."""
+    return [s for s in check.syncs if not ("Tensor.tolist" in s and "in _sample" in s)]
+
+
 def _crosses_to_host(name: str, args, kwargs) -> bool:
     if name == "_to_copy":
         dev = kwargs.get("device")

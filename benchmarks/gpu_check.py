@@ -1,0 +1,422 @@
+"""The GPU check for a bare, offline GPU machine (what benchmarks/gpu_check.sh runs), in steps.
+
+    benchmarks/gpu_check.sh OUTDIR [--steps 1|2|3|a,b,...]  on the GPU machine (OUTDIR: the run tool's $OUT)
+    benchmarks/gpu_check.sh --dry-run OUTDIR                here, on a CPU: everything but CUDA
+
+It installs nothing into the machine's Python: the wheels carried in .whl/ (downloaded beforehand by
+FETCH) go into a private folder with `pip install --no-index --no-deps --target`, only where the
+installed release does not meet what we need; the project is imported from the working tree, with a
+sitecustomize.py that maps svrmad_local.kernels to kernels/ (as pyproject's package-dir installs it), so
+neither setuptools nor the network is needed. It builds every model it needs
+on the spot (config folders at the real shapes of the embedded default and of a 1.7B Qwen3, with a
+tokenizer trained here, for random weights; tiny MXFP4 GPT-OSS and FP8 DeepSeek-V3 checkpoints in the
+published layouts from tests/quant_zoo.py), then runs the steps (each killed if the call's time runs out), and writes
+OUTDIR/summary.json: {"steps": [{"name", "status": "ran" | "skipped", "reason", "needs_cuda", "result":
+"pass" | "fail" (where it ran), "seconds", "command", "figures", "log"}], ...}. Every step's output is kept
+in OUTDIR/logs/NAME.log. A step needing CUDA is "skipped" on a CPU, with its command. Steps that cannot
+finish within the call's time left (--budget-s, 570 s by default: the run tool allows 600) are skipped
+with that reason, so one call never overruns; the parts 1, 2 and 3 each fit one call on an H100 (a guess:
+the first lent machine will tell).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata as md
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WHEELS = ROOT / ".whl"
+# What .whl/ holds, and the command that fetches it (on a machine with the network, before lending):
+FETCH = ('pip download --no-deps -d .whl transformers==5.24.0 "huggingface-hub>=1.31,<2" && '
+         'pip download --no-deps -d .whl --only-binary=:all: --python-version 3.12 '
+         '--platform manylinux2014_x86_64 "hf-xet>=1.6,<2" "click>=8.4.2,<9" && '
+         'pip download --no-deps -d .whl pytest pluggy iniconfig')
+CARRY_LIMIT = 64 * 2**20
+FIRST = ["env", "deps", "package", "models"]  # every call runs these first (each a few seconds)
+GPU_STEPS = ["tests", "graphs", "bf16", "flash", "kernels", "engine", "decode"]
+PARTS = {"1": FIRST + ["tests", "graphs", "bf16", "flash"], "2": FIRST + ["kernels", "decode"],
+         "3": FIRST + ["engine"]}
+ENGINE_MODELS = ["smollm2-135m", "qwen3-1.7b"]
+# issue 28's defects, and the step whose failure names each (the CPU tests cover 2, 3 and 5 too)
+DEFECTS = {
+    "1 MoE capture": "graphs: gpt-oss-mxfp4 and deepseek-fp8 must capture every decode shape (a failed shape is "
+                     "named with its error)",
+    "2 fallback inside a capture": "graphs: no Triton kernel may fall back (kernels_fell_back), no shape may fail",
+    "3 paged prefill sync": "graphs: no host sync from paged_prefill.py in any step (host_syncs lists all)",
+    "4 capture at start-up": "graphs: every shape captured at build, graph memory within what the KV budget kept",
+    "5 blocking copies": "graphs: no blocking host->device copy in any step (host_syncs)",
+    "6 Triton resource limits": "tests (the compiled kernels against their references) and graphs (kernels_fell_back "
+                                "names a kernel whose compile failed)",
+    "7 flash-attn": "flash: the installed flash-attn, paged (block 256) and over a gather (block 16), against the bf16 "
+                    "reference; skipped with the reason where it is not installed",
+    "8 bare machine": "deps, package, models: offline installs, the package from the tree, models built here",
+    "bf16 checked": "bf16: greedy tokens and log-probs against a cache-free bf16 reference",
+}
+
+
+SITECUSTOMIZE = '''"""Written by benchmarks/gpu_check.py: svrmad_local.kernels is the working tree's kernels/ folder, as
+pyproject.toml's package-dir installs it."""
+import importlib.abc
+import importlib.util
+import sys
+
+
+class _Kernels(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name != "svrmad_local.kernels":
+            return None
+        return importlib.util.spec_from_file_location(name, {kernels!r} + "/__init__.py",
+                                                      submodule_search_locations=[{kernels!r}])
+
+
+sys.meta_path.insert(0, _Kernels())
+'''
+
+
+@dataclass
+class Step:
+    name: str
+    needs_cuda: bool
+    status: str = "skipped"
+    reason: str = ""
+    result: str | None = None
+    seconds: float = 0.0
+    command: list[str] | None = None
+    figures: dict = field(default_factory=dict)
+    log: str | None = None
+
+    def as_dict(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if v is not None}
+
+
+class Check:
+    def __init__(self, out: Path, dry: bool, budget_s: float):
+        self.out, self.dry, self.t0, self.budget = out, dry, time.monotonic(), budget_s
+        self.work = Path(os.environ.get("SVRMAD_GPU_CHECK_WORK", "/tmp/svrmad-gpu-check"))
+        self.site, self.pkg, self.models = self.work / "site", self.work / "pkg", self.work / "models"
+        (out / "logs").mkdir(parents=True, exist_ok=True)
+        self.steps: list[Step] = []
+        self.cuda = False
+
+    def left(self) -> float:
+        return self.budget - (time.monotonic() - self.t0)
+
+    def env(self) -> dict:
+        """The children's environment: the private site folder and the kernels finder first on the path;
+        no network, no download of the default model (every step passes its model)."""
+        env = dict(os.environ, PYTHONUNBUFFERED="1", TRITON_INTERPRET="0", HF_HUB_OFFLINE="1",
+                   TRANSFORMERS_OFFLINE="1", SVRMAD_CACHE=str(self.work / "no-default-model"))
+        env["PYTHONPATH"] = os.pathsep.join([str(self.site), str(self.pkg), str(ROOT)] +
+                                            [p for p in [os.environ.get("PYTHONPATH")] if p])
+        return env
+
+    def run(self, step: Step, cmd: list[str], expect: int, parse=None) -> None:
+        """Runs `cmd` if the call has `expect` seconds left (a generous guess of the step's time on an
+        H100), killed when the call's time runs out; its output in logs/NAME.log; pass = exit 0 (and
+        `parse` may add figures and turn it into a fail: it returns (figures, failures))."""
+        step.command = cmd
+        if step.needs_cuda and not self.cuda:
+            step.reason = "needs CUDA: " + ("dry run on a CPU machine" if self.dry else "no CUDA device here")
+            return
+        if self.left() < expect:
+            group = step.name.split("-")[0]
+            group = "decode" if group == "host" else group
+            step.reason = (f"{self.left():.0f} s left in this call, the step may take {expect} s: run it in the next "
+                           f"call (--steps {group})")
+            return
+        limit = int(self.left())
+        log = self.out / "logs" / f"{step.name}.log"
+        t0 = time.monotonic()
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, env=self.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True, timeout=limit)
+            text, code = proc.stdout, proc.returncode
+        except subprocess.TimeoutExpired as e:
+            text, code = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""), None
+        step.seconds = round(time.monotonic() - t0, 1)
+        log.write_text(text)
+        step.status, step.log = "ran", str(log.relative_to(self.out))
+        failures = []
+        if code is None:
+            failures.append(f"timed out after {limit} s")
+        elif code != 0:
+            failures.append(f"exit {code}: {_last_line(text)}")
+        if parse is not None:
+            try:
+                figures, more = parse(text)
+                step.figures.update(figures)
+                failures += more
+            except Exception as e:  # noqa: BLE001 - a step's odd output must not lose the others
+                failures.append(f"could not read the step's output: {e!r}")
+        if "skipped" in step.figures and not failures:  # the probe found nothing to test (flash-attn absent)
+            step.status, step.reason = "skipped", step.figures.pop("skipped")
+            return
+        step.result = "fail" if failures else "pass"
+        step.reason = "; ".join(failures)
+
+    def local(self, step: Step, fn) -> None:
+        """A step run in this process (no CUDA): fn(step) fills figures and returns failures."""
+        t0 = time.monotonic()
+        try:
+            failures = fn(step) or []
+        except Exception as e:  # noqa: BLE001
+            failures = [f"{type(e).__name__}: {e}"]
+        step.seconds = round(time.monotonic() - t0, 1)
+        step.status, step.result = "ran", "fail" if failures else "pass"
+        step.reason = "; ".join(failures)
+
+    # -- the steps that need no GPU ------------------------------------------------------------
+    def step_env(self, step: Step):
+        py = [sys.executable, "-c", "import json, torch, sys; d = torch.cuda.is_available(); print(json.dumps({"
+              "'python': sys.version.split()[0], 'torch': torch.__version__, 'cuda': torch.version.cuda, "
+              "'device': torch.cuda.get_device_name() if d else None, 'cuda_available': d}))"]
+        out = subprocess.run(py, capture_output=True, text=True, env=self.env(), timeout=120)
+        if out.returncode != 0:
+            return [f"torch does not import: {_last_line(out.stderr)}"]
+        step.figures.update(json.loads(out.stdout.strip().splitlines()[-1]))
+        self.cuda = bool(step.figures["cuda_available"])
+        for dist in ("transformers", "triton", "flash-attn", "huggingface-hub", "tokenizers", "setuptools"):
+            step.figures[dist] = _version(dist)
+        if shutil.which("nvidia-smi"):
+            step.figures["nvidia-smi"] = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout.strip()
+        return []
+
+    def step_deps(self, step: Step):
+        """Installs a carried wheel only where the release here does not meet a requirement (the project's,
+        or a wheel's that is being installed), then checks those requirements are all met."""
+        wheels = sorted(WHEELS.glob("*.whl"))
+        step.figures["carried"] = [w.name for w in wheels]
+        todo, needs = _plan(wheels, _version)
+        # what the lent machine would need: its transformers is 5.17 (and, at worst, the oldest hub it admits)
+        lent = {"transformers": "5.17.0", "huggingface-hub": "1.5.0"}
+        step.figures["install_on_transformers_5.17"] = [w.name for w in _plan(wheels, lambda d: lent.get(
+            _norm(d)) or _version(d))[0]]
+        step.figures["install"] = [w.name for w in todo]
+        if todo and not self.dry:
+            self.site.mkdir(parents=True, exist_ok=True)
+            cmd = [sys.executable, "-m", "pip", "install", "--no-index", "--no-deps", "--disable-pip-version-check",
+                   "--target", str(self.site), *map(str, todo)]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            step.command = cmd
+            if proc.returncode != 0:
+                return [f"pip install failed: {_last_line(proc.stderr)}"]
+        if self.dry:
+            step.figures["would_run"] = ("pip install --no-index --no-deps --target " + str(self.site) + " "
+                                         + " ".join(w.name for w in todo)) if todo else "nothing to install here"
+        installed = {_norm(_wheel_name(w)[0]): _wheel_name(w)[1] for w in todo}
+        unmet = []
+        for r in needs:
+            have = installed.get(_norm(r.name)) or _version(r.name)
+            if have is None or not r.specifier.contains(have, prereleases=True):
+                unmet.append(f"{r} (have {have})")
+        step.figures["unmet"] = unmet
+        return [f"requirements not met: {', '.join(unmet)}"] if unmet and not self.dry else []
+
+    def step_package(self, step: Step):
+        """svrmad_local from the working tree, with no install: pyproject installs the top-level kernels/ as
+        svrmad_local.kernels, so a sitecustomize.py on the children's path adds a finder that maps it (what
+        setuptools' editable install does), whatever order sys.path puts the tree in (the benchmarks and
+        pytest put it first). No setuptools, no network."""
+        self.pkg.mkdir(parents=True, exist_ok=True)
+        (self.pkg / "sitecustomize.py").write_text(SITECUSTOMIZE.format(kernels=str(ROOT / "kernels")))
+        probe = ("import sys; sys.path.insert(0, {root!r}); import svrmad_local.kernels as k, "
+                 "svrmad_local.engine.engine, transformers; print(k.__file__, transformers.__version__)")
+        env = dict(self.env(), PYTHONPATH=os.pathsep.join([str(self.site), str(self.pkg), str(ROOT)]))
+        for root in (str(ROOT), "/"):  # the tree first on the path (as the benchmarks put it), or only after
+            out = subprocess.run([sys.executable, "-c", probe.format(root=root)], capture_output=True, text=True,
+                                 env=env, cwd="/", timeout=300)
+            if out.returncode != 0:
+                return [f"the package does not import: {_last_line(out.stderr)}"]
+        where, tf = out.stdout.split()
+        step.figures.update(kernels=where, transformers=tf)
+        return [] if Path(where).resolve().is_relative_to(ROOT) else [f"imported from {where}, not the working tree"]
+
+    def step_models(self, step: Step):
+        cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_probe.py"), "models", str(self.models)]
+        out = subprocess.run(cmd, capture_output=True, text=True, env=self.env(), cwd=ROOT, timeout=300)
+        step.command = cmd
+        (self.out / "logs" / "models.log").write_text(out.stdout + out.stderr)
+        if out.returncode != 0:
+            return [f"building the models failed: {_last_line(out.stderr or out.stdout)}"]
+        step.figures.update(json.loads(out.stdout.strip().splitlines()[-1]))
+        return []
+
+    def step_carry(self, step: Step):
+        """What travels to the GPU machine: the working tree (tracked and untracked files git does not
+        ignore) plus .whl/; the run tool's limit is 64 MiB in all."""
+        files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, capture_output=True,
+                               text=True).stdout.split("\0")
+        tree = sum((ROOT / f).stat().st_size for f in files if f and (ROOT / f).is_file())
+        wheels = {w.name: w.stat().st_size for w in sorted(WHEELS.glob("*.whl"))}
+        total = tree + sum(wheels.values())
+        step.figures.update(tree_bytes=tree, tree_files=len([f for f in files if f]), carry=[".whl"],
+                            wheels=wheels, total_bytes=total, limit_bytes=CARRY_LIMIT, fetch_wheels=FETCH)
+        return [] if total < CARRY_LIMIT else [f"{total} bytes to carry, over the {CARRY_LIMIT} limit"]
+
+
+def _plan(wheels, version):
+    """(wheels to install, requirements to meet): starting from pyproject's dependencies, a carried wheel
+    is installed where `version(name)` does not meet a requirement on it; its own requirements then
+    join the list (so transformers 5.24 brings its huggingface-hub bound), until nothing changes."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    by_name = {_norm(_wheel_name(w)[0]): w for w in wheels}
+    needs = [Requirement(r) for r in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]]
+    todo: list[Path] = []
+    while True:
+        needs = [r for r in needs if r.marker is None or r.marker.evaluate()]
+        more = []
+        for r in needs:
+            w = by_name.get(_norm(r.name))
+            have = version(r.name)
+            if w is not None and w not in todo and (have is None or not r.specifier.contains(have, prereleases=True)):
+                more.append(w)
+        if not more:  # a carried wheel nobody requires (pytest, for the tests): only where it is missing
+            more = [w for w in wheels if w not in todo and version(_wheel_name(w)[0]) is None
+                    and not any(_norm(r.name) == _norm(_wheel_name(w)[0]) for r in needs)][:1]
+        if not more:
+            return todo, needs
+        for w in more:
+            todo.append(w)
+            needs += _wheel_requirements(w)
+
+
+def _wheel_requirements(w: Path):
+    import zipfile
+
+    from packaging.requirements import Requirement
+
+    with zipfile.ZipFile(w) as z:
+        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        return [Requirement(line.split(":", 1)[1].strip()) for line in z.read(meta).decode().splitlines()
+                if line.startswith("Requires-Dist:") and "extra ==" not in line]
+
+
+def _wheel_name(w: Path) -> tuple[str, str]:
+    name, version = w.name.split("-")[:2]
+    return name, version
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return md.version(dist)
+    except md.PackageNotFoundError:
+        return None
+
+
+def _last_line(text: str) -> str:
+    lines = [ln for ln in (text or "").strip().splitlines() if ln.strip()]
+    return lines[-1][:300] if lines else ""
+
+
+def _probe_json(text: str):
+    """gpu_probe.py prints one JSON object last: its figures, and its `failures`."""
+    obj = json.loads(text.strip().splitlines()[-1])
+    return obj, obj.pop("failures", [])
+
+
+def _pytest_counts(text: str):
+    tail = _last_line(text)
+    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error|errors)", tail)}
+    failed = re.findall(r"^FAILED (\S+)", text, re.M) + re.findall(r"^ERROR (\S+)", text, re.M)
+    return {"counts": counts, "failed": failed[:40]}, [f"{len(failed)} failed: {', '.join(failed[:5])}"] if failed else []
+
+
+def _last_json(text: str):
+    for line in reversed(text.strip().splitlines()):
+        if line.startswith("{"):
+            return json.loads(line), []
+    return {}, ["no JSON result line"]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", type=Path, help="where summary.json and logs/ go (the run tool's $OUT)")
+    ap.add_argument("--dry-run", action="store_true", help="a CPU machine: everything but CUDA")
+    ap.add_argument("--steps", help="comma-separated step names, or a part: 1 (tests, graphs, bf16, flash), "
+                                    "2 (kernels, decode) or 3 (engine); default: all. env, deps, package, models "
+                                    "always run")
+    ap.add_argument("--budget-s", type=float, default=570.0, help="time this call may take (default 570)")
+    args = ap.parse_args(argv)
+    chk = Check(args.out, args.dry_run, args.budget_s)
+    wanted = PARTS.get(args.steps or "", None) or (FIRST + (args.steps.split(",") if args.steps else GPU_STEPS))
+    unknown = sorted(set(wanted) - set(FIRST + GPU_STEPS + ["carry"]))
+    if unknown:
+        print(f"gpu_check: unknown step(s) {', '.join(unknown)}; steps: {', '.join(FIRST + GPU_STEPS)}", file=sys.stderr)
+        return 2
+    py, m = sys.executable, chk.models
+    steps: list[Step] = []
+
+    def add(name, needs_cuda):
+        steps.append(Step(name, needs_cuda))
+        return steps[-1]
+
+    for name, fn in (("env", chk.step_env), ("deps", chk.step_deps), ("package", chk.step_package),
+                     ("models", chk.step_models)):
+        chk.local(add(name, False), fn)
+    if args.dry_run or "carry" in wanted:
+        chk.local(add("carry", False), chk.step_carry)
+    ready = all(s.result == "pass" for s in steps if s.name in ("package", "models"))
+    plan = []
+    if "tests" in wanted:
+        plan.append(("tests", [py, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "tests/test_gpu.py"], 200,
+                     _pytest_counts))
+    probe = [py, "benchmarks/gpu_probe.py"]
+    if "graphs" in wanted:  # defects 1, 4, 5, 6: every model captures every shape, no kernel falls back
+        plan.append(("graphs", probe + ["graphs", str(m)], 100, _probe_json))
+    if "bf16" in wanted:
+        plan.append(("bf16", probe + ["bf16", str(m)], 60, _probe_json))
+    if "flash" in wanted:  # defect 7
+        plan.append(("flash", probe + ["flash", str(m)], 60, _probe_json))
+    if "kernels" in wanted:
+        plan.append(("kernels", [py, "benchmarks/bench_kernels.py", "--device", "cuda"], 150, _last_json))
+    wl = ["--questions", "4", "--initial-tokens", "128", "--debate-tokens", "64"]
+    if "engine" in wanted:
+        for model in ENGINE_MODELS:
+            base = [py, "benchmarks/bench_engine.py", "--model", str(m / model), "--random-weights", "--device", "cuda",
+                    "--dtype", "bf16"]
+            # the plain generate loops (about 100 s and 40 s on an H100) for the small shape only
+            extra = ["--batched-baseline"] if model == ENGINE_MODELS[0] else ["--skip-naive"]
+            plan.append((f"engine-{model}", base + extra + wl, 180 if extra[0] == "--batched-baseline" else 40,
+                         _last_json))
+            plan.append((f"engine-{model}-nographs", base + ["--engine", "cuda_graphs=off", "--skip-naive"] + wl, 40,
+                         _last_json))
+    if "decode" in wanted:
+        for graphs in ("auto", "off"):
+            base = [py, "benchmarks/bench_decode.py", "--model", str(m / "smollm2-135m"), "--random-weights",
+                    "--dtype", "bf16", "--engine", f"cuda_graphs={graphs}"]
+            plan.append((f"decode-graphs-{graphs}", base + ["--batches", "1,8,32"], 90, _last_json))
+            plan.append((f"host-ops-graphs-{graphs}", base + ["--host-ops", "--json"], 40, _last_json))
+    for name, cmd, expect, parse in plan:
+        step = add(name, True)
+        if not ready:
+            step.command, step.reason = cmd, "the package or the models are not ready (see those steps)"
+            continue
+        chk.run(step, cmd, expect, parse)
+        print(f"== {name}: {step.status} {step.result or ''} {step.reason}".rstrip(), flush=True)
+    summary = {"dry_run": args.dry_run, "cuda": chk.cuda, "seconds": round(time.monotonic() - chk.t0, 1),
+               "steps": [s.as_dict() for s in steps], "defects_checked_by": DEFECTS}
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
+    for s in steps:
+        print(f"{s.name:28s} {s.status:8s} {s.result or '':5s} {s.reason[:150]}")
+    ran = [s for s in steps if s.status == "ran"]
+    return 1 if any(s.result == "fail" for s in ran) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

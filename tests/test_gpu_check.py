@@ -1,0 +1,68 @@
+"""benchmarks/gpu_check.py, the GPU check for a bare machine: what it would install from the carried
+wheels, and its dry run on this CPU machine (the summary the issue asks for: every step ran or skipped,
+a CUDA step never "ran" here, the files carried within the run tool's 64 MiB)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import zipfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import gpu_check  # noqa: E402
+
+
+def _wheel(folder: Path, name: str, version: str, requires: list[str]) -> Path:
+    w = folder / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(w, "w") as z:
+        meta = "".join(f"Requires-Dist: {r}\n" for r in requires)
+        z.writestr(f"{name}-{version}.dist-info/METADATA", f"Name: {name}\nVersion: {version}\n{meta}")
+    return w
+
+
+def test_a_wheel_is_installed_only_where_the_release_falls_short_and_brings_its_requirements(tmp_path):
+    tf = _wheel(tmp_path, "transformers", "5.24.0", ["huggingface-hub<3.0,>=1.31.0", "tqdm>=4.60"])
+    hub = _wheel(tmp_path, "huggingface_hub", "1.33.0", ["click>=8.4.2"])
+    click = _wheel(tmp_path, "click", "8.5.1", [])
+    pytest_w = _wheel(tmp_path, "pytest", "9.2.0", ["pluggy>=1.5"])
+    pluggy = _wheel(tmp_path, "pluggy", "1.7.0", [])
+    wheels = [tf, hub, click, pytest_w, pluggy]
+
+    def machine(have):
+        return lambda d: have.get(gpu_check._norm(d), "99.0")  # anything else: present and new enough
+
+    # the lent machine: transformers 5.17, an old hub and click, no pytest
+    todo, needs = gpu_check._plan(wheels, machine({"transformers": "5.17.0", "huggingface-hub": "1.5.0",
+                                                   "click": "8.1.0", "pytest": None, "pluggy": None}))
+    assert [w.name for w in todo] == [tf.name, hub.name, click.name, pytest_w.name, pluggy.name]
+    assert any(r.name == "huggingface-hub" for r in needs)
+    # a machine that has what we pin: nothing
+    todo, _ = gpu_check._plan(wheels, machine({"transformers": "5.24.0", "huggingface-hub": "2.4.0"}))
+    assert todo == []
+    # the installed transformers meets our pin: its own requirements are its installer's business, not ours
+    todo, _ = gpu_check._plan(wheels, machine({"transformers": "5.24.1", "huggingface-hub": "1.5.0"}))
+    assert todo == []
+
+
+def test_the_dry_run_writes_the_summary_and_never_runs_a_cuda_step(tmp_path, monkeypatch):
+    monkeypatch.setenv("SVRMAD_GPU_CHECK_WORK", str(tmp_path / "work"))
+    out = tmp_path / "out"
+    code = gpu_check.main([str(out), "--dry-run", "--steps", "tests,graphs,bf16,flash"])
+    summary = json.loads((out / "summary.json").read_text())
+    steps = {s["name"]: s for s in summary["steps"]}
+    assert summary["dry_run"] is True and code == 0, steps
+    for s in summary["steps"]:
+        assert {"name", "status", "reason", "needs_cuda"} <= set(s) and s["status"] in ("ran", "skipped"), s
+        if s["needs_cuda"]:
+            assert s["status"] == "skipped" and s["reason"].startswith("needs CUDA") and s["command"], s
+        else:
+            assert s["status"] == "ran" and s["result"] == "pass", s
+    assert [n for n, s in steps.items() if s["needs_cuda"]] == ["tests", "graphs", "bf16", "flash"]
+    carry = steps["carry"]["figures"]
+    assert carry["total_bytes"] == carry["tree_bytes"] + sum(carry["wheels"].values()) < 64 * 2**20
+    assert set(steps["models"]["figures"]["models"]) == {"smollm2-135m", "qwen3-1.7b", "gpt-oss-mxfp4", "deepseek-fp8"}
+    for folder in steps["models"]["figures"]["models"].values():
+        assert (Path(folder) / "config.json").exists()
+    assert Path(steps["package"]["figures"]["kernels"]).resolve().is_relative_to(gpu_check.ROOT)
