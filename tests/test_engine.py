@@ -361,3 +361,13 @@ def test_every_forward_of_the_engine_runs_on_its_one_worker_thread(tiny_model):
     finally:
         hook.remove()
     assert len(threads) > 2 and len(set(threads)) == 1 and threads[0] != threading.get_ident()
+
+
+def test_a_context_set_after_build_reaches_the_stop_rule(tiny_model):
+    """Engine.max_model_len is one limit: the prompt check and the step's stop rule (engine/step.py)
+    read the same value, also when a caller lowers it after the engine is built."""
+    eng = engine(tiny_model)
+    prompt = rand_prompt(10, 5)
+    eng.max_model_len = len(prompt) + 3
+    out = eng.generate_sync([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0]
+    assert len(out.completions[0].token_ids) == 3 and out.completions[0].finish_reason == "length"

@@ -79,6 +79,17 @@ class Engine:
         self._live: dict[int, Request] = {}
         self._chat = None
 
+    @property
+    def max_model_len(self) -> int:
+        """The model's context: the prompt check here and the step's stop rule read the same one."""
+        return self._max_model_len
+
+    @max_model_len.setter
+    def max_model_len(self, n: int) -> None:
+        self._max_model_len = n
+        if getattr(self, "stepper", None) is not None:
+            self.stepper.max_model_len = n
+
     def _eos_ids(self) -> set[int]:
         ids = set()
         for src in (getattr(self.model, "generation_config", None), self.model.config, self.tokenizer):
