@@ -1,8 +1,10 @@
-"""Tensor parallelism over 2 CPU processes (gloo): the same tokens as one process.
+"""Tensor parallelism on the CPU (gloo): our own plan (models/shard.py) gives the same tokens as one
+process, over plain and packed checkpoints in the published layouts, and replicas of TP groups share
+the questions of a run.
 
-Our own plan (models/shard.py) splits attention by heads and the MLP by columns/rows; the sums of the row-parallel
-blocks are reduced in another order than one process adds them, so log-probs are compared within 1e-4 and greedy
-tokens exactly (on this tiny model no near-tie flips them)."""
+Attention is split by heads, MLPs by columns/rows, routed experts by expert; the row-parallel blocks'
+partial sums are added in another order than one process adds them, so log-probs are compared within
+LOGPROB_TOL and greedy tokens exactly (on these tiny models no near-tie flips them)."""
 
 from __future__ import annotations
 
@@ -17,37 +19,63 @@ import pytest
 from svrmad_local.dist import Dist
 from svrmad_local.engine.engine import Engine, EngineConfig
 from svrmad_local.models.loader import load_model
+from svrmad_local.models.plan import make_plan
 
 from .conftest import make_model
+from .model_zoo import make_zoo_model
+from .quant_zoo import deepseek_config, write_deepseek, write_gpt_oss
 from .test_dp import N, RUN, finish, launch, outcome, tiny  # noqa: F401 (tiny: the fixture)
-from .tp_worker import workload
+from .tp_worker import CONFIG, resident_bytes, workload
 
 ROOT = Path(__file__).resolve().parents[1]
+LOGPROB_TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama")
-    make_model("llama", layers=2).save_pretrained(path)
-    return path
+def checkpoints(tmp_path_factory):
+    """One of each family the plan covers: a Llama whose 2 KV heads split, a Qwen3-MoE (experts by
+    expert), GPT-OSS with MXFP4 experts and DeepSeek-V3 in FP8 (latent attention, ragged blocks)."""
+    root = tmp_path_factory.mktemp("tp")
+    make_model("llama", layers=2).save_pretrained(root / "llama")
+    make_zoo_model("qwen3-moe", 0).save_pretrained(root / "qwen3-moe")
+    gpt_oss, _ = write_gpt_oss(root)
+    # sizes that split over 2 ranks on the 16x16 blocks (dense 96 -> 48, shared expert 32 -> 16); hidden 72
+    # and kv_a's 24 rows stay ragged (whole on every rank)
+    deepseek, _ = write_deepseek(root, config=deepseek_config(intermediate_size=96, moe_intermediate_size=32))
+    return {"llama": root / "llama", "qwen3-moe": root / "qwen3-moe", "gpt-oss": gpt_oss, "deepseek": deepseek}
 
 
-def test_tensor_parallel_matches_one_process(checkpoint, tmp_path):
-    out = tmp_path / "tp.json"
+@pytest.fixture(scope="module")
+def two_ranks(checkpoints, tmp_path_factory):
+    out = tmp_path_factory.mktemp("tp-out") / "tp.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29517",
-           str(ROOT / "tests" / "tp_worker.py"), str(checkpoint), str(out)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(ROOT / "tests" / "tp_worker.py"), str(out), *map(str, checkpoints.values())]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    tp = json.loads(out.read_text())
-    lm = load_model(checkpoint, device="cpu")
-    one = workload(Engine(lm.model, None, EngineConfig(block_size=4, kv_cache_memory=4 * 2**20)))
-    assert tp["world"] == 2 and tp["kv_heads_here"] == 1  # each rank caches its own half of the 2 KV heads
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3-moe", "gpt-oss", "deepseek"])
+def test_tensor_parallel_matches_one_process(name, checkpoints, two_ranks):
+    tp = two_ranks[str(checkpoints[name])]
+    lm = load_model(checkpoints[name], device="cpu")
+    one = workload(Engine(lm.model, None, EngineConfig(**CONFIG)))
+    assert tp["world"] == 2
     assert tp["greedy"] == one["greedy"] and tp["forks"] == one["forks"]
     for a, b in zip(tp["greedy_logprobs"], one["greedy_logprobs"]):
-        assert a == pytest.approx(b, abs=1e-4)
-    assert tp["score"] == pytest.approx(one["score"], abs=1e-4)
-    assert tp["computed"] == one["computed"]  # the same prefix reuse: rank 0 scheduled it all
+        assert a == pytest.approx(b, abs=LOGPROB_TOL)
+    assert tp["score"] == pytest.approx(one["score"], abs=LOGPROB_TOL)
+    assert tp["computed"] == one["computed"]  # the same prefix reuse: the leader scheduled it all
+    # each rank caches its own half of the KV heads; the latent (DeepSeek) is whole on every rank
+    heads = tp["kv_shape_here"][0]
+    assert heads == (1 if name == "deepseek" else lm.model.config.num_key_value_heads // 2)
+    # what a rank holds: the plan's count for --tp 2 (unpacked weights held in fp32 here), and less than
+    # the whole model
+    plan = make_plan(checkpoints[name], 2, 2**40, tp=2, held_as="F32")
+    for held in tp["resident"]:
+        assert plan["weight_bytes_per_gpu"] / 1.1 <= held <= plan["weight_bytes_per_gpu"] * 1.1
+        assert held < resident_bytes(lm.model)
 
 
 def test_world_size_not_a_multiple_of_tp_is_refused():

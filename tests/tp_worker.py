@@ -1,5 +1,6 @@
-"""Run by tests/test_tp.py under torchrun: one tensor-parallel engine over the given checkpoint.
-Rank 0 writes what it generated (greedy, seeded forks, teacher-forced log-probs) as JSON."""
+"""Run by tests/test_tp.py under torchrun: one tensor-parallel engine over each given checkpoint in turn
+(one launch for them all: starting the processes is the slow part). The leader writes, per checkpoint,
+what it generated (greedy, seeded forks, teacher-forced log-probs) and every rank's resident bytes."""
 
 import json
 import sys
@@ -9,6 +10,8 @@ import torch.distributed as dist
 from svrmad_local.engine.engine import Engine, EngineConfig
 from svrmad_local.engine.params import SamplingParams
 from svrmad_local.models.loader import load_model
+
+CONFIG = dict(block_size=4, kv_cache_memory=4 * 2**20)
 
 
 def workload(engine):
@@ -24,21 +27,31 @@ def workload(engine):
             "computed": engine.totals.computed_tokens}
 
 
-def main(path: str, out: str) -> None:
+def resident_bytes(model) -> int:
+    """The bytes this rank holds: parameters and buffers, packed or not, each tensor once."""
+    seen = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.numel() * t.element_size() for t in seen.values())
+
+
+def main(out: str, paths: list[str]) -> None:
     dist.init_process_group("gloo")
-    lm = load_model(path, device="cpu", tp=True)
-    engine = Engine(lm.model, None, EngineConfig(block_size=4, kv_cache_memory=4 * 2**20))
+    results = {}
+    for path in paths:
+        lm = load_model(path, device="cpu", tp=True)
+        sizes = [None] * dist.get_world_size()
+        dist.all_gather_object(sizes, resident_bytes(lm.model))
+        engine = Engine(lm.model, None, EngineConfig(**CONFIG))
+        if dist.get_rank() == 0:
+            results[path] = {**workload(engine), "world": dist.get_world_size(), "resident": sizes,
+                             "kv_shape_here": list(engine.spec.layers[0].k_shape)}
+            engine.close()
+        else:
+            engine.follow()
     if dist.get_rank() == 0:
-        result = workload(engine)
-        result["world"] = dist.get_world_size()
-        result["kv_heads_here"] = engine.spec.layers[0].k_shape[0]
-        engine.close()
         with open(out, "w") as f:
-            json.dump(result, f)
-    else:
-        engine.follow()
+            json.dump(results, f)
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2:])

@@ -18,6 +18,7 @@ here names its group.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -49,8 +50,11 @@ class Group:
 
     @classmethod
     def whole_world(cls) -> Group:
-        world = dist.get_world_size()
-        return cls(tuple(range(world)), dist.get_rank(), None)
+        """Every process of the launch (read from torchrun's environment before the group exists, so
+        a refusal of the split comes before any collective)."""
+        if dist.is_initialized():
+            return cls(tuple(range(dist.get_world_size())), dist.get_rank(), None)
+        return cls(tuple(range(int(os.environ.get("WORLD_SIZE", "1")))), int(os.environ.get("RANK", "0")), None)
 
 
 def group_of(model) -> Group | None:

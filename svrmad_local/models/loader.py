@@ -105,6 +105,18 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype | None = None, devi
     torch_dtype = parse_dtype(dtype, device)
     spec = quant.quant_spec(raw if isinstance(raw, dict) else {})
     mode, why = quant.choose_mode(quantization, spec, device, bool(tp), device_map)
+    if tp:  # our own plan (models/shard.py): each rank reads its slice; `tp` is the group, or True for the world
+        from svrmad_local.engine.tp import Group
+        from svrmad_local.models.shard import load_sharded
+
+        if device_map is not None:
+            raise ModelLoadError("tensor parallelism and a device map do not mix: pass one of them")
+        group = Group.whole_world() if tp is True else tp
+        model = load_sharded(path, config, torch_dtype, device, group, spec)
+        if spec is not None:
+            model.svrmad_quantization["summary"] = (f"loading {path.name} ({spec.describe()}) split over "
+                                                    f"{group.size} ranks, with the weights packed")
+        return LoadedModel(model, load_tokenizer(path), path)
     if spec is not None:
         held = "with the weights packed (native)" if mode == "native" else f"dequantized into {torch_dtype}"
         line = f"loading {path.name} ({spec.describe()}) {held}: {why}"
@@ -115,14 +127,6 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype | None = None, devi
     kwargs = dict(SAFE, dtype=torch_dtype, use_safetensors=True, output_loading_info=True)
     if device_map is not None:
         kwargs["device_map"] = device_map
-    if tp:  # our own plan (models/shard.py): each rank reads its slice; `tp` is the group, or True for the world
-        from svrmad_local.engine.tp import Group
-        from svrmad_local.models.shard import load_sharded
-
-        if device_map is not None:
-            raise ModelLoadError("tensor parallelism and a device map do not mix: pass one of them")
-        group = Group.whole_world() if tp is True else tp
-        return LoadedModel(load_sharded(path, config, torch_dtype, device, group), load_tokenizer(path), path)
     from transformers.utils import logging as hf_logging
 
     # Quiet only for this call (our checks below say what matters, in our words), not for the process;

@@ -39,10 +39,13 @@ def choose_mode(requested: str, spec: QuantSpec | None, device: str | None, tp: 
             raise QuantError("quantization 'native' asked for, but the checkpoint is not quantized (no "
                              "quantization_config in config.json); use auto")
         return "plain", "the checkpoint is not quantized"
-    if tp:
-        raise QuantError(f"tensor parallelism over a {spec.method} checkpoint is not supported yet (a split must "
-                         "not cut a quantization block); run it on one device")
+    if tp and requested == "dequantize":
+        raise QuantError(f"tensor parallelism over a {spec.method} checkpoint keeps the weights packed (each rank "
+                         "reads its blocks and their scales); use --quantization native or auto")
     kind = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")).type
+    if tp and kind not in NATIVE_DEVICES:
+        raise QuantError(f"tensor parallelism over a {spec.method} checkpoint keeps the weights packed, which runs on "
+                         f"{' and '.join(NATIVE_DEVICES)}, not {kind}")
     if kind not in NATIVE_DEVICES:
         if requested == "native":
             raise QuantError(f"quantization 'native' has no path on {kind} (packed {spec.method} runs on "
