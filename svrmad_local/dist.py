@@ -29,7 +29,21 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from svrmad_local.errors import UserError
+
 STORE_TIMEOUT = timedelta(hours=2)  # how long a rank waits for rank 0's start message
+
+
+class GroupLost(UserError, RuntimeError):
+    """A rank of a tensor-parallel group stopped (died, or was killed) while the others waited on it:
+    the run stops with one line; what was committed stays, and a rerun resumes."""
+
+    @staticmethod
+    def behind(exc: BaseException | None) -> GroupLost | None:
+        """The GroupLost an exception was raised from, if any (a question's failure wraps it)."""
+        while exc is not None and not isinstance(exc, GroupLost):
+            exc = exc.__cause__ or exc.__context__
+        return exc
 
 
 @dataclass

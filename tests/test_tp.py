@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from svrmad_local import cli
+from svrmad_local.debate.trace import read_jsonl
 from svrmad_local.dist import Dist
 from svrmad_local.engine.engine import Engine, EngineConfig
 from svrmad_local.models.loader import load_model
@@ -99,3 +104,29 @@ def test_two_replicas_of_tp_2_share_the_questions(tiny):
     meta = json.loads((out / "run.json").read_text())
     assert meta["config"]["tp"] == 2 and [r["rank"] for r in meta["ranks"]] == [0, 1]
     assert sum(r["questions"] for r in meta["ranks"]) == N and all(r["questions"] > 0 for r in meta["ranks"])
+
+
+def test_a_replica_that_dies_stops_the_run_and_a_rerun_resumes(tiny):
+    """4 processes, --tp 2: the leader of replica 1 is killed mid-run. torchrun stops the others (its
+    own report is its business); none of our processes adds a traceback, the committed questions stay,
+    and a rerun in one process runs the rest to the single-process result."""
+    ck, data, root = tiny
+    out = root / "dp-tp-killed"
+    argv = ["run", "--model", str(ck), "--dataset", str(data), "--out", str(out), *RUN]
+    proc = launch("torchrun", *argv, "--tp", "2", nproc=4)
+    part = out / "parts" / "rank-1"
+    deadline = time.monotonic() + 300
+    while not any(read_jsonl(part / name) for name in ("trace.jsonl", "skipped.jsonl")):
+        assert proc.poll() is None and time.monotonic() < deadline, "replica 1 committed nothing"
+        time.sleep(0.05)
+    os.kill(json.loads((part / "rank.json").read_text())["pid"], signal.SIGKILL)
+    printed, _ = proc.communicate(timeout=300)
+    assert proc.returncode != 0
+    assert not re.search(r"\[rank\d\]:\s*Traceback", printed), printed[-3000:]
+    saved = {r["id"] for d in [out, *sorted((out / "parts").iterdir())] for name in ("trace.jsonl", "skipped.jsonl")
+             for r in read_jsonl(d / name)}
+    assert 0 < len(saved) < N, "the kill came too late to test a resume"
+    assert not read_jsonl(out / "errors.jsonl") and not any(read_jsonl(p / "errors.jsonl")
+                                                            for p in (out / "parts").iterdir())
+    assert cli.main(argv) == 0
+    assert outcome(out) == outcome(root / "single")

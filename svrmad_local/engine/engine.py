@@ -319,8 +319,11 @@ class Engine:
     def close(self) -> None:
         """Release the worker thread; with tensor parallelism, rank 0 also lets the followers go."""
         if self.sharded and self.rank == 0 and self.runner.tp is not None:
-            self.runner.tp.send(None)
-            self.runner.tp = None
+            channel, self.runner.tp = self.runner.tp, None
+            try:
+                channel.send(None)
+            except tp.GroupLost:  # a follower is gone: nobody is left to tell
+                pass
         self._executor.shutdown(wait=False)
 
     # -- plumbing ---------------------------------------------------------------------------

@@ -19,16 +19,13 @@ here names its group.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from svrmad_local.errors import UserError
-
-
-class GroupLost(UserError, RuntimeError):
-    """A rank of the tensor-parallel group stopped (died, or was killed) while the others waited on it."""
+from svrmad_local.dist import GroupLost
 
 
 @dataclass(frozen=True)
@@ -81,10 +78,22 @@ def reduce_outputs(module: torch.nn.Module, group: Group) -> None:
 
     def hook(_mod, _args, out):
         t = out[0] if isinstance(out, tuple) else out
-        dist.all_reduce(t, group=group.pg)
+        with lost_rank(group):
+            dist.all_reduce(t, group=group.pg)
         return out
 
     module.register_forward_hook(hook)
+
+
+@contextmanager
+def lost_rank(group: Group, what: str = "a rank of the tensor-parallel group stopped"):
+    """A collective that fails because a peer is gone becomes GroupLost: one line, and the run stops
+    (a question it was computing is not recorded as failed; a rerun computes it)."""
+    try:
+        yield
+    except (RuntimeError, dist.DistBackendError) as exc:
+        raise GroupLost(f"rank {dist.get_rank()} (tensor-parallel group {list(group.ranks)}): {what} "
+                        f"({' '.join(str(exc).split())[:160]})") from None
 
 
 class StepChannel:
@@ -94,13 +103,11 @@ class StepChannel:
         self.group = group
 
     def send(self, step) -> None:
-        dist.broadcast_object_list([step], src=self.group.leader, group=self.group.pg)
+        with lost_rank(self.group):
+            dist.broadcast_object_list([step], src=self.group.leader, group=self.group.pg)
 
     def recv(self):
         box = [None]
-        try:
+        with lost_rank(self.group, f"its leader (rank {self.group.leader}) stopped sending steps"):
             dist.broadcast_object_list(box, src=self.group.leader, group=self.group.pg)
-        except (RuntimeError, dist.DistBackendError) as exc:
-            raise GroupLost(f"rank {dist.get_rank()}: the tensor-parallel leader (rank {self.group.leader}) "
-                            f"stopped sending steps ({' '.join(str(exc).split())[:160]})") from None
         return box[0]
