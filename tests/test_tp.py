@@ -50,15 +50,20 @@ def checkpoints(tmp_path_factory):
     return {"llama": root / "llama", "qwen3-moe": root / "qwen3-moe", "gpt-oss": gpt_oss, "deepseek": deepseek}
 
 
-@pytest.fixture(scope="module")
-def two_ranks(checkpoints, tmp_path_factory):
-    out = tmp_path_factory.mktemp("tp-out") / "tp.json"
+def run_worker(out: Path, *args: str) -> dict:
+    """tests/tp_worker.py under torchrun in 2 processes; what its leader wrote."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(ROOT / "tests" / "tp_worker.py"), str(out), *map(str, checkpoints.values())]
+           str(ROOT / "tests" / "tp_worker.py"), *args]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def two_ranks(checkpoints, tmp_path_factory):
+    out = tmp_path_factory.mktemp("tp-out") / "tp.json"
+    return run_worker(out, str(out), *map(str, checkpoints.values()))
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3-moe", "gpt-oss", "deepseek"])
@@ -81,6 +86,13 @@ def test_tensor_parallel_matches_one_process(name, checkpoints, two_ranks):
     for held in tp["resident"]:
         assert plan["weight_bytes_per_gpu"] / 1.1 <= held <= plan["weight_bytes_per_gpu"] * 1.1
         assert held < resident_bytes(lm.model)
+
+
+def test_the_leader_stops_with_one_line_when_a_follower_is_gone(checkpoints, tmp_path):
+    out = tmp_path / "quit.json"
+    said = run_worker(out, "--follower-quits", str(out), str(checkpoints["llama"]))["said"]
+    assert said.startswith("rank 0 (tensor-parallel group [0, 1]): a rank of the tensor-parallel group stopped (")
+    assert "\n" not in said
 
 
 def test_world_size_not_a_multiple_of_tp_is_refused():

@@ -33,6 +33,29 @@ def resident_bytes(model) -> int:
     return sum(t.numel() * t.element_size() for t in seen.values())
 
 
+def follower_quits(out: str, path: str) -> None:
+    """The follower runs 3 steps and exits cleanly (torchrun sees no failure and stops nobody): the
+    leader's next collective must end its request with GroupLost, one line, instead of hanging."""
+    import os
+
+    from svrmad_local.dist import GroupLost
+
+    dist.init_process_group("gloo")
+    engine = Engine(load_model(path, device="cpu", tp=True).model, None, EngineConfig(**CONFIG))
+    if dist.get_rank() == 1:
+        for _ in range(3):
+            engine.runner.execute(engine._channel.recv())
+        os._exit(0)
+    try:
+        engine.generate_sync([[3, 4, 5, 6]], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+        said = "no error"
+    except GroupLost as exc:
+        said = str(exc)
+    engine.close()
+    with open(out, "w") as f:
+        json.dump({"said": said}, f)
+
+
 def main(out: str, paths: list[str]) -> None:
     dist.init_process_group("gloo")
     results = {}
@@ -54,4 +77,7 @@ def main(out: str, paths: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2:])
+    if sys.argv[1] == "--follower-quits":
+        follower_quits(sys.argv[2], sys.argv[3])
+    else:
+        main(sys.argv[1], sys.argv[2:])

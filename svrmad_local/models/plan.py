@@ -431,7 +431,7 @@ def _plan(path: Path, cfg: dict, gpus, gpu_memory, quantization, tp, prompt_toke
     total = sum(size(w) for w in weights)
     # under --tp, what every rank holds whole (embeddings, norms, routers, the LM head, MLA's latent
     # projections) and the split parts, 1/tp each
-    whole = total if not tp else sum(size(w) for w in weights if tp_split_dim(w) is None)
+    whole = total if not tp or tp == 1 else sum(size(w) for w in weights if tp_split_dim(w) is None)
     params: dict[str, int] = {}
     for w in weights:
         key = w.fmt if native else "BF16"
@@ -473,7 +473,7 @@ def _plan(path: Path, cfg: dict, gpus, gpu_memory, quantization, tp, prompt_toke
         "model": str(path), "architecture": cfg.get("model_type"), "source": source,
         "quantization": quantization, "parameters": sum(params.values()), "parameters_by_format": params,
         "weight_bytes": total, "gpus": gpus, "gpu_memory": gpu_memory, "tp": tp, "replicas": replicas,
-        "weight_bytes_per_gpu": weights_gpu, "weight_bytes_whole_per_gpu": whole if tp else None,
+        "weight_bytes_per_gpu": weights_gpu, "weight_bytes_whole_per_gpu": whole if tp and tp > 1 else None,
         "reserve_bytes_per_gpu": reserve, "kv_room_per_gpu": max(0, room),
         "kv_bytes_per_token": math.ceil(grow / split),
         "kv_window_cap_bytes_per_sequence": math.ceil(cap / split),
