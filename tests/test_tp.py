@@ -25,6 +25,7 @@ from svrmad_local.dist import Dist
 from svrmad_local.engine.engine import Engine, EngineConfig
 from svrmad_local.models.loader import load_model
 from svrmad_local.models.plan import make_plan
+from svrmad_local.models.quant.formats import Reader
 
 from .conftest import make_model
 from .model_zoo import make_zoo_model
@@ -33,6 +34,7 @@ from .test_dp import N, RUN, finish, launch, outcome, tiny  # noqa: F401 (tiny: 
 from .tp_worker import CONFIG, resident_bytes, workload
 
 ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "tests" / "fixtures" / "configs"
 LOGPROB_TOL = 1e-4
 
 
@@ -142,3 +144,61 @@ def test_a_replica_that_dies_stops_the_run_and_a_rerun_resumes(tiny):
                                                             for p in (out / "parts").iterdir())
     assert cli.main(argv) == 0
     assert outcome(out) == outcome(root / "single")
+
+
+def _published_index(path: Path) -> Reader:
+    """The names and dtypes the published files hold, from the plan's own list of weights (no files):
+    what the loader reads to decide which modules stay packed."""
+    from svrmad_local.models.plan import config_weights, read_config
+    from svrmad_local.models.quant.formats import TensorInfo
+
+    index = {}
+    for w in config_weights(read_config(path)):
+        if w.fmt == "mxfp4":
+            index.update({f"{w.name}_blocks": TensorInfo(path, "U8", ()), f"{w.name}_scales": TensorInfo(path, "U8", ())})
+        elif w.fmt == "fp8":
+            index.update({w.name: TensorInfo(path, "F8_E4M3", ()), f"{w.name}_scale_inv": TensorInfo(path, "F32", ())})
+        else:
+            index[w.name] = TensorInfo(path, w.fmt, ())
+    reader = Reader.__new__(Reader)
+    reader.index, reader.used, reader._open = index, set(), {}
+    return reader
+
+
+@pytest.mark.parametrize("name", ["deepseek-v3.1", "gpt-oss-120b"])
+def test_plan_and_engine_agree_on_the_shipped_configs(name):
+    """At the real shapes (meta tensors, nothing allocated): for each --tp, the plan refuses exactly
+    what the loader refuses, and otherwise the bytes the loader gives the first and the last rank are
+    the plan's weight bytes per GPU (within 1%: FP8 scale grids of split weights round per rank)."""
+    import torch
+    from transformers import AutoConfig
+
+    from svrmad_local.engine.tp import Group
+    from svrmad_local.models.plan import PlanError
+    from svrmad_local.models.quant import quant_spec
+    from svrmad_local.models.shard import meta_split
+
+    path = CONFIGS / name
+    config = AutoConfig.from_pretrained(path)
+    spec = quant_spec(json.loads((path / "config.json").read_text()))
+    index = _published_index(path)
+    agreed = []
+    for tp in (3, 8, 16, 32):
+        try:
+            plan = make_plan(path, tp, 2**50, tp=tp)["weight_bytes_per_gpu"]
+        except PlanError:
+            plan = None
+        held = []
+        for rank in (0, tp - 1):
+            try:
+                model, _, _ = meta_split(config, torch.bfloat16, Group(tuple(range(tp)), rank), spec, index)
+            except PlanError:
+                break
+            seen = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+            held.append(sum(t.numel() * t.element_size() for t in seen.values()))
+        assert (plan is None) == (not held), f"--tp {tp}: the plan says {plan}, the loader holds {held}"
+        for h in held:
+            assert h == pytest.approx(plan, rel=0.01)
+        agreed.append(tp if held else None)
+    # 3 divides no heads; DeepSeek's dense MLP at 32 gives 576 rows a rank (4.5 FP8 blocks); GPT-OSS has 8 KV heads
+    assert agreed == {"deepseek-v3.1": [None, 8, 16, None], "gpt-oss-120b": [None, 8, None, None]}[name]

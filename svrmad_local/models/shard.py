@@ -72,7 +72,7 @@ def plan_cuts(model: nn.Module, group: Group, block) -> dict[str, Cut]:
             a, b = _part(values[dim], group, f"{mod_name}'s {values[dim]} {'rows' if dim == 0 else 'columns'}")
             if scale or (t.dtype in PACKED_DTYPES and f"{leaf}{SCALE}" in tensors):
                 unit = block[0 if dim == 0 else 1]
-                if a % unit:
+                if (b - a) % unit:  # every rank refuses alike (the first's part starts on a block too)
                     raise PlanError(f"--tp {group.size} cuts the {block[0]}x{block[1]} FP8 blocks of {mod_name} "
                                     f"({values[dim]} {'rows' if dim == 0 else 'columns'} give {b - a} a rank); "
                                     f"use a --tp that keeps {values[dim]} / tp a multiple of {unit}")
@@ -164,16 +164,15 @@ def read_tensor(files: Slices, name: str, full: tuple[int, ...], cut: Cut | None
     return torch.stack([torch.cat([files.read(k) for k in ks]) for ks in mine])
 
 
-def load_sharded(path: Path, config, dtype: torch.dtype, device: str | None, group: Group,
-                 spec: QuantSpec | None = None) -> nn.Module:
-    """The model of `path` with this rank's part of every weight (packed weights kept packed), on
-    `device`, its attention and MLP blocks reducing over `group` (every rank of the group calls this)."""
+def meta_split(config, dtype: torch.dtype, group: Group, spec: QuantSpec | None, files: Reader):
+    """This rank's model on the meta device: built from `config`, packed where `files` (names and
+    dtypes only) hold packed weights, each split tensor at its local shape. Returns (model, the full
+    shape of every tensor, the cuts). Refuses, in one line, a split the plan cannot make."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
     check_planned(config.model_type, spec is not None)
     check_tp_heads(config.to_dict(), group.size)
-    files = Slices(Path(path))
     config = copy.deepcopy(config)
     for holder in (config, getattr(config, "text_config", None)):
         if holder is not None and hasattr(holder, "quantization_config"):
@@ -186,6 +185,15 @@ def load_sharded(path: Path, config, dtype: torch.dtype, device: str | None, gro
                                            *model.named_buffers(remove_duplicate=False)]}
     cuts = plan_cuts(model, group, spec.block if spec is not None and spec.block else (1, 1))
     _shrink(model, cuts)
+    return model, full, cuts
+
+
+def load_sharded(path: Path, config, dtype: torch.dtype, device: str | None, group: Group,
+                 spec: QuantSpec | None = None) -> nn.Module:
+    """The model of `path` with this rank's part of every weight (packed weights kept packed), on
+    `device`, its attention and MLP blocks reducing over `group` (every rank of the group calls this)."""
+    files = Slices(Path(path))
+    model, full, cuts = meta_split(config, dtype, group, spec, files)
     done: dict[int, torch.Tensor] = {}  # tied weights: one tensor, read once
     for mod_name, mod in model.named_modules():
         prefix = f"{mod_name}." if mod_name else ""
