@@ -202,3 +202,31 @@ def test_plan_and_engine_agree_on_the_shipped_configs(name):
         agreed.append(tp if held else None)
     # 3 divides no heads; DeepSeek's dense MLP at 32 gives 576 rows a rank (4.5 FP8 blocks); GPT-OSS has 8 KV heads
     assert agreed == {"deepseek-v3.1": [None, 8, 16, None], "gpt-oss-120b": [None, 8, None, None]}[name]
+
+
+def test_a_split_the_plan_cannot_make_is_refused_in_one_line_by_loader_and_plan(tmp_path):
+    """The published tiny DeepSeek layout (dense MLP 100 rows, experts' 40: ragged 16x16 blocks) at
+    --tp 2, and 3 experts over 2 ranks: the loader refuses before reading a weight or meeting a
+    collective, and `svrmad plan` refuses the same --tp."""
+    import torch
+    from transformers import AutoConfig
+
+    from svrmad_local.engine.tp import Group
+    from svrmad_local.models.plan import PlanError
+    from svrmad_local.models.quant import quant_spec
+    from svrmad_local.models.shard import Slices, meta_split
+
+    ragged, _ = write_deepseek(tmp_path / "ragged")
+    three, _ = write_deepseek(tmp_path / "three", config=deepseek_config(n_routed_experts=3, intermediate_size=96,
+                                                                          moe_intermediate_size=32))
+    for path, tp, loader, plan in [
+        (ragged, 2, r"^--tp 2 cuts the 16x16 FP8 blocks of model\.layers\.0\.mlp\.(gate|up)_proj \(100 rows give 50 a "
+                    r"rank\); use a --tp that keeps 100 / tp a multiple of 16$", r"gives 50 per rank, which cuts"),
+        (three, 2, r"^--tp 2 does not divide the 3 experts of model\.layers\.1\.mlp\.experts \(3\); use a --tp that "
+                   r"divides 3$", r"^--tp 2 does not divide the model's 3 routed experts"),
+    ]:
+        spec = quant_spec(json.loads((path / "config.json").read_text()))
+        with pytest.raises(PlanError, match=loader):
+            meta_split(AutoConfig.from_pretrained(path), torch.float32, Group(tuple(range(tp)), 0), spec, Slices(path))
+        with pytest.raises(PlanError, match=plan):
+            make_plan(path, tp, 2**40, tp=tp)
