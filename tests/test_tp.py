@@ -40,10 +40,13 @@ LOGPROB_TOL = 1e-4
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """One of each family the plan covers: a Llama whose 2 KV heads split, a Qwen3-MoE (experts by
+    """One of each family the plan covers: a Llama whose 2 KV heads split (its LM head tied), a Qwen3-MoE (experts by
     expert), GPT-OSS with MXFP4 experts and DeepSeek-V3 in FP8 (latent attention, ragged blocks)."""
     root = tmp_path_factory.mktemp("tp")
-    make_model("llama", layers=2).save_pretrained(root / "llama")
+    llama = make_model("llama", layers=2)
+    llama.config.tie_word_embeddings = True  # as SmolLM2 (the embedded default): one tensor, read once
+    llama.tie_weights()
+    llama.save_pretrained(root / "llama")
     make_zoo_model("qwen3-moe", 0).save_pretrained(root / "qwen3-moe")
     gpt_oss, _ = write_gpt_oss(root)
     # sizes that split over 2 ranks on the 16x16 blocks (dense 96 -> 48, shared expert 32 -> 16); hidden 72
@@ -79,6 +82,9 @@ def test_tensor_parallel_matches_one_process(name, checkpoints, two_ranks):
         assert a == pytest.approx(b, abs=LOGPROB_TOL)
     assert tp["score"] == pytest.approx(one["score"], abs=LOGPROB_TOL)
     assert tp["computed"] == one["computed"]  # the same prefix reuse: the leader scheduled it all
+    # the collectives the plan states: two all-reduces a decoder layer a step
+    c = tp["collectives"]
+    assert c["steps"] > 0 and c["all_reduce"] == 2 * lm.model.config.num_hidden_layers * c["steps"]
     # each rank caches its own half of the KV heads; the latent (DeepSeek) is whole on every rank
     heads = tp["kv_shape_here"][0]
     assert heads == (1 if name == "deepseek" else lm.model.config.num_key_value_heads // 2)

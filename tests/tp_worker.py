@@ -4,6 +4,7 @@ what it generated (greedy, seeded forks, teacher-forced log-probs) and every ran
 
 import json
 import sys
+from contextlib import contextmanager
 
 import torch.distributed as dist
 
@@ -56,6 +57,28 @@ def follower_quits(out: str, path: str) -> None:
         json.dump({"said": said}, f)
 
 
+@contextmanager
+def counting(engine):
+    """Counts the leader's forward steps and its all-reduces inside the block (engine/tp.py looks
+    dist.all_reduce up at each call)."""
+    count = {"steps": 0, "all_reduce": 0}
+    execute, all_reduce = engine.runner.execute, dist.all_reduce
+
+    def step(s):
+        count["steps"] += 1
+        return execute(s)
+
+    def reduce(*args, **kwargs):
+        count["all_reduce"] += 1
+        return all_reduce(*args, **kwargs)
+
+    engine.runner.execute, dist.all_reduce = step, reduce
+    try:
+        yield count
+    finally:
+        engine.runner.execute, dist.all_reduce = execute, all_reduce
+
+
 def main(out: str, paths: list[str]) -> None:
     dist.init_process_group("gloo")
     results = {}
@@ -65,8 +88,10 @@ def main(out: str, paths: list[str]) -> None:
         dist.all_gather_object(sizes, resident_bytes(lm.model))
         engine = Engine(lm.model, None, EngineConfig(**CONFIG))
         if dist.get_rank() == 0:
-            results[path] = {**workload(engine), "world": dist.get_world_size(), "resident": sizes,
-                             "kv_shape_here": list(engine.spec.layers[0].k_shape)}
+            with counting(engine) as count:
+                done = workload(engine)
+            results[path] = {**done, "world": dist.get_world_size(), "resident": sizes,
+                             "kv_shape_here": list(engine.spec.layers[0].k_shape), "collectives": count}
             engine.close()
         else:
             engine.follow()

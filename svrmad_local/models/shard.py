@@ -179,6 +179,7 @@ def meta_split(config, dtype: torch.dtype, group: Group, spec: QuantSpec | None,
             delattr(holder, "quantization_config")  # our loading, not transformers' quantizer
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
+    model.tie_weights()  # a tied LM head is the embedding's tensor: read once, from the embedding's name
     if spec is not None:
         _pack(model, files, spec, dtype)
     full = {n: tuple(t.shape) for n, t in [*model.named_parameters(remove_duplicate=False),
