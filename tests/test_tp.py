@@ -55,10 +55,10 @@ def checkpoints(tmp_path_factory):
     return {"llama": root / "llama", "qwen3-moe": root / "qwen3-moe", "gpt-oss": gpt_oss, "deepseek": deepseek}
 
 
-def run_worker(out: Path, *args: str) -> dict:
-    """tests/tp_worker.py under torchrun in 2 processes; what its leader wrote."""
+def run_worker(out: Path, *args: str, nproc: int = 2) -> dict:
+    """tests/tp_worker.py under torchrun in `nproc` processes; what its leader wrote."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            str(ROOT / "tests" / "tp_worker.py"), *args]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -94,6 +94,33 @@ def test_tensor_parallel_matches_one_process(name, checkpoints, two_ranks):
     for held in tp["resident"]:
         assert plan["weight_bytes_per_gpu"] / 1.1 <= held <= plan["weight_bytes_per_gpu"] * 1.1
         assert held < resident_bytes(lm.model)
+
+
+def test_four_ranks_one_kv_head_and_one_expert_each(tmp_path):
+    """TP 4 on a Qwen3-MoE with 4 KV heads and 4 experts: each rank holds one of each."""
+    import torch
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = CONFIG_MAPPING["qwen3_moe"](vocab_size=400, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=4, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                         moe_intermediate_size=32, intermediate_size=128, decoder_sparse_step=1,
+                                         max_position_embeddings=512, eos_token_id=2, bos_token_id=0, pad_token_id=0,
+                                         tie_word_embeddings=False)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # random init is small: scale so greedy ties are rare (as conftest.make_model)
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.mul_(3.0)
+    model.save_pretrained(tmp_path / "qwen3-moe-4")
+    out = tmp_path / "tp4.json"
+    tp = run_worker(out, str(out), str(tmp_path / "qwen3-moe-4"), nproc=4)[str(tmp_path / "qwen3-moe-4")]
+    one = workload(Engine(load_model(tmp_path / "qwen3-moe-4", device="cpu").model, None, EngineConfig(**CONFIG)))
+    assert tp["world"] == 4 and tp["kv_shape_here"][0] == 1
+    assert tp["greedy"] == one["greedy"] and tp["forks"] == one["forks"]
+    for a, b in zip(tp["greedy_logprobs"], one["greedy_logprobs"]):
+        assert a == pytest.approx(b, abs=LOGPROB_TOL)
+    assert tp["score"] == pytest.approx(one["score"], abs=LOGPROB_TOL)
 
 
 def test_the_leader_stops_with_one_line_when_a_follower_is_gone(checkpoints, tmp_path):
