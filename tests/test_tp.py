@@ -11,10 +11,8 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -30,7 +28,8 @@ from svrmad_local.models.quant.formats import Reader
 from .conftest import make_model
 from .model_zoo import make_zoo_model
 from .quant_zoo import deepseek_config, write_deepseek, write_gpt_oss
-from .test_dp import N, RUN, finish, launch, outcome, tiny  # noqa: F401 (tiny: the fixture)
+from .test_dp import (N, RUN, finish, kill_after_its_first_commit, launch, outcome,  # noqa: F401 (tiny: the fixture)
+                      tiny)
 from .tp_worker import CONFIG, resident_bytes, workload
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -161,12 +160,7 @@ def test_a_replica_that_dies_stops_the_run_and_a_rerun_resumes(tiny):
     out = root / "dp-tp-killed"
     argv = ["run", "--model", str(ck), "--dataset", str(data), "--out", str(out), *RUN]
     proc = launch("torchrun", *argv, "--tp", "2", nproc=4)
-    part = out / "parts" / "rank-1"
-    deadline = time.monotonic() + 300
-    while not any(read_jsonl(part / name) for name in ("trace.jsonl", "skipped.jsonl")):
-        assert proc.poll() is None and time.monotonic() < deadline, "replica 1 committed nothing"
-        time.sleep(0.05)
-    os.kill(json.loads((part / "rank.json").read_text())["pid"], signal.SIGKILL)
+    kill_after_its_first_commit(proc, out / "parts" / "rank-1")
     printed, _ = proc.communicate(timeout=300)
     assert proc.returncode != 0
     assert not re.search(r"\[rank\d\]:\s*Traceback", printed), printed[-3000:]
@@ -188,7 +182,7 @@ def _published_index(path: Path) -> Reader:
     index = {}
     for w in config_weights(read_config(path)):
         if w.fmt == "mxfp4":
-            index.update({f"{w.name}_blocks": TensorInfo(path, "U8", ()), f"{w.name}_scales": TensorInfo(path, "U8", ())})
+            index.update({f"{w.name}{k}": TensorInfo(path, "U8", ()) for k in ("_blocks", "_scales")})
         elif w.fmt == "fp8":
             index.update({w.name: TensorInfo(path, "F8_E4M3", ()), f"{w.name}_scale_inv": TensorInfo(path, "F32", ())})
         else:

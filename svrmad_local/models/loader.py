@@ -65,7 +65,8 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype | None = None, devi
     part of the model under our tensor-parallel plan (models/shard.py) over `tp`, an engine.tp.Group,
     or True for the whole initialised torch.distributed world (every rank of the group calls this).
     `quantization`: for MXFP4 / FP8 checkpoints, "native" keeps the weights packed, "dequantize"
-    expands them exactly into `dtype`, "auto" takes native where a packed path exists for the device (models/quant, docs/quantization.md)."""
+    expands them exactly into `dtype`, "auto" takes native where a packed path exists for the device
+    (models/quant, docs/quantization.md)."""
     from svrmad_local.models import quant
 
     from transformers import AutoConfig, AutoModelForCausalLM

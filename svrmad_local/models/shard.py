@@ -20,7 +20,6 @@ end in one all-reduce of the hidden state (engine/tp.py hooks them): 2 collectiv
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +29,7 @@ from torch import nn
 from svrmad_local.engine.tp import Group, reduce_outputs
 from svrmad_local.models.plan import PlanError, check_planned, check_tp_heads
 from svrmad_local.models.quant.formats import QuantSpec, Reader
-from svrmad_local.models.quant.load import PACKED_DTYPES, _check_unused, _pack
+from svrmad_local.models.quant.load import PACKED_DTYPES, _check_unused, _pack, meta_model
 from svrmad_local.models.tp_plan import SCALE, split_of
 
 @dataclass(frozen=True)
@@ -168,17 +167,9 @@ def meta_split(config, dtype: torch.dtype, group: Group, spec: QuantSpec | None,
     """This rank's model on the meta device: built from `config`, packed where `files` (names and
     dtypes only) hold packed weights, each split tensor at its local shape. Returns (model, the full
     shape of every tensor, the cuts). Refuses, in one line, a split the plan cannot make."""
-    from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
-
     check_planned(config.model_type, spec is not None)
     check_tp_heads(config.to_dict(), group.size)
-    config = copy.deepcopy(config)
-    for holder in (config, getattr(config, "text_config", None)):
-        if holder is not None and hasattr(holder, "quantization_config"):
-            delattr(holder, "quantization_config")  # our loading, not transformers' quantizer
-    with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
+    model = meta_model(config, dtype)
     model.tie_weights()  # a tied LM head is the embedding's tensor: read once, from the embedding's name
     if spec is not None:
         _pack(model, files, spec, dtype)

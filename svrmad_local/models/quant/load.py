@@ -58,20 +58,26 @@ def choose_mode(requested: str, spec: QuantSpec | None, device: str | None, tp: 
     return "native", f"{'asked for' if requested == 'native' else 'a packed path exists'} on {kind} ({how})"
 
 
+def meta_model(config, dtype: torch.dtype) -> nn.Module:
+    """transformers' model of `config` on the meta device (buffers real: RoPE tables), without its
+    quantizer: our loading fills the weights."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(config)
+    for holder in (config, getattr(config, "text_config", None)):
+        if holder is not None and hasattr(holder, "quantization_config"):
+            delattr(holder, "quantization_config")
+    with init_empty_weights(include_buffers=False):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
+
+
 def load_quantized(path: Path, config, spec: QuantSpec, mode: str, dtype: torch.dtype, device: str | None,
                    device_map: str | dict | None = None):
     """The model of `path` with its weights native (packed) or dequantized into `dtype`, on `device`,
     or spread by `device_map` (accelerate's; a packed module always stays whole on one device)."""
-    from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
-
     reader = Reader(path)
-    config = copy.deepcopy(config)
-    for holder in (config, getattr(config, "text_config", None)):
-        if holder is not None and hasattr(holder, "quantization_config"):
-            delattr(holder, "quantization_config")  # our loading, not transformers' quantizer
-    with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
+    model = meta_model(config, dtype)
     if mode == "native":
         _pack(model, reader, spec, dtype)
     placement = _placement(model, device_map) if device_map is not None else {"": torch.device(device or "cpu")}
