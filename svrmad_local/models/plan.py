@@ -498,7 +498,8 @@ def format_plan(p: dict) -> str:
         layout = "one GPU" if p["gpus"] == 1 else f"spread by layers over {p['gpus']} GPUs (no --tp)"
     else:
         layout = (f"{p['replicas']} replica{'s' if p['replicas'] > 1 else ''} of {p['tp']} GPU"
-                  + ("s, tensor parallel" if p["tp"] > 1 else " each"))
+                  + (f"s, tensor parallel ({_gib(p['weight_bytes_whole_per_gpu'])} of it whole on every rank: "
+                     "embeddings, LM head, norms, routers, latent projections)" if p["tp"] > 1 else " each"))
     where = ("the latent, kept whole on every TP rank" if p["kv_latent"] and (p["tp"] or 1) > 1 else
              "the latent" if p["kv_latent"] else "K and V" + (", split by KV heads" if (p["tp"] or 1) > 1 else ""))
     lines = [
