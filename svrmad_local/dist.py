@@ -25,11 +25,67 @@ from __future__ import annotations
 import json
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from svrmad_local.errors import UserError
+
 STORE_TIMEOUT = timedelta(hours=2)  # how long a rank waits for rank 0's start message
+
+
+class GroupLost(UserError, RuntimeError):
+    """A rank of a tensor-parallel group stopped (died, or was killed) while the others waited on it:
+    the run stops with one line; what was committed stays, and a rerun resumes."""
+
+    @staticmethod
+    def behind(exc: BaseException | None) -> GroupLost | None:
+        """The GroupLost an exception was raised from, if any (a question's failure wraps it)."""
+        while exc is not None and not isinstance(exc, GroupLost):
+            exc = exc.__cause__ or exc.__context__
+        return exc
+
+
+@dataclass(frozen=True)
+class Group:
+    """One tensor-parallel group: `ranks` are global ranks, `rank` this process's index among them."""
+
+    ranks: tuple[int, ...]
+    rank: int
+    pg: object = None  # the torch.distributed ProcessGroup (None: the default group)
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def leader(self) -> int:
+        """The global rank that runs the engine and sends the steps."""
+        return self.ranks[0]
+
+    @classmethod
+    def whole_world(cls) -> Group:
+        """Every process of the launch (read from torchrun's environment before the group exists, so
+        a refusal of the split comes before any collective)."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            return cls(tuple(range(dist.get_world_size())), dist.get_rank(), None)
+        return cls(tuple(range(int(os.environ.get("WORLD_SIZE", "1")))), int(os.environ.get("RANK", "0")), None)
+
+
+@contextmanager
+def lost_rank(group: Group, what: str = "a rank of the tensor-parallel group stopped"):
+    """A collective that fails because a peer is gone becomes GroupLost: one line, and the run stops
+    (a question it was computing is not recorded as failed; a rerun computes it)."""
+    import torch.distributed as dist
+
+    try:
+        yield
+    except (RuntimeError, dist.DistBackendError) as exc:
+        raise GroupLost(f"rank {dist.get_rank()} (tensor-parallel group {list(group.ranks)}): {what} "
+                        f"({' '.join(str(exc).split())[:160]})") from None
 
 
 @dataclass
@@ -76,14 +132,12 @@ class Dist:
                              f"ranks, e.g. torchrun --nproc-per-node {tp}); this launch has {self.world_size}")
 
     def split(self, tp: int):
-        """(this rank's engine.tp.Group or None for tp 1, the replicas' data-parallel view): the view
+        """(this rank's Group or None for tp 1, the replicas' data-parallel view): the view
         numbers the replicas 0..W/T-1 and shares the store, so its counters are the whole launch's.
         Every rank calls this (making the groups is a collective)."""
         if tp <= 1:
             return None, self
         import torch.distributed as dist
-
-        from svrmad_local.engine.tp import Group
 
         self.check_tp(tp)
         mine = None

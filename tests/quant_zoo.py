@@ -83,25 +83,26 @@ def write_gpt_oss(root: Path, seed: int = 0) -> tuple[Path, Path]:
     return qdir, root / "gpt-oss-ref"
 
 
-def deepseek_config():
+def deepseek_config(**overrides):
     """DeepSeek-V3 with ragged shapes: hidden 72 and kv_a_proj_with_mqa's 24 rows (16 + 8) are 4.5 and
-    1.5 blocks of 16; the MoE intermediate 40 is 2.5."""
+    1.5 blocks of 16; the MoE intermediate 40 is 2.5. `overrides` change fields (tests/test_tp.py
+    takes sizes that split over 2 ranks on the block grid)."""
     from transformers import CONFIG_MAPPING
 
     c = dict(_COMMON, hidden_size=72, intermediate_size=100, num_key_value_heads=4, n_routed_experts=4,
              num_experts_per_tok=2, moe_intermediate_size=40, n_shared_experts=1, first_k_dense_replace=1,
              kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_group=1,
              topk_group=1, rope_scaling=None)
-    return CONFIG_MAPPING["deepseek_v3"](**c)
+    return CONFIG_MAPPING["deepseek_v3"](**{**c, **overrides})
 
 
-def write_deepseek(root: Path, fused: bool = False, seed: int = 0) -> tuple[Path, Path]:
+def write_deepseek(root: Path, fused: bool = False, seed: int = 0, config=None) -> tuple[Path, Path]:
     from transformers import AutoModelForCausalLM
 
     from svrmad_local.kernels.fp8 import dequantize_fp8
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(deepseek_config(), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_config(config or deepseek_config(), dtype=torch.float32).eval()
     with torch.no_grad():
         for n, p in model.named_parameters():
             if p.dim() >= 2:

@@ -43,6 +43,15 @@ def launch(launcher: str, *argv: str, nproc: int = 2) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+def kill_after_its_first_commit(proc: subprocess.Popen, part: Path) -> None:
+    """SIGKILL the process that writes the part folder `part`, once it has committed a question."""
+    deadline = time.monotonic() + 300
+    while not any(read_jsonl(part / name) for name in ("trace.jsonl", "skipped.jsonl")):
+        assert proc.poll() is None and time.monotonic() < deadline, f"{part.name} committed nothing"
+        time.sleep(0.05)
+    os.kill(json.loads((part / "rank.json").read_text())["pid"], signal.SIGKILL)
+
+
 def finish(proc: subprocess.Popen) -> str:
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-3000:]
@@ -104,12 +113,7 @@ def test_torchrun_resume_after_one_rank_is_killed(tiny):
     out = root / "killed"
     argv = ["run", "--model", str(ck), "--dataset", str(data), "--out", str(out), *RUN]
     proc = launch("torchrun", *argv)
-    part = out / "parts" / "rank-1"
-    deadline = time.monotonic() + 300
-    while not any(read_jsonl(part / name) for name in ("trace.jsonl", "skipped.jsonl")):
-        assert proc.poll() is None and time.monotonic() < deadline, "rank 1 committed nothing"
-        time.sleep(0.05)
-    os.kill(json.loads((part / "rank.json").read_text())["pid"], signal.SIGKILL)
+    kill_after_its_first_commit(proc, out / "parts" / "rank-1")
     proc.communicate(timeout=300)
     assert proc.returncode != 0  # torchrun stops the whole group when a rank dies
     saved = {r["id"] for d in [out, *sorted((out / "parts").iterdir())] for name in ("trace.jsonl", "skipped.jsonl")

@@ -67,16 +67,35 @@ def test_gpt_oss_120b_packed_fits_one_80gib_gpu_with_kv_room_and_bf16_does_not()
     assert d["fits"] is False and d["reason"] == f"needs {2 * (bf16_params + packed) / GiB:.1f} GiB of weights per GPU on 80.0 GiB"
 
 
+def deepseek_v31_whole_by_hand() -> int:
+    """What every --tp rank of DeepSeek-V3.1 holds whole: embeddings and LM head, norms, MLA's latent
+    projections q_a and kv_a (FP8 + a scale per 128x128 block), and each MoE layer's router."""
+    h, layers, moe_layers = 7168, 61, 58
+    fp8 = lambda rows, cols: rows * cols + 4 * math.ceil(rows / 128) * math.ceil(cols / 128)  # noqa: E731
+    per_layer = 2 * h * 2 + fp8(1536, h) + 1536 * 2 + fp8(576, h) + 512 * 2
+    return 2 * 129280 * h * 2 + h * 2 + layers * per_layer + moe_layers * (256 * h * 2 + 256 * 4)
+
+
 def test_deepseek_v31_fp8_fits_8x141gib_not_8x80gib_and_says_why():
     native_bytes = deepseek_v31_native_by_hand()
-    for tp in (None, 8):
+    whole = deepseek_v31_whole_by_hand()
+    for tp, per_gpu in ((None, math.ceil(native_bytes / 8)), (8, whole + math.ceil((native_bytes - whole) / 8))):
         big = make_plan(CONFIGS / "deepseek-v3.1", 8, 141 * GiB, "native", tp=tp)
         assert big["weight_bytes"] == native_bytes and 672e9 < native_bytes < 674e9  # "about 673 GB"
-        assert big["weight_bytes_per_gpu"] == math.ceil(native_bytes / 8)
+        assert big["weight_bytes_per_gpu"] == per_gpu
         assert big["fits"] is True and big["sequences"] >= 6, big["reason"]
         small = make_plan(CONFIGS / "deepseek-v3.1", 8, 80 * GiB, "native", tp=tp)
         assert small["fits"] is False
-        assert small["reason"] == "needs 78.4 GiB of weights per GPU plus 8.0 GiB of reserve on 80.0 GiB"
+        gib = f"{per_gpu / GiB:.1f} GiB"
+        assert small["reason"] == (f"needs {gib} of weights per GPU plus 8.0 GiB of reserve on 80.0 GiB" if tp is None
+                                   else f"needs {gib} of weights per GPU on 80.0 GiB")
+    # the replicated parts make --tp 8 hold 4.2 GB a GPU more than an even split
+    assert make_plan(CONFIGS / "deepseek-v3.1", 8, 141 * GiB, tp=8)["weight_bytes_whole_per_gpu"] == whole
+    assert 4e9 < whole - whole / 8 < 4.5e9
+    # 2 nodes of 8 x 80 GiB: --tp 16 fits
+    two_nodes = make_plan(CONFIGS / "deepseek-v3.1", 16, 80 * GiB, tp=16)
+    assert two_nodes["weight_bytes_per_gpu"] == whole + math.ceil((native_bytes - whole) / 16)
+    assert two_nodes["fits"] is True, two_nodes["reason"]
     # MLA caches the latent (512) and the RoPE key (64) per layer, whole on every TP rank
     assert make_plan(CONFIGS / "deepseek-v3.1", 8, 141 * GiB, tp=8)["kv_bytes_per_token"] == 61 * (512 + 64) * 2
     full = make_plan(CONFIGS / "deepseek-v3.1", 8, 141 * GiB, "dequantize")

@@ -254,8 +254,14 @@ def test_bad_fp8_tensors_are_named(folders, tmp_path, case, edit, match, mode):
 
 def test_modes_without_a_path_are_refused(folders):
     spec = QuantSpec("fp8", (128, 128))
-    with pytest.raises(QuantError, match="tensor parallelism over a fp8 checkpoint"):
-        choose_mode("native", spec, "cuda", True, None)
+    # tensor parallelism keeps the weights packed: dequantize, or a device without a packed path, is refused
+    assert choose_mode("native", spec, "cuda", True, None)[0] == "native"
+    with pytest.raises(QuantError, match="tensor parallelism over a fp8 checkpoint keeps the weights packed .* "
+                                         "use --quantization native or auto"):
+        choose_mode("dequantize", spec, "cpu", True, None)
+    with pytest.raises(QuantError, match="tensor parallelism over a fp8 checkpoint keeps the weights packed, which "
+                                         "runs on cpu and cuda, not mps"):
+        choose_mode("auto", spec, "mps", True, None)
     with pytest.raises(QuantError, match="'native' has no path on mps"):
         choose_mode("native", spec, "mps", False, None)
     assert choose_mode("auto", spec, "mps", False, None)[0] == "dequantize"

@@ -1,53 +1,132 @@
-"""Tensor parallelism over 2 CPU processes (gloo): the same tokens as one process.
+"""Tensor parallelism on the CPU (gloo): our own plan (models/shard.py) gives the same tokens as one
+process, over plain and packed checkpoints in the published layouts, and replicas of TP groups share
+the questions of a run.
 
-Our own plan (models/shard.py) splits attention by heads and the MLP by columns/rows; the sums of the row-parallel
-blocks are reduced in another order than one process adds them, so log-probs are compared within 1e-4 and greedy
-tokens exactly (on this tiny model no near-tie flips them)."""
+Attention is split by heads, MLPs by columns/rows, routed experts by expert; the row-parallel blocks'
+partial sums are added in another order than one process adds them, so log-probs are compared within
+LOGPROB_TOL and greedy tokens exactly (on these tiny models no near-tie flips them)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from svrmad_local import cli
+from svrmad_local.debate.trace import read_jsonl
 from svrmad_local.dist import Dist
 from svrmad_local.engine.engine import Engine, EngineConfig
 from svrmad_local.models.loader import load_model
+from svrmad_local.models.plan import make_plan
+from svrmad_local.models.quant.formats import Reader
 
 from .conftest import make_model
-from .test_dp import N, RUN, finish, launch, outcome, tiny  # noqa: F401 (tiny: the fixture)
-from .tp_worker import workload
+from .model_zoo import make_zoo_model
+from .quant_zoo import deepseek_config, write_deepseek, write_gpt_oss
+from .test_dp import (N, RUN, finish, kill_after_its_first_commit, launch, outcome,  # noqa: F401 (tiny: the fixture)
+                      tiny)
+from .tp_worker import CONFIG, resident_bytes, workload
 
 ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "tests" / "fixtures" / "configs"
+LOGPROB_TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama")
-    make_model("llama", layers=2).save_pretrained(path)
-    return path
+def checkpoints(tmp_path_factory):
+    """One of each family the plan covers: a Llama whose 2 KV heads split (its LM head tied), a Qwen3-MoE (experts by
+    expert), GPT-OSS with MXFP4 experts and DeepSeek-V3 in FP8 (latent attention, ragged blocks)."""
+    root = tmp_path_factory.mktemp("tp")
+    llama = make_model("llama", layers=2)
+    llama.config.tie_word_embeddings = True  # as SmolLM2 (the embedded default): one tensor, read once
+    llama.tie_weights()
+    llama.save_pretrained(root / "llama")
+    make_zoo_model("qwen3-moe", 0).save_pretrained(root / "qwen3-moe")
+    gpt_oss, _ = write_gpt_oss(root)
+    # sizes that split over 2 ranks on the 16x16 blocks (dense 96 -> 48, shared expert 32 -> 16); hidden 72
+    # and kv_a's 24 rows stay ragged (whole on every rank)
+    deepseek, _ = write_deepseek(root, config=deepseek_config(intermediate_size=96, moe_intermediate_size=32))
+    return {"llama": root / "llama", "qwen3-moe": root / "qwen3-moe", "gpt-oss": gpt_oss, "deepseek": deepseek}
 
 
-def test_tensor_parallel_matches_one_process(checkpoint, tmp_path):
-    out = tmp_path / "tp.json"
+def run_worker(out: Path, *args: str, nproc: int = 2) -> dict:
+    """tests/tp_worker.py under torchrun in `nproc` processes; what its leader wrote."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29517",
-           str(ROOT / "tests" / "tp_worker.py"), str(checkpoint), str(out)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           str(ROOT / "tests" / "tp_worker.py"), *args]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    tp = json.loads(out.read_text())
-    lm = load_model(checkpoint, device="cpu")
-    one = workload(Engine(lm.model, None, EngineConfig(block_size=4, kv_cache_memory=4 * 2**20)))
-    assert tp["world"] == 2 and tp["kv_heads_here"] == 1  # each rank caches its own half of the 2 KV heads
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def two_ranks(checkpoints, tmp_path_factory):
+    out = tmp_path_factory.mktemp("tp-out") / "tp.json"
+    return run_worker(out, str(out), *map(str, checkpoints.values()))
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3-moe", "gpt-oss", "deepseek"])
+def test_tensor_parallel_matches_one_process(name, checkpoints, two_ranks):
+    tp = two_ranks[str(checkpoints[name])]
+    lm = load_model(checkpoints[name], device="cpu")
+    one = workload(Engine(lm.model, None, EngineConfig(**CONFIG)))
+    assert tp["world"] == 2
     assert tp["greedy"] == one["greedy"] and tp["forks"] == one["forks"]
     for a, b in zip(tp["greedy_logprobs"], one["greedy_logprobs"]):
-        assert a == pytest.approx(b, abs=1e-4)
-    assert tp["score"] == pytest.approx(one["score"], abs=1e-4)
-    assert tp["computed"] == one["computed"]  # the same prefix reuse: rank 0 scheduled it all
+        assert a == pytest.approx(b, abs=LOGPROB_TOL)
+    assert tp["score"] == pytest.approx(one["score"], abs=LOGPROB_TOL)
+    assert tp["computed"] == one["computed"]  # the same prefix reuse: the leader scheduled it all
+    # the collectives the plan states: two all-reduces a decoder layer a step
+    c = tp["collectives"]
+    assert c["steps"] > 0 and c["all_reduce"] == 2 * lm.model.config.num_hidden_layers * c["steps"]
+    # each rank caches its own half of the KV heads; the latent (DeepSeek) is whole on every rank
+    heads = tp["kv_shape_here"][0]
+    assert heads == (1 if name == "deepseek" else lm.model.config.num_key_value_heads // 2)
+    # what a rank holds: the plan's count for --tp 2 (unpacked weights held in fp32 here), and less than
+    # the whole model
+    plan = make_plan(checkpoints[name], 2, 2**40, tp=2, held_as="F32")
+    for held in tp["resident"]:
+        assert plan["weight_bytes_per_gpu"] / 1.1 <= held <= plan["weight_bytes_per_gpu"] * 1.1
+        assert held < resident_bytes(lm.model)
+
+
+def test_four_ranks_one_kv_head_and_one_expert_each(tmp_path):
+    """TP 4 on a Qwen3-MoE with 4 KV heads and 4 experts: each rank holds one of each."""
+    import torch
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = CONFIG_MAPPING["qwen3_moe"](vocab_size=400, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=4, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                         moe_intermediate_size=32, intermediate_size=128, decoder_sparse_step=1,
+                                         max_position_embeddings=512, eos_token_id=2, bos_token_id=0, pad_token_id=0,
+                                         tie_word_embeddings=False)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # random init is small: scale so greedy ties are rare (as conftest.make_model)
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.mul_(3.0)
+    model.save_pretrained(tmp_path / "qwen3-moe-4")
+    out = tmp_path / "tp4.json"
+    tp = run_worker(out, str(out), str(tmp_path / "qwen3-moe-4"), nproc=4)[str(tmp_path / "qwen3-moe-4")]
+    one = workload(Engine(load_model(tmp_path / "qwen3-moe-4", device="cpu").model, None, EngineConfig(**CONFIG)))
+    assert tp["world"] == 4 and tp["kv_shape_here"][0] == 1
+    assert tp["greedy"] == one["greedy"] and tp["forks"] == one["forks"]
+    for a, b in zip(tp["greedy_logprobs"], one["greedy_logprobs"]):
+        assert a == pytest.approx(b, abs=LOGPROB_TOL)
+    assert tp["score"] == pytest.approx(one["score"], abs=LOGPROB_TOL)
+
+
+def test_the_leader_stops_with_one_line_when_a_follower_is_gone(checkpoints, tmp_path):
+    out = tmp_path / "quit.json"
+    said = run_worker(out, "--follower-quits", str(out), str(checkpoints["llama"]))["said"]
+    assert said.startswith("rank 0 (tensor-parallel group [0, 1]): a rank of the tensor-parallel group stopped (")
+    assert "\n" not in said
 
 
 def test_world_size_not_a_multiple_of_tp_is_refused():
@@ -71,3 +150,110 @@ def test_two_replicas_of_tp_2_share_the_questions(tiny):
     meta = json.loads((out / "run.json").read_text())
     assert meta["config"]["tp"] == 2 and [r["rank"] for r in meta["ranks"]] == [0, 1]
     assert sum(r["questions"] for r in meta["ranks"]) == N and all(r["questions"] > 0 for r in meta["ranks"])
+
+
+def test_a_replica_that_dies_stops_the_run_and_a_rerun_resumes(tiny):
+    """4 processes, --tp 2: the leader of replica 1 is killed mid-run. torchrun stops the others (its
+    own report is its business); none of our processes adds a traceback, the committed questions stay,
+    and a rerun in one process runs the rest to the single-process result."""
+    ck, data, root = tiny
+    out = root / "dp-tp-killed"
+    argv = ["run", "--model", str(ck), "--dataset", str(data), "--out", str(out), *RUN]
+    proc = launch("torchrun", *argv, "--tp", "2", nproc=4)
+    kill_after_its_first_commit(proc, out / "parts" / "rank-1")
+    printed, _ = proc.communicate(timeout=300)
+    assert proc.returncode != 0
+    assert not re.search(r"\[rank\d\]:\s*Traceback", printed), printed[-3000:]
+    saved = {r["id"] for d in [out, *sorted((out / "parts").iterdir())] for name in ("trace.jsonl", "skipped.jsonl")
+             for r in read_jsonl(d / name)}
+    assert 0 < len(saved) < N, "the kill came too late to test a resume"
+    assert not read_jsonl(out / "errors.jsonl") and not any(read_jsonl(p / "errors.jsonl")
+                                                            for p in (out / "parts").iterdir())
+    assert cli.main(argv) == 0
+    assert outcome(out) == outcome(root / "single")
+
+
+def _published_index(path: Path) -> Reader:
+    """The names and dtypes the published files hold, from the plan's own list of weights (no files):
+    what the loader reads to decide which modules stay packed."""
+    from svrmad_local.models.plan import config_weights, read_config
+    from svrmad_local.models.quant.formats import TensorInfo
+
+    index = {}
+    for w in config_weights(read_config(path)):
+        if w.fmt == "mxfp4":
+            index.update({f"{w.name}{k}": TensorInfo(path, "U8", ()) for k in ("_blocks", "_scales")})
+        elif w.fmt == "fp8":
+            index.update({w.name: TensorInfo(path, "F8_E4M3", ()), f"{w.name}_scale_inv": TensorInfo(path, "F32", ())})
+        else:
+            index[w.name] = TensorInfo(path, w.fmt, ())
+    reader = Reader.__new__(Reader)
+    reader.index, reader.used, reader._open = index, set(), {}
+    return reader
+
+
+@pytest.mark.parametrize("name", ["deepseek-v3.1", "gpt-oss-120b"])
+def test_plan_and_engine_agree_on_the_shipped_configs(name):
+    """At the real shapes (meta tensors, nothing allocated): for each --tp, the plan refuses exactly
+    what the loader refuses, and otherwise the bytes the loader gives the first and the last rank are
+    the plan's weight bytes per GPU (within 1%: FP8 scale grids of split weights round per rank)."""
+    import torch
+    from transformers import AutoConfig
+
+    from svrmad_local.engine.tp import Group
+    from svrmad_local.models.plan import PlanError
+    from svrmad_local.models.quant import quant_spec
+    from svrmad_local.models.shard import meta_split
+
+    path = CONFIGS / name
+    config = AutoConfig.from_pretrained(path)
+    spec = quant_spec(json.loads((path / "config.json").read_text()))
+    index = _published_index(path)
+    agreed = []
+    for tp in (3, 8, 16, 32):
+        try:
+            plan = make_plan(path, tp, 2**50, tp=tp)["weight_bytes_per_gpu"]
+        except PlanError:
+            plan = None
+        held = []
+        for rank in (0, tp - 1):
+            try:
+                model, _, _ = meta_split(config, torch.bfloat16, Group(tuple(range(tp)), rank), spec, index)
+            except PlanError:
+                break
+            seen = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+            held.append(sum(t.numel() * t.element_size() for t in seen.values()))
+        assert (plan is None) == (not held), f"--tp {tp}: the plan says {plan}, the loader holds {held}"
+        for h in held:
+            assert h == pytest.approx(plan, rel=0.01)
+        agreed.append(tp if held else None)
+    # 3 divides no heads; DeepSeek's dense MLP at 32 gives 576 rows a rank (4.5 FP8 blocks); GPT-OSS has 8 KV heads
+    assert agreed == {"deepseek-v3.1": [None, 8, 16, None], "gpt-oss-120b": [None, 8, None, None]}[name]
+
+
+def test_a_split_the_plan_cannot_make_is_refused_in_one_line_by_loader_and_plan(tmp_path):
+    """The published tiny DeepSeek layout (dense MLP 100 rows, experts' 40: ragged 16x16 blocks) at
+    --tp 2, and 3 experts over 2 ranks: the loader refuses before reading a weight or meeting a
+    collective, and `svrmad plan` refuses the same --tp."""
+    import torch
+    from transformers import AutoConfig
+
+    from svrmad_local.engine.tp import Group
+    from svrmad_local.models.plan import PlanError
+    from svrmad_local.models.quant import quant_spec
+    from svrmad_local.models.shard import Slices, meta_split
+
+    ragged, _ = write_deepseek(tmp_path / "ragged")
+    three, _ = write_deepseek(tmp_path / "three", config=deepseek_config(n_routed_experts=3, intermediate_size=96,
+                                                                          moe_intermediate_size=32))
+    for path, tp, loader, plan in [
+        (ragged, 2, r"^--tp 2 cuts the 16x16 FP8 blocks of model\.layers\.0\.mlp\.(gate|up)_proj \(100 rows give 50 a "
+                    r"rank\); use a --tp that keeps 100 / tp a multiple of 16$", r"gives 50 per rank, which cuts"),
+        (three, 2, r"^--tp 2 does not divide the 3 experts of model\.layers\.1\.mlp\.experts \(3\); use a --tp that "
+                   r"divides 3$", r"^--tp 2 does not divide the model's 3 routed experts"),
+    ]:
+        spec = quant_spec(json.loads((path / "config.json").read_text()))
+        with pytest.raises(PlanError, match=loader):
+            meta_split(AutoConfig.from_pretrained(path), torch.float32, Group(tuple(range(tp)), 0), spec, Slices(path))
+        with pytest.raises(PlanError, match=plan):
+            make_plan(path, tp, 2**40, tp=tp)

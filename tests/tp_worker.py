@@ -1,14 +1,18 @@
-"""Run by tests/test_tp.py under torchrun: one tensor-parallel engine over the given checkpoint.
-Rank 0 writes what it generated (greedy, seeded forks, teacher-forced log-probs) as JSON."""
+"""Run by tests/test_tp.py under torchrun: one tensor-parallel engine over each given checkpoint in turn
+(one launch for them all: starting the processes is the slow part). The leader writes, per checkpoint,
+what it generated (greedy, seeded forks, teacher-forced log-probs) and every rank's resident bytes."""
 
 import json
 import sys
+from contextlib import contextmanager
 
 import torch.distributed as dist
 
 from svrmad_local.engine.engine import Engine, EngineConfig
 from svrmad_local.engine.params import SamplingParams
 from svrmad_local.models.loader import load_model
+
+CONFIG = dict(block_size=4, kv_cache_memory=4 * 2**20)
 
 
 def workload(engine):
@@ -24,21 +28,81 @@ def workload(engine):
             "computed": engine.totals.computed_tokens}
 
 
-def main(path: str, out: str) -> None:
+def resident_bytes(model) -> int:
+    """The bytes this rank holds: parameters and buffers, packed or not, each tensor once."""
+    seen = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.numel() * t.element_size() for t in seen.values())
+
+
+def follower_quits(out: str, path: str) -> None:
+    """The follower runs 3 steps and exits cleanly (torchrun sees no failure and stops nobody): the
+    leader's next collective must end its request with GroupLost, one line, instead of hanging."""
+    import os
+
+    from svrmad_local.dist import GroupLost
+
     dist.init_process_group("gloo")
-    lm = load_model(path, device="cpu", tp=True)
-    engine = Engine(lm.model, None, EngineConfig(block_size=4, kv_cache_memory=4 * 2**20))
+    engine = Engine(load_model(path, device="cpu", tp=True).model, None, EngineConfig(**CONFIG))
+    if dist.get_rank() == 1:
+        for _ in range(3):
+            engine.runner.execute(engine._channel.recv())
+        os._exit(0)
+    try:
+        engine.generate_sync([[3, 4, 5, 6]], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+        said = "no error"
+    except GroupLost as exc:
+        said = str(exc)
+    engine.close()
+    with open(out, "w") as f:
+        json.dump({"said": said}, f)
+
+
+@contextmanager
+def counting(engine):
+    """Counts the leader's forward steps and its all-reduces inside the block (engine/tp.py looks
+    dist.all_reduce up at each call)."""
+    count = {"steps": 0, "all_reduce": 0}
+    execute, all_reduce = engine.runner.execute, dist.all_reduce
+
+    def step(s):
+        count["steps"] += 1
+        return execute(s)
+
+    def reduce(*args, **kwargs):
+        count["all_reduce"] += 1
+        return all_reduce(*args, **kwargs)
+
+    engine.runner.execute, dist.all_reduce = step, reduce
+    try:
+        yield count
+    finally:
+        engine.runner.execute, dist.all_reduce = execute, all_reduce
+
+
+def main(out: str, paths: list[str]) -> None:
+    dist.init_process_group("gloo")
+    results = {}
+    for path in paths:
+        lm = load_model(path, device="cpu", tp=True)
+        sizes = [None] * dist.get_world_size()
+        dist.all_gather_object(sizes, resident_bytes(lm.model))
+        engine = Engine(lm.model, None, EngineConfig(**CONFIG))
+        if dist.get_rank() == 0:
+            with counting(engine) as count:
+                done = workload(engine)
+            results[path] = {**done, "world": dist.get_world_size(), "resident": sizes,
+                             "kv_shape_here": list(engine.spec.layers[0].k_shape), "collectives": count}
+            engine.close()
+        else:
+            engine.follow()
     if dist.get_rank() == 0:
-        result = workload(engine)
-        result["world"] = dist.get_world_size()
-        result["kv_heads_here"] = engine.spec.layers[0].k_shape[0]
-        engine.close()
         with open(out, "w") as f:
-            json.dump(result, f)
-    else:
-        engine.follow()
+            json.dump(results, f)
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    if sys.argv[1] == "--follower-quits":
+        follower_quits(sys.argv[2], sys.argv[3])
+    else:
+        main(sys.argv[1], sys.argv[2:])

@@ -19,6 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Union
 
+from svrmad_local.dist import GroupLost
+
 from . import build
 from .config import EngineConfig, SamplingParams  # noqa: F401  (EngineConfig: public here too)
 from .memory import parse_memory  # noqa: F401  (public here too)
@@ -201,8 +203,11 @@ class Engine:
     def close(self) -> None:
         """Release the worker thread; with tensor parallelism, rank 0 also lets the followers go."""
         if self.sharded and self.rank == 0 and self.runner.tp is not None:
-            self.runner.tp.send(None)
-            self.runner.tp = None
+            channel, self.runner.tp = self.runner.tp, None
+            try:
+                channel.send(None)
+            except GroupLost:  # a follower is gone: nobody is left to tell
+                pass
         self._executor.shutdown(wait=False)
 
     # -- plumbing ---------------------------------------------------------------------------

@@ -18,39 +18,10 @@ here names its group.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 
-from svrmad_local.errors import UserError
-
-
-class GroupLost(UserError, RuntimeError):
-    """A rank of the tensor-parallel group stopped (died, or was killed) while the others waited on it."""
-
-
-@dataclass(frozen=True)
-class Group:
-    """One tensor-parallel group: `ranks` are global ranks, `rank` this process's index among them."""
-
-    ranks: tuple[int, ...]
-    rank: int
-    pg: object = None  # the torch.distributed ProcessGroup (None: the default group)
-
-    @property
-    def size(self) -> int:
-        return len(self.ranks)
-
-    @property
-    def leader(self) -> int:
-        """The global rank that runs the engine and sends the steps."""
-        return self.ranks[0]
-
-    @classmethod
-    def whole_world(cls) -> Group:
-        world = dist.get_world_size()
-        return cls(tuple(range(world)), dist.get_rank(), None)
+from svrmad_local.dist import Group, GroupLost, lost_rank  # noqa: F401  (Group, GroupLost: public here too)
 
 
 def group_of(model) -> Group | None:
@@ -71,18 +42,6 @@ def agree_on_blocks(num_blocks: int, device: torch.device, group: Group) -> int:
     return int(t.item())
 
 
-def reduce_outputs(module: torch.nn.Module, group: Group) -> None:
-    """Sum `module`'s output (a tensor, or a tuple whose first item is the tensor) over the group, in
-    place, after every forward: the row-parallel end of an attention or MLP block."""
-
-    def hook(_mod, _args, out):
-        t = out[0] if isinstance(out, tuple) else out
-        dist.all_reduce(t, group=group.pg)
-        return out
-
-    module.register_forward_hook(hook)
-
-
 class StepChannel:
     """The leader sends every step (or None to stop) to the other ranks of its group."""
 
@@ -90,13 +49,11 @@ class StepChannel:
         self.group = group
 
     def send(self, step) -> None:
-        dist.broadcast_object_list([step], src=self.group.leader, group=self.group.pg)
+        with lost_rank(self.group):
+            dist.broadcast_object_list([step], src=self.group.leader, group=self.group.pg)
 
     def recv(self):
         box = [None]
-        try:
+        with lost_rank(self.group, f"its leader (rank {self.group.leader}) stopped sending steps"):
             dist.broadcast_object_list(box, src=self.group.leader, group=self.group.pg)
-        except (RuntimeError, dist.DistBackendError) as exc:
-            raise GroupLost(f"rank {dist.get_rank()}: the tensor-parallel leader (rank {self.group.leader}) "
-                            f"stopped sending steps ({' '.join(str(exc).split())[:160]})") from None
         return box[0]

@@ -31,7 +31,7 @@ from tqdm import tqdm
 from svrmad_local.grading import equivalent, set_grader
 from svrmad_local.debate.trace import RecordingBackend, read_jsonl
 from svrmad_local.debate.types import Question, Response
-from svrmad_local.dist import Dist
+from svrmad_local.dist import Dist, GroupLost
 from svrmad_local.eval.config import RunConfig, add_run_arguments, from_args
 from svrmad_local.eval.preflight import check_settings, load_questions, model_path, preflight, shard  # noqa: F401
 from svrmad_local.eval import token_stats
@@ -182,6 +182,8 @@ async def work(todo: list[Question], backend: RecordingBackend, cfg: RunConfig, 
                 await run_question(q, backend, cfg, folder)
                 counts["done"] += 1
             except QuestionFailed as exc:
+                if GroupLost.behind(exc):  # not the question's failure: the run stops
+                    raise GroupLost.behind(exc) from None
                 folder.record_error(q.id, exc.stage, exc.message, rank=d.rank)
                 counts["failed"] += 1
             finally:

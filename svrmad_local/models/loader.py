@@ -155,7 +155,7 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype | None = None, devi
                device_map: str | dict | None = None, tp=False, quantization: str = "auto") -> LoadedModel:
     """`device`: "cpu", "cuda", "cuda:1"... (default: cuda if available). `device_map`: passed to
     accelerate ("auto" spreads a model too large for one GPU over all visible GPUs). `tp`: this rank's
-    part of the model under our tensor-parallel plan (models/shard.py) over `tp`, an engine.tp.Group,
+    part of the model under our tensor-parallel plan (models/shard.py) over `tp`, a dist.Group,
     or True for the whole initialised torch.distributed world (every rank of the group calls this).
     `quantization`: for MXFP4 / FP8 checkpoints, "native"
     keeps the weights packed, "dequantize" expands them exactly into `dtype`, "auto" takes native where
@@ -168,6 +168,18 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype | None = None, devi
     c = check_folder(path, dtype=dtype, device=device, device_map=device_map, tp=tp, quantization=quantization)
     path, config, spec, mode, torch_dtype, device = c.path, c.config, c.spec, c.mode, c.dtype, c.device
     tokenizer = load_tokenizer(path)
+    if tp:  # our own plan (models/shard.py): each rank reads its slice; `tp` is the group, or True for the world
+        from svrmad_local.dist import Group
+        from svrmad_local.models.shard import load_sharded
+
+        if device_map is not None:
+            raise ModelLoadError("tensor parallelism and a device map do not mix: pass one of them")
+        group = Group.whole_world() if tp is True else tp
+        model = load_sharded(path, config, torch_dtype, device, group, spec)
+        if spec is not None:
+            model.svrmad_quantization["summary"] = (f"loading {path.name} ({spec.describe()}) split over "
+                                                    f"{group.size} ranks, with the weights packed")
+        return LoadedModel(model, tokenizer, path)
     if spec is not None:
         held = "with the weights packed (native)" if mode == "native" else f"dequantized into {torch_dtype}"
         line = f"loading {path.name} ({spec.describe()}) {held}: {c.why}"
@@ -178,14 +190,6 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype | None = None, devi
     kwargs = dict(SAFE, dtype=torch_dtype, use_safetensors=True, output_loading_info=True)
     if device_map is not None:
         kwargs["device_map"] = device_map
-    if tp:  # our own plan (models/shard.py): each rank reads its slice; `tp` is the group, or True for the world
-        from svrmad_local.engine.tp import Group
-        from svrmad_local.models.shard import load_sharded
-
-        if device_map is not None:
-            raise ModelLoadError("tensor parallelism and a device map do not mix: pass one of them")
-        group = Group.whole_world() if tp is True else tp
-        return LoadedModel(load_sharded(path, config, torch_dtype, device, group), tokenizer, path)
     from transformers.utils import logging as hf_logging
 
     # Quiet only for this call (our checks below say what matters, in our words), not for the process;

@@ -32,8 +32,6 @@ KV_ITEM = 2  # the cache holds bf16 keys and values
 MXFP4_BLOCK = 32  # values per e8m0 scale; 16 bytes of e2m1 codes + 1 byte of scale
 CONFIG_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 DENSE = ("llama", "mistral", "qwen2", "qwen3")
-COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "gate_up_proj", "q_b_proj", "kv_b_proj")
-ROW_PARALLEL = ("o_proj", "down_proj")
 
 
 class PlanError(UserError, ValueError):
@@ -366,17 +364,23 @@ def check_block_split(name: str, shape, block_shape, tp: int, dim: int) -> None:
                         f"{size} / tp a multiple of {block}")
 
 
+def check_planned(model_type: str, packed: bool) -> None:
+    """--tp runs our own plan (models/tp_plan.py), which covers these architectures."""
+    from svrmad_local.models.tp_plan import PLANNED
+
+    if model_type not in PLANNED:
+        raise PlanError(f"--tp over a {model_type} model is not planned yet (the tensor-parallel plan covers "
+                        f"{', '.join(PLANNED)}); run it with --tp 1, data parallel, or --device-map auto")
+    if model_type == "gpt_oss" and not packed:
+        raise PlanError("--tp over GPT-OSS reads its published MXFP4 release (its plain experts module cannot "
+                        "skip another rank's experts); use the MXFP4 checkpoint or --tp 1")
+
+
 def tp_split_dim(w: Weight) -> int | None:
-    """Where the plan assumes --tp splits a weight: fused experts by expert, column-parallel
-    projections by output rows, row-parallel ones by input columns; None: replicated."""
-    module = w.name.removesuffix(".weight").rsplit(".", 1)[-1]
-    if len(w.shape) == 3 and ".experts." in w.name:
-        return 0
-    if module in COLUMN_PARALLEL:
-        return -2
-    if module in ROW_PARALLEL:
-        return -1
-    return None
+    """The dimension --tp cuts `w` along under the plan (models/tp_plan.py); None: whole on every rank."""
+    from svrmad_local.models.tp_plan import DIM, split_of
+
+    return DIM.get(split_of(w.name))
 
 
 # --- the plan ----------------------------------------------------------------------------------
@@ -397,7 +401,9 @@ def parse_gpus(text: str) -> tuple[int, int]:
 
 
 def make_plan(path, gpus: int, gpu_memory: int, quantization: str = "native", tp: int | None = None,
-              prompt_tokens: int = PROMPT_TOKENS) -> dict:
+              prompt_tokens: int = PROMPT_TOKENS, held_as: str | None = None) -> dict:
+    """`held_as`: the dtype ("F32", "BF16") unpacked weights are held in, when not the published one
+    (an fp32 run on the CPU); packed weights keep their bytes."""
     path = Path(path).expanduser()
     if quantization not in ("native", "dequantize"):
         raise PlanError(f"quantization {quantization!r}: use native or dequantize")
@@ -405,25 +411,43 @@ def make_plan(path, gpus: int, gpu_memory: int, quantization: str = "native", tp
         raise PlanError(f"--prompt-tokens {prompt_tokens} is negative")
     cfg = read_config(path)
     try:
-        return _plan(path, cfg, gpus, gpu_memory, quantization, tp, prompt_tokens)
+        return _plan(path, cfg, gpus, gpu_memory, quantization, tp, prompt_tokens, held_as)
     except KeyError as exc:
         raise PlanError(f"{path}/config.json has no {exc.args[0]!r}, which the plan needs") from None
 
 
-def _plan(path: Path, cfg: dict, gpus, gpu_memory, quantization, tp, prompt_tokens) -> dict:
+def _plan(path: Path, cfg: dict, gpus, gpu_memory, quantization, tp, prompt_tokens, held_as=None) -> dict:
     found = header_weights(path, cfg)
     weights, source = (found[0], f"safetensors headers ({len(found[1])} files)") if found else \
         (config_weights(cfg), "config.json")
     if tp is not None and (tp < 1 or tp > gpus or gpus % tp):
         raise PlanError(f"--tp {tp} with {gpus} GPUs: the GPUs must be a whole number of tp-GPU groups")
-    if tp and tp > 1:
+    native = quantization == "native"
+    packed = any(w.fmt in ("mxfp4", "fp8") for w in weights)
+    if tp and tp > 1:  # the engine's own refusals, in the same words (models/shard.py)
+        check_planned(cfg.get("model_type"), packed)
+        if packed and not native:
+            raise PlanError("tensor parallelism over a packed checkpoint keeps the weights packed (each rank reads "
+                            "its blocks and their scales); plan it with --quantization native")
         check_tp_heads(cfg, tp)
+        experts = next((cfg[k] for k in ("n_routed_experts", "num_experts", "num_local_experts") if cfg.get(k)), 0)
+        if experts % tp:
+            raise PlanError(f"--tp {tp} does not divide the model's {experts} routed experts (split by expert); "
+                            f"use a --tp that divides {experts}")
         for w in weights:
             dim = tp_split_dim(w)
-            if dim is not None and w.fmt in ("mxfp4", "fp8"):
+            if dim is not None and ".experts." not in w.name:  # experts: whole, by expert (checked above)
                 check_block_split(w.name, w.shape, w.block_shape(), tp, dim)
-    native = quantization == "native"
-    total = sum(w.native_bytes() if native else 2 * w.numel for w in weights)
+
+    def size(w: Weight) -> int:
+        if held_as and (not native or w.fmt not in ("mxfp4", "fp8")):
+            return w.numel * DTYPE_BYTES[held_as]
+        return w.native_bytes() if native else 2 * w.numel
+
+    total = sum(size(w) for w in weights)
+    # under --tp, what every rank holds whole (embeddings, norms, routers, the LM head, MLA's latent
+    # projections) and the split parts, 1/tp each
+    whole = total if not tp or tp == 1 else sum(size(w) for w in weights if tp_split_dim(w) is None)
     params: dict[str, int] = {}
     for w in weights:
         key = w.fmt if native else "BF16"
@@ -446,7 +470,7 @@ def _plan(path: Path, cfg: dict, gpus, gpu_memory, quantization, tp, prompt_toke
     split = span if tp is None else 1
     seq_bytes = math.ceil((grow * seq + cap) / split)
     seq_uncapped = math.ceil(sum(per_gpu(x) for x in layers) * seq / split)
-    weights_gpu = math.ceil(total / span)
+    weights_gpu = math.ceil(total / span) if tp is None else whole + math.ceil((total - whole) / tp)
     reserve = max(RESERVE_MIN, int(RESERVE_FRACTION * gpu_memory))
     room = gpu_memory - reserve - weights_gpu
     sequences = replicas * (max(0, room) // seq_bytes)
@@ -465,7 +489,8 @@ def _plan(path: Path, cfg: dict, gpus, gpu_memory, quantization, tp, prompt_toke
         "model": str(path), "architecture": cfg.get("model_type"), "source": source,
         "quantization": quantization, "parameters": sum(params.values()), "parameters_by_format": params,
         "weight_bytes": total, "gpus": gpus, "gpu_memory": gpu_memory, "tp": tp, "replicas": replicas,
-        "weight_bytes_per_gpu": weights_gpu, "reserve_bytes_per_gpu": reserve, "kv_room_per_gpu": max(0, room),
+        "weight_bytes_per_gpu": weights_gpu, "weight_bytes_whole_per_gpu": whole if tp and tp > 1 else None,
+        "reserve_bytes_per_gpu": reserve, "kv_room_per_gpu": max(0, room),
         "kv_bytes_per_token": math.ceil(grow / split),
         "kv_window_cap_bytes_per_sequence": math.ceil(cap / split),
         "kv_window_layers": len(capped), "kv_windows": sorted({x.window for x in capped}),
@@ -489,7 +514,8 @@ def format_plan(p: dict) -> str:
         layout = "one GPU" if p["gpus"] == 1 else f"spread by layers over {p['gpus']} GPUs (no --tp)"
     else:
         layout = (f"{p['replicas']} replica{'s' if p['replicas'] > 1 else ''} of {p['tp']} GPU"
-                  + ("s, tensor parallel" if p["tp"] > 1 else " each"))
+                  + (f"s, tensor parallel ({_gib(p['weight_bytes_whole_per_gpu'])} of it whole on every rank: "
+                     "embeddings, LM head, norms, routers, latent projections)" if p["tp"] > 1 else " each"))
     where = ("the latent, kept whole on every TP rank" if p["kv_latent"] and (p["tp"] or 1) > 1 else
              "the latent" if p["kv_latent"] else "K and V" + (", split by KV heads" if (p["tp"] or 1) > 1 else ""))
     lines = [

@@ -39,10 +39,13 @@ def choose_mode(requested: str, spec: QuantSpec | None, device: str | None, tp: 
             raise QuantError("quantization 'native' asked for, but the checkpoint is not quantized (no "
                              "quantization_config in config.json); use auto")
         return "plain", "the checkpoint is not quantized"
-    if tp:
-        raise QuantError(f"tensor parallelism over a {spec.method} checkpoint is not supported yet (a split must "
-                         "not cut a quantization block); run it on one device")
+    if tp and requested == "dequantize":
+        raise QuantError(f"tensor parallelism over a {spec.method} checkpoint keeps the weights packed (each rank "
+                         "reads its blocks and their scales); use --quantization native or auto")
     kind = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")).type
+    if tp and kind not in NATIVE_DEVICES:
+        raise QuantError(f"tensor parallelism over a {spec.method} checkpoint keeps the weights packed, which runs on "
+                         f"{' and '.join(NATIVE_DEVICES)}, not {kind}")
     if kind not in NATIVE_DEVICES:
         if requested == "native":
             raise QuantError(f"quantization 'native' has no path on {kind} (packed {spec.method} runs on "
@@ -55,20 +58,26 @@ def choose_mode(requested: str, spec: QuantSpec | None, device: str | None, tp: 
     return "native", f"{'asked for' if requested == 'native' else 'a packed path exists'} on {kind} ({how})"
 
 
+def meta_model(config, dtype: torch.dtype) -> nn.Module:
+    """transformers' model of `config` on the meta device (buffers real: RoPE tables), without its
+    quantizer: our loading fills the weights."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(config)
+    for holder in (config, getattr(config, "text_config", None)):
+        if holder is not None and hasattr(holder, "quantization_config"):
+            delattr(holder, "quantization_config")
+    with init_empty_weights(include_buffers=False):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
+
+
 def load_quantized(path: Path, config, spec: QuantSpec, mode: str, dtype: torch.dtype, device: str | None,
                    device_map: str | dict | None = None):
     """The model of `path` with its weights native (packed) or dequantized into `dtype`, on `device`,
     or spread by `device_map` (accelerate's; a packed module always stays whole on one device)."""
-    from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
-
     reader = Reader(path)
-    config = copy.deepcopy(config)
-    for holder in (config, getattr(config, "text_config", None)):
-        if holder is not None and hasattr(holder, "quantization_config"):
-            delattr(holder, "quantization_config")  # our loading, not transformers' quantizer
-    with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
+    model = meta_model(config, dtype)
     if mode == "native":
         _pack(model, reader, spec, dtype)
     placement = _placement(model, device_map) if device_map is not None else {"": torch.device(device or "cpu")}
