@@ -146,6 +146,7 @@ def refresh(out) -> None:
 
         cfg = RunConfig.from_dict(meta["config"], where=folder.run_json)
         folder.cut_torn_tails()
+        folder.failed()  # every line names its question: a damaged file is one line here, not a wrong count
         merged = folder.merge_parts()
         if merged:
             note(f"merged {merged} questions from the part files of an unfinished data-parallel run")
