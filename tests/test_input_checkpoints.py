@@ -23,6 +23,7 @@ from .quant_zoo import write_deepseek
 
 @pytest.fixture
 def ck(tmp_path, tiny_tokenizer):
+    """A one-layer Llama checkpoint with its tokenizer (chat template included), to damage."""
     path = tmp_path / "ck"
     make_model("llama", vocab=len(tiny_tokenizer), layers=1).save_pretrained(path)
     tiny_tokenizer.save_pretrained(path)
