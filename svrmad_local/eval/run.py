@@ -32,7 +32,7 @@ from svrmad_local.debate.trace import RecordingBackend
 from svrmad_local.debate.types import Question, Response
 from svrmad_local.dist import Dist
 from svrmad_local.eval.config import RunConfig, add_run_arguments, from_args
-from svrmad_local.eval.preflight import check_settings, load_questions, model_path, preflight, shard  # noqa: F401
+from svrmad_local.eval.preflight import check_settings, model_path, preflight, shard  # noqa: F401 (shard: tests)
 from svrmad_local.eval.folder import RunFolder, note, write_json
 from svrmad_local.eval.folder import rows as run_rows
 from svrmad_local.eval.posthoc import finalize, rebuild_results, recorded_methods
