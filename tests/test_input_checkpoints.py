@@ -23,6 +23,7 @@ from .quant_zoo import write_deepseek
 
 @pytest.fixture
 def ck(tmp_path, tiny_tokenizer):
+    """A one-layer Llama checkpoint with its tokenizer (chat template included), to damage."""
     path = tmp_path / "ck"
     make_model("llama", vocab=len(tiny_tokenizer), layers=1).save_pretrained(path)
     tiny_tokenizer.save_pretrained(path)
@@ -100,6 +101,15 @@ def test_a_shard_the_index_names_but_is_missing(tmp_path, tiny_tokenizer):
         check_folder(path, device="cpu")
 
 
+@pytest.mark.parametrize("target", ["../elsewhere.safetensors", "/etc/passwd", 5, ""])
+def test_an_index_pointing_outside_the_folder_is_refused(ck, target):
+    (ck / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"lm_head.weight": target}}))
+    with pytest.raises(CheckpointFileError, match="which is not a file name in the model's folder"):
+        check_folder(ck, device="cpu")
+    with pytest.raises(PlanError, match="which is not a file name in the model's folder"):
+        make_plan(ck, 1, 80 * 2**30)
+
+
 def test_extra_bytes_after_the_data_are_named(ck):
     with open(ck / "model.safetensors", "ab") as f:
         f.write(b"\0" * 5)
@@ -142,12 +152,18 @@ def test_the_plan_refuses_headers_whose_shapes_disagree_with_their_offsets(ck, e
 # ---------------------------------------------------------------- row 6: config fields
 
 @pytest.mark.parametrize("edit, says", [
-    (lambda c: [], "config.json is list JSON, not an object of fields"),
+    (lambda c: [], r"config.json holds \[\], not an object of fields"),
+    (lambda c: None, "config.json holds null, not an object of fields"),
     (lambda c: {**c, "num_attention_heads": 0}, "num_attention_heads is 0; expected an integer >= 1"),
     (lambda c: {**c, "hidden_size": "64"}, 'hidden_size is "64"; expected an integer >= 1'),
     (lambda c: {**c, "num_hidden_layers": 1.5}, "num_hidden_layers is 1.5"),
     (lambda c: {**c, "num_key_value_heads": True}, "num_key_value_heads is true"),
-    (lambda c: {**c, "text_config": "x"}, "text_config is str JSON"),
+    (lambda c: {**c, "text_config": "x"}, 'text_config is "x", not an object'),
+    (lambda c: {**c, "tie_word_embeddings": "no"}, 'tie_word_embeddings is "no"; expected true or false'),
+    (lambda c: {**c, "layer_types": "full_attention"}, 'layer_types is "full_attention"; expected a list of 1 layer'),
+    (lambda c: {**c, "quantization_config": []}, r"quantization_config is \[\]; expected an object"),
+    (lambda c: {**c, "quantization_config": {"quant_method": "fp8", "weight_block_size": "x"}},
+     'weight_block_size is "x"; expected two integers'),
 ])
 def test_config_fields_of_the_wrong_type_are_named(ck, capsys, edit, says):
     cfg = json.loads((ck / "config.json").read_text())

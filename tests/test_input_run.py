@@ -14,16 +14,8 @@ from svrmad_local import cli
 from svrmad_local.eval import run as run_mod
 from svrmad_local.models.loader import ModelLoadError, check_device
 
-from .conftest import make_model
 from .runharness import PerQuestion, state, write_dataset
-
-
-@pytest.fixture
-def ck(tmp_path, tiny_tokenizer):
-    path = tmp_path / "ck"
-    make_model("llama", vocab=len(tiny_tokenizer), layers=1).save_pretrained(path)
-    tiny_tokenizer.save_pretrained(path)
-    return path
+from .test_input_checkpoints import ck  # noqa: F401  (the tiny checkpoint fixture)
 
 
 @pytest.fixture

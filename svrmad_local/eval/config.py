@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
+import math
 import os
 import typing
 from dataclasses import dataclass, field
@@ -20,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from svrmad_local.engine.config import EngineConfig, SamplingParams
-from svrmad_local.eval.options import (METHODS, add_method_arguments, method_default, method_flag,
-                                       method_options, parse_methods, stray_options)
+from svrmad_local.eval.options import (METHODS, add_method_arguments, check_method_options, method_default,
+                                       method_flag, method_options, parse_methods, stray_options)
 from svrmad_local.methods import accepted_params
 from svrmad_local.models.reasoning import EFFORTS
 from svrmad_local.sizes import parse_memory
@@ -110,8 +111,14 @@ class RunConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> RunConfig:
-        return _from_dict(cls, data)
+    def from_dict(cls, data: dict, where: str | Path | None = None) -> RunConfig:
+        """`where`: the run.json it was read from, named in the ValueError of a damaged one."""
+        try:
+            return _from_dict(cls, data)
+        except (ValueError, TypeError) as exc:
+            if where is None:
+                raise
+            raise ValueError(f"{where}: {exc}") from None
 
     def fingerprint(self) -> dict[str, Any]:
         """The settings that change a question's result, keyed by the flag that sets them. Method
@@ -139,12 +146,10 @@ class RunConfig:
         for flag, value, low in (("--agents", self.agents, 2), ("--max-tokens", self.sampling.max_tokens, 1),
                                  ("--limit", self.limit, 0), ("--concurrency", self.concurrency, 1),
                                  ("--block-size", self.engine.block_size, 1),
-                                 ("--max-num-seqs", self.engine.max_num_seqs, 1), ("--tp", self.tp, 1),
-                                 ("--S", mp.get("S", 1), 1), ("--C", mp.get("C", 1), 1),
-                                 ("--budget", mp.get("budget", 1), 1), ("--rounds", mp.get("rounds", 1), 1),
-                                 ("--consensus", mp.get("consensus", 1), 1)):
+                                 ("--max-num-seqs", self.engine.max_num_seqs, 1), ("--tp", self.tp, 1)):
             if value is not None and value < low:
                 p.append(f"{flag} must be >= {low}, got {value}")
+        p += check_method_options(mp, self.skip_rate)
         for name, mem in (("--kv-cache-memory", self.engine.kv_cache_memory),):
             try:
                 parse_memory(mem, available=1 << 40, default=1)
@@ -155,8 +160,11 @@ class RunConfig:
                 parse_shard(self.shard)
             except ValueError as exc:
                 p.append(str(exc))
-        if self.skip_rate is not None and not 0 <= self.skip_rate <= 1:
-            p.append(f"--skip-rate must be in [0, 1], got {self.skip_rate}")
+        for flag, value in (("--temperature", self.sampling.temperature), ("--top-p", self.sampling.top_p)):
+            if isinstance(value, float) and not math.isfinite(value):
+                p.append(f"{flag} must be a finite number, got {value}")
+        if self.out is not None and not str(self.out).strip():
+            p.append("--out is empty: name a folder (default runs/<dataset>)")
         if "group-debate" in self.methods:
             groups = mp.get("groups") or method_default("groups")
             sizes = [int(s) for s in str(groups).split("-") if s.isdigit()]
@@ -219,7 +227,14 @@ def _show(v: Any) -> str:
 
 
 def _from_dict(cls, data: dict):
-    """A dataclass from asdict() output, nested dataclasses included."""
+    """A dataclass from asdict() output, nested dataclasses included; a field of the wrong kind (a
+    run.json edited by hand) is a ValueError naming it."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{cls.__name__} settings are not a JSON object")
+    if cls is RunConfig:
+        methods = data.get("methods", [])
+        if not isinstance(methods, list) or any(m not in METHODS for m in methods):
+            raise ValueError(f"the run's methods {methods!r} are not a list of known methods ({', '.join(METHODS)})")
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for f in dataclasses.fields(cls):

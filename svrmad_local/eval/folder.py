@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Iterable
 
-from svrmad_local.debate.trace import read_jsonl
+from svrmad_local.debate.trace import TraceError, iter_jsonl
 from svrmad_local.errors import UserError
 
 TRACE, RESULTS, SKIPPED, ERRORS = "trace.jsonl", "results.jsonl", "skipped.jsonl", "errors.jsonl"
@@ -136,7 +136,7 @@ class RunFolder:
     # -- the commit rule ----------------------------------------------------------------------
     def committed_ids(self) -> set[str]:
         """Questions done: a complete line in trace.jsonl or skipped.jsonl."""
-        return {str(r["id"]) for name in (TRACE, SKIPPED) for r in read_jsonl(self.dir / name)}
+        return {i for name in (TRACE, SKIPPED) for i in ids(self.dir / name)}
 
     def commit_skipped(self, row: dict) -> None:
         self._write(self.skipped, [row], sync=True)
@@ -162,16 +162,27 @@ class RunFolder:
     def failed(self) -> dict[str, dict]:
         """The last error of each question that failed and is still not done."""
         done = self.committed_ids()
-        return {str(e["id"]): e for e in read_jsonl(self.errors) if str(e["id"]) not in done}
+        return {str(e["id"]): e for e in rows(self.errors) if str(e["id"]) not in done}
 
     # -- run.json -----------------------------------------------------------------------------
     def read_meta(self) -> dict:
+        """run.json; a file that is not a JSON object, or whose settings are not objects, is a
+        ValueError naming it (a file edited by hand or damaged), never a crash further on."""
         if not self.run_json.exists():
             return {}
         try:
-            return json.loads(self.run_json.read_text(encoding="utf-8"))
+            meta = json.loads(self.run_json.read_text(encoding="utf-8"))
+        except UnicodeDecodeError:
+            raise ValueError(f"{self.run_json} is not UTF-8 text") from None
         except json.JSONDecodeError as exc:
             raise ValueError(f"{self.run_json} is not valid JSON ({exc.msg}, line {exc.lineno})") from None
+        if not isinstance(meta, dict):
+            raise ValueError(f"{self.run_json} is a JSON {type(meta).__name__}, not the object a run writes")
+        bad = [k for k in ("config", "fingerprint", "post_hoc") if k in meta and not isinstance(meta[k], dict)]
+        if bad:
+            raise ValueError(f"{self.run_json}: {bad[0]} is not a JSON object; the file is damaged (move it away "
+                             "to start the folder's settings afresh)")
+        return meta
 
     def write_meta(self, meta: dict) -> None:
         write_json(self.run_json, meta)
@@ -189,20 +200,20 @@ class RunFolder:
         done = self.committed_ids()
         added = {}
         for name in (TRACE, SKIPPED):
-            rows = [r for r in read_jsonl(src / name) if str(r["id"]) not in done]
-            rows = list({str(r["id"]): r for r in rows}.values())
-            self._write(self.dir / name, rows, sync=True)
-            added[name] = len(rows)
-        have = {(str(r["id"]), r.get("method")) for r in read_jsonl(self.results)}
+            new = [r for r in rows(src / name) if str(r["id"]) not in done]
+            new = list({str(r["id"]): r for r in new}.values())
+            self._write(self.dir / name, new, sync=True)
+            added[name] = len(new)
+        have = {(str(r["id"]), r.get("method")) for r in rows(self.results)}
         drop = set(drop_methods)
-        rows = [r for r in read_jsonl(src / RESULTS)
-                if r.get("method") not in drop and (str(r["id"]), r.get("method")) not in have]
-        self._write(self.results, rows)
-        added[RESULTS] = len(rows)
-        seen = {json.dumps(e, sort_keys=True) for e in read_jsonl(self.errors)}
-        rows = [e for e in read_jsonl(src / ERRORS) if json.dumps(e, sort_keys=True) not in seen]
-        self._write(self.errors, rows)
-        added[ERRORS] = len(rows)
+        new = [r for r in rows(src / RESULTS)
+               if r.get("method") not in drop and (str(r["id"]), r.get("method")) not in have]
+        self._write(self.results, new)
+        added[RESULTS] = len(new)
+        seen = {json.dumps(e, sort_keys=True) for e in rows(self.errors)}
+        new = [e for e in rows(src / ERRORS) if json.dumps(e, sort_keys=True) not in seen]
+        self._write(self.errors, new)
+        added[ERRORS] = len(new)
         return added
 
     def part_dirs(self) -> list[Path]:
@@ -221,6 +232,21 @@ class RunFolder:
         if root.is_dir() and not any(root.iterdir()):
             root.rmdir()
         return taken
+
+
+def rows(path: Path) -> list[dict]:
+    """The lines of a run file (trace, results, skipped, errors), each checked to name its question:
+    a line without an "id" is a TraceError naming the file and line, not a KeyError further on."""
+    out = []
+    for line, row in iter_jsonl(path):
+        if row.get("id") is None:
+            raise TraceError(f"{path}:{line}: no \"id\" (every line of a run file names its question)")
+        out.append(row)
+    return out
+
+
+def ids(path: Path) -> list[str]:
+    return [str(r["id"]) for r in rows(path)]
 
 
 def note(message: str) -> None:

@@ -24,13 +24,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args) -> int:
     sources = [RunFolder(d, create=False) for d in dict.fromkeys(args.dirs) if d.resolve() != args.out.resolve()]
+    if not sources:
+        raise ValueError(f"nothing to merge: every DIR given is --out {args.out} itself")
+    for src in sources:  # checked before --out is created: a refused merge leaves nothing behind
+        if not src.run_json.is_file():
+            raise ValueError(f"{src.out} is not a run folder (no {RUN_JSON})")
+        src.read_meta()  # a damaged run.json: one line, now (read again under the lock)
+    if args.out.exists() and not args.out.is_dir():
+        raise ValueError(f"--out {args.out} is a file, not a folder")
     out = RunFolder(args.out)
     held = [out]
     try:
         out.lock()
         for src in sources:  # a folder whose run is still going is not merged half-way
-            if not src.run_json.is_file():
-                raise ValueError(f"{src.out} is not a run folder (no {RUN_JSON})")
             src.lock()
             held.append(src)
         metas = [src.read_meta() for src in sources]
@@ -43,13 +49,13 @@ def main(args) -> int:
             if diff:
                 raise ValueError(f"{d} was run with other settings than {named[0][0]} ({'; '.join(diff)}); "
                                  "only folders of one run can be merged")
+        first = named[0][1]
+        cfg = RunConfig.from_dict(first["config"], where=named[0][0] / RUN_JSON)  # before anything is written
         out.cut_torn_tails()
         out.merge_parts()
         for src in sources:
             taken = [out.merge_from(p, drop_methods=POST_HOC) for p in (src.out, *src.part_dirs())]
             note(f"{src.out}: took {sum(t['trace.jsonl'] + t['skipped.jsonl'] for t in taken)} questions")
-        first = named[0][1]
-        cfg = RunConfig.from_dict(first["config"])
         cfg.shard, cfg.out = None, str(out.out)
         own.update(config=cfg.to_dict(), fingerprint=first["fingerprint"], paper_settings=cfg.paper_settings,
                    merged_from=sorted({*own.get("merged_from", []), *(str(s.out) for s in sources)}))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,6 +84,22 @@ def add_method_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--skip-rate", type=float, default=None,
                    help="SID-ET: skip this fraction of questions (default: tuned against SVR-MAD, Algorithm 2)")
     g.add_argument("--grader", choices=GRADERS, default=None, help="answer grading (default ours)")
+
+
+def check_method_options(options: dict[str, Any], skip_rate: float | None = None) -> list[str]:
+    """What is wrong with the given method options (`svrmad run` and `svrmad replay` alike): counts
+    below 1, thresholds that are not finite numbers (NaN compares false, so it would silently never
+    accept or never skip), a skip rate outside [0, 1]."""
+    p = []
+    for key in ("S", "C", "budget", "rounds", "consensus"):
+        if options.get(key) is not None and options[key] < 1:
+            p.append(f"{method_flag(key)} must be >= 1, got {options[key]}")
+    for key in ("tau", "threshold"):
+        if options.get(key) is not None and not math.isfinite(options[key]):
+            p.append(f"{method_flag(key)} must be a finite number, got {options[key]}")
+    if skip_rate is not None and not 0 <= skip_rate <= 1:
+        p.append(f"--skip-rate must be in [0, 1], got {skip_rate}")
+    return p
 
 
 def method_options(args: argparse.Namespace) -> dict[str, Any]:

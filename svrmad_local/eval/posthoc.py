@@ -17,8 +17,9 @@ import hashlib
 from typing import TYPE_CHECKING
 
 from svrmad_local.debate.replay import MissingDebate
-from svrmad_local.debate.trace import read_jsonl, read_trace, row_question
+from svrmad_local.debate.trace import read_trace, row_question
 from svrmad_local.eval.folder import FolderBusy, RunFolder, note
+from svrmad_local.eval.folder import rows as run_rows
 
 if TYPE_CHECKING:
     from svrmad_local.eval.config import RunConfig
@@ -52,7 +53,7 @@ def rebuild_results(folder: RunFolder, cfg: RunConfig, trace: list[dict] | None 
 
     if trace is None:
         trace = read_trace(folder.trace) if folder.trace.exists() else []
-    have = {(str(r["id"]), r.get("method")) for r in read_jsonl(folder.results)}
+    have = {(str(r["id"]), r.get("method")) for r in run_rows(folder.results)}
     rows = []
     for m in live_methods(cfg):
         missing = [row for row in trace if (str(row["id"]), m) not in have]
@@ -143,8 +144,9 @@ def refresh(out) -> None:
     try:
         from svrmad_local.eval.config import RunConfig
 
-        cfg = RunConfig.from_dict(meta["config"])
+        cfg = RunConfig.from_dict(meta["config"], where=folder.run_json)
         folder.cut_torn_tails()
+        folder.failed()  # every line names its question: a damaged file is one line here, not a wrong count
         merged = folder.merge_parts()
         if merged:
             note(f"merged {merged} questions from the part files of an unfinished data-parallel run")

@@ -87,6 +87,7 @@ def saved_ids(folder: RunFolder) -> set[str]:
         return set()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", TornLineWarning)
+        folder.failed()  # every run file read once: a damaged line is one line now, before any write
         return folder.committed_ids() | {i for p in folder.part_dirs()
                                          for i in RunFolder(p, create=False).committed_ids()}
 

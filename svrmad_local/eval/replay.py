@@ -17,7 +17,7 @@ from typing import Any
 from svrmad_local.debate.replay import MissingDebate, ReplayBackend
 from svrmad_local.debate.trace import read_trace, row_initial, row_priors, row_question
 from svrmad_local.methods import METHODS, MethodResult, accepted_params, run_method
-from svrmad_local.eval.options import add_method_arguments, method_options, stray_options
+from svrmad_local.eval.options import add_method_arguments, check_method_options, method_options, stray_options
 from svrmad_local.methods.sid_et import threshold_for_skip_rate, tune_skip_rate
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -93,6 +93,9 @@ def main(args: argparse.Namespace) -> int:
     if stray:
         print(f"svrmad replay: {args.method} takes no {', '.join(stray)}", file=sys.stderr)
         return 2
+    bad = check_method_options(given, args.skip_rate)
+    if bad:
+        raise ValueError("; ".join(bad))
     try:
         if args.method == "sid-et":
             reference = {k: v for k, v in given.items() if k in accepted_params("svr-mad")}

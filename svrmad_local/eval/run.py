@@ -29,13 +29,14 @@ from dataclasses import asdict
 from tqdm import tqdm
 
 from svrmad_local.grading import equivalent, set_grader
-from svrmad_local.debate.trace import RecordingBackend, read_jsonl
+from svrmad_local.debate.trace import RecordingBackend
 from svrmad_local.debate.types import Question, Response
 from svrmad_local.dist import Dist, GroupLost
 from svrmad_local.eval.config import RunConfig, add_run_arguments, from_args
-from svrmad_local.eval.preflight import check_settings, load_questions, model_path, preflight, shard  # noqa: F401
+from svrmad_local.eval.preflight import check_settings, model_path, preflight, shard  # noqa: F401 (shard: tests)
 from svrmad_local.eval import token_stats
 from svrmad_local.eval.folder import RunFolder, note, write_json
+from svrmad_local.eval.folder import rows as run_rows
 from svrmad_local.eval.posthoc import finalize, rebuild_results, recorded_methods
 from svrmad_local.methods import run_method
 from svrmad_local.methods.svr_mad import possible_debates
@@ -330,8 +331,8 @@ def tally(folder: RunFolder, ids: set[str] | None = None) -> tuple[dict, list[di
     def keep(r: dict) -> bool:
         return ids is None or str(r["id"]) in ids
 
-    rows = [r for r in read_jsonl(folder.results) if keep(r)]
-    skipped = {str(r["id"]) for r in read_jsonl(folder.skipped) if keep(r)}
+    rows = [r for r in run_rows(folder.results) if keep(r)]
+    skipped = {str(r["id"]) for r in run_rows(folder.skipped) if keep(r)}
     failed = {k: e for k, e in folder.failed().items() if keep({"id": k})}
     debated = {str(r["id"]) for r in rows}
     total = len(ids) if ids is not None else len(skipped | debated | set(failed))
@@ -358,7 +359,7 @@ def print_summary(folder: RunFolder, totals: dict, rows: list[dict], failed: dic
               "computed, not billed)")
     if failed:
         first = next(iter(failed.values()))
-        print(f"{len(failed)} questions failed (e.g. {first['id']} at {first['stage']}: {first['message']}); "
+        print(f"{len(failed)} questions failed (e.g. {first['id']} at {first.get('stage')}: {first.get('message')}); "
               f"all are in {folder.errors}. Run the same command again to retry them.")
     print(f"trace: {folder.trace}\nresults: {folder.results}\nreport: svrmad report {folder.out}\n"
           f"signals: svrmad signals {folder.out}")

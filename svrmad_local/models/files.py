@@ -92,19 +92,31 @@ def _ints(v) -> bool:
     return isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v)
 
 
+def index_files(path: Path) -> list[str] | None:
+    """The file names the folder's index maps its tensors to, sorted; None without an index. Each
+    must be a plain name in the folder (an index pointing elsewhere is refused, never followed)."""
+    index = Path(path) / INDEX
+    if not index.is_file():
+        return None
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        names = sorted(set(weight_map.values()))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise CheckpointFileError(f"{index} is not a safetensors index (no weight_map of tensor -> file)") from None
+    odd = next((n for n in names if not isinstance(n, str) or Path(n).name != n or n in ("", ".", "..")), None)
+    if odd is not None:
+        raise CheckpointFileError(f"{index} maps tensors to {json.dumps(odd)}, which is not a file name in the "
+                                  "model's folder")
+    return names
+
+
 def weight_files(path: Path) -> list[Path]:
     """The checkpoint's weight files: those its index names (each must be there), else every
     *.safetensors of the folder."""
     path = Path(path)
-    index = path / INDEX
-    if not index.is_file():
+    names = index_files(path)
+    if names is None:
         return sorted(path.glob("*.safetensors"))
-    try:
-        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        names = sorted(set(weight_map.values()))
-        assert all(isinstance(n, str) for n in names)
-    except (ValueError, KeyError, TypeError, AttributeError, AssertionError):
-        raise CheckpointFileError(f"{index} is not a safetensors index (no weight_map of tensor -> file)") from None
     missing = [n for n in names if not (path / n).is_file()]
     if missing:
         raise CheckpointFileError(f"{path}: {len(missing)} of the {len(names)} weight files {INDEX} names "

@@ -101,25 +101,45 @@ POSITIVE_FIELDS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "n
                    "kv_lora_rank", "qk_rope_head_dim", "v_head_dim", "q_lora_rank", "sliding_window",
                    "moe_layer_freq", "max_position_embeddings")
 NON_NEGATIVE_FIELDS = ("first_k_dense_replace", "n_shared_experts", "qk_nope_head_dim")
+BOOL_FIELDS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window")
 
 
 def check_config_fields(raw, where: str) -> dict:
     """The model's own config (a multimodal config's text_config, with the quantization_config of
     the whole), its integer fields checked; PlanError naming the field otherwise."""
     if not isinstance(raw, dict):
-        raise PlanError(f"{where} is {type(raw).__name__} JSON, not an object of fields")
+        raise PlanError(f"{where} holds {json.dumps(raw)[:40]}, not an object of fields")
     text = raw.get("text_config", raw)
     if not isinstance(text, dict):
-        raise PlanError(f"{where}: text_config is {type(text).__name__} JSON, not an object of fields")
+        raise PlanError(f"{where}: text_config is {json.dumps(text)[:40]}, not an object of fields")
     cfg = text | {k: v for k, v in raw.items() if k == "quantization_config"}
-    if not isinstance(cfg.get("quantization_config") or {}, dict):
-        raise PlanError(f"{where}: quantization_config is not an object of fields")
+
+    def bad(name, expected):
+        raise PlanError(f"{where}: {name} is {json.dumps(cfg.get(name))}; expected {expected}")
+
+    qc = cfg.get("quantization_config")
+    if qc is not None and not isinstance(qc, dict):
+        bad("quantization_config", "an object of fields")
+    block = (qc or {}).get("weight_block_size")
+    if block is not None and not (isinstance(block, list) and len(block) == 2 and all(_count(b, 1) for b in block)):
+        raise PlanError(f"{where}: quantization_config.weight_block_size is {json.dumps(block)}; expected two "
+                        "integers >= 1, e.g. [128, 128]")
     for low, names in ((1, POSITIVE_FIELDS), (0, NON_NEGATIVE_FIELDS)):
         for name in names:
-            v = cfg.get(name)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < low):
-                raise PlanError(f"{where}: {name} is {json.dumps(v)}; expected an integer >= {low}")
+            if cfg.get(name) is not None and not _count(cfg[name], low):
+                bad(name, f"an integer >= {low}")
+    for name in BOOL_FIELDS:
+        if cfg.get(name) is not None and not isinstance(cfg[name], bool):
+            bad(name, "true or false")
+    types, layers = cfg.get("layer_types"), cfg.get("num_hidden_layers")
+    if types is not None and not (isinstance(types, list) and all(isinstance(t, str) for t in types)
+                                  and (layers is None or len(types) == layers)):
+        bad("layer_types", f"a list of {layers or 'num_hidden_layers'} layer type names")
     return cfg
+
+
+def _count(v, low: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= low
 
 
 def read_header(file: Path) -> dict:
@@ -133,12 +153,11 @@ def read_header(file: Path) -> dict:
 def header_weights(path: Path, cfg: dict) -> tuple[list[Weight], list[Path]] | None:
     """The weights as the headers describe them, or None when the files are not all there (an index
     naming shards that are missing: the plan then counts from config.json)."""
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            names = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
-        except (ValueError, KeyError, TypeError, AttributeError):
-            raise PlanError(f"{index} is not a safetensors index (no weight_map of tensor -> file)") from None
+    try:
+        names = checkpoint_files.index_files(path)
+    except checkpoint_files.CheckpointFileError as exc:
+        raise PlanError(str(exc)) from None
+    if names is not None:
         files = [path / n for n in names]
         if not all(f.is_file() for f in files):
             return None
