@@ -69,8 +69,11 @@ def calibration_figure(bins: pd.DataFrame, summary: pd.DataFrame, out: Path) -> 
         for r in summary[summary["signal"] == signal].itertuples():
             notes.append(f"{r.run}: n={r.n}, ECE " + ("-" if pd.isna(r.ece) else f"{r.ece:.3f}"))
         ax.set_title(f"{signal}\n" + "; ".join(notes), fontsize=7)
-        if summary.loc[summary["signal"] == signal, "n"].sum() == 0:
+        n = int(summary.loc[summary["signal"] == signal, "n"].sum())
+        if n == 0:
             say(ax, f"No response has a {signal}\n(n = 0): nothing to calibrate.")
+        elif n < TINY:
+            say(ax, f"Only n = {n} responses have a {signal}:\ntoo few to read a calibration from.")
         ax.set_xlim(0, 1)
         ax.set_ylim(0, 1.05)
         ax.set_xlabel("stated probability (bin mean)", fontsize=8)
