@@ -58,3 +58,14 @@ def test_replay_and_merge_run_without_the_engine(tmp_path, monkeypatch, capsys):
             f"assert cli.main(['replay', '--trace', {str(merged / 'trace.jsonl')!r}, '--method', 'svr-mad']) == 0\n")
     assert heavy_modules(code) == []
     assert (merged / "results.jsonl").stat().st_size > 0  # the merge did its work in that process
+
+
+def test_the_engine_side_never_loads_the_studys_openmp():
+    """scikit-learn and scipy ship an OpenMP runtime of their own; a process that runs the engine must
+    keep torch's alone (a second one keeps a second set of threads on the same cores), so only
+    `svrmad signals` imports them."""
+    probe = ("import sys, svrmad_local.cli, svrmad_local.eval.run, svrmad_local.eval.report, svrmad_local.engine.engine\n"
+             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('sklearn', 'scipy')))\n")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[-2] == "[]"
