@@ -6,6 +6,7 @@ off (CUDA tensors); tests force ``kernel_impl="triton"`` on CPU tensors under ``
 """
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 
@@ -110,12 +111,17 @@ H100_SMEM = 227 * 1024
 NUM_STAGES = 2  # the attention kernels' software pipeline depth, passed to every launch
 
 
-def smem_limit(device) -> int:
-    device = torch.device(device)
+@functools.lru_cache(maxsize=None)
+def _smem_limit(device: torch.device) -> int:
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         return int(getattr(props, "shared_memory_per_block_optin", 0) or H100_SMEM)
     return H100_SMEM
+
+
+def smem_limit(device) -> int:
+    """The device's shared memory per program, read once per device (it is asked per layer and step)."""
+    return _smem_limit(torch.device(device))
 
 
 def attn_smem(block_m: int, block_n: int, block_d: int, block_dv: int, elem_bytes: int,
@@ -126,6 +132,7 @@ def attn_smem(block_m: int, block_n: int, block_d: int, block_dv: int, elem_byte
     return elem_bytes * (block_m * block_d + stages * block_n * (block_d + block_dv) + block_m * block_n)
 
 
+@functools.lru_cache(maxsize=None)  # a pure function of its ints, asked per layer and step
 def fit_attn_tiles(block_m: int, block_n: int, block_d: int, block_dv: int, elem_bytes: int, limit: int,
                    stages: int = NUM_STAGES, smallest: int = 16) -> tuple[int, int]:
     """(block_m, block_n) no larger than asked whose `attn_smem` fits `limit`: halves the key tile first
