@@ -16,6 +16,7 @@ from pathlib import Path
 
 from svrmad_local.debate.trace import TornLineWarning
 from svrmad_local.debate.types import Question
+from svrmad_local.dist import Dist
 from svrmad_local.errors import UserError
 from svrmad_local.eval.config import RunConfig, diff_fingerprints, parse_shard
 from svrmad_local.eval.datasets import DatasetError, load_dataset
@@ -44,9 +45,7 @@ def preflight(cfg: RunConfig, world_size: int = 1) -> Checked:
 
     cfg.validate()
     set_grader(cfg.grader)  # math-verify missing: one line, before the model loads
-    if cfg.tp > 1 and world_size % cfg.tp:
-        raise PreflightError(f"--tp {cfg.tp} needs a number of processes that is a multiple of {cfg.tp} (replicas of "
-                             f"{cfg.tp} ranks, e.g. torchrun --nproc-per-node {cfg.tp}); this launch has {world_size}")
+    Dist(world_size=world_size).check_tp(cfg.tp)  # whole tensor-parallel groups (the one rule dist.py owns)
     if world_size > 1 and cfg.device_map:
         raise PreflightError("--device-map with several processes would spread every process over every GPU; "
                              "run one process, or data parallel without --device-map")

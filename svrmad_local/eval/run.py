@@ -250,7 +250,6 @@ def _main(args, d: Dist, held: list) -> int:
     if d.is_main:
         try:
             cfg = from_args(args)
-            d.check_tp(cfg.tp)  # whole tensor-parallel groups, before anything else
             checked = preflight(cfg, d.world_size)  # everything that reads no weight, before any write
             questions = checked.questions
             folder, todo = _prepare(cfg, questions, held)
