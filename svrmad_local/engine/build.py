@@ -13,6 +13,7 @@ import logging
 
 import torch
 
+from svrmad_local.models import calibrate
 from svrmad_local.models.linear import select_linear, weight_bytes
 
 from . import graphs, tp
@@ -40,7 +41,9 @@ def layer_device(model, layers, i: int) -> torch.device:
 def build(eng, model, cfg: EngineConfig) -> None:
     """The engine's torch state (worker thread): linears, probe, KV-cache, runner."""
     attached = Attachment(model)
-    eng.linear_path = select_linear(model, cfg.linear)
+    eng.linear_path = select_linear(model, cfg.linear, workload=calibrate.Workload.for_engine(
+        cfg.max_num_seqs, cfg.max_num_batched_tokens))
+    eng.linear_calibration = calibrate.recorded(model)  # None where `auto` measured nothing
     eng.weight_bytes = weight_bytes(model)
     eng.spec = spec = inspect_model(model, attached)  # raises UnsupportedModel, naming the feature
     layers = model.base_model.layers if hasattr(model.base_model, "layers") else None

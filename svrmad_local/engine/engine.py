@@ -107,6 +107,7 @@ class Engine:
         return {
             "attention": self.runner.attention_path,
             "linear": self.linear_path,
+            "linear_calibration": self.linear_calibration.as_dict() if self.linear_calibration else None,
             "decoder": self.decoder_path,
             "cuda_graphs": build.graphs_info(self),
             "weight_bytes": self.weight_bytes,

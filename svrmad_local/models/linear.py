@@ -12,9 +12,10 @@
   what vLLM's CPU backend does): at M = 1-64 MKL's fp32 GEMM runs several times slower than that, on
   AVX2 and AVX-512 alike (benchmarks/bench_linear.py prints the ratio). A tied LM head runs through oneDNN on the dense
   matrix it shares with the embedding (no second copy).
-- "auto": panels for fp32 where the kernel builds; else oneDNN (bf16 with a oneDNN bf16 path); else
-  F.linear, saying why. The (AVX2) panels beat oneDNN's AVX-512 GEMM on an AVX-512 machine too
-  (docs/engine.md).
+- "auto": where more than one backend can run on the CPU, the one measured fastest on this machine
+  for the expected workload (models/calibrate.py: a few seconds once per machine, cached); with
+  SVRMAD_CALIBRATE=0, panels for fp32 where the kernel builds, else oneDNN (bf16 with a oneDNN bf16
+  path); else F.linear, saying why.
 - Packed quantized modules (models/quant: MXFP4 experts, FP8 linears) are not `nn.Linear`s: they
   own their matmul and are left alone here.
 
@@ -36,6 +37,8 @@ import torch
 from torch import nn
 
 from svrmad_local.kernels import cpu_linear
+
+from . import calibrate
 
 log = logging.getLogger("svrmad_local")
 
@@ -253,10 +256,13 @@ def _why_not_panels(model: nn.Module, device: torch.device, dtype: torch.dtype) 
     return None
 
 
-def select_linear(model: nn.Module, choice: str = "auto", fuse: bool = True) -> str:
+def select_linear(model: nn.Module, choice: str = "auto", fuse: bool = True,
+                  workload: calibrate.Workload | None = None) -> str:
     """Apply the linear backend `choice` to `model` in place, once; returns a one-line description
     of what runs (also logged at info level, with the reason for any fallback). `fuse`: sibling
-    projections of one input become one GEMM (FusedGroup)."""
+    projections of one input become one GEMM (FusedGroup). "auto" on a CPU where several backends can
+    run takes the one measured fastest for `workload` (models/calibrate.py; `calibrate.recorded(model)`
+    holds the figures)."""
     if choice not in CHOICES:
         raise ValueError(f"linear must be one of {', '.join(CHOICES)}, got {choice!r}")
     linears = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]
@@ -274,6 +280,16 @@ def select_linear(model: nn.Module, choice: str = "auto", fuse: bool = True) -> 
     p = linears[0][1].weight
     why_panels = _why_not_panels(model, p.device, p.dtype) if choice in ("auto", "panels") else "not asked"
     why = why_panels if choice == "panels" else _why_not_onednn(model, p.device, p.dtype)
+    measured = ""
+    if choice == "auto" and p.device.type == "cpu" and (why_panels is None or why is None) and calibrate.enabled():
+        # more than one backend can run: the measured one (models/calibrate.py) rather than a fixed rule
+        cal = calibrate.calibrate(model, [b for b, w in (("panels", why_panels), ("onednn", why), ("aten", None))
+                                          if w is None], workload, fuse)
+        setattr(model, calibrate.RECORD, cal)
+        if cal.choice == "aten":
+            return _said(f"aten (F.linear), {cal.reason}", packed_q)
+        why_panels = why_panels if cal.choice == "panels" else "calibrated"
+        measured = f"; {cal.reason}"
     if why_panels is None:
         layout = PANELS
     elif why is None:
@@ -311,7 +327,7 @@ def select_linear(model: nn.Module, choice: str = "auto", fuse: bool = True) -> 
             elif tied and m is head:
                 note = "; the tied LM head on its shared dense weight"
     note = (f", as {len(linears) - len(fused) + len(groups)} GEMMs (q/k/v and gate/up fused)" if groups else "") + note
-    return _said(f"{layout.name} ({len(linears)} linears, {str(p.dtype).removeprefix('torch.')}){note}", packed_q)
+    return _said(f"{layout.name} ({len(linears)} linears, {str(p.dtype).removeprefix('torch.')}){note}{measured}", packed_q)
 
 
 def _said(what: str, packed_q: int) -> str:

@@ -1,0 +1,342 @@
+"""`--linear auto` on the CPU: choose the linear backend from this machine's measurements, once per machine.
+
+Why: which backend is fastest depends on the CPU. On 2-core AVX2 and AVX-512 EPYCs our panels beat
+oneDNN at every step size; on an AVX-512 + AMX Intel oneDNN was 1.7x faster at a 512-row prefill chunk
+while the panels won at 1-8 rows (issue 32). A rule written from one machine's figures is a guess on
+the next, so `auto` times the candidates here, at the model's own GEMM shapes (q/k/v and gate/up fused
+as they run) and the step sizes that occur, and keeps the one layout that minimises the expected
+workload. One layout, because the panels and oneDNN's blocked layout are different bytes: serving
+decode from one and prefill from the other would keep two copies of the weights (the 1.1x memory rule,
+docs/engine.md).
+
+The figures are cached per machine (`cache_key`: CPU model and the ISA flags that matter, threads, torch
+and project version, dtype, shapes, step sizes, candidates) in a small JSON under the cache dir, so only
+the first engine on a machine pays the seconds. The choice itself is recomputed from the cached figures
+each time, so changing the workload mix needs no new timing. SVRMAD_CALIBRATE=0 skips all of it
+(`auto` then takes its fixed rule: panels, else oneDNN, else F.linear); SVRMAD_CALIBRATE=again times
+again (say, after figures were taken on a busy machine).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+import svrmad_local
+from svrmad_local.models.default import cache_dir
+
+log = logging.getLogger("svrmad_local")
+
+PREFERENCE = ("panels", "onednn", "aten")  # ties and near-ties go to the earlier one (panels: same tokens everywhere)
+NAMES = {"panels": "panels", "onednn": "oneDNN packed", "aten": "F.linear"}
+FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile", "avx_vnni")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What the engine is expected to compute, to weigh the step sizes' timings.
+
+    prompt_per_generated: prompt tokens computed per generated token. 5 by default: the report's run of all
+    five debate methods (issue 32) computed 186,081 prompt tokens and generated 37,227. A generated token is
+    taken as equally likely to come from a decode step of any size in `decode_rows`, a prompt token from a
+    prefill chunk of any size in `prefill_rows`. `margin`: the panels (the same tokens on every machine)
+    are kept unless another backend's expected time is lower by more than this fraction."""
+
+    prompt_per_generated: float = 5.0
+    decode_rows: tuple[int, ...] = (1, 8, 64)
+    prefill_rows: tuple[int, ...] = (64, 512)
+    margin: float = 0.05
+
+    @classmethod
+    def for_engine(cls, max_num_seqs: int, max_num_batched_tokens: int, **kw) -> "Workload":
+        """Decode at 1 row, a mid batch and max_num_seqs; prefill chunks of 64 and 512 tokens, or the
+        scheduler's token budget where it is smaller."""
+        decode = sorted({1, max(1, max_num_seqs // 8), max(1, max_num_seqs)})
+        prefill = sorted({min(64, max_num_batched_tokens), min(512, max_num_batched_tokens)})
+        return cls(decode_rows=tuple(decode), prefill_rows=tuple(prefill), **kw)
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """One GEMM shape of a step: `count` weights of [n, k] (fused siblings as one); the LM head apart,
+    since a prefill chunk runs it only on the rows whose next token is wanted (taken as 1)."""
+
+    k: int
+    n: int
+    count: int
+    head: bool = False
+
+
+@dataclass
+class Calibration:
+    """What `auto` chose and the figures it chose from: `figures[kind][backend][M]` is ms of one step's
+    linears (kind "decode": every linear at M rows; "prefill": the body at M rows, the head at 1),
+    `cost[backend]` ms per generated token under `workload`."""
+
+    choice: str
+    reason: str
+    figures: dict
+    cost: dict
+    workload: Workload
+    cached: bool = False
+    path: str | None = None
+    key: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return {"choice": self.choice, "reason": self.reason, "figures": self.figures, "cost_ms_per_token": self.cost,
+                "workload": {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self.workload).items()}, "cached": self.cached, "cache_file": self.path}
+
+
+def setting() -> str:
+    """SVRMAD_CALIBRATE: "off" (0/off/false/no: `auto` takes its fixed rule), "again" (time again and
+    overwrite this machine's cached figures), else "on"."""
+    v = os.environ.get("SVRMAD_CALIBRATE", "on").strip().lower()
+    return "off" if v in ("0", "off", "false", "no") else "again" if v == "again" else "on"
+
+
+def enabled() -> bool:
+    return setting() != "off"
+
+
+def gemms(model: nn.Module, backend: str, fuse: bool = True) -> list[Gemm]:
+    """The distinct GEMM shapes one step runs on `backend`, as select_linear will pack them: the packed
+    backends fuse sibling projections, F.linear runs each module alone."""
+    from .linear import _sibling_groups
+
+    linears = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    groups = _sibling_groups(model, linears) if fuse and backend != "aten" else []
+    fused = {name for g in groups for name, _ in g}
+    shapes = [(g[0][1].in_features, sum(m.out_features for _, m in g), False) for g in groups]
+    shapes += [(m.in_features, m.out_features, m is head) for name, m in linears if name not in fused]
+    counts: dict[tuple, int] = {}
+    for s in shapes:
+        counts[s] = counts.get(s, 0) + 1
+    return [Gemm(k, n, c, h) for (k, n, h), c in sorted(counts.items())]
+
+
+def cpu_id() -> dict:
+    """The CPU as the cache keys it: /proc/cpuinfo's model name and the flags that change the kernels."""
+    info: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            k, _, v = line.partition(":")
+            info.setdefault(k.strip(), v.strip())
+    except OSError:
+        pass
+    name, flags = info.get("model name") or platform.processor() or platform.machine(), set(info.get("flags", "").split())
+    return {"model": name, "flags": [f for f in FLAGS if f in flags], "capability": torch.backends.cpu.get_cpu_capability()}
+
+
+def cache_key(model: nn.Module, candidates: list[str], workload: Workload, fuse: bool = True) -> dict:
+    dtype = next(m.weight.dtype for m in model.modules() if type(m) is nn.Linear)
+    return {"cpu": cpu_id(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "project": svrmad_local.__version__, "dtype": str(dtype).removeprefix("torch."),
+            "decode_rows": list(workload.decode_rows), "prefill_rows": list(workload.prefill_rows),
+            "gemms": {b: [asdict(g) for g in gemms(model, b, fuse)] for b in candidates}}
+
+
+def cache_path(key: dict) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_dir() / "calibration" / f"linear-{digest}.json"
+
+
+def l3_bytes() -> int:
+    try:
+        size = Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip().upper()
+        return int(size.rstrip("KMG")) * {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1], 1)
+    except (OSError, ValueError, IndexError):
+        return 32 << 20
+
+
+def time_shape(k: int, n: int, count: int, rows: dict[str, list[int]], budget_s: float,
+               dtype: torch.dtype = torch.float32, stream_bytes: int | None = None) -> dict[tuple[str, int], float]:
+    """ms per call of each backend in `rows` at each of its row counts, on [m, k] x [k, n]. Each call takes
+    the next of several distinct weights (up to `count`, the model's own number of them, together at least
+    twice the L3 cache) so that small weights stream from memory as a real step's do. Per row count: one
+    warm-up call a backend (oneDNN builds its primitive for a new M), then rounds of one pass over the
+    weights a backend, the backends taking turns (a neighbour's burst of work then slows all of them, not
+    one), within that row count's share of `budget_s`; each backend's fastest call (on a shared machine a
+    call whose thread waited for a core takes a scheduler slice longer: the minimum is what the backend
+    costs). Scratch: the dense weights and each backend's packed copy of them, freed on return."""
+    from .linear import ONEDNN, PANELS
+
+    stream_bytes = stream_bytes or max(64 << 20, 2 * l3_bytes())
+    w = torch.randn(n, k).to(dtype)
+    copies = max(1, min(count, math.ceil(stream_bytes / (w.numel() * w.element_size()))))
+    dense = [w] + [w.clone() for _ in range(copies - 1)]
+    layouts = {b: {"panels": PANELS, "onednn": ONEDNN}.get(b) for b in rows}
+    packed = {b: [lay.pack(d) for d in dense] if lay else dense for b, lay in layouts.items()}
+
+    def mm(b, x, wi):
+        return layouts[b].mm(x, wi, None, n) if layouts[b] else torch.nn.functional.linear(x, wi)
+
+    sizes = sorted({m for ms in rows.values() for m in ms})
+    slice_s = budget_s * len(rows) / max(1, sum(len(ms) for ms in rows.values()))
+    out = {}
+    with torch.inference_mode():
+        for m in sizes:
+            x = torch.randn(m, k).to(dtype)
+            here = [b for b in rows if m in rows[b]]
+            for b in here:
+                mm(b, x, packed[b][0])
+            best, t_end = dict.fromkeys(here, float("inf")), time.perf_counter() + slice_s * len(here) / len(rows)
+            for r in range(20):
+                for b in here:
+                    t_pass = time.perf_counter()
+                    for wi in packed[b]:
+                        t0 = time.perf_counter()
+                        mm(b, x, wi)
+                        t1 = time.perf_counter()
+                        best[b] = min(best[b], t1 - t0)
+                        if t1 - t_pass > slice_s / 4:
+                            break
+                if r >= 1 and time.perf_counter() > t_end:
+                    break
+            out.update({(b, m): v * 1e3 for b, v in best.items()})
+    return out
+
+
+def measure(model: nn.Module, candidates: list[str], workload: Workload, fuse: bool = True, budget_s: float = 3.0,
+            timer: Callable | None = None) -> dict:
+    """figures[kind][backend][M]: ms of one step's linears, from `timer(k, n, count, rows, budget_s, dtype)`
+    (ms per call of each backend at each row count, for one weight shape), the budget split evenly over
+    the calls to time."""
+    timer = timer or time_shape
+    dtype = next(m.weight.dtype for m in model.modules() if type(m) is nn.Linear)
+    plan = {b: gemms(model, b, fuse) for b in candidates}
+    body_rows = sorted({*workload.decode_rows, *workload.prefill_rows})
+    head_rows = sorted({1, *workload.decode_rows})
+    todo: dict[tuple[int, int], dict[str, set[int]]] = {}
+    counts: dict[tuple[int, int], int] = {}
+    for b in candidates:
+        for g in plan[b]:
+            todo.setdefault((g.k, g.n), {}).setdefault(b, set()).update(head_rows if g.head else body_rows)
+            counts[g.k, g.n] = max(counts.get((g.k, g.n), 0), g.count)
+    cells = sum(len(ms) for per in todo.values() for ms in per.values())
+    ms = {}
+    for (k, n), per in todo.items():
+        rows = {b: sorted(r) for b, r in per.items()}
+        share = budget_s * sum(len(r) for r in rows.values()) / cells
+        ms.update({(k, n, b, m): v for (b, m), v in monotone(timer(k, n, counts[k, n], rows, share, dtype)).items()})
+
+    def step(b, m, head_m):
+        return round(sum(g.count * ms[g.k, g.n, b, head_m if g.head else m] for g in plan[b]), 3)
+
+    return {"decode": {b: {str(m): step(b, m, m) for m in workload.decode_rows} for b in candidates},
+            "prefill": {b: {str(m): step(b, m, 1) for m in workload.prefill_rows} for b in candidates}}
+
+
+def monotone(per_call: dict[tuple[str, int], float]) -> dict[tuple[str, int], float]:
+    """A call with fewer rows streams the same weights and does less arithmetic, so it costs no more than
+    one with more: a figure above a larger M's (a call that waited for a core throughout its window on a
+    busy machine) is lowered to it."""
+    out = dict(per_call)
+    for (b, m), v in per_call.items():
+        out[b, m] = min([v] + [w for (b2, m2), w in per_call.items() if b2 == b and m2 > m])
+    return out
+
+
+def choose(figures: dict, workload: Workload) -> tuple[str, dict]:
+    """The backend whose expected ms per generated token is lowest (decode ms/token averaged over the
+    decode sizes, plus prompt_per_generated x prefill ms/token averaged over the chunk sizes); the panels
+    are kept unless another backend is lower by more than workload.margin. Returns (choice, cost)."""
+    backends = [b for b in PREFERENCE if b in figures["decode"]]
+
+    def per_token(kind, b):
+        table = figures[kind][b]
+        return sum(v / int(m) for m, v in table.items()) / len(table)
+
+    cost = {b: round(per_token("decode", b) + workload.prompt_per_generated * per_token("prefill", b), 4)
+            for b in backends}
+    best = min(backends, key=lambda b: (cost[b], backends.index(b)))
+    if "panels" in cost and best != "panels" and cost[best] > cost["panels"] * (1 - workload.margin):
+        best = "panels"
+    return best, cost
+
+
+def _read(path: Path, key: dict) -> dict | None:
+    """The cached figures for `key`, or None (absent, another key); an unreadable file is said in one line."""
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        if data.get("key") != key:
+            return None
+        figures = data["figures"]
+        for kind in ("decode", "prefill"):
+            for b in key["gemms"]:
+                table = figures[kind][b]
+                if set(table) != {str(m) for m in key[f"{kind}_rows"]} or \
+                        not all(isinstance(v, (int, float)) and v > 0 for v in table.values()):
+                    raise ValueError(f"the {kind} figures of {b} are not one positive number a step size")
+        return figures
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        log.warning("svrmad: ignoring the unreadable linear calibration %s (%s: %s); timing again", path,
+                    type(e).__name__, e)
+        return None
+
+
+def _write(path: Path, key: dict, figures: dict) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"key": key, "figures": figures}, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError as e:
+        log.warning("svrmad: could not save the linear calibration to %s (%s); the next engine times again", path, e)
+
+
+def calibrate(model: nn.Module, candidates: list[str], workload: Workload | None = None, fuse: bool = True,
+              budget_s: float = 3.0, timer: Callable | None = None) -> Calibration:
+    """Time `candidates` on `model`'s shapes (or read this machine's cached figures) and choose one."""
+    workload = workload or Workload()
+    candidates = [b for b in PREFERENCE if b in candidates]
+    key = cache_key(model, candidates, workload, fuse)
+    path = cache_path(key)
+    figures = None if setting() == "again" else _read(path, key)
+    cached = figures is not None
+    if not cached:
+        t0 = time.perf_counter()
+        figures = measure(model, candidates, workload, fuse, budget_s, timer)
+        log.info("svrmad: linear calibration took %.1f s; saved to %s", time.perf_counter() - t0, path)
+        _write(path, key, figures)
+    choice, cost = choose(figures, workload)
+    costs = ", ".join(f"{NAMES[b]} {cost[b]:.3g}" for b in candidates)
+    reason = (f"measured on this machine{' (cached)' if cached else ''}: ms per generated token at "
+              f"{workload.prompt_per_generated:g} prompt tokens per generated one: {costs}")
+    if choice != "panels":
+        reason += ("; its tokens may differ from another machine's (and a row's from its value in another batch): "
+                   "--linear panels computes the same tokens on every machine")
+    return Calibration(choice, reason, figures, cost, workload, cached, str(path), key)
+
+
+def table(cal: Calibration) -> str:
+    """The figures as lines a person reads: one per step kind and size, ms per backend."""
+    lines = []
+    for kind, per_backend in cal.figures.items():
+        sizes = next(iter(per_backend.values())).keys()
+        for m in sizes:
+            cells = "  ".join(f"{NAMES[b]} {per_backend[b][m]:9.2f}" for b in per_backend)
+            lines.append(f"{kind:8s} M={m:<5s} {cells}")
+    lines.append("chosen: " + cal.choice + " (" + cal.reason + ")")
+    return "\n".join(lines)
+
+
+RECORD = "_svrmad_linear_calibration"
+
+
+def recorded(model: nn.Module) -> Calibration | None:
+    """The calibration select_linear made for this model (None where it made none)."""
+    return getattr(model, RECORD, None)

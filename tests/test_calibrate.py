@@ -1,0 +1,225 @@
+"""`--linear auto` chooses from this machine's measurements (models/calibrate.py): the decision from injected
+timings, the per-machine cache, the record in engine.info. No test times anything: the timer is a formula."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from svrmad_local.engine.engine import Engine, EngineConfig
+from svrmad_local.kernels import cpu_linear
+from svrmad_local.models import calibrate
+from svrmad_local.models.calibrate import Workload, choose
+from svrmad_local.models.linear import ONEDNN, PANELS, FusedPart, PackedLinear, select_linear
+
+from .model_zoo import make_zoo_model
+
+needs_both = pytest.mark.skipif(not (torch.backends.mkldnn.is_available() and cpu_linear.available()),
+                                reason="needs oneDNN and the panel kernel")
+
+# ms per call of one GEMM: panels stream the weights fastest (small M), oneDNN computes fastest (large M)
+PER_CALL = {"panels": lambda k, n, m: 1.0 + 0.010 * m, "onednn": lambda k, n, m: 1.2 + 0.004 * m,
+            "aten": lambda k, n, m: 3.0 + 0.020 * m}
+
+
+class FakeTimer:
+    """`time_shape`'s interface, answering PER_CALL (optionally overridden), counting the shapes timed."""
+
+    def __init__(self, per_call=None):
+        self.per_call, self.calls = per_call or PER_CALL, []
+
+    def __call__(self, k, n, count, rows, budget_s, dtype=torch.float32):
+        self.calls.append((k, n, count, rows))
+        return {(b, m): self.per_call[b](k, n, m) for b, ms in rows.items() for m in ms}
+
+
+def figures(decode: dict, prefill: dict) -> dict:
+    """figures from {backend: {M: ms}} tables."""
+    return {"decode": {b: {str(m): v for m, v in t.items()} for b, t in decode.items()},
+            "prefill": {b: {str(m): v for m, v in t.items()} for b, t in prefill.items()}}
+
+
+# a machine like the AMX Intel of issue 32: panels faster at decode sizes, oneDNN 1.7x faster at M=512
+INTEL = figures(decode={"panels": {1: 25.0, 8: 40.0, 64: 240.0}, "onednn": {1: 28.0, 8: 44.0, 64: 200.0}},
+                prefill={"panels": {64: 240.0, 512: 874.0}, "onednn": {64: 180.0, 512: 504.0}})
+
+
+def test_the_choice_weighs_decode_against_prefill_by_the_workload_mix():
+    decode_only = Workload(prompt_per_generated=0.0, decode_rows=(1, 8, 64), prefill_rows=(64, 512))
+    assert choose(INTEL, decode_only)[0] == "panels"  # panels win every decode size
+    choice, cost = choose(INTEL, Workload())  # 5 prompt tokens a generated one: prefill dominates
+    assert choice == "onednn" and cost["onednn"] < cost["panels"]
+    expect = (25 / 1 + 40 / 8 + 240 / 64) / 3 + 5 * (240 / 64 + 874 / 512) / 2
+    assert cost["panels"] == pytest.approx(expect, rel=1e-4)
+    # where the panels win everywhere (the EPYCs), no mix moves the choice
+    epyc = figures(decode={"panels": {1: 25.0, 8: 44.0, 64: 243.0}, "onednn": {1: 39.0, 8: 61.5, 64: 272.0}},
+                   prefill={"panels": {64: 243.0, 512: 1553.0}, "onednn": {64: 272.0, 512: 1600.0}})
+    assert choose(epyc, Workload(prompt_per_generated=100.0))[0] == "panels"
+
+
+def test_the_panels_are_kept_unless_another_backend_is_faster_by_the_margin():
+    close = figures(decode={"panels": {1: 100.0}, "onednn": {1: 97.0}, "aten": {1: 300.0}},
+                    prefill={"panels": {64: 100.0}, "onednn": {64: 97.0}, "aten": {64: 300.0}})
+    wl = Workload(decode_rows=(1,), prefill_rows=(64,))
+    assert choose(close, wl)[0] == "panels"  # 3% faster: within the 5% margin
+    assert choose(close, Workload(decode_rows=(1,), prefill_rows=(64,), margin=0.0))[0] == "onednn"
+
+
+def test_the_workload_follows_the_scheduler_limits():
+    assert Workload.for_engine(64, 2048) == Workload(decode_rows=(1, 8, 64), prefill_rows=(64, 512))
+    wl = Workload.for_engine(4, 100, prompt_per_generated=2.0)
+    assert wl.decode_rows == (1, 4) and wl.prefill_rows == (64, 100) and wl.prompt_per_generated == 2.0
+
+
+def test_a_step_is_every_gemm_as_it_runs_fused_and_the_head_at_one_row_in_prefill():
+    model = make_zoo_model("llama")
+    layers = len(model.model.layers)
+    fused = calibrate.gemms(model, "panels")
+    assert sum(g.count for g in fused) == 4 * layers + 1  # q/k/v one GEMM, gate/up one: as select_linear packs
+    assert sum(g.count for g in calibrate.gemms(model, "aten")) == 7 * layers + 1
+    wl = Workload(decode_rows=(1, 8), prefill_rows=(64,))
+    timer = FakeTimer()
+    got = calibrate.measure(model, ["panels", "onednn"], wl, timer=timer)
+    head = next(g for g in fused if g.head)
+    for b in ("panels", "onednn"):
+        f = PER_CALL[b]
+        assert got["decode"][b]["8"] == pytest.approx(sum(g.count * f(g.k, g.n, 8) for g in fused), abs=1e-3)
+        body = sum(g.count * f(g.k, g.n, 64) for g in fused if not g.head)
+        assert got["prefill"][b]["64"] == pytest.approx(body + f(head.k, head.n, 1), abs=1e-3)
+    assert len(timer.calls) == len({(g.k, g.n) for g in fused})  # each shape's weights made once
+
+
+def test_a_figure_above_a_larger_row_counts_is_lowered_to_it():
+    disturbed = {("panels", 1): 12.0, ("panels", 8): 0.35, ("panels", 64): 2.0, ("onednn", 1): 0.3}
+    assert calibrate.monotone(disturbed) == {("panels", 1): 0.35, ("panels", 8): 0.35, ("panels", 64): 2.0,
+                                             ("onednn", 1): 0.3}
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SVRMAD_CACHE", str(tmp_path))
+    monkeypatch.setenv("SVRMAD_CALIBRATE", "on")
+    return tmp_path
+
+
+def test_figures_are_cached_per_machine_and_reused_without_timing(cache, monkeypatch):
+    model, timer = make_zoo_model("llama"), FakeTimer()
+    first = calibrate.calibrate(model, ["panels", "onednn"], timer=timer)
+    timed = len(timer.calls)
+    assert timed and not first.cached and first.path.startswith(str(cache / "calibration"))
+    again = calibrate.calibrate(model, ["panels", "onednn"], timer=timer)
+    assert len(timer.calls) == timed and again.cached and again.figures == first.figures
+    assert "(cached)" in again.reason
+    # another workload mix is a new choice from the same figures, not a new timing
+    calibrate.calibrate(model, ["panels", "onednn"], Workload(prompt_per_generated=0.0), timer=timer)
+    assert len(timer.calls) == timed
+    # another CPU, another torch, another dtype, other candidates: timed again
+    monkeypatch.setattr(calibrate, "cpu_id", lambda: {"model": "Some Xeon", "flags": ["avx512f", "amx_tile"]})
+    calibrate.calibrate(model, ["panels", "onednn"], timer=timer)
+    assert len(timer.calls) == 2 * timed
+    monkeypatch.setattr(torch, "__version__", "99.0")
+    calibrate.calibrate(model, ["panels", "onednn"], timer=timer)
+    assert len(timer.calls) == 3 * timed
+    calibrate.calibrate(model, ["panels", "onednn", "aten"], timer=timer)
+    assert len(timer.calls) > 3 * timed
+    n = len(timer.calls)
+    calibrate.calibrate(model, ["panels", "onednn", "aten"], timer=timer)
+    assert len(timer.calls) == n
+    monkeypatch.setenv("SVRMAD_CALIBRATE", "again")  # time again, overwriting the cached figures
+    calibrate.calibrate(model, ["panels", "onednn", "aten"], timer=timer)
+    assert len(timer.calls) > n
+
+
+@pytest.mark.parametrize("damage", ["{not json", '{"key": 1}', "", "BAD_FIGURES"])
+def test_an_unreadable_cache_file_is_said_in_one_line_and_rewritten(cache, caplog, damage):
+    model, timer = make_zoo_model("llama"), FakeTimer()
+    first = calibrate.calibrate(model, ["panels", "onednn"], timer=timer)
+    timed = len(timer.calls)
+    path = cache / "calibration" / first.path.rpartition("/")[2]
+    if damage == "BAD_FIGURES":
+        data = json.loads(path.read_text())
+        data["figures"]["decode"]["panels"] = {"1": "fast"}
+        damage = json.dumps(data)
+    path.write_text(damage)
+    with caplog.at_level(logging.INFO, logger="svrmad_local"):
+        again = calibrate.calibrate(model, ["panels", "onednn"], timer=timer)
+    warned = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    if damage != '{"key": 1}':  # a file for another key is simply not ours
+        assert len(warned) == 1 and "ignoring the unreadable linear calibration" in warned[0].getMessage()
+    assert len(timer.calls) == 2 * timed and not again.cached and again.figures == first.figures
+    assert json.loads(path.read_text())["figures"] == first.figures  # rewritten
+
+
+def test_an_unwritable_cache_dir_costs_a_line_not_the_run(tmp_path, monkeypatch, caplog):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("SVRMAD_CACHE", str(blocker))  # a file where the folder should be
+    with caplog.at_level(logging.WARNING, logger="svrmad_local"):
+        cal = calibrate.calibrate(make_zoo_model("llama"), ["panels", "onednn"], timer=FakeTimer())
+    assert cal.choice in ("panels", "onednn") and "could not save the linear calibration" in caplog.text
+
+
+@needs_both
+def test_auto_packs_the_measured_backend_and_says_tokens_may_then_differ(cache, monkeypatch):
+    monkeypatch.setenv("SVRMAD_CALIBRATE", "again")  # each fake machine below is timed, not read from the cache
+    onednn_wins = dict(PER_CALL, panels=lambda k, n, m: 5.0 + 0.05 * m)
+    monkeypatch.setattr(calibrate, "time_shape", FakeTimer(onednn_wins))
+    model = make_zoo_model("llama")
+    what = select_linear(model, "auto")
+    assert what.startswith("oneDNN packed") and "--linear panels computes the same tokens on every machine" in what
+    assert calibrate.recorded(model).choice == "onednn"
+    mods = [m for m in model.modules() if isinstance(m, (PackedLinear, FusedPart))]
+    assert mods and all((m.group.layout if isinstance(m, FusedPart) else m.layout) is ONEDNN for m in mods)
+    monkeypatch.setattr(calibrate, "time_shape", FakeTimer())
+    model = make_zoo_model("llama")
+    what = select_linear(model, "auto")
+    assert what.startswith("panels") and "tokens may differ" not in what and "measured on this machine" in what
+    assert next(m for m in model.modules() if isinstance(m, PackedLinear)).layout is PANELS
+    monkeypatch.setattr(calibrate, "time_shape", FakeTimer(dict(PER_CALL, aten=lambda k, n, m: 0.01)))
+    model = make_zoo_model("llama")
+    assert select_linear(model, "auto").startswith("aten (F.linear), measured on this machine")
+    assert any(type(m) is torch.nn.Linear for m in model.modules())
+
+
+def test_an_explicit_backend_or_calibrate_off_never_times(cache, monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("timed")
+
+    monkeypatch.setattr(calibrate, "time_shape", refuse)
+    for backend in ("panels", "onednn", "aten"):
+        if backend == "panels" and not cpu_linear.available():
+            continue
+        model = make_zoo_model("llama")
+        select_linear(model, backend)
+        assert calibrate.recorded(model) is None
+    half = make_zoo_model("llama").to(torch.float16)  # one backend can run: nothing to choose between
+    assert "packing is off" in select_linear(half, "auto")
+    monkeypatch.setenv("SVRMAD_CALIBRATE", "0")
+    model = make_zoo_model("llama")
+    assert select_linear(model, "auto").startswith("panels" if cpu_linear.available() else "oneDNN")
+    assert calibrate.recorded(model) is None
+
+
+@needs_both
+def test_engine_info_carries_the_choice_and_its_figures(cache, monkeypatch):
+    monkeypatch.setattr(calibrate, "time_shape", FakeTimer())
+    eng = Engine(make_zoo_model("llama"), None, EngineConfig(kv_cache_memory=4 * 2**20, block_size=4, max_num_seqs=16,
+                                                                   max_num_batched_tokens=256))
+    try:
+        info = eng.info["linear_calibration"]
+        assert info["choice"] == "panels" and eng.info["linear"].startswith("panels")
+        assert info["workload"]["decode_rows"] == [1, 2, 16] and info["workload"]["prefill_rows"] == [64, 256]
+        assert set(info["figures"]["decode"]) == {"panels", "onednn", "aten"}
+        assert set(info["figures"]["prefill"]["onednn"]) == {"64", "256"}
+        assert info["cost_ms_per_token"]["panels"] < info["cost_ms_per_token"]["onednn"]
+        json.dumps(eng.info)  # run.json stores engine.info as it is
+    finally:
+        eng.close()
+    eng = Engine(make_zoo_model("llama"), None, EngineConfig(kv_cache_memory=4 * 2**20, block_size=4, linear="panels"))
+    try:
+        assert eng.info["linear_calibration"] is None
+    finally:
+        eng.close()
