@@ -34,8 +34,9 @@ class EngineConfig:
     kernels/ (fused token statistics for scoring, cascade attention): "auto" takes Triton on a GPU,
     "torch" forces the references. cascade: "auto" (off: measured slower, see runner._cascade_enabled) | "on" | "off".
     linear: "auto" | "panels" | "onednn" | "aten", how the model's linears run (models/linear.py): "auto"
-    packs fp32 weights into our kernel's panels on the CPU (else oneDNN's layout, else F.linear) and says
-    why not where it cannot; the packing is done in place, once.
+    takes, on the CPU, the backend measured fastest here for the workload (models/calibrate.py, cached per
+    machine; SVRMAD_CALIBRATE=0: the panels for fp32, else oneDNN's layout, else F.linear) and says why;
+    the packing is done in place, once.
 
     decoder: "auto" | "lean" | "modules", how the layers run (engine/lean.py): "auto" takes the lean
     forward (fused norms, RoPE and cache writes; bitwise the modules' computation with those norms) for

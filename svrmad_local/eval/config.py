@@ -278,8 +278,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="decode attention over shared prefix blocks once (kernels.cascade_attention); auto is off, "
                         "as measured (docs/engine.md); exact either way")
     g.add_argument("--linear", choices=["auto", "panels", "onednn", "aten"], default=ec.linear,
-                   help="how linears run on the CPU: auto packs fp32 weights once into our kernel's panels (else "
-                        "oneDNN's layout) where it can; numerics move at fp32 rounding level, docs/engine.md")
+                   help="how linears run on the CPU: auto takes the backend measured fastest on this machine "
+                        "(a few seconds once, cached; SVRMAD_CALIBRATE=0: the panels for fp32, else oneDNN); "
+                        "panels computes the same tokens on every machine; docs/engine.md")
     g.add_argument("--decoder", choices=["auto", "lean", "modules"], default=ec.decoder,
                    help="how layers run: auto takes the lean forward (fused norms, RoPE and cache writes) for fp32 "
                         "Llama/Mistral/Qwen2/Qwen3 on the CPU, else transformers' modules (docs/engine.md)")
