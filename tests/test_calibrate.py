@@ -162,6 +162,16 @@ def test_an_unwritable_cache_dir_costs_a_line_not_the_run(tmp_path, monkeypatch,
     assert cal.choice in ("panels", "onednn") and "could not save the linear calibration" in caplog.text
 
 
+def test_a_failed_timing_is_one_line_and_the_fixed_rule(cache, caplog):
+    def broken(*a, **k):
+        raise RuntimeError("could not create a primitive")
+
+    with caplog.at_level(logging.WARNING, logger="svrmad_local"):
+        cal = calibrate.calibrate(make_zoo_model("llama"), ["onednn", "panels"], timer=broken)
+    assert cal.choice == "panels" and "not measured (could not create a primitive)" in cal.reason
+    assert "the linear calibration failed" in caplog.text and not (cache / "calibration").exists()
+
+
 @needs_both
 def test_auto_packs_the_measured_backend_and_says_tokens_may_then_differ(cache, monkeypatch):
     monkeypatch.setenv("SVRMAD_CALIBRATE", "again")  # each fake machine below is timed, not read from the cache

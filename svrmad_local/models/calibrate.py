@@ -26,7 +26,8 @@ import math
 import os
 import platform
 import time
-from dataclasses import asdict, dataclass, field
+from collections import Counter
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -91,11 +92,12 @@ class Calibration:
     workload: Workload
     cached: bool = False
     path: str | None = None
-    key: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
+        """For engine.info and run.json (plain JSON types)."""
+        workload = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self.workload).items()}
         return {"choice": self.choice, "reason": self.reason, "figures": self.figures, "cost_ms_per_token": self.cost,
-                "workload": {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self.workload).items()}, "cached": self.cached, "cache_file": self.path}
+                "workload": workload, "cached": self.cached, "cache_file": self.path}
 
 
 def setting() -> str:
@@ -120,10 +122,7 @@ def gemms(model: nn.Module, backend: str, fuse: bool = True) -> list[Gemm]:
     fused = {name for g in groups for name, _ in g}
     shapes = [(g[0][1].in_features, sum(m.out_features for _, m in g), False) for g in groups]
     shapes += [(m.in_features, m.out_features, m is head) for name, m in linears if name not in fused]
-    counts: dict[tuple, int] = {}
-    for s in shapes:
-        counts[s] = counts.get(s, 0) + 1
-    return [Gemm(k, n, c, h) for (k, n, h), c in sorted(counts.items())]
+    return [Gemm(k, n, c, h) for (k, n, h), c in sorted(Counter(shapes).items())]
 
 
 def cpu_id() -> dict:
@@ -309,8 +308,12 @@ def calibrate(model: nn.Module, candidates: list[str], workload: Workload | None
     cached = figures is not None
     if not cached:
         t0 = time.perf_counter()
-        figures = measure(model, candidates, workload, fuse, budget_s, timer)
-        log.info("svrmad: linear calibration took %.1f s; saved to %s", time.perf_counter() - t0, path)
+        try:
+            figures = measure(model, candidates, workload, fuse, budget_s, timer)
+        except RuntimeError as e:  # a backend that should run here failed: the run goes on under the fixed rule
+            log.warning("svrmad: the linear calibration failed (%s); taking %s, the fixed rule", e, NAMES[candidates[0]])
+            return Calibration(candidates[0], f"not measured ({e}): the fixed rule", {}, {}, workload, False, None)
+        log.info("svrmad: linear calibration took %.1f s", time.perf_counter() - t0)
         _write(path, key, figures)
     choice, cost = choose(figures, workload)
     costs = ", ".join(f"{NAMES[b]} {cost[b]:.3g}" for b in candidates)
@@ -319,7 +322,7 @@ def calibrate(model: nn.Module, candidates: list[str], workload: Workload | None
     if choice != "panels":
         reason += ("; its tokens may differ from another machine's (and a row's from its value in another batch): "
                    "--linear panels computes the same tokens on every machine")
-    return Calibration(choice, reason, figures, cost, workload, cached, str(path), key)
+    return Calibration(choice, reason, figures, cost, workload, cached, str(path))
 
 
 def table(cal: Calibration) -> str:
