@@ -5,6 +5,7 @@ Per shape: for each distinct (out, in) of the model's nn.Linear modules (LM head
 cache across repeats, which a real step never sees; so the second table runs every linear of the
 model once per "step", each with its own weights (the model's own, as the engine packs them: q/k/v
 and gate/up fused), the way a decode step streams them from memory. Last line one JSON object.
+What `--linear auto` measures and chooses on this machine: benchmarks/bench_calibrate.py.
 
     python benchmarks/bench_linear.py [--model PATH] [--rows 1,8,24,64] [--step-rows 1,4,8,24,64,512] [--repeat 20]
 """
