@@ -10,7 +10,7 @@ decode from one and prefill from the other would keep two copies of the weights 
 docs/engine.md).
 
 The figures are cached per machine (`cache_key`: CPU model and the ISA flags that matter, threads, torch
-and project version, dtype, shapes, step sizes, candidates) in a small JSON under the cache dir, so only
+and project version, the panel kernel's source, dtype, shapes, step sizes, candidates) in a small JSON under the cache dir, so only
 the first engine on a machine pays the seconds. The choice itself is recomputed from the cached figures
 each time, so changing the workload mix needs no new timing. SVRMAD_CALIBRATE=0 skips all of it
 (`auto` then takes its fixed rule: panels, else oneDNN, else F.linear); SVRMAD_CALIBRATE=again times
@@ -26,6 +26,7 @@ import math
 import os
 import platform
 import time
+from importlib import metadata
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -34,7 +35,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-import svrmad_local
+from svrmad_local.kernels import cpu_linear
 from svrmad_local.models.default import cache_dir
 
 log = logging.getLogger("svrmad_local")
@@ -138,12 +139,21 @@ def cpu_id() -> dict:
     return {"model": name, "flags": [f for f in FLAGS if f in flags], "capability": torch.backends.cpu.get_cpu_capability()}
 
 
+def project_version() -> str:
+    try:
+        return metadata.version("svrmad-local")
+    except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
+
 def cache_key(model: nn.Module, candidates: list[str], workload: Workload, fuse: bool = True) -> dict:
     dtype = next(m.weight.dtype for m in model.modules() if type(m) is nn.Linear)
     return {"cpu": cpu_id(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "project": svrmad_local.__version__, "dtype": str(dtype).removeprefix("torch."),
+            "project": project_version(), "dtype": str(dtype).removeprefix("torch."),
             "decode_rows": list(workload.decode_rows), "prefill_rows": list(workload.prefill_rows),
-            "gemms": {b: [asdict(g) for g in gemms(model, b, fuse)] for b in candidates}}
+            "gemms": {b: [asdict(g) for g in gemms(model, b, fuse)] for b in candidates},
+            # the panel kernel's own code: an edit to it between releases times again
+            "panel_kernel": hashlib.sha256(cpu_linear._SOURCE.encode()).hexdigest()[:16]}
 
 
 def cache_path(key: dict) -> Path:
