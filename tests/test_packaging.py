@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import os
+import shutil
 import site
 import subprocess
 import sys
 import tomllib
+import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,3 +44,21 @@ def test_a_plain_checkout_imports_with_only_pythonpath(tmp_path):
                          timeout=300)
     assert out.returncode == 0, out.stderr
     assert Path(out.stdout.strip()).resolve().parent == ROOT / "svrmad_local" / "kernels"
+
+
+def test_a_wheel_ships_the_kernels_csrc(tmp_path):
+    """A non-editable install has no working tree to read the C++ from: the wheel must carry every
+    csrc file. Built from a copy of the tree (setuptools writes build/ where it runs), offline."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    shutil.copytree(ROOT / "svrmad_local", src / "svrmad_local", ignore=shutil.ignore_patterns("__pycache__"))
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
+                          "-q", "-w", str(tmp_path / "dist"), str(src)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    (wheel,) = (tmp_path / "dist").glob("svrmad_local-*.whl")
+    shipped = set(zipfile.ZipFile(wheel).namelist())
+    csrc = ROOT / "svrmad_local" / "kernels" / "csrc"
+    wanted = {p.relative_to(ROOT).as_posix() for p in csrc.iterdir() if p.suffix in (".cpp", ".h")}
+    assert len(wanted) >= 4 and wanted <= shipped, sorted(wanted - shipped)

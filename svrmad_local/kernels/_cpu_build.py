@@ -1,8 +1,12 @@
 """Compiling the engine's small C++ CPU kernels, once, the same way for each.
 
-torch.utils.cpp_extension builds on first use and caches under ~/.cache/torch_extensions (nothing is
-downloaded). A kernel is built per ISA level, never with -march=native: the cache may outlive the
-machine it was built on, and a build for another CPU's features would die on an illegal instruction.
+Their sources are real files in csrc/ (one .cpp a kernel, each ending in its PYBIND11_MODULE, and the
+SIMD helpers they share in simd.h), shipped as package data. torch.utils.cpp_extension.load builds a
+kernel on first use and caches it under ~/.cache/torch_extensions (nothing is downloaded). The build's
+name carries a digest of every csrc file and of the flags, so an edit (a header's too) is a new build,
+never a stale one loaded; a failed build is said with the first compiler error's real file and line.
+A kernel is built per ISA level, never with -march=native: the cache may outlive the machine it was
+built on, and a build for another CPU's features would die on an illegal instruction.
 -fopenmp: at::parallel_for is an inline OpenMP region in torch's headers; built without it the pragma
 is ignored and the kernel runs on one thread (measured: 2 threads = 1). It links libgomp.so.1, which
 the loader resolves to the copy torch already loaded (same soname): one OpenMP runtime, the engine
@@ -11,11 +15,16 @@ worker's one team (docs/engine.md).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import re
 import shutil
+import subprocess
+import sysconfig
 import threading
 import warnings
+from pathlib import Path
 
 import torch
 
@@ -23,6 +32,10 @@ log = logging.getLogger("svrmad_local")
 
 ISA_FLAGS = {"avx2": ["-mavx2", "-mfma"], "avx512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl",
                                                     "-mavx512dq"]}
+
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+CXX_STD = "-std=c++20"  # what torch's extension builder passes (torch 2.13); the compile-only check uses it too
 
 
 def isa() -> str:
@@ -50,33 +63,75 @@ def _say_once(key: str, message: str) -> None:
         warnings.warn(message, KernelBuildWarning, stacklevel=3)
 
 
-def build(name: str, source: str, functions: list[str], extra_cflags: tuple[str, ...] = ()):
-    """The compiled module `{name}_{isa}`; raises whatever the toolchain raises (no compiler, no ninja...)."""
-    from torch.utils.cpp_extension import load_inline
+def cflags(extra: tuple[str, ...] = ()) -> list[str]:
+    """The flags every kernel is compiled with on this machine, after torch's own (the build and the
+    compile-only check share them)."""
+    omp = ["-fopenmp"] if torch.backends.openmp.is_available() else []
+    return ["-O3", "-fopenmp-simd", *omp, *ISA_FLAGS.get(isa(), []), *extra]
 
+
+def digest(source: Path, flags: list[str]) -> str:
+    """A short hash of the kernel's file, every header of csrc/ and the flags: the build's cache key."""
+    h = hashlib.sha256()
+    for path in [source, *sorted(CSRC.glob("*.h"))]:
+        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    h.update(" ".join(flags).encode())
+    return h.hexdigest()[:12]
+
+
+ERROR_LINE = re.compile(r"^(?P<where>[^\s:][^:\n]*:\d+(?::\d+)?): (?:fatal )?error: (?P<what>.*)$", re.M)
+
+
+def first_error(output: str) -> str | None:
+    """'file:line:col: error: what' of the first error in a compiler's output, or None."""
+    m = ERROR_LINE.search(output)
+    return f"{m['where']}: error: {m['what'].strip()}" if m else None
+
+
+def build(name: str, source: Path, extra_cflags: tuple[str, ...] = ()):
+    """The compiled module `{name}_{isa}_{digest}` of one csrc file; raises whatever the toolchain raises
+    (no compiler, no ninja, a compile error...)."""
+    from torch.utils.cpp_extension import load
+
+    flags = cflags(extra_cflags)
     omp = ["-fopenmp"] if torch.backends.openmp.is_available() else []
     quiet = logging.getLogger("torch.utils.cpp_extension")  # its compiler banners: our one line says what matters
     level = quiet.level
     quiet.setLevel(logging.ERROR)
     try:
-        return load_inline(name=f"{name}_{isa()}", cpp_sources=[source], functions=functions,
-                           extra_cflags=["-O3", "-fopenmp-simd", *omp, *ISA_FLAGS.get(isa(), []), *extra_cflags],
-                           extra_ldflags=omp, verbose=False)
+        return load(name=f"{name}_{isa()}_{digest(source, flags)}", sources=[str(source)], extra_cflags=flags,
+                    extra_ldflags=omp, extra_include_paths=[str(CSRC)], verbose=False)
     finally:
         quiet.setLevel(level)
 
 
-class Kernel:
-    """One compiled kernel module, built on first use by any thread, once; a failed build is
-    remembered with its reason and the caller keeps its fallback path. A build that could not run
-    or failed is said in one svrmad warning line (which kernels, why, what runs instead, how to get
-    them; one line for all kernels when the cause is the same, e.g. no compiler); a CPU without AVX2
-    is said at info level (nothing to fix). `env_off`: an environment variable that, set to 0, turns
-    the kernel off."""
+def check_syntax(source: Path, extra_cflags: tuple[str, ...] = ()) -> str | None:
+    """Compiles `source` with -fsyntax-only and the flags, includes and defines a build uses (nothing is
+    written): None where it compiles, else the first error's 'file:line: error: ...' (the whole output
+    where no line names one). For the suite's compile-only check."""
+    from torch.utils.cpp_extension import include_paths
 
-    def __init__(self, name: str, source: str, functions: list[str], env_off: str, what: str,
-                 needs_avx2: bool = False, extra_cflags: tuple[str, ...] = ()):
-        self.name, self.source, self.functions, self.extra_cflags = name, source, functions, tuple(extra_cflags)
+    includes = [*include_paths(), sysconfig.get_path("include", scheme="posix_prefix")]
+    cmd = [compiler() or "c++", "-fsyntax-only", "-DTORCH_EXTENSION_NAME=svrmad_syntax_check",
+           "-DTORCH_API_INCLUDE_EXTENSION_H", f"-I{CSRC}", *(f"-isystem{p}" for p in includes), "-fPIC", CXX_STD,
+           *cflags(extra_cflags), str(source)]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode == 0:
+        return None
+    return first_error(out.stderr) or out.stderr.strip() or f"{cmd[0]} exited {out.returncode}"
+
+
+class Kernel:
+    """One compiled kernel module, from one csrc file (a name there, or a path), built on first use by
+    any thread, once; a failed build is remembered with its reason and the caller keeps its fallback
+    path. A build that could not run or failed is said in one svrmad warning line (which kernels, why,
+    what runs instead, how to get them; one line for all kernels when the cause is the same, e.g. no
+    compiler); a CPU without AVX2 is said at info level (nothing to fix). `env_off`: an environment
+    variable that, set to 0, turns the kernel off."""
+
+    def __init__(self, name: str, source: str | Path, env_off: str, what: str, needs_avx2: bool = False,
+                 extra_cflags: tuple[str, ...] = ()):
+        self.name, self.source, self.extra_cflags = name, CSRC / source, tuple(extra_cflags)
         self.env_off, self.what, self.needs_avx2 = env_off, what, needs_avx2
         self._lock = threading.Lock()
         self._module = None
@@ -91,8 +146,8 @@ class Kernel:
                     log.info("%s unavailable (%s)", self.what, self.error)
                 else:
                     try:  # without a compiler too: a build cached by an earlier run may still load
-                        self._module = build(self.name, self.source, self.functions, self.extra_cflags)
-                    except Exception as exc:  # no compiler, no ninja, a read-only cache...
+                        self._module = build(self.name, self.source, self.extra_cflags)
+                    except Exception as exc:  # no compiler, no ninja, a read-only cache, a compile error...
                         self._failed(exc)
         return self._module
 
@@ -103,7 +158,8 @@ class Kernel:
             _say_once("compiler", f"{self.error}: the CPU kernels ({names}) are not built and {INSTEAD}; install "
                                   "one (e.g. apt install g++, or set CXX) to build them on the next run")
         else:
-            self.error = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+            where = first_error(str(exc))  # torch's message carries the compiler's output
+            self.error = where or f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
             _say_once(self.name, f"the {self.what} did not build ({self.error}); {INSTEAD}")
 
     def off(self) -> bool:

@@ -1,0 +1,104 @@
+// fp32 linears from weights kept in 16-column panels, AVX2: built by _cpu_build.py, called from
+// cpu_linear.py (which says why it exists, the layout, and the fixed order of its arithmetic).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+
+#include "simd.h"
+
+#ifndef SVRMAD_AVX2
+#error "the panel linear kernel needs AVX2 and FMA (-mavx2 -mfma)"
+#endif
+
+constexpr int NR = 16;   // output columns a panel: two AVX2 vectors
+constexpr int MR = 6;    // input rows a micro-kernel call: 12 accumulators
+constexpr int64_t MC = 96;  // input rows a pass over the weights (their rows stay in L2 meanwhile)
+// Prefetch, as the rows of a pass walk a panel in tiles: the first tile reads PF_K k's (4 KB) ahead of
+// itself (with 2-6 rows a k, the FMAs pace the loads so slowly that the hardware's prefetch alone left
+// the stream at ~19 GB/s of the machine's ~33); the last of several tiles, which finds its panel in
+// cache, pulls the next panel into L2 meanwhile, so the memory does not idle through it.
+constexpr int PF_NONE = 0, PF_AHEAD = 1, PF_NEXT = 2;
+constexpr int64_t PF_K = 64;
+
+// rows [0, R) of X against one panel: out[r][j] = sum_k X[r][k] * panel[k][j], one FMA chain a
+// KBLOCK of k's, the chains added in order; then the bias
+template <int R, int PF>
+static void micro(const float* X, int64_t K, const float* panel, int64_t kblock, const float* bias, float* Y,
+                  int64_t N, int64_t n0, int64_t nv) {
+  __m256 tot[R][2];
+  for (int64_t kb = 0; kb < K; kb += kblock) {
+    const int64_t ke = std::min(K, kb + kblock);
+    __m256 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t k = kb; k < ke; ++k) {
+      if (PF == PF_AHEAD && R > 1) _mm_prefetch(reinterpret_cast<const char*>(panel + (k + PF_K) * NR), _MM_HINT_T0);
+      else if (PF == PF_NEXT) _mm_prefetch(reinterpret_cast<const char*>(panel + (K + k) * NR), _MM_HINT_T1);
+      const __m256 w0 = _mm256_loadu_ps(panel + k * NR), w1 = _mm256_loadu_ps(panel + k * NR + 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 xb = _mm256_broadcast_ss(X + r * K + k);
+        acc[r][0] = _mm256_fmadd_ps(xb, w0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(xb, w1, acc[r][1]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      tot[r][0] = kb == 0 ? acc[r][0] : _mm256_add_ps(tot[r][0], acc[r][0]);
+      tot[r][1] = kb == 0 ? acc[r][1] : _mm256_add_ps(tot[r][1], acc[r][1]);
+    }
+  }
+  alignas(32) float out[NR];
+  for (int r = 0; r < R; ++r) {
+    _mm256_store_ps(out, tot[r][0]);
+    _mm256_store_ps(out + 8, tot[r][1]);
+    float* y = Y + r * N + n0;
+    for (int j = 0; j < nv; ++j) y[j] = bias ? out[j] + bias[n0 + j] : out[j];
+  }
+}
+
+template <int PF>
+static void rows(int64_t R, const float* X, int64_t K, const float* panel, int64_t kblock, const float* bias,
+                 float* Y, int64_t N, int64_t n0, int64_t nv) {
+  switch (R) {
+    case 1: micro<1, PF>(X, K, panel, kblock, bias, Y, N, n0, nv); break;
+    case 2: micro<2, PF>(X, K, panel, kblock, bias, Y, N, n0, nv); break;
+    case 3: micro<3, PF>(X, K, panel, kblock, bias, Y, N, n0, nv); break;
+    case 4: micro<4, PF>(X, K, panel, kblock, bias, Y, N, n0, nv); break;
+    case 5: micro<5, PF>(X, K, panel, kblock, bias, Y, N, n0, nv); break;
+    default: micro<MR, PF>(X, K, panel, kblock, bias, Y, N, n0, nv); break;
+  }
+}
+
+// x [M, K], panels [P, K, 16] -> y [M, n]
+torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t n, c10::optional<torch::Tensor> bias,
+                           int64_t kblock) {
+  TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && panels.size(2) == NR && x.size(1) == panels.size(1),
+              "x [M, K] and panels [P, K, 16]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && panels.scalar_type() == at::kFloat, "fp32 only");
+  TORCH_CHECK(panels.is_contiguous() && n <= panels.size(0) * NR && kblock > 0, "contiguous panels covering n columns");
+  x = x.contiguous();
+  torch::Tensor b;
+  if (bias.has_value()) b = bias->contiguous();
+  const int64_t M = x.size(0), K = x.size(1), P = panels.size(0);
+  auto y = torch::empty({M, n}, x.options());
+  const float* X = x.data_ptr<float>();
+  const float* W = panels.data_ptr<float>();
+  const float* B = bias.has_value() ? b.data_ptr<float>() : nullptr;
+  float* Y = y.data_ptr<float>();
+  for (int64_t mc = 0; mc < M; mc += MC) {
+    const int64_t me = std::min(M, mc + MC);
+    at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t n0 = p * NR, nv = std::min<int64_t>(NR, n - n0);
+        if (nv <= 0) continue;
+        for (int64_t m = mc; m < me; m += MR) {
+          auto tile = m == mc ? rows<PF_AHEAD> : m + MR >= me ? rows<PF_NEXT> : rows<PF_NONE>;
+          tile(std::min<int64_t>(MR, me - m), X + m * K, K, W + p * K * NR, kblock, B, Y + m * n, n, n0, nv);
+        }
+      }
+    });
+  }
+  return y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("panel_linear", torch::wrap_pybind_function(panel_linear), "panel_linear");
+}
