@@ -21,10 +21,10 @@ warnings.formatwarning = lambda message, category, *rest: f"svrmad run: warning:
 import sys
 from svrmad_local.kernels._cpu_build import Kernel
 src = sys.argv[1]  # a .cpp file (a path, not a name in csrc/)
-a = Kernel("svrmad_test_nocxx_a", src, "SVRMAD_TEST_A", "test kernel A")
-b = Kernel("svrmad_test_nocxx_b", src, "SVRMAD_TEST_B", "test kernel B")
-assert a.load() is None and b.load() is None and not a.available()
-print("reason:", a.unavailable_reason())
+a = Kernel("test_nocxx_a", src, "SVRMAD_TEST_A", "test kernel A")
+b = Kernel("test_nocxx_b", src, "SVRMAD_TEST_B", "test kernel B")
+assert a.load() is None and b.load() is None
+print("reason:", a.why_not())
 """
 
 

@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 
-from svrmad_local.kernels import _cpu_build, cpu_decode, cpu_linear, cpu_ops  # noqa: F401  (defines the kernels)
+from svrmad_local.kernels import _backend, _cpu_build, cpu_decode, cpu_linear, cpu_ops  # noqa: F401  (defines the kernels)
 
 KERNELS = {k.source.name: k for k in _cpu_build._KERNELS if k.source.parent == _cpu_build.CSRC}
 NO_CXX = pytest.mark.skipif(_cpu_build.compiler() is None, reason="no C++ compiler on PATH")
@@ -46,13 +46,15 @@ def test_a_failed_build_says_the_file_and_line(tmp_path, monkeypatch):
     bad = tmp_path / "bad.cpp"
     bad.write_text(BAD)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
-    monkeypatch.setattr(_cpu_build, "_KERNELS", [])  # keep the test kernel out of the engine's list
-    kernel = _cpu_build.Kernel("svrmad_test_bad", bad, "SVRMAD_TEST_BAD", "test kernel")
+    monkeypatch.setattr(_cpu_build, "_KERNELS", [])  # keep the test kernel out of the engine's lists
+    monkeypatch.setattr(_backend, "_CPU", dict(_backend._CPU))
+    kernel = _cpu_build.Kernel("test_bad", bad, "SVRMAD_TEST_BAD", "test kernel")
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         assert kernel.load() is None
     assert kernel.error.startswith(f"{bad}:3:") and "error" in kernel.error, kernel.error
     assert any(f"{bad}:3:" in str(w.message) for w in said if w.category is _cpu_build.KernelBuildWarning)
+    assert _backend.choose("auto", "cpu", "test_bad") == _backend.Choice("torch", kernel.error)
 
 
 def test_the_build_key_follows_every_file_and_the_flags(tmp_path, monkeypatch):

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from . import _backend
+
 log = logging.getLogger("svrmad_local")
 
 ISA_FLAGS = {"avx2": ["-mavx2", "-mfma"], "avx512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl",
@@ -89,7 +91,7 @@ def first_error(output: str) -> str | None:
 
 
 def build(name: str, source: Path, extra_cflags: tuple[str, ...] = ()):
-    """The compiled module `{name}_{isa}_{digest}` of one csrc file; raises whatever the toolchain raises
+    """The compiled module `svrmad_{name}_{isa}_{digest}` of one csrc file; raises whatever the toolchain raises
     (no compiler, no ninja, a compile error...)."""
     from torch.utils.cpp_extension import load
 
@@ -99,7 +101,7 @@ def build(name: str, source: Path, extra_cflags: tuple[str, ...] = ()):
     level = quiet.level
     quiet.setLevel(logging.ERROR)
     try:
-        return load(name=f"{name}_{isa()}_{digest(source, flags)}", sources=[str(source)], extra_cflags=flags,
+        return load(name=f"svrmad_{name}_{isa()}_{digest(source, flags)}", sources=[str(source)], extra_cflags=flags,
                     extra_ldflags=omp, extra_include_paths=[str(CSRC)], verbose=False)
     finally:
         quiet.setLevel(level)
@@ -127,7 +129,8 @@ class Kernel:
     path. A build that could not run or failed is said in one svrmad warning line (which kernels, why,
     what runs instead, how to get them; one line for all kernels when the cause is the same, e.g. no
     compiler); a CPU without AVX2 is said at info level (nothing to fix). `env_off`: an environment
-    variable that, set to 0, turns the kernel off."""
+    variable that, set to 0, turns the kernel off. It registers as `name` with _backend.choose, the
+    selector every kernel goes through."""
 
     def __init__(self, name: str, source: str | Path, env_off: str, what: str, needs_avx2: bool = False,
                  extra_cflags: tuple[str, ...] = ()):
@@ -137,6 +140,7 @@ class Kernel:
         self._module = None
         self.error: str | None = None
         _KERNELS.append(self)
+        _backend.register_cpu(name, self.why_not)
 
     def load(self):
         with self._lock:
@@ -165,12 +169,12 @@ class Kernel:
     def off(self) -> bool:
         return os.environ.get(self.env_off, "1") == "0"
 
-    def available(self) -> bool:
-        """Compiles on first call (seconds; cached across processes)."""
-        return not self.off() and self.load() is not None
-
-    def unavailable_reason(self) -> str | None:
-        return f"{self.env_off}=0" if self.off() else self.error
+    def why_not(self) -> str | None:
+        """None where the compiled module is there (built on first call: seconds, cached across
+        processes), else why not; what _backend.choose asks."""
+        if self.off():
+            return f"{self.env_off}=0"
+        return None if self.load() is not None else self.error
 
     def module(self):
         """The compiled module, or a RuntimeError saying why there is none (no lock once built: every

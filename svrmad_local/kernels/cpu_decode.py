@@ -25,19 +25,22 @@ from __future__ import annotations
 
 import torch
 
+from ._backend import choose
 from ._cpu_build import Kernel
 
-_KERNEL = Kernel("svrmad_cpu_decode", "cpu_decode.cpp", "SVRMAD_CPU_DECODE", "CPU paged decode kernel")
+NAME = "cpu_decode"  # its name for _backend.choose
+_KERNEL = Kernel(NAME, "cpu_decode.cpp", "SVRMAD_CPU_DECODE", "CPU paged decode kernel")
 
 
 def available() -> bool:
     """Compiles on first call (seconds; cached across processes). SVRMAD_CPU_DECODE=0 turns it off;
     without it decode attention gathers the context for SDPA."""
-    return _KERNEL.available()
+    return choose("auto", "cpu", NAME).impl == "cpp"
 
 
 def unavailable_reason() -> str | None:
-    return _KERNEL.unavailable_reason()
+    """Why the torch path runs instead (None where the kernel does)."""
+    return choose("auto", "cpu", NAME).why
 
 
 def paged_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,

@@ -29,21 +29,24 @@ from __future__ import annotations
 
 import torch
 
+from ._backend import choose
 from ._cpu_build import Kernel
 
 NR = 16  # columns a panel
 KBLOCK = 1024
 
-_KERNEL = Kernel("svrmad_cpu_linear", "cpu_linear.cpp", "SVRMAD_CPU_LINEAR", "panel linear kernel", needs_avx2=True)
+NAME = "cpu_linear"  # its name for _backend.choose
+_KERNEL = Kernel(NAME, "cpu_linear.cpp", "SVRMAD_CPU_LINEAR", "panel linear kernel", needs_avx2=True)
 
 
 def available() -> bool:
     """Compiles on first call (seconds; cached across processes). SVRMAD_CPU_LINEAR=0 turns it off."""
-    return _KERNEL.available()
+    return choose("auto", "cpu", NAME).impl == "cpp"
 
 
 def unavailable_reason() -> str | None:
-    return _KERNEL.unavailable_reason()
+    """Why the torch path runs instead (None where the kernel does)."""
+    return choose("auto", "cpu", NAME).why
 
 
 def pack(w: torch.Tensor) -> torch.Tensor:

@@ -20,19 +20,22 @@ from __future__ import annotations
 
 import torch
 
+from ._backend import choose
 from ._cpu_build import Kernel
 
-_KERNEL = Kernel("svrmad_cpu_ops", "cpu_ops.cpp", "SVRMAD_CPU_OPS", "fused CPU decoder ops", needs_avx2=True,
+NAME = "cpu_ops"  # its name for _backend.choose
+_KERNEL = Kernel(NAME, "cpu_ops.cpp", "SVRMAD_CPU_OPS", "fused CPU decoder ops", needs_avx2=True,
                  extra_cflags=("-ffp-contract=off",))
 
 
 def available() -> bool:
     """Compiles on first call (seconds; cached across processes). SVRMAD_CPU_OPS=0 turns it off."""
-    return _KERNEL.available()
+    return choose("auto", "cpu", NAME).impl == "cpp"
 
 
 def unavailable_reason() -> str | None:
-    return _KERNEL.unavailable_reason()
+    """Why the torch path runs instead (None where the kernel does)."""
+    return choose("auto", "cpu", NAME).why
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
