@@ -5,9 +5,9 @@
 
 It installs nothing into the machine's Python: the wheels carried in .whl/ (downloaded beforehand by
 FETCH) go into a private folder with `pip install --no-index --no-deps --target`, only where the
-installed release does not meet what we need; the project is imported from the working tree, with a
-sitecustomize.py that maps svrmad_local.kernels to kernels/ (as pyproject's package-dir installs it), so
-neither setuptools nor the network is needed. It builds every model it needs
+installed release does not meet what we need; the project is imported from the working tree on
+PYTHONPATH (svrmad_local/ holds every module, kernels/ included), so neither setuptools nor the network
+is needed. It builds every model it needs
 on the spot (config folders at the real shapes of the embedded default and of a 1.7B Qwen3, with a
 tokenizer trained here, for random weights; tiny MXFP4 GPT-OSS and FP8 DeepSeek-V3 checkpoints in the
 published layouts from tests/quant_zoo.py), then runs the steps (each killed if the call's time runs out), and writes
@@ -63,25 +63,6 @@ DEFECTS = {
 }
 
 
-SITECUSTOMIZE = '''"""Written by benchmarks/gpu_check.py: svrmad_local.kernels is the working tree's kernels/ folder, as
-pyproject.toml's package-dir installs it."""
-import importlib.abc
-import importlib.util
-import sys
-
-
-class _Kernels(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name != "svrmad_local.kernels":
-            return None
-        return importlib.util.spec_from_file_location(name, {kernels!r} + "/__init__.py",
-                                                      submodule_search_locations=[{kernels!r}])
-
-
-sys.meta_path.insert(0, _Kernels())
-'''
-
-
 @dataclass
 class Step:
     name: str
@@ -102,7 +83,7 @@ class Check:
     def __init__(self, out: Path, dry: bool, budget_s: float):
         self.out, self.dry, self.t0, self.budget = out, dry, time.monotonic(), budget_s
         self.work = Path(os.environ.get("SVRMAD_GPU_CHECK_WORK", "/tmp/svrmad-gpu-check"))
-        self.site, self.pkg, self.models = self.work / "site", self.work / "pkg", self.work / "models"
+        self.site, self.models = self.work / "site", self.work / "models"
         (out / "logs").mkdir(parents=True, exist_ok=True)
         self.steps: list[Step] = []
         self.cuda = False
@@ -111,11 +92,11 @@ class Check:
         return self.budget - (time.monotonic() - self.t0)
 
     def env(self) -> dict:
-        """The children's environment: the private site folder and the kernels finder first on the path;
+        """The children's environment: the private site folder, then the working tree, first on the path;
         no network, no download of the default model (every step passes its model)."""
         env = dict(os.environ, PYTHONUNBUFFERED="1", TRITON_INTERPRET="0", HF_HUB_OFFLINE="1",
                    TRANSFORMERS_OFFLINE="1", SVRMAD_CACHE=str(self.work / "no-default-model"))
-        env["PYTHONPATH"] = os.pathsep.join([str(self.site), str(self.pkg), str(ROOT)] +
+        env["PYTHONPATH"] = os.pathsep.join([str(self.site), str(ROOT)] +
                                             [p for p in [os.environ.get("PYTHONPATH")] if p])
         return env
 
@@ -222,15 +203,12 @@ class Check:
         return [f"requirements not met: {', '.join(unmet)}"] if unmet and not self.dry else []
 
     def step_package(self, step: Step):
-        """svrmad_local from the working tree, with no install: pyproject installs the top-level kernels/ as
-        svrmad_local.kernels, so a sitecustomize.py on the children's path adds a finder that maps it (what
-        setuptools' editable install does), whatever order sys.path puts the tree in (the benchmarks and
-        pytest put it first). No setuptools, no network."""
-        self.pkg.mkdir(parents=True, exist_ok=True)
-        (self.pkg / "sitecustomize.py").write_text(SITECUSTOMIZE.format(kernels=str(ROOT / "kernels")))
+        """svrmad_local from the working tree, with no install: the tree on PYTHONPATH is the whole package,
+        whatever order sys.path puts it in (the benchmarks and pytest put it first). No setuptools, no
+        network."""
         probe = ("import sys; sys.path.insert(0, {root!r}); import svrmad_local.kernels as k, "
                  "svrmad_local.engine.engine, transformers; print(k.__file__, transformers.__version__)")
-        env = dict(self.env(), PYTHONPATH=os.pathsep.join([str(self.site), str(self.pkg), str(ROOT)]))
+        env = dict(self.env(), PYTHONPATH=os.pathsep.join([str(self.site), str(ROOT)]))
         for root in (str(ROOT), "/"):  # the tree first on the path (as the benchmarks put it), or only after
             out = subprocess.run([sys.executable, "-c", probe.format(root=root)], capture_output=True, text=True,
                                  env=env, cwd="/", timeout=300)

@@ -18,12 +18,13 @@ CODE = """
 import warnings
 from svrmad_local import cli  # noqa: F401  (the CLI's one-line warning format is set by cli.main)
 warnings.formatwarning = lambda message, category, *rest: f"svrmad run: warning: {message}\\n"
+import sys
 from svrmad_local.kernels._cpu_build import Kernel
-src = "int answer() { return 42; }"
-a = Kernel("svrmad_test_nocxx_a", src, ["answer"], "SVRMAD_TEST_A", "test kernel A")
-b = Kernel("svrmad_test_nocxx_b", src, ["answer"], "SVRMAD_TEST_B", "test kernel B")
-assert a.load() is None and b.load() is None and not a.available()
-print("reason:", a.unavailable_reason())
+src = sys.argv[1]  # a .cpp file (a path, not a name in csrc/)
+a = Kernel("test_nocxx_a", src, "SVRMAD_TEST_A", "test kernel A")
+b = Kernel("test_nocxx_b", src, "SVRMAD_TEST_B", "test kernel B")
+assert a.load() is None and b.load() is None
+print("reason:", a.why_not())
 """
 
 
@@ -50,7 +51,9 @@ def test_no_compiler_is_one_svrmad_line_and_no_torch_banner(tmp_path):
             (bin_dir / tool).symlink_to(found)
     env = {k: v for k, v in os.environ.items() if k not in ("CXX", "CC")}
     env.update(PATH=str(bin_dir), TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
-    out = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    src = tmp_path / "answer.cpp"
+    src.write_text("int answer() { return 42; }\n")
+    out = subprocess.run([sys.executable, "-c", CODE, str(src)], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "reason: no C++ compiler (c++ is not on PATH)" in out.stdout
     lines = out.stderr.strip().splitlines()

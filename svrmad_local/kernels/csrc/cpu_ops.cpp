@@ -1,33 +1,17 @@
-"""The small fused ops of a Llama-shaped decoder layer on the CPU, fp32: RMSNorm (with the residual
-add before it) and RoPE with the new K/V written to their cache slots.
-
-Why: at decode these are ~20 tiny torch ops a layer, each ~5-20 us of dispatch on a 2-core EPYC for
-a few hundred floats of work: transformers' RMSNorm alone took 86 us a call (8 ops) against ~3 us
-here, 61 calls a step of the default.
-
-Numerics:
-- RoPE and the K/V copies are elementwise IEEE operations (x*cos, -x*sin, their sum; built with
-  -ffp-contract=off, so no FMA fuses them): bitwise what transformers' `apply_rotary_pos_emb`
-  computes. The residual add is one IEEE add: bitwise too.
-- RMSNorm sums the squares in an order of its own (8 lanes, then the lanes in order, then the tail),
-  so it differs from transformers' `pow(2).mean()` at fp32 rounding. That is why the engine swaps the
-  model's norm modules for `engine.lean.FastRMSNorm`, which calls this: the engine and any reference
-  that runs the same model then compute the same bits. A row's result never depends on the other
-  rows (batch-invariant).
-"""
-
-from __future__ import annotations
-
-import torch
-
-from ._cpu_build import Kernel
-
-_SOURCE = r"""
+// The fused ops of a Llama-shaped decoder layer, fp32 (RMSNorm with the residual add, RoPE with the K/V
+// cache write): built by _cpu_build.py with -ffp-contract=off, called from cpu_ops.py (its numerics).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 #include <algorithm>
 #include <cmath>
+
+#include "simd.h"
+
+#ifndef SVRMAD_AVX2
+#error "the fused decoder ops need AVX2 and FMA (-mavx2 -mfma)"
+#endif
+
+using namespace svrmad;
 
 // one row: y = w * (x * (1 / sqrt(mean(x^2) + eps)))
 static inline void norm_row(const float* x, const float* w, float* y, int64_t h, float eps) {
@@ -37,10 +21,7 @@ static inline void norm_row(const float* x, const float* w, float* y, int64_t h,
     __m256 v = _mm256_loadu_ps(x + i);
     acc = _mm256_add_ps(acc, _mm256_mul_ps(v, v));
   }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, acc);
-  float s = 0.f;
-  for (int j = 0; j < 8; ++j) s += lanes[j];
+  float s = sum_lanes_in_order(acc);
   for (; i < h; ++i) s += x[i] * x[i];
   const float r = 1.0f / std::sqrt(s / static_cast<float>(h) + eps);
   for (int64_t j = 0; j < h; ++j) y[j] = w[j] * (x[j] * r);
@@ -138,32 +119,9 @@ torch::Tensor rope_store(torch::Tensor q, torch::Tensor k, torch::Tensor v, torc
   });
   return out;
 }
-"""
 
-_KERNEL = Kernel("svrmad_cpu_ops_v1", _SOURCE, ["rms_norm", "add_rms_norm", "rope_store"], "SVRMAD_CPU_OPS",
-                 "fused CPU decoder ops", needs_avx2=True, extra_cflags=("-ffp-contract=off",))
-
-
-def available() -> bool:
-    """Compiles on first call (seconds; cached across processes). SVRMAD_CPU_OPS=0 turns it off."""
-    return _KERNEL.available()
-
-
-def unavailable_reason() -> str | None:
-    return _KERNEL.unavailable_reason()
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dimension of an fp32 tensor of any leading shape."""
-    h = x.shape[-1]
-    return _KERNEL.module().rms_norm(x.reshape(-1, h).contiguous(), weight, eps).view(x.shape)
-
-
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
-    """(rms_norm(residual + x), residual + x) for contiguous [rows, hidden] fp32 tensors."""
-    return _KERNEL.module().add_rms_norm(x, residual, weight, eps)
-
-
-def rope_store(q, k, v, cos, sin, k_cache, v_cache, slots) -> torch.Tensor:
-    """The rotated q [T, H, D]; the rotated k and v written to rows `slots` of the caches. See _SOURCE."""
-    return _KERNEL.module().rope_store(q, k, v, cos, sin, k_cache, v_cache, slots)
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", torch::wrap_pybind_function(rms_norm), "rms_norm");
+  m.def("add_rms_norm", torch::wrap_pybind_function(add_rms_norm), "add_rms_norm");
+  m.def("rope_store", torch::wrap_pybind_function(rope_store), "rope_store");
+}

@@ -3,12 +3,17 @@
 Triton is optional: every public function has a torch reference path, so the package imports
 and works (on CPU or GPU) when triton is missing. ``kernel_impl="auto"`` picks triton only where it pays
 off (CUDA tensors); tests force ``kernel_impl="triton"`` on CPU tensors under ``TRITON_INTERPRET=1``.
+The compiled C++ CPU kernels (cpu_decode, cpu_linear, cpu_ops) register here too: ``choose`` says for
+every kernel which implementation runs and, where the reference does, why. ``SVRMAD_KERNELS=torch`` is
+the Triton kernels' switch; each CPU kernel keeps its own (``SVRMAD_CPU_DECODE=0``...).
 """
 from __future__ import annotations
 
 import functools
 import os
 import warnings
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -26,6 +31,7 @@ IMPLS = ("auto", "torch", "triton")
 # Force the torch reference everywhere without touching call sites (debugging, A/B checks).
 FORCE_ENV = "SVRMAD_KERNELS"
 _disabled: dict[str, str] = {}  # kernel name -> why "auto" stopped using its triton path
+_CPU: dict[str, Callable[[], str | None]] = {}  # compiled C++ CPU kernel name -> why it cannot run (None: it can)
 
 
 def interpreter_ready() -> bool:
@@ -42,26 +48,66 @@ def interpreting() -> bool:
     return interpreter_ready()
 
 
-def resolve_impl(kernel_impl: str, device, name: str) -> str:
-    """Map ``kernel_impl`` to "torch" or "triton" for a call whose tensors live on ``device``."""
+@dataclass(frozen=True)
+class Choice:
+    """The implementation a kernel call takes: "triton", "cpp" (a compiled C++ CPU kernel) or "torch"
+    (the reference), and, where the reference runs, why."""
+    impl: str
+    why: str | None = None
+
+
+_TRITON, _CPP = Choice("triton"), Choice("cpp")
+
+
+def register_cpu(name: str, why_not: Callable[[], str | None]) -> None:
+    """Called by each compiled CPU kernel (_cpu_build.Kernel): `why_not()` is None where it runs (building
+    it on first call), else the reason."""
+    _CPU[name] = why_not
+
+
+def choose(kernel_impl: str, device, name: str) -> Choice:
+    """The one place that says whether kernel `name`'s fast implementation runs for a call on `device`
+    or its torch reference, and why: the Triton kernels (CUDA, or CPU tensors under the interpreter when
+    asked for explicitly) and the compiled C++ CPU kernels alike. Explicit requests that cannot be met
+    raise; "auto" degrades to the reference with its reason."""
     if kernel_impl not in IMPLS:
         raise ValueError(f"kernel_impl must be one of {IMPLS}, got {kernel_impl!r}")
+    if not isinstance(device, torch.device):
+        device = torch.device(device)
+    if name in _CPU:
+        if kernel_impl == "triton":
+            raise ValueError(f"{name} is a C++ CPU kernel: kernel_impl must be 'auto' or 'torch'")
+        if kernel_impl == "torch":
+            return Choice("torch", "kernel_impl='torch'")
+        if device.type != "cpu":
+            return Choice("torch", f"a CPU kernel, tensors on {device.type}")
+        why = _CPU[name]()
+        return Choice("torch", why) if why else _CPP
     if kernel_impl == "triton":
         if not HAS_TRITON:
             raise RuntimeError("kernel_impl='triton' requested but triton is not importable")
         if device.type == "cpu" and not interpreter_ready():
             raise RuntimeError("kernel_impl='triton' on CPU tensors needs triton's interpreter: set "
                                "TRITON_INTERPRET=1 before triton is first imported")
-        return "triton"
+        return _TRITON
     if kernel_impl == "torch":
-        return "torch"
-    if os.environ.get(FORCE_ENV, "").lower() == "torch" or name in _disabled:
-        return "torch"
-    return "triton" if HAS_TRITON and device.type == "cuda" else "torch"
+        return Choice("torch", "kernel_impl='torch'")
+    if os.environ.get(FORCE_ENV, "").lower() == "torch":
+        return Choice("torch", f"{FORCE_ENV}=torch")
+    if name in _disabled:
+        return Choice("torch", f"its Triton path failed: {_disabled[name]}")
+    if not HAS_TRITON:
+        return Choice("torch", "triton is not importable")
+    return _TRITON if device.type == "cuda" else Choice("torch", f"tensors on {device.type}")
+
+
+def resolve_impl(kernel_impl: str, device, name: str) -> str:
+    """Map ``kernel_impl`` to "torch", "triton" or "cpp" for a call whose tensors live on ``device``."""
+    return choose(kernel_impl, device, name).impl
 
 
 def select_impl(kernel_impl: str, tensor_or_device, name: str = "token_stats") -> str:
-    """Which path ("torch" or "triton") a call of kernel ``name`` with ``kernel_impl`` would take for
+    """Which path ("torch", "triton" or "cpp") a call of kernel ``name`` with ``kernel_impl`` would take for
     tensors on that device; for callers that log or report the path they use."""
     dev = tensor_or_device.device if hasattr(tensor_or_device, "device") else torch.device(tensor_or_device)
     return resolve_impl(kernel_impl, dev, name)

@@ -1,0 +1,75 @@
+"""fp32 linears on the CPU from weights kept in 16-column panels: one read of the weights a step.
+
+Why: at decode a step multiplies 1-32 rows by every weight of the model, so its linears are a
+stream of the weights through memory. oneDNN on its packed layout streamed them at ~14 GB/s on a
+2-core AVX2 EPYC that reads ~20-25; this kernel, on weights stored the way it reads them, streams at
+~21. Measured on the default's shapes over 30 layers and its LM head (distinct weights, so nothing
+stays in cache), ms per step: M=1 39.0 -> 24.8, M=4 47.3 -> 30.3, M=8 61.5 -> 43.8, M=24 124 -> 105,
+M=64 272 -> 243, M=512 1509 -> 1553 (benchmarks/bench_linear.py).
+
+With 2-64 rows the FMAs pace the loads so slowly that the hardware's prefetch left the stream well
+under the machine's bandwidth; the first row tile of a pass prefetches 64 k's (4 KB) ahead, and the last
+of several tiles the next panel. On a 2-core AVX-512 EPYC (11-25, the same step, ms): M=4 20.9 -> 17.2,
+M=8 28.8 -> 22.6, M=12 32.8 -> 21.9, M=24 47.2 -> 34.0, M=64 96.9 -> 85.0, M=512 717 -> 683; M=1
+prefetches nothing (it streams at bandwidth).
+
+The layout: weight W [N, K] as panels [ceil(N / 16), K, 16], panel p holding columns 16p..16p+15 of
+W^T (zero-padded past N): each panel is one contiguous run, read once per block of input rows. The
+kernel (csrc/cpu_linear.cpp) keeps 6 rows x 16 columns of outputs in AVX2 registers and walks k in order.
+
+Its arithmetic is fixed: each output is one FMA chain over k, restarted every KBLOCK = 1024 k's, the
+chains summed in order, then the bias added. Nothing depends on how many rows are in the call or
+where a row sits, so a row's output is bitwise the same at any batch size (a decode step equals the
+full-sequence reference). That order is also the one oneDNN's fp32 AVX2 GEMM used on the machine we
+measured (bitwise equal at every shape we tried), though no test relies on it: oneDNN is another
+library, free to change its blocking by machine and version.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._backend import choose
+from ._cpu_build import Kernel
+
+NR = 16  # columns a panel
+KBLOCK = 1024
+
+NAME = "cpu_linear"  # its name for _backend.choose
+_KERNEL = Kernel(NAME, "cpu_linear.cpp", "SVRMAD_CPU_LINEAR", "panel linear kernel", needs_avx2=True)
+
+
+def available() -> bool:
+    """Compiles on first call (seconds; cached across processes). SVRMAD_CPU_LINEAR=0 turns it off."""
+    return choose("auto", "cpu", NAME).impl == "cpp"
+
+
+def unavailable_reason() -> str | None:
+    """Why the torch path runs instead (None where the kernel does)."""
+    return choose("auto", "cpu", NAME).why
+
+
+def pack(w: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> panels [ceil(N / 16), K, 16] (a new tensor; the caller drops the dense one)."""
+    n, k = w.shape
+    p = -(-n // NR)
+    if p * NR != n:
+        w = torch.cat([w, w.new_zeros(p * NR - n, k)])
+    return w.reshape(p, NR, k).transpose(1, 2).contiguous()
+
+
+def unpack(panels: torch.Tensor, n: int) -> torch.Tensor:
+    """panels -> the dense [n, K] weight (a copy)."""
+    p, k, _ = panels.shape
+    return panels.transpose(1, 2).reshape(p * NR, k)[:n].contiguous()
+
+
+def rows_of(panels: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of the dense weight, read from the panels (an embedding lookup): a copy of exactly those values."""
+    return panels[ids // NR, :, ids % NR]
+
+
+def linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ W[:n].T + bias, W held as `panels` (see pack)."""
+    lead = x.shape[:-1]
+    return _KERNEL.module().panel_linear(x.reshape(-1, x.shape[-1]), panels, n, bias, KBLOCK).view(*lead, n)
