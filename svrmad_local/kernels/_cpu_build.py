@@ -142,6 +142,10 @@ class Kernel:
         _KERNELS.append(self)
         _backend.register_cpu(name, self.why_not)
 
+    def digest(self) -> str:
+        """The build's cache key (its file, csrc/'s headers, the flags): changes when its code does."""
+        return digest(self.source, cflags(self.extra_cflags))
+
     def load(self):
         with self._lock:
             if self._module is None and self.error is None:
