@@ -216,3 +216,50 @@ def test_a_decode_step_dispatches_the_same_engine_ops_at_every_batch_size():
     ops = {r["engine_ops"] for r in rows}
     assert len(ops) == 1 and 0 < ops.pop() <= 100, rows
     assert all(r["model_ops"] > 0 for r in rows)
+
+
+def fake_svrmad_run(calls: list, computed: dict):
+    """Stands in for bench_workload's `svrmad run` subprocess: writes the run.json a run would."""
+    import json
+
+    def run(cmd, env, capture_output, text):
+        calls.append((cmd, env["PYTHONPATH"]))
+        kv = cmd[cmd.index("--kv-cache-memory") + 1] if "--kv-cache-memory" in cmd else "default"
+        if kv == "bad":
+            return SimpleNamespace(returncode=2, stdout="", stderr="tqdm noise\nsvrmad run: error: bad --kv-cache-memory")
+        out = Path(cmd[cmd.index("--out") + 1])
+        out.mkdir(parents=True)
+        engine = {"steps": 7, "prompt_tokens": 900, "computed_tokens": computed[kv], "evictions": 3}
+        (out / "run.json").write_text(json.dumps({"totals": {"wall_s": 1.5, "engine": engine}}))
+        return SimpleNamespace(returncode=0, stdout="", stderr="")
+    return run
+
+
+def test_bench_workload_runs_each_side_and_compares_it_with_the_first(tmp_path, monkeypatch, capsys):
+    import json
+
+    import bench_workload
+
+    calls: list = []
+    monkeypatch.setattr(bench_workload.subprocess, "run", fake_svrmad_run(calls, {"default": 400, "2GiB": 800}))
+    ticks = iter([0.0, 10.0, 10.0, 30.0, 30.0, 35.0])  # the sides take 10, 20 and 5 s
+    monkeypatch.setattr(bench_workload, "clock", lambda: next(ticks))
+    ref = tmp_path / "ref"
+    assert bench_workload.main(["--limit", "2", "--kv", "default", "--kv", "2GiB", "--ref", str(ref)]) == 0
+    (a, pa), (b, pb), (c, pc) = calls
+    assert "--kv-cache-memory" not in a and b[b.index("--kv-cache-memory") + 1] == "2GiB" and "--kv-cache-memory" not in c
+    assert a[a.index("--limit") + 1] == "2" and a[a.index("--methods") + 1] == bench_workload.METHODS
+    assert pa.startswith(str(bench_workload.HERE)) and pc.startswith(str(ref))  # each side imports its own checkout
+    out = capsys.readouterr().out.splitlines()
+    sides = json.loads(out[-1])["sides"]
+    assert [s["wall_s"] for s in sides] == [10.0, 20.0, 5.0]
+    assert [s["computed_tokens"] for s in sides] == [400, 800, 400] and sides[0]["evictions"] == 3
+    assert out[3].endswith("| 1.00 |") and out[4].endswith("| 2.00 |") and out[5].endswith("| 0.50 |")
+
+
+def test_bench_workload_names_a_failed_side_in_one_line(monkeypatch):
+    import bench_workload
+
+    monkeypatch.setattr(bench_workload.subprocess, "run", fake_svrmad_run([], {}))
+    with pytest.raises(SystemExit, match=r"kv bad failed \(exit 2\): svrmad run: error: bad --kv-cache-memory$"):
+        bench_workload.main(["--kv", "bad"])
