@@ -226,7 +226,8 @@ def fake_svrmad_run(calls: list, computed: dict):
         calls.append((cmd, env["PYTHONPATH"]))
         kv = cmd[cmd.index("--kv-cache-memory") + 1] if "--kv-cache-memory" in cmd else "default"
         if kv == "bad":
-            return SimpleNamespace(returncode=2, stdout="", stderr="tqdm noise\nsvrmad run: error: bad --kv-cache-memory")
+            return SimpleNamespace(returncode=2, stdout="questions:  50%|#  | 1/2\rquestions: 100%|##| 2/2\ntrace: x\n",
+                                   stderr="svrmad run: error: bad --kv-cache-memory\n")
         out = Path(cmd[cmd.index("--out") + 1])
         out.mkdir(parents=True)
         engine = {"steps": 7, "prompt_tokens": 900, "computed_tokens": computed[kv], "evictions": 3}
@@ -245,7 +246,8 @@ def test_bench_workload_runs_each_side_and_compares_it_with_the_first(tmp_path, 
     ticks = iter([0.0, 10.0, 10.0, 30.0, 30.0, 35.0])  # the sides take 10, 20 and 5 s
     monkeypatch.setattr(bench_workload, "clock", lambda: next(ticks))
     ref = tmp_path / "ref"
-    assert bench_workload.main(["--limit", "2", "--kv", "default", "--kv", "2GiB", "--ref", str(ref)]) == 0
+    assert bench_workload.main(["--limit", "2", "--variant", "", "--variant", "--kv-cache-memory 2GiB",
+                                "--ref", str(ref)]) == 0
     (a, pa), (b, pb), (c, pc) = calls
     assert "--kv-cache-memory" not in a and b[b.index("--kv-cache-memory") + 1] == "2GiB" and "--kv-cache-memory" not in c
     assert a[a.index("--limit") + 1] == "2" and a[a.index("--methods") + 1] == bench_workload.METHODS
@@ -261,5 +263,5 @@ def test_bench_workload_names_a_failed_side_in_one_line(monkeypatch):
     import bench_workload
 
     monkeypatch.setattr(bench_workload.subprocess, "run", fake_svrmad_run([], {}))
-    with pytest.raises(SystemExit, match=r"kv bad failed \(exit 2\): svrmad run: error: bad --kv-cache-memory$"):
-        bench_workload.main(["--kv", "bad"])
+    with pytest.raises(SystemExit, match=r"bad failed \(exit 2\): svrmad run: error: bad --kv-cache-memory$"):
+        bench_workload.main(["--variant", "--kv-cache-memory bad"])

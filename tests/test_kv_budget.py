@@ -35,6 +35,7 @@ def test_the_default_is_capped_by_what_the_engine_can_hold(free_10gib):
     budget, why = kv_budget(None, CPU, cap)
     assert budget == cap and "max_num_seqs x max_model_len" in why, why
     assert kv_budget(None, CPU, 6 * GiB)[0] == 5 * GiB  # a cap above the share changes nothing
+    assert kv_budget(None, GPU, cap)[0] == 9 * GiB  # a GPU's memory is the engine's: 0.9, uncapped
 
 
 @pytest.mark.parametrize("value, expected", [("2GiB", 2 * GiB), (0.25, GiB * 10 // 4), (12345, 12345)])

@@ -36,25 +36,26 @@ GPU_SHARE = 0.9
 
 def workload_cap(max_num_seqs: int, max_model_len: int, block_size: int, block_bytes: int) -> int:
     """The most KV the engine can ever hold referenced at once: `max_num_seqs` sequences of the model's
-    whole context. A default budget beyond it could only keep more unreferenced cache, so a small
-    model does not reserve tens of GiB because the machine has them."""
+    whole context. A CPU default beyond it could only keep more unreferenced cache, so a small model
+    does not reserve tens of GiB because the machine has them."""
     return max_num_seqs * -(-max_model_len // block_size) * block_bytes
 
 
 def kv_budget(value: int | float | str | None, device: torch.device, cap: int | None = None) -> tuple[int, str]:
     """The KV budget in bytes, and one line saying how it was chosen (for `Engine.info`).
 
-    Default: GPU_SHARE of the free GPU memory, or CPU_SHARE of the RAM available after loading,
-    either way no more than `cap` (`workload_cap`). An explicit value wins, cap or not. On the CPU a
-    large pool costs nothing up front: `torch.empty` leaves its pages untouched, so resident memory
-    grows only as blocks are first written (tests/test_kv_budget.py measures it)."""
+    Default: GPU_SHARE of the free GPU memory (as vLLM; the decode graphs' memory comes out of it,
+    engine/build.py), or CPU_SHARE of the RAM available after loading, there no more than `cap`
+    (`workload_cap`). An explicit value wins, cap or not. On the CPU a large pool costs nothing up
+    front: `torch.empty` leaves its pages untouched, so resident memory grows only as blocks are first
+    written (tests/test_kv_budget.py measures it)."""
     avail = available_memory(device)
     if value is not None:
         return parse_memory(value, avail, 0), f"kv_cache_memory={value!r}"
     where = "free GPU memory" if device.type == "cuda" else "RAM available after loading"
     share = GPU_SHARE if device.type == "cuda" else CPU_SHARE
     budget, why = int(share * avail), f"{share:g} of the {gib(avail)} {where}"
-    if cap is not None and cap < budget:
+    if device.type != "cuda" and cap is not None and cap < budget:
         return cap, f"default: {gib(cap)}, what max_num_seqs x max_model_len can use (under {why}, {gib(budget)})"
     return budget, f"default: {gib(budget)}, {why}"
 
