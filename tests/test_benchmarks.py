@@ -265,3 +265,32 @@ def test_bench_workload_names_a_failed_side_in_one_line(monkeypatch):
     monkeypatch.setattr(bench_workload.subprocess, "run", fake_svrmad_run([], {}))
     with pytest.raises(SystemExit, match=r"bad failed \(exit 2\): svrmad run: error: bad --kv-cache-memory$"):
         bench_workload.main(["--variant", "--kv-cache-memory bad"])
+
+
+def test_prompt_tokens_records_a_run_and_replays_it_at_other_budgets(tmp_path, tiny_tokenizer):
+    """The replay through the real scheduler reproduces the engine's computed tokens at the run's own
+    budget, computes more at a budget too small for the workload, and the bound is never above either."""
+    import json
+
+    import prompt_tokens
+
+    ck = tmp_path / "model"
+    make_model("llama", vocab=len(tiny_tokenizer), seed=3).save_pretrained(ck)
+    tiny_tokenizer.save_pretrained(ck)
+    data = tmp_path / "qs.jsonl"
+    data.write_text("".join(json.dumps({"id": f"q{i}", "question": f"What is {i} + {i + 1}?", "gold": str(2 * i + 1),
+                                        "answer_type": "math"}) + "\n" for i in range(2)))
+    trace, out = tmp_path / "trace.jsonl", tmp_path / "run"
+    assert prompt_tokens.main(["record", str(trace), "--", "run", "--model", str(ck), "--dataset", str(data),
+                               "--out", str(out), "--max-tokens", "8", "--block-size", "4", "--device", "cpu",
+                               "--methods", "svr-mad,group-debate,s2-mad", "--kv-cache-memory", "4MiB"]) == 0
+    engine = json.loads((out / "run.json").read_text())["totals"]["engine"]
+    reqs = prompt_tokens.load(trace)
+    assert len(reqs) > 2 and any(r["n"] > 1 for r in reqs), "initial answers and debates are logged"
+    b = prompt_tokens.bound(reqs)
+    assert b["computed"] == engine["computed_tokens"] and b["billed"] == engine["prompt_tokens"]
+    assert b["bound"] <= b["computed"]
+    same = prompt_tokens.replay(reqs, engine["kv_blocks"], block_size=4)
+    assert same["computed"] == engine["computed_tokens"] and same["evictions"] == engine["evictions"]
+    tight = prompt_tokens.replay(reqs, same["peak_blocks"] // 3, block_size=4)
+    assert tight["computed"] > same["computed"] and tight["evictions"] > 0
