@@ -216,3 +216,81 @@ def test_a_decode_step_dispatches_the_same_engine_ops_at_every_batch_size():
     ops = {r["engine_ops"] for r in rows}
     assert len(ops) == 1 and 0 < ops.pop() <= 100, rows
     assert all(r["model_ops"] > 0 for r in rows)
+
+
+def fake_svrmad_run(calls: list, computed: dict):
+    """Stands in for bench_workload's `svrmad run` subprocess: writes the run.json a run would."""
+    import json
+
+    def run(cmd, env, capture_output, text):
+        calls.append((cmd, env["PYTHONPATH"]))
+        kv = cmd[cmd.index("--kv-cache-memory") + 1] if "--kv-cache-memory" in cmd else "default"
+        if kv == "bad":
+            return SimpleNamespace(returncode=2, stdout="questions:  50%|#  | 1/2\rquestions: 100%|##| 2/2\ntrace: x\n",
+                                   stderr="svrmad run: error: bad --kv-cache-memory\n")
+        out = Path(cmd[cmd.index("--out") + 1])
+        out.mkdir(parents=True)
+        engine = {"steps": 7, "prompt_tokens": 900, "computed_tokens": computed[kv], "evictions": 3}
+        (out / "run.json").write_text(json.dumps({"totals": {"wall_s": 1.5, "engine": engine}}))
+        return SimpleNamespace(returncode=0, stdout="", stderr="")
+    return run
+
+
+def test_bench_workload_runs_each_side_and_compares_it_with_the_first(tmp_path, monkeypatch, capsys):
+    import json
+
+    import bench_workload
+
+    calls: list = []
+    monkeypatch.setattr(bench_workload.subprocess, "run", fake_svrmad_run(calls, {"default": 400, "2GiB": 800}))
+    ticks = iter([0.0, 10.0, 10.0, 30.0, 30.0, 35.0])  # the sides take 10, 20 and 5 s
+    monkeypatch.setattr(bench_workload, "clock", lambda: next(ticks))
+    ref = tmp_path / "ref"
+    assert bench_workload.main(["--limit", "2", "--variant", "", "--variant", "--kv-cache-memory 2GiB",
+                                "--ref", str(ref)]) == 0
+    (a, pa), (b, pb), (c, pc) = calls
+    assert "--kv-cache-memory" not in a and b[b.index("--kv-cache-memory") + 1] == "2GiB" and "--kv-cache-memory" not in c
+    assert a[a.index("--limit") + 1] == "2" and a[a.index("--methods") + 1] == bench_workload.METHODS
+    assert pa.startswith(str(bench_workload.HERE)) and pc.startswith(str(ref))  # each side imports its own checkout
+    out = capsys.readouterr().out.splitlines()
+    sides = json.loads(out[-1])["sides"]
+    assert [s["wall_s"] for s in sides] == [10.0, 20.0, 5.0]
+    assert [s["computed_tokens"] for s in sides] == [400, 800, 400] and sides[0]["evictions"] == 3
+    assert out[3].endswith("| 1.00 |") and out[4].endswith("| 2.00 |") and out[5].endswith("| 0.50 |")
+
+
+def test_bench_workload_names_a_failed_side_in_one_line(monkeypatch):
+    import bench_workload
+
+    monkeypatch.setattr(bench_workload.subprocess, "run", fake_svrmad_run([], {}))
+    with pytest.raises(SystemExit, match=r"bad failed \(exit 2\): svrmad run: error: bad --kv-cache-memory$"):
+        bench_workload.main(["--variant", "--kv-cache-memory bad"])
+
+
+def test_prompt_tokens_records_a_run_and_replays_it_at_other_budgets(tmp_path, tiny_tokenizer):
+    """The replay through the real scheduler reproduces the engine's computed tokens at the run's own
+    budget, computes more at a budget too small for the workload, and the bound is never above either."""
+    import json
+
+    import prompt_tokens
+
+    ck = tmp_path / "model"
+    make_model("llama", vocab=len(tiny_tokenizer), seed=3).save_pretrained(ck)
+    tiny_tokenizer.save_pretrained(ck)
+    data = tmp_path / "qs.jsonl"
+    data.write_text("".join(json.dumps({"id": f"q{i}", "question": f"What is {i} + {i + 1}?", "gold": str(2 * i + 1),
+                                        "answer_type": "math"}) + "\n" for i in range(2)))
+    trace, out = tmp_path / "trace.jsonl", tmp_path / "run"
+    assert prompt_tokens.main(["record", str(trace), "--", "run", "--model", str(ck), "--dataset", str(data),
+                               "--out", str(out), "--max-tokens", "8", "--block-size", "4", "--device", "cpu",
+                               "--methods", "svr-mad,group-debate,s2-mad", "--kv-cache-memory", "4MiB"]) == 0
+    engine = json.loads((out / "run.json").read_text())["totals"]["engine"]
+    reqs = prompt_tokens.load(trace)
+    assert len(reqs) > 2 and any(r["n"] > 1 for r in reqs), "initial answers and debates are logged"
+    b = prompt_tokens.bound(reqs)
+    assert b["computed"] == engine["computed_tokens"] and b["billed"] == engine["prompt_tokens"]
+    assert b["bound"] <= b["computed"]
+    same = prompt_tokens.replay(reqs, engine["kv_blocks"], block_size=4)
+    assert same["computed"] == engine["computed_tokens"] and same["evictions"] == engine["evictions"]
+    tight = prompt_tokens.replay(reqs, same["peak_blocks"] // 3, block_size=4)
+    assert tight["computed"] > same["computed"] and tight["evictions"] > 0

@@ -231,6 +231,18 @@ def test_prompts_sharing_an_uncached_head_in_one_step_compute_it_once(tiny_model
     assert [o.completions[0].token_ids for o in outs] == ref
 
 
+def test_a_prompt_sharing_the_head_of_a_continuing_chunked_prefill_waits_for_it(tiny_model):
+    """A long prompt admitted in an earlier step still computes its tail (the shared head's end among
+    it) in this one: a prompt sharing that head waits a step for it, as it does for a prompt admitted
+    in the same step, and computes only its own tokens."""
+    head = rand_prompt(21, 42)
+    first, second = head + rand_prompt(5, 43), head + rand_prompt(5, 44)
+    eng = engine(tiny_model, max_num_batched_tokens=16)  # first: [0, 16) in step 1, [16, 26) in step 2
+    outs = eng.generate_sync([first, second], GREEDY)
+    assert eng.totals.computed_tokens == len(first) + 5  # was 26 + 10: second recomputed [16, 21)
+    assert [o.completions[0].token_ids for o in outs] == [hf_greedy(tiny_model, p, 12) for p in (first, second)]
+
+
 def test_decode_levels_cover_each_query_exactly_once():
     from svrmad_local.engine.runner import decode_levels
 

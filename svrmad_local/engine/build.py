@@ -21,7 +21,7 @@ from .attention import Attachment
 from .config import EngineConfig
 from .kv_cache import BlockManager, KVCache
 from .lean import select_decoder
-from .memory import keep_freed_memory, kv_budget
+from .memory import keep_freed_memory, kv_budget, workload_cap
 from .runner import ModelRunner
 from .spec import inspect_model
 from .threads import BarrierSleepWatch
@@ -49,7 +49,10 @@ def build(eng, model, cfg: EngineConfig) -> None:
     layers = model.base_model.layers if hasattr(model.base_model, "layers") else None
     devices = [layer_device(model, layers, i) for i in range(len(spec.layers))]
     block_bytes = KVCache.bytes_per_block(spec.layers, cfg.block_size, spec.dtype)
-    eng.kv_budget_bytes = kv_budget(cfg.kv_cache_memory, devices[0])
+    mc = model.config.get_text_config()
+    eng.max_model_len = getattr(mc, "max_position_embeddings", None) or 1 << 30
+    cap = workload_cap(cfg.max_num_seqs, eng.max_model_len, cfg.block_size, block_bytes)
+    eng.kv_budget_bytes, eng.kv_budget_rule = kv_budget(cfg.kv_cache_memory, devices[0], cap)
     num_blocks = eng.kv_budget_bytes // block_bytes
     eng.tp_group = tp.group_of(model)
     eng.sharded = eng.tp_group is not None
@@ -71,8 +74,6 @@ def build(eng, model, cfg: EngineConfig) -> None:
     eng.decoder_path = "the model's modules (tensor parallel)"
     if not eng.sharded:
         eng.runner.lean, eng.decoder_path = select_decoder(model, spec, cfg.decoder)
-    mc = model.config.get_text_config()
-    eng.max_model_len = getattr(mc, "max_position_embeddings", None) or 1 << 30
     eng.graph_reserve = 0  # bytes of the KV budget kept for the decode graphs
     unaffordable = None
     if measure:

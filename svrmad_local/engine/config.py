@@ -30,7 +30,8 @@ class SignalConfig:
 class EngineConfig:
     """block_size: tokens per KV block. kv_cache_memory: the KV budget, as bytes (int), a fraction
     of the memory available after loading (float <= 1), or a string such as "2GiB"; None means
-    90% of free GPU memory, or 2 GiB on the CPU. kernel_impl: "auto" | "torch" | "triton", the path of
+    90% of free GPU memory, or half the RAM available after loading capped at what max_num_seqs x
+    max_model_len can use (engine/memory.py). kernel_impl: "auto" | "torch" | "triton", the path of
     kernels/ (fused token statistics for scoring, cascade attention): "auto" takes Triton on a GPU,
     "torch" forces the references. cascade: "auto" (off: measured slower, see runner._cascade_enabled) | "on" | "off".
     linear: "auto" | "panels" | "onednn" | "aten", how the model's linears run (models/linear.py): "auto"

@@ -115,6 +115,7 @@ class Engine:
             "block_size": self.cfg.block_size,
             "kv_blocks": self.blocks.num_blocks,
             "kv_budget_bytes": self.kv_budget_bytes,
+            "kv_budget": self.kv_budget_rule,
             "graph_bytes": {"reserved": self.graph_reserve,
                             "taken": self.runner.static.pool_bytes if self.runner.static is not None else 0},
             "peak_kv_bytes": self.blocks.peak_used * self.block_bytes,

@@ -105,9 +105,10 @@ class Scheduler:
     def _admit_blocks(self, seq: Sequence, inflight: list[Sequence]) -> str:
         """Reuse the cached prefix and allocate the rest of the known tokens. Returns "ok",
         "full" (the cache cannot take it now; nothing held) or "defer": its uncached part starts
-        with at least a block's worth of tokens that a prompt admitted this step is computing, so
-        it waits one step and then reads them from the cache (SGLang's in-batch prefix sharing:
-        the S debates of one receiver share the DebateFormat head after [question + answer])."""
+        with at least a block's worth of tokens that a prompt in this step's batch is computing
+        (`inflight`: admitted now, or a chunked prefill continuing), so it waits one step and then
+        reads them from the cache (SGLang's in-batch prefix sharing: the S debates of one receiver
+        share the DebateFormat head after [question + answer])."""
         limit = len(seq.tokens) - 1
         if seq.request.score_from is not None:
             limit = min(limit, seq.request.score_from - 1)  # scored positions need their hidden states
@@ -221,11 +222,13 @@ class Scheduler:
             if seq in self.running:
                 work.append(Work(seq, seq.num_computed, seq.num_computed + n))
                 budget -= n
-        admitted: list[Sequence] = []
         deferred: list[Sequence] = []
+        # prompts whose tokens this step computes: running prefill chunks (a long prompt admitted in
+        # an earlier step), then each prompt admitted now
+        computing = [w.seq for w in work if w.num_tokens > 1]
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            verdict = self._admit_blocks(seq, admitted)
+            verdict = self._admit_blocks(seq, computing)
             if verdict == "full":
                 break
             self.waiting.popleft()
@@ -233,7 +236,7 @@ class Scheduler:
                 deferred.append(seq)
                 continue
             self.running.append(seq)
-            admitted.append(seq)
+            computing.append(seq)
             n = min(len(seq.tokens) - seq.num_computed, budget)
             work.append(Work(seq, seq.num_computed, seq.num_computed + n))
             budget -= n
