@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from transformers import AttentionInterface
 
 from svrmad_local.kernels import apply_sinks, cascade_attention, cascade_plan, paged_decode, select_impl
 from svrmad_local.kernels.cpu_decode import paged_decode_cpu
 from svrmad_local.kernels.paged_prefill import paged_prefill
+from svrmad_local.models import hf
 
 from . import mla
 from .context import get_context
@@ -406,4 +406,4 @@ def _flash(ctx: StepContext, layer: int, q, scaling, window, sinks):
     return apply_sinks(out, lse.transpose(0, 1), sinks)[0]
 
 
-AttentionInterface.register(ATTN_NAME, paged_attention)
+hf.register_attention(ATTN_NAME, paged_attention)
