@@ -43,7 +43,7 @@ def cache_kwarg(body_type: type) -> str:
     for name in ("cache", "past_key_values"):
         if name in params:
             return name
-    raise TypeError(f"{body_type.__name__}.forward takes no cache (neither `cache` nor `past_key_values`) "
+    raise ValueError(f"{body_type.__name__}.forward takes no cache (neither `cache` nor `past_key_values`) "
                     f"under transformers {version()}")
 
 
