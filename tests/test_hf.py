@@ -115,3 +115,13 @@ def test_the_pin_and_ci_state_the_adapters_range():
 def _minor(release: str) -> tuple[int, int]:
     major, minor = release.split(".")[:2]
     return int(major), int(minor)
+
+
+def test_switching_a_configs_attention_takes_effect_and_restores():
+    """engine/attention.Attachment flips a config's attention around each engine forward with these two."""
+    config = make_zoo_model("llama").config
+    before = hf.attn_implementation(config)
+    hf.set_attn_implementation(config, "eager")
+    assert config._attn_implementation == "eager"
+    hf.set_attn_implementation(config, before)
+    assert hf.attn_implementation(config) == before

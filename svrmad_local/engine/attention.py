@@ -295,15 +295,15 @@ class Attachment:
 
     def __init__(self, model):
         self.configs = list({id(m.config): m.config for m in model.modules() if hasattr(m, "config")}.values())
-        saved = [c._attn_implementation_internal for c in self.configs]
+        saved = [hf.attn_implementation(c) for c in self.configs]
         model.set_attn_implementation(ATTN_NAME)  # transformers' own checks, once
-        self.ours = [c._attn_implementation_internal for c in self.configs]
+        self.ours = [hf.attn_implementation(c) for c in self.configs]
         self.saved = saved
         self._set(self.saved)
 
     def _set(self, values) -> None:
         for c, v in zip(self.configs, values):
-            c._attn_implementation_internal = v
+            hf.set_attn_implementation(c, v)
 
     @contextlib.contextmanager
     def __call__(self):

@@ -60,6 +60,17 @@ def register_attention(name: str, fn) -> None:
     AttentionInterface.register(name, fn)
 
 
+def attn_implementation(config):
+    """The attention implementation `config` holds as set (None: transformers' default choice)."""
+    return config._attn_implementation_internal
+
+
+def set_attn_implementation(config, value) -> None:
+    """Switch `config`'s attention without transformers' checks (they ran once, in the model's
+    `set_attn_implementation`): the engine flips it around each of its own forwards."""
+    config._attn_implementation_internal = value
+
+
 def causal_lm_types() -> frozenset[str]:
     """The `model_type`s transformers builds as a causal LM (AutoModelForCausalLM's table)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
