@@ -10,7 +10,7 @@ exactness tests: .ci/run) is stated next to the code that depends on it.
 Differences handled today:
 - which weights a load keeps in fp32 when bf16/fp16 is asked (`_keep_in_fp32_modules_strict`: DeepSeek-V3's
   router): `from_pretrained` applies it in every release, but a model built by `from_config` (our
-  packed and sharded loads fill such a model) has them in fp32 only from 5.24, whose modeling code
+  quantized and sharded loads fill such a model) has them in fp32 only from 5.24, whose modeling code
   makes them so; `apply_dtype_plan` gives a built model what `from_pretrained` would.
 - the keyword that carries the cache into a model body (and on to every layer's `Cache.update`):
   `past_key_values` up to 5.23, `cache` from 5.24 (5.40 drops the old name). It is read from the
