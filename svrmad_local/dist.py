@@ -28,7 +28,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 from svrmad_local.errors import UserError
 
@@ -158,6 +158,21 @@ class Dist:
 
     def wait_start(self) -> dict:
         return self.fetch("start")
+
+    def announce(self, make: Callable[[], dict]) -> dict | None:
+        """The start of a launch, on every rank: rank 0 runs `make` and sends what it returns to the
+        others (a failure is sent as such, so they stop, and raised here); the others wait for it. The
+        message on every rank, or None on a rank whose rank 0 failed (it has said why)."""
+        if self.is_main:
+            try:
+                message = make()
+            except BaseException as exc:
+                self.start({"error": str(exc)})
+                raise
+            self.start(message)
+            return message
+        start = self.wait_start()
+        return None if "error" in start else start
 
     def gather(self, info: dict) -> list[dict] | None:
         """Each worker's `info` (its questions, its engine's counters); the list on rank 0 once every

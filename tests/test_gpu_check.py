@@ -33,9 +33,12 @@ def test_a_wheel_is_installed_only_where_the_release_falls_short_and_brings_its_
     def machine(have):
         return lambda d: have.get(gpu_check._norm(d), "99.0")  # anything else: present and new enough
 
-    # the lent machine: transformers 5.17, an old hub and click, no pytest
-    todo, needs = gpu_check._plan(wheels, machine({"transformers": "5.17.0", "huggingface-hub": "1.5.0",
-                                                   "click": "8.1.0", "pytest": None, "pluggy": None}))
+    # the lent machine: transformers 5.17 (the lowest of our range), an old hub and click, no pytest
+    lent = {"transformers": "5.17.0", "huggingface-hub": "1.5.0", "click": "8.1.0", "pytest": None, "pluggy": None}
+    todo, needs = gpu_check._plan(wheels, machine(lent))
+    assert [w.name for w in todo] == [pytest_w.name, pluggy.name]
+    # a release below our range: the carried transformers, and what it brings
+    todo, needs = gpu_check._plan(wheels, machine({**lent, "transformers": "5.16.0"}))
     assert [w.name for w in todo] == [tf.name, hub.name, click.name, pytest_w.name, pluggy.name]
     assert any(r.name == "huggingface-hub" for r in needs)
     # a machine that has what we pin: nothing

@@ -19,6 +19,7 @@ from svrmad_local.engine.engine import Engine
 from svrmad_local.models.linear import weight_bytes
 from svrmad_local.engine.params import SamplingParams
 from svrmad_local.kernels import _quant_common, dequantize_fp8, dequantize_mxfp4, fp8_matmul, mxfp4_matmul
+from svrmad_local.models import hf
 from svrmad_local.models.loader import load_model
 from svrmad_local.models.quant import Fp8Experts, Fp8Linear, Mxfp4Experts, QuantError, choose_mode, quant_spec
 from svrmad_local.models.quant.formats import QuantSpec
@@ -386,6 +387,7 @@ def _meta_packed(name: str, packed: bool):
     # hundreds of GB of address space behind, after which the process can no longer fork
     with init_empty_weights(include_buffers=False), torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        hf.apply_dtype_plan(model, torch.bfloat16)  # as our loader's meta_model does
         _swap_packed(model, block, packed)
     return model
 
@@ -410,14 +412,16 @@ def test_packed_bytes_at_the_published_sizes_agree_with_the_plan(name):
     `svrmad plan` counts from the formats (GPT-OSS-120B: 65 GB packed, 234 GB bf16; DeepSeek-V3.1:
     673 GB, 1.34 TB). The differences, stated: transformers keeps DeepSeek's router weights (and its
     score bias) in fp32 where the plan counts bf16, 2 bytes more a value in memory; weight_bytes also
-    counts the RoPE frequency tables (256 bytes)."""
+    counts the RoPE frequency tables (256 bytes). The router weights are fp32 from transformers 5.24 on (its
+    modeling code makes them so; 5.17 keeps them bf16), so they are counted in the dtype they have."""
     from svrmad_local.models.plan import make_plan
 
     for quantization, packed in (("native", True), ("dequantize", False)):
         model = _meta_packed(name, packed)
         want = make_plan(FIXTURES / name, 8, 141 * 2**30, quantization)["weight_bytes"]
         gates = [m for n, m in model.named_modules() if n.endswith("mlp.gate")]
-        fp32 = sum(m.weight.numel() for m in gates)  # router weights: bf16 in the file, fp32 in memory
+        # router weights: bf16 in the file, fp32 in memory where the release keeps them so
+        fp32 = sum(m.weight.numel() for m in gates if m.weight.dtype == torch.float32)
         if quantization == "dequantize":  # the plan counts every plain tensor in bf16; this bias stays fp32
             fp32 += sum(m.e_score_correction_bias.numel() for m in gates)
         tables = sum(b.numel() * b.element_size() for m in model.modules()  # RoPE frequencies, not weights

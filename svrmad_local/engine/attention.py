@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from transformers import AttentionInterface
 
 from svrmad_local.kernels import apply_sinks, cascade_attention, cascade_plan, paged_decode, select_impl
 from svrmad_local.kernels.cpu_decode import paged_decode_cpu
 from svrmad_local.kernels.paged_prefill import paged_prefill
+from svrmad_local.models import hf
 
 from . import mla
 from .context import get_context
@@ -295,15 +295,15 @@ class Attachment:
 
     def __init__(self, model):
         self.configs = list({id(m.config): m.config for m in model.modules() if hasattr(m, "config")}.values())
-        saved = [c._attn_implementation_internal for c in self.configs]
+        saved = [hf.attn_implementation(c) for c in self.configs]
         model.set_attn_implementation(ATTN_NAME)  # transformers' own checks, once
-        self.ours = [c._attn_implementation_internal for c in self.configs]
+        self.ours = [hf.attn_implementation(c) for c in self.configs]
         self.saved = saved
         self._set(self.saved)
 
     def _set(self, values) -> None:
         for c, v in zip(self.configs, values):
-            c._attn_implementation_internal = v
+            hf.set_attn_implementation(c, v)
 
     @contextlib.contextmanager
     def __call__(self):
@@ -406,4 +406,4 @@ def _flash(ctx: StepContext, layer: int, q, scaling, window, sinks):
     return apply_sinks(out, lse.transpose(0, 1), sinks)[0]
 
 
-AttentionInterface.register(ATTN_NAME, paged_attention)
+hf.register_attention(ATTN_NAME, paged_attention)

@@ -15,6 +15,7 @@ import torch
 from svrmad_local import kernels
 from svrmad_local.kernels._backend import staged
 from svrmad_local.kernels import cpu_decode
+from svrmad_local.models import hf
 
 from . import mla
 from .attention import FLASH_PAGE, HAS_FLASH_ATTN, Attachment, PagedKV, Span, StepContext, flash_attn_varlen_func
@@ -176,7 +177,7 @@ class ModelRunner:
             with self.attached():
                 if self.lean is not None:
                     return self.lean(ids, pos)
-                return self.body(input_ids=ids, position_ids=pos, cache=self.paged_kv, use_cache=False).last_hidden_state[0]
+                return hf.run_body(self.body, ids, pos, self.paged_kv).last_hidden_state[0]
         finally:
             set_context(None)
 

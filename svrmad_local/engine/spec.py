@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from svrmad_local.models import hf
+
 from .context import probing
 
 # keyword arguments the paged attention understands; any other one with a value is refused
@@ -153,7 +155,7 @@ def inspect_model(model, attached) -> ModelSpec:
     cache, probe = _ProbeCache(), Probe()
     ids = torch.tensor([[0, 1]], device=device)
     with attached(), probing(probe), torch.inference_mode():
-        body(input_ids=ids, position_ids=torch.arange(2, device=device)[None], cache=cache, use_cache=False)
+        hf.run_body(body, ids, torch.arange(2, device=device)[None], cache)
     missing = [i for i in range(n) if i not in probe.calls]
     if None in probe.calls or missing:
         raise UnsupportedModel(f"{arch}: layers {missing or 'without a layer index'} do not run attention through "

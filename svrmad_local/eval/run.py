@@ -246,28 +246,27 @@ def main(args) -> int:
 
 def _main(args, d: Dist, held: list) -> int:
     t0 = time.perf_counter()
-    folder = None
-    if d.is_main:
-        try:
-            cfg = from_args(args)
-            checked = preflight(cfg, d.world_size)  # everything that reads no weight, before any write
-            questions = checked.questions
-            folder, todo = _prepare(cfg, questions, held)
-            path = checked.model or (model_path(cfg) if todo else None)
-        except BaseException as exc:
-            d.start({"error": str(exc)})
-            raise
-        d.start({"config": cfg.to_dict(), "todo": [asdict(q) for q in todo], "model": path})
+    folder = questions = cfg = todo = None
+
+    def start() -> dict:  # rank 0: the run's settings and work, checked before any write, for every rank
+        nonlocal folder, questions, cfg, todo
+        cfg = from_args(args)
+        checked = preflight(cfg, d.world_size)  # everything that reads no weight, before any write
+        questions = checked.questions
+        folder, todo = _prepare(cfg, questions, held)
+        model = checked.model or (model_path(cfg) if todo else None)
         print(f"svrmad run: {len(questions)} questions from {cfg.dataset}, {len(questions) - len(todo)} already in "
               f"{folder.out}, {len(todo)} to run; methods {', '.join(cfg.methods)}"
               + (f"; {d.world_size} processes" if d.enabled else ""), file=sys.stderr)
-    else:
-        start = d.wait_start()
-        if "error" in start:
-            return 2
-        cfg, path = RunConfig.from_dict(start["config"]), start["model"]
-        todo = [Question(**q) for q in start["todo"]]
+        return {"config": cfg.to_dict(), "todo": [asdict(q) for q in todo], "model": model}
+
+    message = d.announce(start)
+    if message is None:  # rank 0 failed and said why
+        return 2
+    if not d.is_main:
+        cfg, todo = RunConfig.from_dict(message["config"]), [Question(**q) for q in message["todo"]]
         set_grader(cfg.grader)
+    path = message["model"]
     device = d.device(cfg.device)
     group, d = d.split(cfg.tp)  # with --tp: this rank's group, and the replicas' data-parallel view
     if group is not None and group.rank != 0:  # a follower: its leader runs the questions

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from svrmad_local.errors import UserError
+from svrmad_local.models import hf
 
 
 class ModelLoadError(UserError, RuntimeError):
@@ -104,7 +105,6 @@ def check_folder(path: str | Path, *, dtype: str | torch.dtype | None = None, de
     from svrmad_local.models.plan import PlanError, check_config_fields
 
     from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     path = Path(path).expanduser()
     if not path.exists():
@@ -134,7 +134,7 @@ def check_folder(path: str | Path, *, dtype: str | torch.dtype | None = None, de
                 f"{path} needs its own Python code (auto_map in config.json), which svrmad-local never runs; "
                 "use a checkpoint of an architecture transformers ships") from None
         raise ModelLoadError(f"{path}/config.json cannot be used: {' '.join(str(exc).split())}") from exc
-    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+    if config.model_type not in hf.causal_lm_types():
         raise ModelLoadError(
             f"architecture {config.model_type!r} ({json.dumps(getattr(config, 'architectures', None))}) is not a "
             "decoder-only causal LM that transformers can build"
@@ -190,21 +190,16 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype | None = None, devi
     kwargs = dict(SAFE, dtype=torch_dtype, use_safetensors=True, output_loading_info=True)
     if device_map is not None:
         kwargs["device_map"] = device_map
-    from transformers.utils import logging as hf_logging
-
     # Quiet only for this call (our checks below say what matters, in our words), not for the process;
     # quantized folders never reach here, so no quantizer fallback can be hidden.
-    before = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        with hf.quiet():
+            model, info = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except Exception as exc:
         if "mismatched" in str(exc):
             detail = ", ".join(_shape_mismatches(path, config)[:3])
             raise ModelLoadError(f"checkpoint {path} does not match its config.json: weights of the wrong shape ({detail})") from exc
         raise ModelLoadError(f"loading the weights in {path} failed: {exc}") from exc
-    finally:
-        hf_logging.set_verbosity(before)
     tied = set(getattr(model, "_tied_weights_keys", None) or [])
     missing = [k for k in info.get("missing_keys", []) if k not in tied]
     problems = {

@@ -35,16 +35,11 @@ _LEVELS = ("low", "medium", "high")
 
 def template_variables(template: str) -> set[str]:
     """The variables a chat template reads from its caller, parsed as transformers parses it."""
-    import jinja2
     from jinja2 import meta
 
-    try:
-        from transformers.utils.chat_template_utils import _compile_jinja_template
+    from svrmad_local.models import hf
 
-        env = _compile_jinja_template(template).environment  # its extensions ({% generation %}...)
-    except (ImportError, AttributeError):
-        env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
-    return meta.find_undeclared_variables(env.parse(template))
+    return meta.find_undeclared_variables(hf.template_environment(template).parse(template))
 
 
 def effort_kwargs(template, effort: str | None, model: str) -> dict:

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from svrmad_local.dist import Group, lost_rank
+from svrmad_local.models import hf
 from svrmad_local.models.plan import PlanError, check_planned, check_tp_heads
 from svrmad_local.models.quant.formats import QuantSpec, Reader
 from svrmad_local.models.quant.load import PACKED_DTYPES, _check_unused, _pack, meta_model
@@ -214,12 +215,7 @@ def load_sharded(path: Path, config, dtype: torch.dtype, device: str | None, gro
     model.svrmad_tp = group
     if spec is not None:
         model.svrmad_quantization = {"method": spec.method, "mode": "native", "block": spec.block}
-    try:
-        from transformers import GenerationConfig
-
-        model.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
-    except Exception:  # no generation_config.json: the one from_config made stays
-        pass
+    hf.load_generation_config(model, path)
     return model.to(device).eval()
 
 

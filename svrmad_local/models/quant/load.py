@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from svrmad_local.models import hf
+
 from .formats import MODES, QuantError, QuantSpec, Reader
 from .modules import Fp8Experts, Fp8Linear, Mxfp4Experts
 
@@ -69,7 +71,9 @@ def meta_model(config, dtype: torch.dtype) -> nn.Module:
         if holder is not None and hasattr(holder, "quantization_config"):
             delattr(holder, "quantization_config")
     with init_empty_weights(include_buffers=False):
-        return AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
+    hf.apply_dtype_plan(model, dtype)
+    return model
 
 
 def load_quantized(path: Path, config, spec: QuantSpec, mode: str, dtype: torch.dtype, device: str | None,
@@ -84,12 +88,7 @@ def load_quantized(path: Path, config, spec: QuantSpec, mode: str, dtype: torch.
     _fill(model, reader, spec, dtype, placement)
     _check_unused(model, reader, config)
     model.svrmad_quantization = {"method": spec.method, "mode": mode, "block": spec.block}
-    try:
-        from transformers import GenerationConfig
-
-        model.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
-    except Exception:  # no generation_config.json: the one from_config made stays
-        pass
+    hf.load_generation_config(model, path)
     if device_map is None:
         return model.to(device).eval()
     from accelerate import dispatch_model

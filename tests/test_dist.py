@@ -1,0 +1,54 @@
+"""The launch's start protocol (dist.Dist.announce) between two ranks in one process, over an in-memory
+store: what rank 0 makes reaches every rank, and a failure on rank 0 stops the others without a message
+of their own. The torchrun launches of tests/test_dp.py and tests/test_tp.py run it for real."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from torch.distributed import HashStore
+
+from svrmad_local.dist import Dist
+
+
+def _two_ranks():
+    store = HashStore()
+    return Dist(0, 2, 0, store), Dist(1, 2, 0, store)
+
+
+def _follow(d: Dist, got: list) -> threading.Thread:
+    def run():
+        got.append(d.announce(lambda: pytest.fail("only rank 0 makes the start")))
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+def test_rank_zero_makes_the_start_and_every_rank_gets_it():
+    main, other = _two_ranks()
+    got: list = []
+    t = _follow(other, got)
+    message = {"config": {"tp": 1}, "todo": [{"id": "q1"}], "model": "/m"}
+    assert main.announce(lambda: message) == message
+    t.join(10)
+    assert got == [message]
+
+
+def test_a_failure_on_rank_zero_is_raised_there_and_stops_the_others():
+    main, other = _two_ranks()
+    got: list = []
+    t = _follow(other, got)
+
+    def bad():
+        raise ValueError("--tp 3 needs a multiple of 3")
+
+    with pytest.raises(ValueError, match="--tp 3"):
+        main.announce(bad)
+    t.join(10)
+    assert got == [None]
+
+
+def test_a_single_process_runs_the_start_itself():
+    assert Dist().announce(lambda: {"todo": []}) == {"todo": []}
