@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from svrmad_local.engine import attention, build
 from svrmad_local.engine.engine import Engine, EngineConfig
@@ -128,3 +129,31 @@ def test_linear_fallback_is_read_from_select_linears_line():
     assert not build.linear_choice("aten (F.linear), as asked", "aten").fell_back
     panels = build.linear_choice("panels (22 linears, float32), as 13 GEMMs", "auto")
     assert panels.value == "panels" and not panels.fell_back
+
+
+def test_the_gpu_choices_and_their_reasons_are_decided_from_the_device(monkeypatch):
+    """choose_attention for a CUDA device (no GPU needed: it reads the device type and what is installed):
+    Triton reads decode and prefill in place; with its decode kernel turned off under "auto" (a runtime
+    fallback in an earlier engine of the process) the gather is recorded as a fallback, saying why."""
+    from svrmad_local import kernels
+    from svrmad_local.engine.runner import choose_attention
+
+    if not kernels.HAS_TRITON:
+        pytest.skip("triton is not installed")
+    eng = engine(make_zoo_model("llama"))
+    spec = eng.spec
+    eng.close()
+    cuda = torch.device("cuda")
+    paths, choices = choose_attention("auto", "auto", "auto", "absorbed", cuda, torch.bfloat16, spec, 16)
+    assert (paths.decode, paths.prefill_in_place, paths.flash) == ("triton", True, False)  # blocks of 16: ours, not flash-attn
+    assert choices["decode"].value == "in place:triton" and choices["prefill"].value == "in place:triton"
+    monkeypatch.setattr(_backend, "_disabled", {"paged_decode": "RuntimeError('injected')"})
+    paths, choices = choose_attention("auto", "auto", "auto", "absorbed", cuda, torch.bfloat16, spec, 16)
+    assert paths.decode is None and choices["decode"].fell_back and choices["prefill"].fell_back
+    assert choices["decode"].reason.startswith("Triton's decode kernel failed earlier")
+    paths, choices = choose_attention("auto", "auto", "torch", "absorbed", cuda, torch.bfloat16, spec, 16)
+    assert paths.decode is None and not choices["decode"].fell_back  # kernel_impl='torch' asked for it
+    monkeypatch.setenv(_backend.FORCE_ENV, "torch")
+    paths, choices = choose_attention("auto", "auto", "auto", "absorbed", cuda, torch.bfloat16, spec, 16)
+    assert paths.decode is None and choices["decode"].reason == f"{_backend.FORCE_ENV}=torch"
+    assert not choices["decode"].fell_back

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import os
 from dataclasses import dataclass, replace
 
 import torch
 
 from svrmad_local import kernels
-from svrmad_local.kernels._backend import staged
+from svrmad_local.kernels._backend import FORCE_ENV, staged
 from svrmad_local.kernels import cpu_decode
 
 from . import mla
@@ -191,7 +192,7 @@ def choose_attention(attention: str, cascade: str, kernel_impl: str, mla_mode: s
     no_kernel = _why_no_inplace(attention, device, kernel_impl)
     # a fallback: the in-place decode kernel was wanted (not attention='sdpa', nor kernel_impl='torch' on a GPU)
     missed = attention != "sdpa" and inplace is None and "kv" in {s.kind for s in spec.layers} \
-        and (device.type == "cpu" or kernel_impl != "torch")
+        and (device.type == "cpu" or (kernel_impl != "torch" and not _torch_forced()))
     if flash:
         attn = Choice("attention", "flash-attn" + (" (paged)" if flash_paged else ""), "asked for" if attention == "flash"
                       else "it reads the cache in place" if flash_paged else "our Triton kernels cannot run here")
@@ -239,6 +240,11 @@ def _why_not_flash(attention: str, device: torch.device, dtype: torch.dtype, lat
     return f"our Triton kernels read the cache in place; flash-attn would gather it ({why})"
 
 
+def _torch_forced() -> bool:
+    """The environment forces every kernel's torch reference (kernels._backend.FORCE_ENV)."""
+    return os.environ.get(FORCE_ENV, "").lower() == "torch"
+
+
 def _why_no_inplace(attention: str, device: torch.device, kernel_impl: str) -> str:
     """Why no in-place decode kernel runs here (for the record's reason)."""
     if attention == "sdpa":
@@ -247,7 +253,11 @@ def _why_no_inplace(attention: str, device: torch.device, kernel_impl: str) -> s
         return f"the compiled CPU decode kernel is unavailable: {cpu_decode.unavailable_reason() or 'not built'}"
     if not kernels.HAS_TRITON:
         return "Triton is not installed"
-    return f"kernel_impl={kernel_impl!r}" if kernel_impl == "torch" else "Triton's decode kernel is off"
+    if kernel_impl == "torch":
+        return "kernel_impl='torch'"
+    if _torch_forced():
+        return f"{FORCE_ENV}=torch"
+    return "Triton's decode kernel failed earlier in this process: its torch reference runs (engine.info['fallbacks'])"
 
 
 def choose_flash(attention: str, installed: bool, device: torch.device, dtype: torch.dtype, latent: bool,
