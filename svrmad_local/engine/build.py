@@ -98,8 +98,9 @@ def build(eng, model, cfg: EngineConfig) -> None:
             eng.runner.tp = eng._channel
         else:
             eng.cache.replay = True
+    dtype = SHORT_DTYPES.get(spec.dtype, str(spec.dtype).removeprefix("torch."))
     eng.execution = Execution(
-        device=Choice("device", f"{device.type} {SHORT_DTYPES.get(spec.dtype, str(spec.dtype).removeprefix('torch.'))}", "where the weights are"),
+        device=Choice("device", f"{device.type} {dtype}", "where the weights are"),
         quantization=quantization_choice(model), linear=linear, decoder=decoder, **attention, graphs=graphs_choice,
         tp=Choice("tp", f"{eng.tp_group.size} ranks" if eng.sharded else "off",
                   "the weights are split over the group (engine/tp.py)" if eng.sharded else "one process holds the model"),
@@ -126,9 +127,12 @@ def stats_choice(kernel_impl: str, head) -> Choice:
     """Where the token statistics run; on a GPU without Triton under "auto", a fallback."""
     impl = kernels.select_impl(kernel_impl, head)
     fell = kernel_impl == "auto" and head.device.type == "cuda" and impl == "torch"
-    why = f"kernel_impl={kernel_impl!r}" + ("" if kernel_impl != "auto" else
-                                              ": Triton on a GPU" if impl == "triton" else
-                                              ": Triton is not available" if fell else ": the torch reference off a GPU")
+    if kernel_impl != "auto":
+        why = f"kernel_impl={kernel_impl!r}"
+    elif impl == "triton":
+        why = "Triton on a GPU"
+    else:
+        why = "Triton is not available" if fell else "the torch reference off a GPU"
     return Choice("stats", impl, why, fell_back=fell)
 
 
