@@ -239,7 +239,7 @@ def test_the_gpu_kernels_in_the_static_step_never_return_to_the_host(interp, nam
     Triton's interpreter inside the static step; nothing returns to the host, tokens stay exact."""
     model = make_zoo_model(name)
     eng = engine(model, cuda_graphs="static", kernel_impl="triton")
-    assert eng.runner.inplace_decode == "triton" and eng.runner.static.found == [], eng.runner.static.found
+    assert eng.runner.paths.inplace_decode == "triton" and eng.runner.static.found == [], eng.runner.static.found
     prompts = [rand_prompt(2 * WINDOW + 5 + i, 90 + i) for i in range(3)]
     got = eng.generate_sync(prompts, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
     assert [o.completions[0].token_ids for o in got] == [loop_greedy(model, p, 5) for p in prompts], name

@@ -7,6 +7,8 @@ warm cache) and go through preemption; teacher-forced statistics equal log_softm
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -228,7 +230,7 @@ def test_flash_attn_path_passes_windows_sinks_and_block_tables(monkeypatch, name
     model = make_zoo_model(name)
     monkeypatch.setattr(attention, "flash_attn_varlen_func", _reference_varlen)
     eng = engine(model)
-    eng.runner.attention_path, eng.runner.flash_paged = "flash-attn", paged
+    eng.runner.paths = dataclasses.replace(eng.runner.paths, flash=True, flash_paged=paged)  # what a GPU would choose
     prompts = [rand_prompt(2 * WINDOW + 3, 70), rand_prompt(WINDOW + 1, 71)]
     outs = eng.generate_sync(prompts + prompts[:1], GREEDY)  # the repeat reads a cached prefix
     assert [o.completions[0].token_ids for o in outs] == [loop_greedy(model, p) for p in prompts + prompts[:1]]

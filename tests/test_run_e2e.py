@@ -38,13 +38,18 @@ def run(ck, data, out, *extra):
 def test_run_writes_trace_results_and_accounting_adds_up(setup, capsys):
     ck, data, out = setup
     assert run(ck, data, out, "--limit", "3", "--methods", "svr-mad,self-consistency,all-to-all") == 0
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
     assert "SVR-MAD" in printed and "Prompt tok computed" in printed
+    start = [line for line in captured.err.splitlines() if line.startswith("svrmad run: engine: ")]
+    assert len(start) == 1 and "linear " in start[0] and "decode " in start[0], captured.err  # what runs, in one line
     trace, results = read_jsonl(out / "trace.jsonl"), read_jsonl(out / "results.jsonl")
     skipped = read_jsonl(out / "skipped.jsonl")
     assert len(trace) + len(skipped) == 3 and trace, "a random model should disagree with itself"
     assert {r["method"] for r in results} == {"svr-mad", "self-consistency", "all-to-all"}
     eng = json.loads((out / "run.json").read_text())["totals"]["engine"]
+    assert eng["execution"]["device"]["value"] == "cpu fp32" and eng["fallbacks"] == []
+    assert all(c["value"] and c["reason"] for c in eng["execution"].values())  # the record, with its reasons
     # every engine request is one response in a trace/skipped line: billed and computed tokens add up
     billed = computed = generated = 0
     for row in trace:

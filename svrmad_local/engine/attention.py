@@ -35,6 +35,7 @@ from svrmad_local.models import hf
 
 from . import mla
 from .context import get_context
+from .execution import AttentionPaths
 from .kv_cache import BlockTables, KVCache
 from .spec import LayerSpec, Probe
 
@@ -164,15 +165,13 @@ class StepContext:
     slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
     runs: list[Span]  # decode runs first, then prefill runs, in row order
     decode_rows: int  # rows [0, decode_rows) are single-token decode runs
+    paths: AttentionPaths  # how the steps attend, chosen once at build (engine/execution.py): read, not recomputed
     latent_slots: torch.Tensor | None = None  # latent layers: every run's context slots, concatenated
     latent_runs: list[Span] | None = None  # the same runs indexing into that concatenation
     decode_levels: list | None = None  # cascade: shared-prefix levels of the decode rows (kernels.Level)
     decode_pos: torch.Tensor | None = None  # cascade: each decode query's position
-    kernel_impl: str = "auto"
     flash: dict | None = None  # flash-attn: cu_q, cu_k, max_q, max_k, and block_table or slots
     decode_tables: BlockTables | None = None  # the decode rows' block tables and lengths (in-place paths)
-    decode_impl: str | None = None  # per-head K/V decode rows in place: "cpu" (kernels.cpu_decode) or "triton"
-    mla_absorbed: bool = False  # latent decode rows attend to the cached latent (engine.mla)
     prefill_tables: BlockTables | None = None  # per-head K/V prefill runs read in place: their tables
     prefill_cu: list[int] | None = None  # ... and their row offsets within the prefill rows (host values)
     _views: dict = field(default_factory=dict)
@@ -182,7 +181,7 @@ class StepContext:
     def cascade_plan(self, window: int | None, q: torch.Tensor, k_paged: torch.Tensor):
         """The cascade kernel's bookkeeping for the decode rows, built once per step and window
         (the same for every layer); None where the cascade runs its torch reference."""
-        if select_impl(self.kernel_impl, q, "cascade_attention") != "triton":
+        if select_impl(self.paths.kernel_impl, q, "cascade_attention") != "triton":
             return None
         key = (window, q.shape[1], k_paged.shape[2])
         if key not in self._plans:
@@ -192,9 +191,9 @@ class StepContext:
     def view(self, window: int | None, latent: bool = False) -> View:
         key = (window, latent)
         if key not in self._views:
-            nd = 0 if latent and self.mla_absorbed else self.decode_rows  # absorbed: latent_runs are prefills
+            nd = 0 if latent and self.paths.mla_absorbed else self.decode_rows  # absorbed: latent_runs are prefills
             self._views[key] = _view(self.latent_runs if latent else self.runs, nd, window,
-                                     pad_decode=latent or self.decode_impl is None, latent=latent)
+                                     pad_decode=latent or self.paths.decode is None, latent=latent)
         return self._views[key]
 
     def on(self, device: torch.device) -> "StepContext":
@@ -208,11 +207,10 @@ class StepContext:
                 lv._replace(query_idx=mv(lv.query_idx), block_table=mv(lv.block_table)) for lv in self.decode_levels]
             flash = None if self.flash is None else {k: mv(v) if torch.is_tensor(v) else v for k, v in self.flash.items()}
             self._per_device[device] = StepContext(
-                self.cache, self.specs, mv(self.slot_mapping), runs(self.runs), self.decode_rows,
-                mv(self.latent_slots), runs(self.latent_runs), levels, mv(self.decode_pos), self.kernel_impl, flash,
-                None if self.decode_tables is None else self.decode_tables.to(device), self.decode_impl,
-                self.mla_absorbed, None if self.prefill_tables is None else self.prefill_tables.to(device),
-                self.prefill_cu)
+                self.cache, self.specs, mv(self.slot_mapping), runs(self.runs), self.decode_rows, self.paths,
+                mv(self.latent_slots), runs(self.latent_runs), levels, mv(self.decode_pos), flash,
+                None if self.decode_tables is None else self.decode_tables.to(device),
+                None if self.prefill_tables is None else self.prefill_tables.to(device), self.prefill_cu)
         return self._per_device[device]
 
 
@@ -340,25 +338,25 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
         bs = ctx.cache.block_size
         paged = (kc.view(-1, bs, *kc.shape[1:]), vc.view(-1, bs, *vc.shape[1:]))
         out[:nd] = cascade_attention(q[:nd], *paged, ctx.decode_levels, scaling, q_pos=ctx.decode_pos,
-                                     window=spec.window, sinks=sinks, kernel_impl=ctx.kernel_impl,
+                                     window=spec.window, sinks=sinks, kernel_impl=ctx.paths.kernel_impl,
                                      plan=ctx.cascade_plan(spec.window, q[:nd], paged[0]))
-    elif nd and spec.kind == "kv" and ctx.decode_impl is not None:  # in place, through the block tables
+    elif nd and spec.kind == "kv" and ctx.paths.decode is not None:  # in place, through the block tables
         t = ctx.decode_tables
-        if ctx.decode_impl == "cpu":
+        if ctx.paths.decode == "cpu":
             out[:nd] = paged_decode_cpu(q[:nd], kc, vc, t.block_table, t.lens, ctx.cache.block_size, scaling,
                                         spec.window, sinks)
         else:
             out[:nd] = paged_decode(q[:nd], kc, vc, t.block_table, t.lens, ctx.cache.block_size, scaling,
-                                    window=spec.window, sinks=sinks, kernel_impl=ctx.kernel_impl)
-    elif nd and spec.kind == "latent" and ctx.mla_absorbed:  # absorbed MLA, from the latent cache
+                                    window=spec.window, sinks=sinks, kernel_impl=ctx.paths.kernel_impl)
+    elif nd and spec.kind == "latent" and ctx.paths.mla_absorbed:  # absorbed MLA, from the latent cache
         out[:nd] = mla.decode_attention(module, q[:nd], ctx.cache.k[layer], ctx.cache.v[layer], ctx.decode_tables,
-                                        ctx.cache.block_size, scaling, ctx.kernel_impl)
+                                        ctx.cache.block_size, scaling, ctx.paths.kernel_impl)
     elif nd:
         _attend_padded(ctx, q, kc, vc, layer, view.decode, spec.kind, scaling, sinks, out)
     if view is _IN_PLACE:  # prefill runs, in place through their block tables (Triton)
         t = ctx.prefill_tables
         out[nd:] = paged_prefill(q[nd:], kc, vc, t.block_table, ctx.prefill_cu, t.host_lens, ctx.cache.block_size,
-                                 scaling, window=spec.window, sinks=sinks, kernel_impl=ctx.kernel_impl)
+                                 scaling, window=spec.window, sinks=sinks, kernel_impl=ctx.paths.kernel_impl)
     if view.prefill is not None:
         _attend_padded(ctx, q, kc, vc, layer, view.prefill, spec.kind, scaling, sinks, out)
     for row0, row1, index, mask in view.prefills:

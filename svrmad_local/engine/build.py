@@ -1,10 +1,9 @@
 """The engine's torch state, built once on its worker thread, and the execution choices made on the way.
 
 `build` sets the engine's KV pool (sized from `EngineConfig.kv_cache_memory`, agreed across ranks under
-tensor parallelism), its cache, runner and block manager, and records which linear, decoder and decode
-path run (`linear_path`, `decoder_path`, `graphs_path`, with the runner's `attention_path`): these are
-what `Engine.info` reports and run.json stores. The functions take the engine they build; the choices
-they record are still made in the places docs/architecture.md lists.
+tensor parallelism), its cache, runner and block manager, and gathers every execution choice (each made
+by the module that knows it) into `eng.execution`, one frozen record (engine/execution.py) that the
+runner reads, `Engine.info` reports, run.json stores, and `svrmad run` says in one line at start.
 """
 
 from __future__ import annotations
@@ -14,19 +13,22 @@ import logging
 import torch
 
 from svrmad_local.models import calibrate
+from svrmad_local import kernels
 from svrmad_local.models.linear import select_linear, weight_bytes
 
 from . import graphs, tp
 from .attention import Attachment
 from .config import EngineConfig
+from .execution import Choice, Execution
 from .kv_cache import BlockManager, KVCache
 from .lean import select_decoder
 from .memory import keep_freed_memory, kv_budget, workload_cap
-from .runner import ModelRunner
+from .runner import ModelRunner, choose_attention
 from .spec import inspect_model
 from .threads import BarrierSleepWatch
 
 log = logging.getLogger("svrmad_local")
+SHORT_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def layer_device(model, layers, i: int) -> torch.device:
@@ -39,11 +41,13 @@ def layer_device(model, layers, i: int) -> torch.device:
 
 
 def build(eng, model, cfg: EngineConfig) -> None:
-    """The engine's torch state (worker thread): linears, probe, KV-cache, runner."""
+    """The engine's torch state (worker thread): linears, probe, KV-cache, runner; and `eng.execution`,
+    the record of every choice made on the way (engine/execution.py)."""
     attached = Attachment(model)
-    eng.linear_path = select_linear(model, cfg.linear, workload=calibrate.Workload.for_engine(
+    line = select_linear(model, cfg.linear, workload=calibrate.Workload.for_engine(
         cfg.max_num_seqs, cfg.max_num_batched_tokens))
     eng.linear_calibration = calibrate.recorded(model)  # None where `auto` measured nothing
+    linear = linear_choice(line, cfg.linear)
     eng.weight_bytes = weight_bytes(model)
     eng.spec = spec = inspect_model(model, attached)  # raises UnsupportedModel, naming the feature
     layers = model.base_model.layers if hasattr(model.base_model, "layers") else None
@@ -69,11 +73,14 @@ def build(eng, model, cfg: EngineConfig) -> None:
     measure = cfg.cuda_graphs in ("auto", "on") and graphs.can_capture(devices[0]) and not eng.sharded
     eng.cache = KVCache(graphs.PROVISIONAL_BLOCKS if measure else num_blocks, cfg.block_size, spec.layers,
                          devices, spec.dtype)
-    eng.runner = ModelRunner(model, attached, eng.cache, spec, cfg.block_size, cfg.attention, cfg.cascade,
-                              cfg.kernel_impl, cfg.mla)
-    eng.decoder_path = "the model's modules (tensor parallel)"
+    head = model.get_output_embeddings().weight
+    device = model.base_model.get_input_embeddings().weight.device
+    paths, attention = choose_attention(cfg.attention, cfg.cascade, cfg.kernel_impl, cfg.mla, device, head.dtype, spec,
+                                        cfg.block_size)
+    eng.runner = ModelRunner(model, attached, eng.cache, spec, cfg.block_size, paths)
+    decoder = Choice("decoder", "the model's modules", "tensor parallel")
     if not eng.sharded:
-        eng.runner.lean, eng.decoder_path = select_decoder(model, spec, cfg.decoder)
+        eng.runner.lean, decoder = select_decoder(model, spec, cfg.decoder)
     eng.graph_reserve = 0  # bytes of the KV budget kept for the decode graphs
     unaffordable = None
     if measure:
@@ -85,7 +92,7 @@ def build(eng, model, cfg: EngineConfig) -> None:
             eng.graph_reserve = 0
         num_blocks = (eng.kv_budget_bytes - eng.graph_reserve) // block_bytes
         eng.cache = eng.runner.cache = KVCache(num_blocks, cfg.block_size, spec.layers, devices, spec.dtype)
-    eng.runner.static, eng.graphs_path = static_decode(eng, cfg, num_blocks, unaffordable)
+    eng.runner.static, graphs_choice = static_decode(eng, cfg, num_blocks, unaffordable)
     # the static path's padding rows write a scratch block that no sequence may own: the last one
     eng.blocks = BlockManager(num_blocks - (eng.runner.static is not None), cfg.block_size)
     eng.rank = 0
@@ -96,10 +103,48 @@ def build(eng, model, cfg: EngineConfig) -> None:
             eng.runner.tp = eng._channel
         else:
             eng.cache.replay = True
+    dtype = SHORT_DTYPES.get(spec.dtype, str(spec.dtype).removeprefix("torch."))
+    eng.execution = Execution(
+        device=Choice("device", f"{device.type} {dtype}", "where the weights are"),
+        quantization=quantization_choice(model), linear=linear, decoder=decoder, **attention, graphs=graphs_choice,
+        tp=Choice("tp", f"{eng.tp_group.size} ranks" if eng.sharded else "off",
+                  "the weights are split over the group (engine/tp.py)" if eng.sharded else "one process holds the model"),
+        stats=stats_choice(cfg.kernel_impl, head), attention_paths=paths)
+    log.info("svrmad: %s", eng.execution.line())
+
+
+def linear_choice(line: str, asked: str) -> Choice:
+    """select_linear's line as the record's choice: its first words name the layout, and a line saying
+    packing is off under "auto" is a fallback (the line itself says why)."""
+    value = line.split(" (")[0].split(":")[0]
+    return Choice("linear", value, line, fell_back=asked == "auto" and "packing is off" in line)
+
+
+def quantization_choice(model) -> Choice:
+    """How the checkpoint's weights are held: decided when it was loaded (models/quant.choose_mode)."""
+    q = getattr(model, "svrmad_quantization", None)
+    if not q:
+        return Choice("quantization", "none", "the checkpoint is not quantized")
+    return Choice("quantization", f"{q['method']} {q['mode']}", q.get("summary", ""))
+
+
+def stats_choice(kernel_impl: str, head) -> Choice:
+    """Where the token statistics run; on a GPU without Triton under "auto", a fallback."""
+    impl = kernels.select_impl(kernel_impl, head)
+    fell = kernel_impl == "auto" and head.device.type == "cuda" and impl == "torch"
+    if kernel_impl != "auto":
+        why = f"kernel_impl={kernel_impl!r}"
+    elif impl == "triton":
+        why = "Triton on a GPU"
+    else:
+        why = "Triton is not available" if fell else "the torch reference off a GPU"
+    return Choice("stats", impl, why, fell_back=fell)
+
 
 def static_decode(eng, cfg: EngineConfig, num_blocks: int, why: str | None = None):
     """engine/graphs.py's StaticDecode where cfg.cuda_graphs and the machine allow it (and `why` gives
-    no reason against), and one line saying what runs ("on", "static (eager)" or "off: why")."""
+    no reason against), and the record's graphs choice ("on", "static (eager)" or "off", and why); off
+    under "auto" on a CUDA device is a fallback."""
     why = graphs.why_off(cfg.cuda_graphs, eng.runner, eng.sharded) or why
     if why is None and num_blocks < 3:
         why = f"the KV budget holds {num_blocks} blocks: none to spare for the padding rows' scratch block"
@@ -114,23 +159,24 @@ def static_decode(eng, cfg: EngineConfig, num_blocks: int, why: str | None = Non
     if why is not None and cfg.cuda_graphs in ("on", "static"):
         raise ValueError(f"cuda_graphs={cfg.cuda_graphs!r} cannot run here: {why}")
     if why is not None:
-        if cfg.cuda_graphs == "auto" and eng.runner.device.type == "cuda":
-            log.info("svrmad: CUDA graphs off (%s)", why)
-        return None, f"off: {why}"
-    return static, "static (eager)" if cfg.cuda_graphs == "static" else "on"
+        return None, Choice("graphs", "off", why, fell_back=cfg.cuda_graphs == "auto" and eng.runner.device.type == "cuda")
+    if cfg.cuda_graphs == "static":
+        return static, Choice("graphs", "static (eager)", "cuda_graphs='static': the static path, not captured")
+    return static, Choice("graphs", "on", "decode-only steps replay graphs captured at start-up")
 
 def max_blocks(eng, num_blocks: int) -> int:
     """The static path's widest block table: the model's context, or the cache less its scratch block."""
     return max(1, min(-(-eng.max_model_len // eng.cfg.block_size), num_blocks - 1))
 
 def graphs_info(eng) -> str:
-    static = eng.runner.static
+    """Engine.info["cuda_graphs"]: the record's graphs choice, with what the captured graphs did since."""
+    static, choice = eng.runner.static, eng.execution.graphs
     if static is None:
-        return eng.graphs_path
+        return f"off: {choice.reason}"
     if static.capture:
         failed = ""
         if static.failed:
             (p, w), why = next(iter(static.failed.items()))
             failed = f"; {len(static.failed)} failed, run eagerly (batch {p}, width {w}: {why})"
         return f"on ({len(static.graphs)} shapes captured, {static.replays} steps replayed{failed})"
-    return eng.graphs_path
+    return choice.value

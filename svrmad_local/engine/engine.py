@@ -23,6 +23,7 @@ from svrmad_local.dist import GroupLost
 
 from . import build
 from .config import EngineConfig, SamplingParams  # noqa: F401  (EngineConfig: public here too)
+from .execution import runtime_fallbacks
 from .memory import parse_memory  # noqa: F401  (public here too)
 from .scheduler import RequestTooLarge, Scheduler  # noqa: F401  (RequestTooLarge: public)
 from .sequence import Request, RequestOutput, ScoreOutput, Sequence
@@ -103,12 +104,14 @@ class Engine:
     # -- public API -------------------------------------------------------------------------
     @property
     def info(self) -> dict:
-        """Which paths the engine took, for run records and benchmarks."""
+        """Which paths the engine took (the build's record, `execution`, and the fallbacks since), its
+        memory and its totals: for run records and benchmarks."""
+        ex = self.execution
         return {
-            "attention": self.runner.attention_path,
-            "linear": self.linear_path,
+            "attention": ex.attention_paths.summary,
+            "linear": ex.linear.reason,
             "linear_calibration": self.linear_calibration.as_dict() if self.linear_calibration else None,
-            "decoder": self.decoder_path,
+            "decoder": str(ex.decoder),
             "cuda_graphs": build.graphs_info(self),
             "weight_bytes": self.weight_bytes,
             "stats": self.stepper.stats_path,
@@ -122,6 +125,8 @@ class Engine:
             "evictions": self.blocks.evictions,
             "in_flight": len(self._live),
             **self.totals.as_dict(),
+            "execution": ex.as_dict(),  # every choice made at build, with its reason (engine/execution.py)
+            "fallbacks": runtime_fallbacks(),  # kernels that fell back to their torch reference since
         }
 
     @classmethod

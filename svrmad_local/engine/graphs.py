@@ -209,12 +209,12 @@ def why_off(mode: str, runner, sharded: bool) -> str | None:
         return "tensor parallel (the ranks' steps meet in collectives the engine sends from the host)"
     if mode != "static" and not can_capture(runner.device):
         return f"{runner.device.type}: CUDA graphs need a CUDA device"
-    if runner.cascade:
+    if runner.paths.cascade:
         return "cascade attention plans its levels on the host every step"
     kinds = {s.kind for s in runner.spec.layers}
-    if "kv" in kinds and runner.inplace_decode is None:
+    if "kv" in kinds and runner.paths.inplace_decode is None:
         return "decode attention gathers the context (no in-place decode kernel: attention='sdpa' or none built)"
-    if "latent" in kinds and not runner.mla_absorbed:
+    if "latent" in kinds and not runner.paths.mla_absorbed:
         return "mla='expanded' re-expands the context every step"
     devices = {t.device for t in runner.cache.k}
     if len(devices) > 1:
@@ -309,9 +309,8 @@ class StaticDecode:
     def _forward(self, P: int, W: int) -> torch.Tensor:
         r = self.runner
         ids, pos, slots = self.inputs[0, :P], self.inputs[1, :P], self.inputs[2, :P]
-        ctx = StepContext(r.cache, r.spec.layers, slots, [], P, kernel_impl=r.kernel_impl,
-                          decode_tables=BlockTables(self.tables[W][:P], self.lens[:P]),
-                          decode_impl=r.inplace_decode, mla_absorbed=r.mla_absorbed)
+        ctx = StepContext(r.cache, r.spec.layers, slots, [], P, r.static_paths,
+                          decode_tables=BlockTables(self.tables[W][:P], self.lens[:P]))
         if r.spec.has_latent:
             ctx.latent_runs = []
         return r.run_body(ctx, ids.unsqueeze(0), pos.unsqueeze(0))

@@ -29,6 +29,7 @@ from svrmad_local.kernels import cpu_ops
 
 from .attention import paged_attention
 from .context import get_context
+from .execution import Choice
 from .spec import ModelSpec
 
 CHOICES = ("auto", "lean", "modules")
@@ -141,20 +142,22 @@ def _why_not(model: nn.Module, spec: ModelSpec) -> str | None:
     return None
 
 
-def select_decoder(model: nn.Module, spec: ModelSpec, choice: str = "auto") -> tuple[LeanDecoder | None, str]:
+def select_decoder(model: nn.Module, spec: ModelSpec, choice: str = "auto") -> tuple[LeanDecoder | None, Choice]:
     """The lean forward where it applies (swapping the model's RMSNorms for FastRMSNorm, in place), else
-    None; and one line saying which and why."""
+    None; and the record's decoder choice, saying which and why (a fallback where "auto" on the CPU
+    could not take the lean forward)."""
     if choice not in CHOICES:
         raise ValueError(f"decoder must be one of {', '.join(CHOICES)}, got {choice!r}")
     if choice == "modules":
-        return None, "the model's modules, as asked"
+        return None, Choice("decoder", "the model's modules", "as asked")
     why = _why_not(model, spec)
     if why is not None:
         if choice == "lean":
             raise ValueError(f"decoder='lean' cannot run this model: {why}")
-        return None, f"the model's modules ({why})"
+        on_cpu = model.base_model.get_input_embeddings().weight.device.type == "cpu"
+        return None, Choice("decoder", "the model's modules", why, fell_back=on_cpu)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child).__name__ in NORMS:
                 setattr(parent, name, FastRMSNorm(child))
-    return LeanDecoder(model.base_model), "lean (fused norms, RoPE and cache writes: engine/lean.py)"
+    return LeanDecoder(model.base_model), Choice("decoder", "lean", "fused norms, RoPE and cache writes: engine/lean.py")

@@ -8,18 +8,20 @@ from __future__ import annotations
 
 import inspect
 import itertools
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 
 import torch
 
 from svrmad_local import kernels
-from svrmad_local.kernels._backend import staged
+from svrmad_local.kernels._backend import FORCE_ENV, staged
 from svrmad_local.kernels import cpu_decode
 from svrmad_local.models import hf
 
 from . import mla
 from .attention import FLASH_PAGE, HAS_FLASH_ATTN, Attachment, PagedKV, Span, StepContext, flash_attn_varlen_func
 from .context import set_context
+from .execution import AttentionPaths, Choice
 from .kv_cache import BlockTables, KVCache
 from .scheduler import Batch
 from .spec import ModelSpec
@@ -38,7 +40,7 @@ class StepInput:
 
 class ModelRunner:
     def __init__(self, model, attached: Attachment, cache: KVCache, spec: ModelSpec, block_size: int,
-                 attention: str = "auto", cascade: str = "auto", kernel_impl: str = "auto", mla_mode: str = "absorbed"):
+                 paths: AttentionPaths):
         self.model = model
         self.attached = attached
         self.body = model.base_model
@@ -48,52 +50,13 @@ class ModelRunner:
         self.block_size = block_size
         self.device = self.body.get_input_embeddings().weight.device
         self.softcap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
-        dtype = self.lm_head.weight.dtype
-        triton_ok = kernels.select_impl(kernel_impl, self.device, "paged_decode") == "triton"
-        flash_paged = flash_takes_block_table() if HAS_FLASH_ATTN else False
-        want_flash = choose_flash(attention, HAS_FLASH_ATTN, self.device, dtype, spec.has_latent, block_size, triton_ok,
-                                  flash_paged)
-        if attention == "flash" and not want_flash:
-            raise ValueError("attention='flash' needs flash-attn installed, a CUDA device, fp16/bf16 weights and "
-                             "no latent (MLA) layers")
-        if attention not in ("auto", "flash", "sdpa", "paged"):
-            raise ValueError(f"attention must be auto, flash, sdpa or paged, got {attention!r}")
-        self.attention_path = "flash-attn" if want_flash else "sdpa"
-        self.kernel_impl = kernel_impl
-        self.cascade = _cascade_enabled(cascade, kernel_impl, self.device) and not want_flash
-        # decode rows read K/V in place through their block tables instead of gathering every sequence's
-        # context in every layer: Triton's split-K kernel (kernels/paged_decode.py) where Triton runs, the
-        # compiled C++ one (kernels/cpu_decode.py) on the CPU; "sdpa" keeps the gather path. The static
-        # decode path (engine/graphs.py) takes it even where flash-attn runs the dynamic steps.
-        self.inplace_decode = None
-        if attention in ("auto", "paged", "flash"):
-            if triton_ok:
-                self.inplace_decode = "triton"
-            elif self.device.type == "cpu" and cpu_decode.available():
-                self.inplace_decode = "cpu"
-        self.decode_impl = None if want_flash or self.cascade else self.inplace_decode
-        if attention == "paged" and self.inplace_decode is None:
-            raise ValueError("attention='paged' needs Triton (a GPU, or kernel_impl='triton' under its interpreter) "
-                             f"or, on the CPU, the compiled kernel: {cpu_decode.unavailable_reason() or 'not built'}")
-        if self.decode_impl:
-            self.attention_path += f"+paged-decode:{self.decode_impl}"
-        # where decode runs Triton's kernel (a GPU without flash-attn), per-head K/V prefill chunks are read in
-        # place too (kernels/paged_prefill.py) instead of gathered per layer; the CPU keeps its prefill path
-        self.prefill_in_place = self.decode_impl == "triton"
-        if self.prefill_in_place:
-            self.attention_path += "+paged-prefill:triton"
-        self.flash_paged = want_flash and flash_paged and block_size % FLASH_PAGE == 0
-        if self.flash_paged:
-            self.attention_path += " (paged)"
-        self.mla_absorbed = mla.check_mode(mla_mode) == "absorbed" and spec.has_latent
-        if self.mla_absorbed:
-            self.attention_path += "+mla-absorbed:" + kernels.select_impl(kernel_impl, self.device, "mla_decode")
-        self.static = None  # engine.graphs.StaticDecode: decode-only steps at fixed shapes (set by the engine)
-        cascade_impl = kernels.select_impl(kernel_impl, self.device, "cascade_attention")
-        if self.cascade:
-            self.attention_path += "+cascade:" + cascade_impl
+        # the attention choices, made once (choose_attention, engine/execution.py): read, never recomputed
+        self.paths = paths
+        # the static decode path (engine/graphs.py) reads the cache in place even where flash-attn runs
+        self.static_paths = replace(paths, decode=paths.inplace_decode, flash=False, cascade=None)
         # the Triton path reads the levels' block tables on the host (cascade_plan moves them once a step)
-        self.levels_device = self.device if cascade_impl == "torch" else torch.device("cpu")
+        self.levels_device = self.device if paths.cascade in (None, "torch") else torch.device("cpu")
+        self.static = None  # engine.graphs.StaticDecode: decode-only steps at fixed shapes (set by the engine)
         self.paged_kv = PagedKV()
         self.lean = None  # engine.lean.LeanDecoder where it applies (set by the engine)
         self.tp = None  # set by engine.tp for tensor parallelism: sends each step to the other ranks
@@ -132,37 +95,35 @@ class ModelRunner:
             slot_map.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
             runs.append(Span(row, row + end - start, table=(blocks, end, bs, dev)))
             row += end - start
-        nd = step.num_decode
-        ctx = StepContext(self.cache, self.spec.layers, staged(slot_map, torch.long, dev), runs, nd,
-                          kernel_impl=self.kernel_impl)
+        nd, paths = step.num_decode, self.paths
+        ctx = StepContext(self.cache, self.spec.layers, staged(slot_map, torch.long, dev), runs, nd, paths)
         # latent layers get the step's context back from the cache hook, each distinct slot once (forks
         # share their prefix), to be expanded once by the model's own code; with MLA absorbed only the
         # prefill runs' context, the decode rows attend to the cached latent in place (engine.mla)
-        expand = runs[nd:] if self.mla_absorbed else runs
+        expand = runs[nd:] if paths.mla_absorbed else runs
         if self.spec.has_latent and expand:
             ctx.latent_slots, inverse = torch.unique(torch.cat([r.index for r in expand]), return_inverse=True)
             parts = inverse.split([r.index.shape[0] for r in expand])
             ctx.latent_runs = [Span(r.row0, r.row1, part) for r, part in zip(expand, parts)]
         elif self.spec.has_latent:
             ctx.latent_runs = []
-        if nd and (self.mla_absorbed or self.decode_impl):  # decode rows read the cache in place
+        if nd and (paths.mla_absorbed or paths.decode):  # decode rows read the cache in place
             ctx.decode_tables = BlockTables.of_runs(step.runs[:nd], dev)
-            ctx.decode_impl, ctx.mla_absorbed = self.decode_impl, self.mla_absorbed
-        if self.prefill_in_place and len(step.runs) > nd:  # prefill rows read the cache in place
+        if paths.prefill_in_place and len(step.runs) > nd:  # prefill rows read the cache in place
             ctx.prefill_tables = BlockTables.of_runs(step.runs[nd:], dev)
             ctx.prefill_cu = [r.row0 - nd for r in runs[nd:]] + [runs[-1].row1 - nd]  # rows of q[nd:]
-        if self.attention_path.startswith("flash-attn"):
+        if paths.flash:
             lens = [r.index.shape[0] for r in runs]
             ctx.flash = {
                 "cu_q": staged([0] + [r.row1 for r in runs], torch.int32, dev),
                 "cu_k": staged([0] + list(itertools.accumulate(lens)), torch.int32, dev),
                 "max_q": max(r.row1 - r.row0 for r in runs), "max_k": max(lens),
             }
-            if self.flash_paged:  # flash-attn reads the blocks in place through the block table
+            if paths.flash_paged:  # flash-attn reads the blocks in place through the block table
                 ctx.flash["block_table"] = BlockTables.of_runs(step.runs, dev).block_table
             else:  # blocks smaller than flash-attn's 256-token pages: gather the context first
                 ctx.flash["slots"] = torch.cat([r.index for r in runs])
-        if self.cascade and nd >= 2:
+        if paths.cascade and nd >= 2:
             decode = step.runs[:nd]
             ctx.decode_levels = decode_levels([b for _, _, b in decode], [e for _, e, _ in decode], bs,
                                               self.levels_device)
@@ -187,6 +148,117 @@ class ModelRunner:
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
+
+
+def choose_attention(attention: str, cascade: str, kernel_impl: str, mla_mode: str, device: torch.device,
+                     dtype: torch.dtype, spec: ModelSpec, block_size: int) -> tuple[AttentionPaths, dict[str, Choice]]:
+    """How the steps attend, decided once at build: the switches the runner and the hooks read
+    (AttentionPaths), and the record's attention, decode, prefill, cascade and mla choices with their
+    reasons. A path asked for by name that cannot run here is an error, naming why."""
+    if attention not in ("auto", "flash", "sdpa", "paged"):
+        raise ValueError(f"attention must be auto, flash, sdpa or paged, got {attention!r}")
+    triton_ok = kernels.select_impl(kernel_impl, device, "paged_decode") == "triton"
+    flash_paged_ok = flash_takes_block_table() if HAS_FLASH_ATTN else False
+    flash = choose_flash(attention, HAS_FLASH_ATTN, device, dtype, spec.has_latent, block_size, triton_ok, flash_paged_ok)
+    if attention == "flash" and not flash:
+        raise ValueError("attention='flash' needs flash-attn installed, a CUDA device, fp16/bf16 weights and "
+                         "no latent (MLA) layers")
+    on_cascade = _cascade_enabled(cascade, kernel_impl, device) and not flash
+    # decode rows read K/V in place through their block tables instead of gathering every sequence's
+    # context in every layer: Triton's split-K kernel (kernels/paged_decode.py) where Triton runs, the
+    # compiled C++ one (kernels/cpu_decode.py) on the CPU; "sdpa" keeps the gather path. The static
+    # decode path (engine/graphs.py) takes it even where flash-attn runs the dynamic steps.
+    inplace = None
+    if attention in ("auto", "paged", "flash"):
+        if triton_ok:
+            inplace = "triton"
+        elif device.type == "cpu" and cpu_decode.available():
+            inplace = "cpu"
+    if attention == "paged" and inplace is None:
+        raise ValueError("attention='paged' needs Triton (a GPU, or kernel_impl='triton' under its interpreter) "
+                         f"or, on the CPU, the compiled kernel: {cpu_decode.unavailable_reason() or 'not built'}")
+    decode = None if flash or on_cascade else inplace
+    # where decode runs Triton's kernel (a GPU without flash-attn), per-head K/V prefill chunks are read in
+    # place too (kernels/paged_prefill.py) instead of gathered per layer; the CPU keeps its prefill path
+    prefill_in_place = decode == "triton"
+    flash_paged = flash and flash_paged_ok and block_size % FLASH_PAGE == 0
+    mla_absorbed = mla.check_mode(mla_mode) == "absorbed" and spec.has_latent
+    mla_impl = kernels.select_impl(kernel_impl, device, "mla_decode")
+    cascade_impl = kernels.select_impl(kernel_impl, device, "cascade_attention")
+    summary = ("flash-attn" if flash else "sdpa") + (f"+paged-decode:{decode}" if decode else "") \
+        + ("+paged-prefill:triton" if prefill_in_place else "") + (" (paged)" if flash_paged else "") \
+        + (f"+mla-absorbed:{mla_impl}" if mla_absorbed else "") + (f"+cascade:{cascade_impl}" if on_cascade else "")
+    paths = AttentionPaths(kernel_impl, flash, flash_paged, decode, inplace, prefill_in_place, mla_absorbed,
+                           cascade_impl if on_cascade else None, summary)
+    no_kernel = _why_no_inplace(attention, device, kernel_impl)
+    # a fallback: the in-place decode kernel was wanted (not attention='sdpa', nor kernel_impl='torch' on a GPU)
+    missed = attention != "sdpa" and inplace is None and "kv" in {s.kind for s in spec.layers} \
+        and (device.type == "cpu" or (kernel_impl != "torch" and not _torch_forced()))
+    if flash:
+        attn = Choice("attention", "flash-attn" + (" (paged)" if flash_paged else ""), "asked for" if attention == "flash"
+                      else "it reads the cache in place" if flash_paged else "our Triton kernels cannot run here")
+    else:
+        attn = Choice("attention", "sdpa", _why_not_flash(attention, device, dtype, spec.has_latent, block_size,
+                                                          flash_paged_ok))
+    if on_cascade:
+        dec = Choice("decode", f"cascade:{cascade_impl}", "cascade='on': shared prefixes attended once")
+    elif flash:
+        dec = Choice("decode", "flash-attn", f"flash-attn runs the steps (the static path: {inplace or 'none'})")
+    elif decode:
+        dec = Choice("decode", f"in place:{decode}", "kernels/paged_decode.py" if decode == "triton"
+                     else "the compiled CPU kernel (kernels/cpu_decode.py)")
+    else:
+        dec = Choice("decode", "gather", "attention='sdpa'" if attention == "sdpa" else no_kernel, fell_back=missed)
+    if flash:
+        pre = Choice("prefill", "flash-attn", "flash-attn runs the steps")
+    elif prefill_in_place:
+        pre = Choice("prefill", "in place:triton", "kernels/paged_prefill.py")
+    else:
+        pre = Choice("prefill", "gather", "the CPU has no in-place prefill kernel" if device.type == "cpu" else
+                     "attention='sdpa'" if attention == "sdpa" else no_kernel, fell_back=missed and device.type != "cpu")
+    casc = Choice("cascade", f"on:{cascade_impl}" if on_cascade else "off",
+                  "asked for" if on_cascade else "flash-attn runs the steps" if cascade == "on"
+                  else "as asked" if cascade == "off" else "auto is off: measured slower (runner._cascade_enabled)")
+    latent = Choice("mla", f"absorbed:{mla_impl}" if mla_absorbed else "expanded" if spec.has_latent else "none",
+                    f"mla={mla_mode!r}" if spec.has_latent else "no latent (MLA) layers")
+    return paths, {c.name: c for c in (attn, dec, pre, casc, latent)}
+
+
+def _why_not_flash(attention: str, device: torch.device, dtype: torch.dtype, latent: bool, block_size: int,
+                   paged: bool) -> str:
+    """Why the steps attend through SDPA and our kernels rather than flash-attn (choose_flash said no)."""
+    if attention in ("sdpa", "paged"):
+        return f"attention={attention!r}"
+    if not HAS_FLASH_ATTN:
+        return "flash-attn is not installed"
+    if device.type != "cuda":
+        return f"flash-attn needs a CUDA device, not {device.type}"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"flash-attn needs fp16/bf16, not {str(dtype).removeprefix('torch.')}"
+    if latent:
+        return "latent (MLA) layers"
+    why = "its varlen call takes no block table" if not paged else f"blocks of {block_size} tokens are not whole 256-token pages"
+    return f"our Triton kernels read the cache in place; flash-attn would gather it ({why})"
+
+
+def _torch_forced() -> bool:
+    """The environment forces every kernel's torch reference (kernels._backend.FORCE_ENV)."""
+    return os.environ.get(FORCE_ENV, "").lower() == "torch"
+
+
+def _why_no_inplace(attention: str, device: torch.device, kernel_impl: str) -> str:
+    """Why no in-place decode kernel runs here (for the record's reason)."""
+    if attention == "sdpa":
+        return "attention='sdpa'"
+    if device.type == "cpu":
+        return f"the compiled CPU decode kernel is unavailable: {cpu_decode.unavailable_reason() or 'not built'}"
+    if not kernels.HAS_TRITON:
+        return "Triton is not installed"
+    if kernel_impl == "torch":
+        return "kernel_impl='torch'"
+    if _torch_forced():
+        return f"{FORCE_ENV}=torch"
+    return "Triton's decode kernel failed earlier in this process: its torch reference runs (engine.info['fallbacks'])"
 
 
 def choose_flash(attention: str, installed: bool, device: torch.device, dtype: torch.dtype, latent: bool,

@@ -216,7 +216,10 @@ def build_engine(cfg: RunConfig, device: str | None, model_path: str, group=None
     quant = getattr(lm.model, "svrmad_quantization", None)
     if quant:
         print(f"svrmad run: {quant['summary']}", file=sys.stderr)
-    return Engine(lm.model, lm.tokenizer, cfg.engine)
+    engine = Engine(lm.model, lm.tokenizer, cfg.engine)
+    if group is None or group.rank == 0:  # what runs, and why anything fell back (engine/execution.py)
+        print(f"svrmad run: {engine.execution.line()}", file=sys.stderr)
+    return engine
 
 
 def make_backend(cfg: RunConfig, device: str | None, model_path: str, group=None):
@@ -321,6 +324,7 @@ def _sum_engines(ranks: list[dict]) -> dict:
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             out[k] = (max if k in ("peak_kv_bytes", "kv_blocks", "kv_budget_bytes", "block_size") else sum)(
                 i.get(k, 0) for i in infos)
+    out["fallbacks"] = sorted({f for i in infos for f in i.get("fallbacks", [])})  # any rank's
     return out
 
 

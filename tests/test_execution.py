@@ -1,0 +1,159 @@
+"""The one record of how an engine runs (engine/execution.py): built once, frozen, every aspect with a
+value and a reason; what runs is what it says (the runner reads it, never recomputes); Engine.info and
+run.json carry it; its one line names every fallback; a kernel that falls back after build shows up
+beside it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from svrmad_local.engine import attention, build
+from svrmad_local.engine.engine import Engine, EngineConfig
+from svrmad_local.engine.execution import Choice, Execution
+from svrmad_local.engine.params import SamplingParams
+from svrmad_local.eval import run as run_mod
+from svrmad_local.kernels import _backend, cpu_decode
+
+from .model_zoo import loop_greedy, make_zoo_model, rand_prompt
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+def engine(model, **kw):
+    kw.setdefault("kv_cache_memory", 4 * 2**20)
+    kw.setdefault("block_size", 4)
+    return Engine(model, None, EngineConfig(**kw))
+
+
+def test_the_record_is_frozen_and_every_aspect_has_a_value_and_a_reason():
+    eng = engine(make_zoo_model("llama"))
+    ex = eng.execution
+    names = [f.name for f in dataclasses.fields(Execution) if f.name != "attention_paths"]
+    assert [c.name for c in ex.choices()] == names
+    assert {"attention", "decode", "prefill", "linear", "decoder", "graphs", "quantization", "tp", "cascade",
+            "stats"} <= set(names)
+    for c in ex.choices():
+        assert isinstance(c, Choice) and c.value and c.reason, c
+    for obj, attr in ((ex, "decode"), (ex.decode, "value"), (ex.attention_paths, "decode")):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(obj, attr, None)
+    assert eng.runner.paths is ex.attention_paths  # the runner reads the record's switches
+    info = eng.info
+    assert info["execution"] == ex.as_dict() and set(info["execution"]) == set(names)
+    # the keys older readers take (eval/run.py, benchmarks, the tests) are the record's, said as before
+    assert info["attention"] == ex.attention_paths.summary and info["linear"] == ex.linear.reason
+    assert info["decoder"] == str(ex.decoder) and info["cuda_graphs"] == f"off: {ex.graphs.reason}"
+    eng.close()
+
+
+@pytest.mark.skipif(not cpu_decode.available(), reason=f"no CPU decode kernel: {cpu_decode.unavailable_reason()}")
+def test_what_runs_is_what_the_record_says(monkeypatch):
+    """A decode path forced into the record at build is the one the steps take: the runner does not
+    choose again from the config or the machine."""
+    calls = []
+    real = attention.paged_decode_cpu
+    monkeypatch.setattr(attention, "paged_decode_cpu", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model = make_zoo_model("llama")
+    prompt = rand_prompt(11, 3)
+    want = loop_greedy(model, prompt, GREEDY.max_tokens)
+
+    plain = engine(model)
+    assert plain.execution.decode.value == "in place:cpu"
+    assert plain.generate_sync(prompt, GREEDY)[0].completions[0].token_ids == want and calls
+    plain.close()
+
+    choose = build.choose_attention
+
+    def gather_instead(*args):
+        paths, choices = choose(*args)
+        return (dataclasses.replace(paths, decode=None),
+                {**choices, "decode": Choice("decode", "gather", "forced by the test")})
+
+    monkeypatch.setattr(build, "choose_attention", gather_instead)
+    calls.clear()
+    forced = engine(model)
+    assert forced.execution.decode.value == "gather" and forced.execution.attention_paths.inplace_decode == "cpu"
+    assert forced.generate_sync(prompt, GREEDY)[0].completions[0].token_ids == want
+    assert not calls  # the kernel exists and the config allows it, but the record said gather
+    forced.close()
+
+
+def test_the_start_line_names_a_missing_compiler(monkeypatch):
+    """The CPU kernels fall back when they cannot be built (kernels/_cpu_build): the decode kernel's and
+    the fused ops' reasons are in the record, flagged as fallbacks, and in its one line."""
+    monkeypatch.setattr(cpu_decode, "available", lambda: False)
+    monkeypatch.setattr(cpu_decode, "unavailable_reason", lambda: "no C++ compiler (c++ is not on PATH)")
+    monkeypatch.setenv("SVRMAD_CPU_OPS", "0")
+    eng = engine(make_zoo_model("llama"))
+    ex = eng.execution
+    assert ex.decode.value == "gather" and ex.decode.fell_back
+    assert ex.decoder.value == "the model's modules" and ex.decoder.fell_back
+    line = ex.line()
+    assert line.startswith("engine: cpu fp32 · ") and "\n" not in line
+    assert "decode gather: the compiled CPU decode kernel is unavailable: no C++ compiler (c++ is not on PATH)" in line
+    assert "decoder the model's modules: the fused CPU ops are unavailable: SVRMAD_CPU_OPS=0" in line
+    assert eng.info["execution"]["decode"]["fell_back"] is True
+    eng.close()
+    asked = engine(make_zoo_model("llama"), attention="sdpa", decoder="modules")  # asked for: no fallback
+    assert asked.execution.decode.value == "gather" and "fell back" not in asked.execution.line()
+    asked.close()
+
+
+def test_a_kernel_that_falls_back_after_build_shows_beside_the_record(monkeypatch):
+    monkeypatch.setattr(_backend, "_disabled", {})  # the process's fallbacks, fresh for this test
+    eng = engine(make_zoo_model("llama"))
+    before = eng.execution
+    assert eng.info["fallbacks"] == []
+    with pytest.warns(RuntimeWarning, match="token_stats"):
+        _backend.fall_back("token_stats", RuntimeError("compile error (injected)"), "auto")
+    info = eng.info
+    assert len(info["fallbacks"]) == 1 and info["fallbacks"][0].startswith("token_stats: Triton failed")
+    assert "compile error (injected)" in info["fallbacks"][0]
+    assert eng.execution is before and info["execution"] == before.as_dict()  # the build's record stays as built
+    eng.close()
+
+
+def test_run_json_keeps_every_ranks_fallbacks():
+    ranks = [{"engine": {"steps": 2, "fallbacks": ["b"], "execution": {"tp": {"value": "off"}}}},
+             {"engine": {"steps": 3, "fallbacks": ["a", "b"], "execution": {"tp": {"value": "off"}}}}]
+    out = run_mod._sum_engines(ranks)
+    assert out["steps"] == 5 and out["fallbacks"] == ["a", "b"] and out["execution"] == {"tp": {"value": "off"}}
+
+
+def test_linear_fallback_is_read_from_select_linears_line():
+    off = build.linear_choice("aten (F.linear): packing is off: no panel kernel: no compiler", "auto")
+    assert off.value == "aten" and off.fell_back and "no compiler" in off.reason
+    assert not build.linear_choice("aten (F.linear), as asked", "aten").fell_back
+    panels = build.linear_choice("panels (22 linears, float32), as 13 GEMMs", "auto")
+    assert panels.value == "panels" and not panels.fell_back
+
+
+def test_the_gpu_choices_and_their_reasons_are_decided_from_the_device(monkeypatch):
+    """choose_attention for a CUDA device (no GPU needed: it reads the device type and what is installed):
+    Triton reads decode and prefill in place; with its decode kernel turned off under "auto" (a runtime
+    fallback in an earlier engine of the process) the gather is recorded as a fallback, saying why."""
+    from svrmad_local import kernels
+    from svrmad_local.engine.runner import choose_attention
+
+    if not kernels.HAS_TRITON:
+        pytest.skip("triton is not installed")
+    eng = engine(make_zoo_model("llama"))
+    spec = eng.spec
+    eng.close()
+    cuda = torch.device("cuda")
+    paths, choices = choose_attention("auto", "auto", "auto", "absorbed", cuda, torch.bfloat16, spec, 16)
+    assert (paths.decode, paths.prefill_in_place, paths.flash) == ("triton", True, False)  # blocks of 16: ours, not flash-attn
+    assert choices["decode"].value == "in place:triton" and choices["prefill"].value == "in place:triton"
+    monkeypatch.setattr(_backend, "_disabled", {"paged_decode": "RuntimeError('injected')"})
+    paths, choices = choose_attention("auto", "auto", "auto", "absorbed", cuda, torch.bfloat16, spec, 16)
+    assert paths.decode is None and choices["decode"].fell_back and choices["prefill"].fell_back
+    assert choices["decode"].reason.startswith("Triton's decode kernel failed earlier")
+    paths, choices = choose_attention("auto", "auto", "torch", "absorbed", cuda, torch.bfloat16, spec, 16)
+    assert paths.decode is None and not choices["decode"].fell_back  # kernel_impl='torch' asked for it
+    monkeypatch.setenv(_backend.FORCE_ENV, "torch")
+    paths, choices = choose_attention("auto", "auto", "auto", "absorbed", cuda, torch.bfloat16, spec, 16)
+    assert paths.decode is None and choices["decode"].reason == f"{_backend.FORCE_ENV}=torch"
+    assert not choices["decode"].fell_back
