@@ -52,7 +52,9 @@ def run_side(side: dict, args, out_dir: Path) -> dict:
            "--out", str(out_dir), *side["args"]]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(side["checkout"]), os.environ.get("PYTHONPATH", "")])}
     t0 = clock()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    # in the checkout: `python -m` puts the working directory first on the path, ahead of PYTHONPATH, so
+    # from here every side would import this checkout's package
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=side["checkout"])
     wall = clock() - t0
     if proc.returncode != 0:  # the last line naming a failure or an error says why (progress bars left out)
         lines = [ln for ln in re.split(r"[\r\n]+", proc.stdout + "\n" + proc.stderr) if ln.strip() and "%|" not in ln]

@@ -55,6 +55,10 @@ def follower_quits(out: str, path: str) -> None:
     engine.close()
     with open(out, "w") as f:
         json.dump({"said": said}, f)
+    # Leave without tearing down the gloo group whose peer is gone: its destructor at interpreter exit
+    # sometimes aborts inside gloo ("terminate called without an active exception", 2 of 14 runs on a
+    # 2-core machine), which is torchrun's business, not what this test checks (the leader's one line).
+    os._exit(0)
 
 
 @contextmanager
