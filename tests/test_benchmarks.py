@@ -222,7 +222,8 @@ def fake_svrmad_run(calls: list, computed: dict):
     """Stands in for bench_workload's `svrmad run` subprocess: writes the run.json a run would."""
     import json
 
-    def run(cmd, env, capture_output, text):
+    def run(cmd, env, capture_output, text, cwd):
+        assert env["PYTHONPATH"].startswith(str(cwd))  # `python -m` puts cwd first: it must be the side's checkout
         calls.append((cmd, env["PYTHONPATH"]))
         kv = cmd[cmd.index("--kv-cache-memory") + 1] if "--kv-cache-memory" in cmd else "default"
         if kv == "bad":
