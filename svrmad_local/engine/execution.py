@@ -96,4 +96,4 @@ class Execution:
 def runtime_fallbacks() -> list[str]:
     """Kernels whose Triton path failed after build and now run their torch reference, one line each
     (kernels._backend keeps them per process: every engine of the process is served the same way)."""
-    return [f"{name}: Triton failed ({why}); the torch reference runs it" for name, why in _backend._disabled.items()]
+    return [f"{name}: Triton failed ({why}); the torch reference runs it" for name, why in _backend.disabled().items()]

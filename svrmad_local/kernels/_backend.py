@@ -137,6 +137,11 @@ def disable_auto(name: str, err: BaseException) -> None:
                   RuntimeWarning, stacklevel=3)
 
 
+def disabled() -> dict[str, str]:
+    """The kernels whose triton path failed under "auto" in this process, and why (a copy)."""
+    return dict(_disabled)
+
+
 def staged(values, dtype: torch.dtype, device) -> torch.Tensor:
     """A tensor of host values (a list, a numpy array or a CPU tensor) on ``device``, for the per-step
     numbers the engine hands a GPU: built on the host, pinned and copied without blocking where the
