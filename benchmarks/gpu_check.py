@@ -38,11 +38,11 @@ WHEELS = ROOT / ".whl"
 # What .whl/ holds, and the command that fetches it (on a machine with the network, before lending). The lent
 # machine's own transformers (5.17) is inside pyproject's range, so it runs as it comes and only pytest is
 # carried; a machine whose release is outside the range is refused by the deps step, naming the requirement.
-FETCH = 'pip download --no-deps -d .whl pytest pluggy iniconfig'
+FETCH = 'pip download --no-deps -d .whl pytest pluggy iniconfig gguf'  # gguf: not in the lent image
 CARRY_LIMIT = 64 * 2**20
 FIRST = ["env", "deps", "package", "models"]  # every call runs these first (each a few seconds)
-GPU_STEPS = ["tests", "graphs", "bf16", "flash", "kernels", "engine", "decode"]
-PARTS = {"1": FIRST + ["tests", "graphs", "bf16", "flash"], "2": FIRST + ["kernels", "decode"],
+GPU_STEPS = ["tests", "graphs", "bf16", "flash", "run", "kernels", "engine", "decode"]
+PARTS = {"1": FIRST + ["tests", "graphs", "bf16", "flash", "run"], "2": FIRST + ["kernels", "decode"],
          "3": FIRST + ["engine"]}
 ENGINE_MODELS = ["smollm2-135m", "qwen3-1.7b"]
 # issue 28's defects, and the step whose failure names each (the CPU tests cover 2, 3 and 5 too)
@@ -329,6 +329,8 @@ def main(argv=None) -> int:
                                     "2 (kernels, decode) or 3 (engine); default: all. env, deps, package, models "
                                     "always run")
     ap.add_argument("--budget-s", type=float, default=570.0, help="time this call may take (default 570)")
+    ap.add_argument("--engine-models", default=",".join(ENGINE_MODELS),
+                    help=f"the engine step's models (default {','.join(ENGINE_MODELS)})")
     args = ap.parse_args(argv)
     chk = Check(args.out, args.dry_run, args.budget_s)
     wanted = PARTS.get(args.steps or "", None) or (FIRST + (args.steps.split(",") if args.steps else GPU_STEPS))
@@ -360,11 +362,13 @@ def main(argv=None) -> int:
         plan.append(("bf16", probe + ["bf16", str(m)], 60, _probe_json))
     if "flash" in wanted:  # defect 7
         plan.append(("flash", probe + ["flash", str(m)], 60, _probe_json))
+    if "run" in wanted:  # the main job, svrmad run with every method, on the device
+        plan.append(("run", probe + ["run", str(m)], 90, _probe_json))
     if "kernels" in wanted:
         plan.append(("kernels", [py, "benchmarks/bench_kernels.py", "--device", "cuda"], 150, _last_json))
     wl = ["--questions", "4", "--initial-tokens", "128", "--debate-tokens", "64"]
     if "engine" in wanted:
-        for model in ENGINE_MODELS:
+        for model in args.engine_models.split(","):
             base = [py, "benchmarks/bench_engine.py", "--model", str(m / model), "--random-weights", "--device", "cuda",
                     "--dtype", "bf16"]
             # the plain generate loops (about 100 s and 40 s on an H100) for the small shape only

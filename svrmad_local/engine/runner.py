@@ -11,6 +11,7 @@ import itertools
 import os
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from svrmad_local import kernels
@@ -102,8 +103,11 @@ class ModelRunner:
         # prefill runs' context, the decode rows attend to the cached latent in place (engine.mla)
         expand = runs[nd:] if paths.mla_absorbed else runs
         if self.spec.has_latent and expand:
-            ctx.latent_slots, inverse = torch.unique(torch.cat([r.index for r in expand]), return_inverse=True)
-            parts = inverse.split([r.index.shape[0] for r in expand])
+            # on the host (a unique on the GPU waits for it): the runs' slots come from their block tables
+            hosts = [r.host_index() for r in expand]
+            slots, inverse = np.unique(np.concatenate(hosts), return_inverse=True)
+            ctx.latent_slots, inverse = staged(slots, torch.long, dev), staged(inverse, torch.long, dev)
+            parts = inverse.split([h.shape[0] for h in hosts])
             ctx.latent_runs = [Span(r.row0, r.row1, part) for r, part in zip(expand, parts)]
         elif self.spec.has_latent:
             ctx.latent_runs = []
