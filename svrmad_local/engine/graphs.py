@@ -179,6 +179,7 @@ class HostSyncCheck(TorchDispatchMode):
             ctx = warnings.catch_warnings()
             ctx.__enter__()
             warnings.filterwarnings("always", message=f".*{self.SYNC_WARNING}")
+            warnings.filterwarnings("ignore", message="Synchronization debug mode is a prototype")  # said once a process
             self._cuda = (torch.cuda.get_sync_debug_mode(), ctx, warnings.showwarning)
             warnings.showwarning = self._on_warning
             torch.cuda.set_sync_debug_mode("warn")
