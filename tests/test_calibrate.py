@@ -178,19 +178,19 @@ def test_auto_packs_the_measured_backend_and_says_tokens_may_then_differ(cache, 
     onednn_wins = dict(PER_CALL, panels=lambda k, n, m: 5.0 + 0.05 * m)
     monkeypatch.setattr(calibrate, "time_shape", FakeTimer(onednn_wins))
     model = make_zoo_model("llama")
-    what = select_linear(model, "auto")
+    what = select_linear(model, "auto").line
     assert what.startswith("oneDNN packed") and "--linear panels computes the same tokens on every machine" in what
     assert calibrate.recorded(model).choice == "onednn"
     mods = [m for m in model.modules() if isinstance(m, (PackedLinear, FusedPart))]
     assert mods and all((m.group.layout if isinstance(m, FusedPart) else m.layout) is ONEDNN for m in mods)
     monkeypatch.setattr(calibrate, "time_shape", FakeTimer())
     model = make_zoo_model("llama")
-    what = select_linear(model, "auto")
+    what = select_linear(model, "auto").line
     assert what.startswith("panels") and "tokens may differ" not in what and "measured on this machine" in what
     assert next(m for m in model.modules() if isinstance(m, PackedLinear)).layout is PANELS
     monkeypatch.setattr(calibrate, "time_shape", FakeTimer(dict(PER_CALL, aten=lambda k, n, m: 0.01)))
     model = make_zoo_model("llama")
-    assert select_linear(model, "auto").startswith("aten (F.linear), measured on this machine")
+    assert select_linear(model, "auto").line.startswith("aten (F.linear), measured on this machine")
     assert any(type(m) is torch.nn.Linear for m in model.modules())
 
 
@@ -206,10 +206,10 @@ def test_an_explicit_backend_or_calibrate_off_never_times(cache, monkeypatch):
         select_linear(model, backend)
         assert calibrate.recorded(model) is None
     half = make_zoo_model("llama").to(torch.float16)  # one backend can run: nothing to choose between
-    assert "packing is off" in select_linear(half, "auto")
+    assert "packing is off" in select_linear(half, "auto").line
     monkeypatch.setenv("SVRMAD_CALIBRATE", "0")
     model = make_zoo_model("llama")
-    assert select_linear(model, "auto").startswith("panels" if cpu_linear.available() else "oneDNN")
+    assert select_linear(model, "auto").line.startswith("panels" if cpu_linear.available() else "oneDNN")
     assert calibrate.recorded(model) is None
 
 
@@ -233,3 +233,20 @@ def test_engine_info_carries_the_choice_and_its_figures(cache, monkeypatch):
         assert eng.info["linear_calibration"] is None
     finally:
         eng.close()
+
+
+def test_a_refused_model_is_refused_before_any_timing(cache, monkeypatch):
+    """The engine inspects the model before it calibrates the linears: a model it cannot run is
+    refused in one line without paying for (or caching) a calibration first."""
+    from svrmad_local.engine.engine import Engine, EngineConfig
+    from svrmad_local.engine.spec import UnsupportedModel
+
+    from .model_zoo import REFUSED
+
+    def refuse(*a, **k):
+        raise AssertionError("timed before the model was inspected")
+
+    monkeypatch.setattr(calibrate, "time_shape", refuse)
+    name = sorted(REFUSED)[0]
+    with pytest.raises(UnsupportedModel, match=REFUSED[name]):
+        Engine(make_zoo_model(name), None, EngineConfig(kv_cache_memory=4 * 2**20, block_size=4))

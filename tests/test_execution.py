@@ -123,12 +123,18 @@ def test_run_json_keeps_every_ranks_fallbacks():
     assert out["steps"] == 5 and out["fallbacks"] == ["a", "b"] and out["execution"] == {"tp": {"value": "off"}}
 
 
-def test_linear_fallback_is_read_from_select_linears_line():
-    off = build.linear_choice("aten (F.linear): packing is off: no panel kernel: no compiler", "auto")
-    assert off.value == "aten" and off.fell_back and "no compiler" in off.reason
-    assert not build.linear_choice("aten (F.linear), as asked", "aten").fell_back
-    panels = build.linear_choice("panels (22 linears, float32), as 13 GEMMs", "auto")
-    assert panels.value == "panels" and not panels.fell_back
+def test_linear_fallback_is_said_by_select_linear_not_parsed():
+    """select_linear says what it chose as a Selection: "auto" on a CPU that cannot pack fell back; an
+    explicit aten did not; on a GPU F.linear is the path itself, not a fallback."""
+    from svrmad_local.models import linear as linear_mod
+
+    half = make_zoo_model("llama").half()  # neither panels nor oneDNN packs fp16: auto falls back
+    off = linear_mod.select_linear(half, "auto")
+    assert off.value == "aten" and off.fell_back and "packing is off: torch.float16 weights" in off.line
+    asked = linear_mod.select_linear(make_zoo_model("llama"), "aten")
+    assert asked.value == "aten" and not asked.fell_back
+    gpu = linear_mod.select_linear(make_zoo_model("llama").to("meta"), "auto")  # off the CPU, as on cuda
+    assert gpu.value == "aten" and not gpu.fell_back and gpu.line == "aten (F.linear): weights on meta"
 
 
 def test_the_gpu_choices_and_their_reasons_are_decided_from_the_device(monkeypatch):

@@ -40,7 +40,7 @@ def test_packed_linears_replace_the_dense_ones_and_match_f_linear(backend):
     plain = {n: (m.weight.detach().clone(), m.in_features) for n, m in model.named_modules()
              if type(m) is torch.nn.Linear}
     before = weight_bytes(model)
-    what = select_linear(model, backend)
+    what = select_linear(model, backend).line
     layers = len(model.model.layers)  # q/k/v one GEMM, gate/up one GEMM: 7 linears a layer in 4 calls
     assert what.startswith(f"{NAMES[backend]} ({len(plain)} linears, float32), as {4 * layers + 1} GEMMs")
     assert not any(type(m) is torch.nn.Linear for m in model.modules())
@@ -56,7 +56,7 @@ def test_packed_linears_replace_the_dense_ones_and_match_f_linear(backend):
     x = torch.randn(3, 64)
     q = attn.q_proj(x)
     assert attn.k_proj(x).data_ptr() == q.data_ptr() + attn.q_proj.out_features * 4  # one GEMM served both
-    assert not select_linear(make_zoo_model("llama"), backend, fuse=False).count("fused")
+    assert not select_linear(make_zoo_model("llama"), backend, fuse=False).line.count("fused")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -122,7 +122,7 @@ def test_a_tied_lm_head_runs_on_the_shared_dense_matrix():
     before = weight_bytes(model)
     x = torch.randn(3, 64)
     want = x @ model.lm_head.weight.detach().T
-    what = select_linear(model, "onednn")
+    what = select_linear(model, "onednn").line
     assert "the tied LM head on its shared dense weight" in what
     head = model.lm_head
     assert isinstance(head, PackedLinear) and not head.packed and head.weight is model.model.embed_tokens.weight
@@ -138,7 +138,7 @@ def test_a_tied_lm_head_and_its_embedding_share_one_panel_matrix():
     before = weight_bytes(model)
     x, ids = torch.randn(3, 64), torch.tensor([[0, 5, 127, 5]])
     want = x @ dense.T
-    assert "the tied LM head and the embedding share its panels" in select_linear(model, "panels")
+    assert "the tied LM head and the embedding share its panels" in select_linear(model, "panels").line
     head, emb = model.lm_head, model.model.embed_tokens
     assert isinstance(head, PackedLinear) and head.packed and emb.weight is head.weight
     assert weight_bytes(model) <= 1.1 * before  # one matrix, padded to 16 columns
@@ -150,22 +150,22 @@ def test_a_tied_lm_head_and_its_embedding_share_one_panel_matrix():
 
 def test_fallbacks_say_why_and_bad_choices_are_refused(monkeypatch):
     model = make_zoo_model("llama")
-    assert select_linear(model, "aten") == "aten (F.linear), as asked"
+    assert select_linear(model, "aten").line == "aten (F.linear), as asked"
     assert any(type(m) is torch.nn.Linear for m in model.modules())
     with pytest.raises(ValueError, match="linear must be one of auto, panels, onednn, aten"):
         select_linear(model, "mkl")
     half = make_zoo_model("llama").half()
-    assert "packing is off: torch.float16 weights" in select_linear(half, "auto")
+    assert "packing is off: torch.float16 weights" in select_linear(half, "auto").line
     with pytest.raises(ValueError, match="linear='onednn' cannot run here: torch.float16 weights"):
         select_linear(half, "onednn")
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
     bf16 = make_zoo_model("llama").to(torch.bfloat16)
-    assert "no avx512_bf16/AMX" in select_linear(bf16, "auto")
+    assert "no avx512_bf16/AMX" in select_linear(bf16, "auto").line
     with pytest.raises(ValueError, match="linear='panels' cannot run here: bfloat16 weights"):
         select_linear(make_zoo_model("llama").to(torch.bfloat16), "panels")
     monkeypatch.setenv("SVRMAD_CPU_LINEAR", "0")  # no kernel: auto takes oneDNN where it can
     if ONEDNN:
-        assert select_linear(make_zoo_model("llama"), "auto").startswith("oneDNN packed")
+        assert select_linear(make_zoo_model("llama"), "auto").line.startswith("oneDNN packed")
     with pytest.raises(ValueError, match="no panel kernel: SVRMAD_CPU_LINEAR=0"):
         select_linear(make_zoo_model("llama"), "panels")
 

@@ -44,12 +44,12 @@ def build(eng, model, cfg: EngineConfig) -> None:
     """The engine's torch state (worker thread): linears, probe, KV-cache, runner; and `eng.execution`,
     the record of every choice made on the way (engine/execution.py)."""
     attached = Attachment(model)
-    line = select_linear(model, cfg.linear, workload=calibrate.Workload.for_engine(
+    eng.spec = spec = inspect_model(model, attached)  # raises UnsupportedModel, naming the feature (before any timing)
+    sel = select_linear(model, cfg.linear, workload=calibrate.Workload.for_engine(
         cfg.max_num_seqs, cfg.max_num_batched_tokens))
     eng.linear_calibration = calibrate.recorded(model)  # None where `auto` measured nothing
-    linear = linear_choice(line, cfg.linear)
+    linear = Choice("linear", sel.value, sel.line, fell_back=sel.fell_back)
     eng.weight_bytes = weight_bytes(model)
-    eng.spec = spec = inspect_model(model, attached)  # raises UnsupportedModel, naming the feature
     layers = model.base_model.layers if hasattr(model.base_model, "layers") else None
     devices = [layer_device(model, layers, i) for i in range(len(spec.layers))]
     block_bytes = KVCache.bytes_per_block(spec.layers, cfg.block_size, spec.dtype)
@@ -111,13 +111,6 @@ def build(eng, model, cfg: EngineConfig) -> None:
                   "the weights are split over the group (engine/tp.py)" if eng.sharded else "one process holds the model"),
         stats=stats_choice(cfg.kernel_impl, head), attention_paths=paths)
     log.info("svrmad: %s", eng.execution.line())
-
-
-def linear_choice(line: str, asked: str) -> Choice:
-    """select_linear's line as the record's choice: its first words name the layout, and a line saying
-    packing is off under "auto" is a fallback (the line itself says why)."""
-    value = line.split(" (")[0].split(":")[0]
-    return Choice("linear", value, line, fell_back=asked == "auto" and "packing is off" in line)
 
 
 def quantization_choice(model) -> Choice:

@@ -39,6 +39,11 @@ NAME = "cpu_linear"  # its name for _backend.choose
 _KERNEL = Kernel(NAME, "cpu_linear.cpp", "SVRMAD_CPU_LINEAR", "panel linear kernel", needs_avx2=True)
 
 
+def digest() -> str:
+    """The build's name (its source, headers and flags): a calibration made with another build is stale."""
+    return _KERNEL.digest()
+
+
 def available() -> bool:
     """Compiles on first call (seconds; cached across processes). SVRMAD_CPU_LINEAR=0 turns it off."""
     return choose("auto", "cpu", NAME).impl == "cpp"

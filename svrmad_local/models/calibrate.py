@@ -153,7 +153,7 @@ def cache_key(model: nn.Module, candidates: list[str], workload: Workload, fuse:
             "decode_rows": list(workload.decode_rows), "prefill_rows": list(workload.prefill_rows),
             "gemms": {b: [asdict(g) for g in gemms(model, b, fuse)] for b in candidates},
             # the panel kernel's own code: an edit to it between releases times again
-            "panel_kernel": cpu_linear._KERNEL.digest()}
+            "panel_kernel": cpu_linear.digest()}
 
 
 def cache_path(key: dict) -> Path:

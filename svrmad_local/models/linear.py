@@ -49,6 +49,15 @@ _reorder = torch.ops.mkldnn._reorder_linear_weight  # a module attribute, so a t
 
 
 @dataclass(frozen=True)
+class Selection:
+    """What select_linear put in place: `value` names the layout ("panels", "oneDNN packed", "aten"),
+    `line` says it in one line with the reason, `fell_back`: "auto" on a CPU could not pack."""
+    value: str
+    line: str
+    fell_back: bool = False
+
+
+@dataclass(frozen=True)
 class Layout:
     """A packed weight's layout: how a dense [N, K] weight becomes it (`pack`), how it multiplies
     (`mm(x, packed, bias, N)`) and how it comes back dense (`unpack(packed, N)`)."""
@@ -257,12 +266,11 @@ def _why_not_panels(model: nn.Module, device: torch.device, dtype: torch.dtype) 
 
 
 def select_linear(model: nn.Module, choice: str = "auto", fuse: bool = True,
-                  workload: calibrate.Workload | None = None) -> str:
-    """Apply the linear backend `choice` to `model` in place, once; returns a one-line description
-    of what runs (also logged at info level, with the reason for any fallback). `fuse`: sibling
-    projections of one input become one GEMM (FusedGroup). "auto" on a CPU where several backends can
-    run takes the one measured fastest for `workload` (models/calibrate.py; `calibrate.recorded(model)`
-    holds the figures)."""
+                  workload: calibrate.Workload | None = None) -> Selection:
+    """Apply the linear backend `choice` to `model` in place, once; returns what runs (`Selection`,
+    its line also logged at info level). `fuse`: sibling projections of one input become one GEMM
+    (FusedGroup). "auto" on a CPU where several backends can run takes the one measured fastest for
+    `workload` (models/calibrate.py; `calibrate.recorded(model)` holds the figures)."""
     if choice not in CHOICES:
         raise ValueError(f"linear must be one of {', '.join(CHOICES)}, got {choice!r}")
     linears = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]
@@ -273,10 +281,10 @@ def select_linear(model: nn.Module, choice: str = "auto", fuse: bool = True,
         if choice not in ("auto", layout.choice):
             raise ValueError(f"linear={choice!r}: this model's linears were packed as {layout.name} by an earlier "
                              f"engine; load the model again to run them another way")
-        return _said(f"{layout.name} ({len(done)} linears, packed by an earlier engine)", packed_q)
+        return _said(layout.name, f"{layout.name} ({len(done)} linears, packed by an earlier engine)", packed_q)
     if choice == "aten" or not linears:
         what = "aten (F.linear)" + (", as asked" if choice == "aten" else ": no nn.Linear to pack")
-        return _said(what, packed_q)
+        return _said("aten", what, packed_q)
     p = linears[0][1].weight
     why_panels = _why_not_panels(model, p.device, p.dtype) if choice in ("auto", "panels") else "not asked"
     why = why_panels if choice == "panels" else _why_not_onednn(model, p.device, p.dtype)
@@ -287,15 +295,17 @@ def select_linear(model: nn.Module, choice: str = "auto", fuse: bool = True,
                                           if w is None], workload, fuse)
         setattr(model, calibrate.RECORD, cal)
         if cal.choice == "aten":
-            return _said(f"aten (F.linear), {cal.reason}", packed_q)
+            return _said("aten", f"aten (F.linear), {cal.reason}", packed_q)
         why_panels = why_panels if cal.choice == "panels" else "calibrated"
         measured = f"; {cal.reason}"
     if why_panels is None:
         layout = PANELS
     elif why is None:
         layout = ONEDNN
+    elif choice == "auto" and p.device.type != "cpu":  # cuBLAS and the like: packing is a CPU matter
+        return _said("aten", f"aten (F.linear): weights on {p.device.type}", packed_q)
     elif choice == "auto":
-        return _said(f"aten (F.linear): packing is off: {why}", packed_q)
+        return _said("aten", f"aten (F.linear): packing is off: {why}", packed_q, fell_back=True)
     else:
         raise ValueError(f"linear={choice!r} cannot run here: {why}")
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -327,11 +337,12 @@ def select_linear(model: nn.Module, choice: str = "auto", fuse: bool = True,
             elif tied and m is head:
                 note = "; the tied LM head on its shared dense weight"
     note = (f", as {len(linears) - len(fused) + len(groups)} GEMMs (q/k/v and gate/up fused)" if groups else "") + note
-    return _said(f"{layout.name} ({len(linears)} linears, {str(p.dtype).removeprefix('torch.')}){note}{measured}", packed_q)
+    return _said(layout.name, f"{layout.name} ({len(linears)} linears, {str(p.dtype).removeprefix('torch.')}){note}"
+                              f"{measured}", packed_q)
 
 
-def _said(what: str, packed_q: int) -> str:
+def _said(value: str, what: str, packed_q: int, fell_back: bool = False) -> Selection:
     if packed_q:
         what += f"; {packed_q} packed quantized modules compute with their own kernels"
     log.info("linear backend: %s", what)
-    return what
+    return Selection(value, what, fell_back)
