@@ -50,6 +50,8 @@ def test_run_writes_trace_results_and_accounting_adds_up(setup, capsys):
     eng = json.loads((out / "run.json").read_text())["totals"]["engine"]
     assert eng["execution"]["device"]["value"] == "cpu fp32" and eng["fallbacks"] == []
     assert all(c["value"] and c["reason"] for c in eng["execution"].values())  # the record, with its reasons
+    said = next(line for line in printed.splitlines() if " steps (" in line)  # how full the steps ran
+    assert said.startswith(f"engine: {eng['steps']} steps (") and f"{eng['evictions']} cached blocks evicted" in said
     # every engine request is one response in a trace/skipped line: billed and computed tokens add up
     billed = computed = generated = 0
     for row in trace:

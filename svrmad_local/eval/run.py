@@ -355,6 +355,10 @@ def print_summary(folder: RunFolder, totals: dict, rows: list[dict], failed: dic
               f"({engine_info['cached_tokens']} reused from the KV-cache), generated {engine_info['generated_tokens']}, "
               f"peak KV {engine_info['peak_kv_bytes'] / 2**20:.1f} MiB, {engine_info['attention']} attention"
               + (f"; {world_size} processes" if world_size > 1 else ""))
+        steps = engine_info.get("steps", 0)
+        print(f"engine: {steps} steps ({engine_info['generated_tokens'] / max(steps, 1):.1f} tokens generated a step), "
+              f"{engine_info.get('evictions', 0)} cached blocks evicted, KV budget "
+              f"{engine_info.get('kv_budget_bytes', 0) / 2**30:.2f} GiB ({engine_info.get('kv_budget', '?')})")
     if "ahead_started" in engine_info:
         print(f"run-ahead: {engine_info['ahead_started']} debates started ahead, {engine_info['ahead_used']} of them "
               f"asked for; {engine_info['ahead_unused']} never asked for ({engine_info['ahead_unused_tokens']} tokens "
