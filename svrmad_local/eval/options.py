@@ -89,7 +89,7 @@ def add_method_arguments(p: argparse.ArgumentParser) -> None:
 def check_method_options(options: dict[str, Any], skip_rate: float | None = None) -> list[str]:
     """What is wrong with the given method options (`svrmad run` and `svrmad replay` alike): counts
     below 1, thresholds that are not finite numbers (NaN compares false, so it would silently never
-    accept or never skip), a skip rate outside [0, 1]."""
+    accept or never skip) or off their scale, a skip rate outside [0, 1]."""
     p = []
     for key in ("S", "C", "budget", "rounds", "consensus"):
         if options.get(key) is not None and options[key] < 1:
@@ -97,6 +97,12 @@ def check_method_options(options: dict[str, Any], skip_rate: float | None = None
     for key in ("tau", "threshold"):
         if options.get(key) is not None and not math.isfinite(options[key]):
             p.append(f"{method_flag(key)} must be a finite number, got {options[key]}")
+    # past these a run would go on silently never accepting (tau) or never skipping (threshold)
+    if options.get("tau") is not None and math.isfinite(options["tau"]) and not -1 <= options["tau"] <= 1:
+        p.append(f"--tau must be in [-1, 1], the posterior's scale (SVR: 1 = survived every challenge), "
+                 f"got {options['tau']}")
+    if options.get("threshold") is not None and math.isfinite(options["threshold"]) and options["threshold"] > 0:
+        p.append(f"--threshold is a min-LL, a log-probability (<= 0), got {options['threshold']}")
     if skip_rate is not None and not 0 <= skip_rate <= 1:
         p.append(f"--skip-rate must be in [0, 1], got {skip_rate}")
     return p
