@@ -107,3 +107,16 @@ def test_fingerprint_fills_defaults_and_names_flags():
     assert any(d.startswith("--max-tokens 256") for d in diff)
     assert any(d.startswith("svr-mad --C 2") for d in diff)
     assert len(diff) == 3
+
+
+def test_a_settings_difference_names_what_the_user_changed(tmp_path):
+    """Changing --methods names --methods, not every parameter of the method left out; one model folder
+    spelled two ways is the same folder; an unset setting shows as the default, not None."""
+    a = C.from_args(run_args("--methods", "svr-mad", "--model", str(tmp_path)))
+    b = C.from_args(run_args("--methods", "self-consistency", "--model", str(tmp_path / ".." / tmp_path.name)))
+    assert C.diff_fingerprints(a.fingerprint(), b.fingerprint()) == [
+        "--methods svr-mad in the folder, self-consistency now"]
+    c = C.from_args(run_args("--methods", "svr-mad", "--model", str(tmp_path), "--dtype", "bf16"))
+    assert C.diff_fingerprints(a.fingerprint(), c.fingerprint()) == ["--dtype the default in the folder, bf16 now"]
+    d = C.from_args(run_args("--methods", "svr-mad", "--model", str(tmp_path / "other")))
+    assert [x.split(" ")[0] for x in C.diff_fingerprints(a.fingerprint(), d.fingerprint())] == ["--model"]

@@ -217,12 +217,24 @@ def _effective_params(method: str, given: dict[str, Any]) -> dict[str, Any]:
 
 
 def diff_fingerprints(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """'flag: old -> new' for every setting that differs."""
-    keys = list(dict.fromkeys([*old, *new]))
-    return [f"{k} {_show(old.get(k))} in the folder, {_show(new.get(k))} now" for k in keys if old.get(k) != new.get(k)]
+    """'flag: old -> new' for every setting that differs. A method's own parameters are compared only
+    for a method both sides run (the others follow from --methods, which is named); a model folder is
+    compared by the folder it names (`x/../x` is `x`)."""
+    both = set(old.get("--methods") or []) & set(new.get("--methods") or [])
+    keys = [k for k in dict.fromkeys([*old, *new]) if " " not in k or k.split(" ")[0] in both]
+
+    def same(k: str) -> bool:
+        a, b = old.get(k), new.get(k)
+        if k == "--model" and isinstance(a, str) and isinstance(b, str):
+            return os.path.realpath(os.path.expanduser(a)) == os.path.realpath(os.path.expanduser(b))
+        return a == b
+
+    return [f"{k} {_show(old.get(k))} in the folder, {_show(new.get(k))} now" for k in keys if not same(k)]
 
 
 def _show(v: Any) -> str:
+    if v is None:
+        return "the default"
     return ",".join(map(str, v)) if isinstance(v, list) else str(v)
 
 
