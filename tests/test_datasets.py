@@ -135,6 +135,19 @@ def test_question_shaped_jsonl():
     assert questions[1].choices == ["yes", "no"] and questions[1].meta == {"category": "toy"}
 
 
+def test_a_file_whose_every_row_fails_the_guessed_format_says_so(tmp_path):
+    """{"question", "answer"} rows look like GSM8K; where none has its '#### N' line the file is more
+    likely another format than all broken: one error naming the guess and the plain format, not a run
+    with no questions after a warning per row."""
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text('{"question": "1+1?", "answer": "2"}\n{"question": "2+2?", "answer": "4"}\n')
+    with pytest.warns(DatasetWarning), pytest.raises(
+            DatasetError, match=r"none of its 2 row\(s\) reads as gsm8k .* needs id, question, gold, answer_type"):
+        load_dataset(mine)
+    questions, _ = _load_quiet(FIXTURES / "gsm8k_small.jsonl")  # some rows good: the bad ones are skipped
+    assert len(questions) == 3
+
+
 def test_unknown_name_and_missing_files(tmp_path):
     with pytest.raises(DatasetError, match="known names: gsm8k, commonsenseqa"):
         load_dataset("squad")

@@ -270,6 +270,7 @@ def _load_file(path: Path, fmt: str | None, on_error: str) -> tuple[list[Questio
     questions: list[Question] = []
     seen: set[str] = set()
     filtered = 0
+    guessed = fmt is None
     for where, index, row in _read_rows(path, report):
         if fmt is None:
             fmt = _guess_format(row)
@@ -288,6 +289,10 @@ def _load_file(path: Path, fmt: str | None, on_error: str) -> tuple[list[Questio
             continue
         seen.add(q.id)
         questions.append(q)
+    if report.skipped and not questions and not filtered and guessed and fmt is not None:
+        # every row failed: more likely the format was guessed wrong than every row is broken
+        raise DatasetError(f"{path}: none of its {report.skipped} row(s) reads as {fmt} (the format its fields "
+                           f"suggest); a plain JSONL needs id, question, gold, answer_type (docs/grading.md)")
     if report.skipped:
         log.warning("%s: skipped %d malformed row(s)", path, report.skipped)
     log.info("%s: %d questions (%s)%s", path, len(questions), fmt,
