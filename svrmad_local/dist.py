@@ -88,12 +88,26 @@ def lost_rank(group: Group, what: str = "a rank of the tensor-parallel group sto
                         f"({' '.join(str(exc).split())[:160]})") from None
 
 
+BACKEND_ENV = "SVRMAD_DIST_BACKEND"
+
+
+def backend_for(cuda: bool) -> str:
+    """nccl on GPUs, gloo on CPUs; SVRMAD_DIST_BACKEND=gloo on a GPU machine lets several ranks share one
+    GPU (collectives through the host: slow, but the tensor-parallel path then runs on a machine of one
+    GPU, as the GPU check does)."""
+    asked = os.environ.get(BACKEND_ENV, "").strip().lower()
+    if asked and asked not in ("nccl", "gloo"):
+        raise ValueError(f"{BACKEND_ENV}={asked!r}: use nccl or gloo")
+    return asked or ("nccl" if cuda else "gloo")
+
+
 @dataclass
 class Dist:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
     store: Any = None  # a torch.distributed Store (None in a single process)
+    gpu: int = 0  # this rank's GPU: LOCAL_RANK, or LOCAL_RANK modulo the GPUs where gloo lets ranks share one
 
     @property
     def enabled(self) -> bool:
@@ -113,16 +127,22 @@ class Dist:
         import torch.distributed as dist
 
         rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
-        store, rank, world = next(dist.rendezvous("env://", rank, world, timeout=STORE_TIMEOUT))
         cuda = torch.cuda.is_available()
+        backend = backend_for(cuda)
+        gpu = local_rank
         if cuda:
-            torch.cuda.set_device(local_rank)
+            count = torch.cuda.device_count()
+            if backend == "nccl" and local_rank >= count:
+                raise ValueError(f"LOCAL_RANK {local_rank}, but only {count} GPU(s) are visible: one process a GPU "
+                                 f"(torchrun --nproc-per-node {count})")
+            gpu = local_rank % count  # gloo: ranks may share a GPU
+            torch.cuda.set_device(gpu)
+        store, rank, world = next(dist.rendezvous("env://", rank, world, timeout=STORE_TIMEOUT))
         if not dist.is_initialized():
-            dist.init_process_group("nccl" if cuda else "gloo", store=dist.PrefixStore("pg", store),
-                                    rank=rank, world_size=world)
+            dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=world)
         # torchrun restarts a failed group with the same store: keep each attempt's keys apart
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        return cls(rank, world, local_rank, dist.PrefixStore(f"svrmad/{attempt}", store))
+        return cls(rank, world, local_rank, dist.PrefixStore(f"svrmad/{attempt}", store), gpu)
 
     # -- replicas of a tensor-parallel group -------------------------------------------------
     def check_tp(self, tp: int) -> None:
@@ -191,7 +211,7 @@ class Dist:
         import torch
 
         if asked in (None, "cuda") and torch.cuda.is_available():
-            return f"cuda:{self.local_rank}"
+            return f"cuda:{self.gpu}"
         return asked
 
     # -- the shared store ---------------------------------------------------------------------

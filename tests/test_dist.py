@@ -52,3 +52,17 @@ def test_a_failure_on_rank_zero_is_raised_there_and_stops_the_others():
 
 def test_a_single_process_runs_the_start_itself():
     assert Dist().announce(lambda: {"todo": []}) == {"todo": []}
+
+
+def test_the_backend_is_nccl_on_gpus_gloo_on_cpus_or_as_asked(monkeypatch):
+    """SVRMAD_DIST_BACKEND=gloo lets ranks share one GPU (the GPU check's tensor-parallel test); a
+    backend torch.distributed would not know is one line naming the variable."""
+    from svrmad_local.dist import BACKEND_ENV, backend_for
+
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    assert backend_for(cuda=True) == "nccl" and backend_for(cuda=False) == "gloo"
+    monkeypatch.setenv(BACKEND_ENV, " Gloo ")
+    assert backend_for(cuda=True) == "gloo"
+    monkeypatch.setenv(BACKEND_ENV, "mpi")
+    with pytest.raises(ValueError, match="SVRMAD_DIST_BACKEND='mpi': use nccl or gloo"):
+        backend_for(cuda=True)

@@ -271,3 +271,28 @@ def test_packed_checkpoints_are_token_exact_on_the_gpu(quant_folders, name):
         assert eng.runner.static.replays > 0 and kernels._backend.disabled() == {}
     finally:
         eng.close()
+
+
+def test_tensor_parallel_on_one_gpu_matches_one_process(tmp_path):
+    """Two tensor-parallel ranks sharing the one GPU over gloo (SVRMAD_DIST_BACKEND=gloo: nccl wants a
+    GPU a rank), fp32: the split shapes, the packed experts by expert (MXFP4 GPT-OSS, FP8 DeepSeek-V3)
+    and their compiled kernels on the device give a single GPU process's greedy tokens and seeded forks,
+    and its log-probs within 1e-4 (the row-parallel sums add in another order)."""
+    _compiled_triton()
+    from svrmad_local.models.loader import load_model
+
+    from .test_tp import run_worker, write_checkpoints
+    from .tp_worker import CONFIG, workload
+
+    ckpts = write_checkpoints(tmp_path / "ckpt")
+    out = tmp_path / "tp.json"
+    got = run_worker(out, "--device", "cuda", str(out), *map(str, ckpts.values()),
+                     env={"SVRMAD_DIST_BACKEND": "gloo", "TRITON_INTERPRET": "0"})
+    for name, path in ckpts.items():
+        tp = got[str(path)]
+        one = workload(Engine(load_model(path, device="cuda", dtype="fp32").model, None, EngineConfig(**CONFIG)))
+        assert tp["world"] == 2 and tp["collectives"]["all_reduce"] > 0, name
+        assert tp["greedy"] == one["greedy"] and tp["forks"] == one["forks"], name
+        for a, b in zip(tp["greedy_logprobs"], one["greedy_logprobs"]):
+            assert a == pytest.approx(b, abs=1e-4), name
+        assert tp["score"] == pytest.approx(one["score"], abs=1e-4), name

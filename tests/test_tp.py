@@ -39,9 +39,12 @@ LOGPROB_TOL = 1e-4
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
+    return write_checkpoints(tmp_path_factory.mktemp("tp"))
+
+
+def write_checkpoints(root: Path) -> dict[str, Path]:
     """One of each family the plan covers: a Llama whose 2 KV heads split (its LM head tied), a Qwen3-MoE (experts by
     expert), GPT-OSS with MXFP4 experts and DeepSeek-V3 in FP8 (latent attention, ragged blocks)."""
-    root = tmp_path_factory.mktemp("tp")
     llama = make_model("llama", layers=2)
     llama.config.tie_word_embeddings = True  # as SmolLM2 (the embedded default): one tensor, read once
     llama.tie_weights()
@@ -54,9 +57,9 @@ def checkpoints(tmp_path_factory):
     return {"llama": root / "llama", "qwen3-moe": root / "qwen3-moe", "gpt-oss": gpt_oss, "deepseek": deepseek}
 
 
-def run_worker(out: Path, *args: str, nproc: int = 2) -> dict:
+def run_worker(out: Path, *args: str, nproc: int = 2, env: dict | None = None) -> dict:
     """tests/tp_worker.py under torchrun in `nproc` processes; what its leader wrote."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            str(ROOT / "tests" / "tp_worker.py"), *args]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)

@@ -83,11 +83,13 @@ def counting(engine):
         engine.runner.execute, dist.all_reduce = execute, all_reduce
 
 
-def main(out: str, paths: list[str]) -> None:
+def main(out: str, paths: list[str], device: str = "cpu") -> None:
+    """`device` "cuda": every rank on the one GPU there is, over gloo (SVRMAD_DIST_BACKEND=gloo, set by
+    the test), in fp32: the packed kernels and the split shapes on the device, without several GPUs."""
     dist.init_process_group("gloo")
     results = {}
     for path in paths:
-        lm = load_model(path, device="cpu", tp=True)
+        lm = load_model(path, device=device, dtype="fp32", tp=True)
         sizes = [None] * dist.get_world_size()
         dist.all_gather_object(sizes, resident_bytes(lm.model))
         engine = Engine(lm.model, None, EngineConfig(**CONFIG))
@@ -108,5 +110,7 @@ def main(out: str, paths: list[str]) -> None:
 if __name__ == "__main__":
     if sys.argv[1] == "--follower-quits":
         follower_quits(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "--device":
+        main(sys.argv[3], sys.argv[4:], device=sys.argv[2])
     else:
         main(sys.argv[1], sys.argv[2:])
