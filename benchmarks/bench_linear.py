@@ -24,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from svrmad_local.models.default import ensure_default_model  # noqa: E402
 from svrmad_local.kernels import cpu_linear  # noqa: E402
-from svrmad_local.models.linear import BATCH_HINT, select_linear  # noqa: E402
+from svrmad_local.models.layouts import BATCH_HINT  # noqa: E402
+from svrmad_local.models.linear import select_linear  # noqa: E402
 from svrmad_local.models.loader import load_model  # noqa: E402
 
 

@@ -13,7 +13,8 @@ from svrmad_local.engine.engine import Engine, EngineConfig
 from svrmad_local.kernels import cpu_linear
 from svrmad_local.models import calibrate
 from svrmad_local.models.calibrate import Workload, choose
-from svrmad_local.models.linear import ONEDNN, PANELS, FusedPart, PackedLinear, select_linear
+from svrmad_local.models.layouts import ONEDNN, PANELS
+from svrmad_local.models.linear import FusedPart, PackedLinear, select_linear
 
 from .model_zoo import make_zoo_model
 

@@ -12,7 +12,7 @@ import torch
 from svrmad_local.engine.engine import Engine, EngineConfig
 from svrmad_local.engine.params import SamplingParams
 from svrmad_local.kernels import cpu_linear
-from svrmad_local.models import linear
+from svrmad_local.models import layouts
 from svrmad_local.models.linear import FusedPart, PackedLinear, select_linear, weight_bytes
 
 from .model_zoo import EXACT, full_logprobs, loop_greedy, make_zoo_model, rand_prompt
@@ -63,8 +63,8 @@ def test_packed_linears_replace_the_dense_ones_and_match_f_linear(backend):
 def test_each_weight_is_packed_once_over_a_generate(monkeypatch, backend):
     calls = []
     if backend == "onednn":
-        real = linear._reorder
-        monkeypatch.setattr(linear, "_reorder", lambda w, hint: calls.append(tuple(w.shape)) or real(w, hint))
+        real = layouts._reorder
+        monkeypatch.setattr(layouts, "_reorder", lambda w, hint: calls.append(tuple(w.shape)) or real(w, hint))
     else:
         real = cpu_linear.pack
         monkeypatch.setattr(cpu_linear, "pack", lambda w: calls.append(tuple(w.shape)) or real(w))

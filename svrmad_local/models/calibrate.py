@@ -38,6 +38,8 @@ from torch import nn
 from svrmad_local.kernels import cpu_linear
 from svrmad_local.models.default import cache_dir
 
+from .layouts import ONEDNN, PANELS, sibling_groups
+
 log = logging.getLogger("svrmad_local")
 
 PREFERENCE = ("panels", "onednn", "aten")  # ties and near-ties go to the earlier one (panels: same tokens everywhere)
@@ -115,11 +117,10 @@ def enabled() -> bool:
 def gemms(model: nn.Module, backend: str, fuse: bool = True) -> list[Gemm]:
     """The distinct GEMM shapes one step runs on `backend`, as select_linear will pack them: the packed
     backends fuse sibling projections, F.linear runs each module alone."""
-    from .linear import _sibling_groups
 
     linears = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    groups = _sibling_groups(model, linears) if fuse and backend != "aten" else []
+    groups = sibling_groups(model, linears) if fuse and backend != "aten" else []
     fused = {name for g in groups for name, _ in g}
     shapes = [(g[0][1].in_features, sum(m.out_features for _, m in g), False) for g in groups]
     shapes += [(m.in_features, m.out_features, m is head) for name, m in linears if name not in fused]
@@ -179,7 +180,6 @@ def time_shape(k: int, n: int, count: int, rows: dict[str, list[int]], budget_s:
     one), within that row count's share of `budget_s`; each backend's fastest call (on a shared machine a
     call whose thread waited for a core takes a scheduler slice longer: the minimum is what the backend
     costs). Scratch: the dense weights and each backend's packed copy of them, freed on return."""
-    from .linear import ONEDNN, PANELS
 
     stream_bytes = stream_bytes or max(64 << 20, 2 * l3_bytes())
     w = torch.randn(n, k).to(dtype)

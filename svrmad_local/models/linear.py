@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn
@@ -39,13 +38,11 @@ from torch import nn
 from svrmad_local.kernels import cpu_linear
 
 from . import calibrate
+from .layouts import ONEDNN, PANELS, Layout, sibling_groups
 
 log = logging.getLogger("svrmad_local")
 
 CHOICES = ("auto", "panels", "onednn", "aten")
-BATCH_HINT = 24  # oneDNN picks its blocking for this M; other M's build their own primitive once
-
-_reorder = torch.ops.mkldnn._reorder_linear_weight  # a module attribute, so a test can count the calls
 
 
 @dataclass(frozen=True)
@@ -55,27 +52,6 @@ class Selection:
     value: str
     line: str
     fell_back: bool = False
-
-
-@dataclass(frozen=True)
-class Layout:
-    """A packed weight's layout: how a dense [N, K] weight becomes it (`pack`), how it multiplies
-    (`mm(x, packed, bias, N)`) and how it comes back dense (`unpack(packed, N)`)."""
-
-    name: str
-    choice: str  # its EngineConfig.linear value
-    pack: Callable
-    mm: Callable
-    unpack: Callable
-
-
-def _onednn_mm(x, w, bias, n):
-    return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
-
-
-ONEDNN = Layout("oneDNN packed", "onednn", lambda w: _reorder(w, BATCH_HINT), _onednn_mm, lambda w, n: w.to_dense())
-PANELS = Layout("panels", "panels", lambda w: cpu_linear.pack(w), lambda x, w, bias, n: cpu_linear.linear(x, w, n, bias),
-                cpu_linear.unpack)
 
 
 class PackedLinear(nn.Module):
@@ -127,9 +103,6 @@ class PanelEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, rows read from the tied LM head's panels"
-
-
-SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("q_a_proj", "kv_a_proj_with_mqa"))
 
 
 class FusedGroup(nn.Module):
@@ -198,19 +171,6 @@ class FusedPart(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, rows {self.group.bounds[self.i]} of a fused {self.group.layout.name} GEMM"
-
-
-def _sibling_groups(model: nn.Module, linears: list[tuple[str, nn.Linear]]) -> list[list[tuple[str, nn.Linear]]]:
-    """Sets of plain linears under one parent that read one input (SIBLINGS), same in_features and dtype."""
-    by_name = dict(linears)
-    groups = []
-    for parent, _ in model.named_modules():
-        for names in SIBLINGS:
-            full = [f"{parent}.{n}" if parent else n for n in names]
-            ms = [by_name.get(f) for f in full]
-            if all(m is not None for m in ms) and len({(m.in_features, m.weight.dtype) for m in ms}) == 1:
-                groups.append(list(zip(full, ms)))
-    return groups
 
 
 def dense_weight(linear: nn.Module) -> torch.Tensor:
@@ -316,7 +276,7 @@ def select_linear(model: nn.Module, choice: str = "auto", fuse: bool = True,
         parent, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, leaf, module)
 
-    groups = _sibling_groups(model, linears) if fuse else []
+    groups = sibling_groups(model, linears) if fuse else []
     fused = {name for g in groups for name, _ in g}
     for g in groups:
         group = FusedGroup([m for _, m in g], layout)
