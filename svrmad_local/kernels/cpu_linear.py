@@ -11,7 +11,9 @@ With 2-64 rows the FMAs pace the loads so slowly that the hardware's prefetch le
 under the machine's bandwidth; the first row tile of a pass prefetches 64 k's (4 KB) ahead, and the last
 of several tiles the next panel. On a 2-core AVX-512 EPYC (11-25, the same step, ms): M=4 20.9 -> 17.2,
 M=8 28.8 -> 22.6, M=12 32.8 -> 21.9, M=24 47.2 -> 34.0, M=64 96.9 -> 85.0, M=512 717 -> 683; M=1
-prefetches nothing (it streams at bandwidth).
+prefetches nothing. M=1 (a batch-1 decode step) walks four panels at once instead: eight FMA chains in
+flight instead of two, the same arithmetic per output; on the 2-core AVX2 EPYC the default's whole
+step of linears went from ~30 to ~35 GB/s (docs/kernels.md, "Batch-1 decode").
 
 The layout: weight W [N, K] as panels [ceil(N / 16), K, 16], panel p holding columns 16p..16p+15 of
 W^T (zero-padded past N): each panel is one contiguous run, read once per block of input rows. The
