@@ -75,3 +75,10 @@ def linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | N
     """x [..., K] @ W[:n].T + bias, W held as `panels` (see pack)."""
     lead = x.shape[:-1]
     return _KERNEL.module().panel_linear(x.reshape(-1, x.shape[-1]), panels, n, bias, KBLOCK).view(*lead, n)
+
+
+def bound(panels: torch.Tensor, n: int, bias: torch.Tensor | None = None):
+    """x [M, K] -> linear(x, panels, n, bias) as one closure over the compiled call: what a decode step's
+    ~121 calls cost in Python is a large share of a batch-1 step on a slow core (engine/lean.py)."""
+    fn = _KERNEL.module().panel_linear
+    return lambda x: fn(x, panels, n, bias, KBLOCK)
