@@ -13,8 +13,9 @@ The limit: a decode step reads every weight once whatever B is (the body's matri
 head; of the input embedding only B rows), plus each sequence's KV so far. The machine's read
 bandwidth is measured with a large tensor sum (best of several), so
     limit tokens/s = B * bandwidth / (weight bytes + B * KV bytes at the mean context).
-Beside it, what torch's matmuls alone allow: B / (seconds of every nn.Linear of the model, LM head
-included, on B rows in its dtype), i.e. a step with no attention, no sampling and no overhead; on a
+Beside it, what the step's matmuls alone allow: B / (seconds of every linear of the model, LM head
+included, on B rows in its dtype, called as the engine's forward calls them, on its worker thread),
+i.e. a step with no attention, no sampling and no overhead; on a
 CPU without bf16 instructions this, not the bandwidth, bounds bf16. With --vllm-python the same prompts run through vLLM (bench_vs_vllm's worker) too. Last line: one
 JSON object.
 """
@@ -33,6 +34,7 @@ from bench_mla import best_of
 from bench_vs_vllm import VLLM_DTYPES, VllmWorker, vllm_settings, vllm_unavailable
 from svrmad_local.engine.engine import Engine, EngineConfig
 from svrmad_local.engine.config import SamplingParams
+from svrmad_local.engine.lean import linear_call
 from svrmad_local.models.default import ensure_default_model
 from svrmad_local.models.linear import FusedGroup, PackedLinear
 from svrmad_local.models.loader import load_model
@@ -45,14 +47,25 @@ def read_bandwidth(mib: int = 512, repeat: int = 7, device="cpu") -> float:
     return x.numel() * 4 / best_of(lambda: x.sum(), repeat, torch.device(device))
 
 
-def linears_seconds(model, rows: int, repeat: int = 3) -> float:
-    """Seconds of one pass of every nn.Linear of the model (LM head included) over `rows` tokens, in
-    its own dtype and shapes and through its own backend (plain or oneDNN-packed, models/linear.py), best
-    of `repeat`: a decode step's matmuls and nothing else (a fused group of siblings is one GEMM). Timed as whole passes so each weight comes from
-    memory, as in a step, not from a cache warmed by a repeat."""
-    layers = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, PackedLinear, FusedGroup))]
-    xs = [torch.randn(rows, m.in_features).to(m.weight.device, m.weight.dtype) for m in layers]
-    return best_of(lambda: [m(x) for x, m in zip(xs, layers)], repeat, layers[0].weight.device)
+def linears_seconds(engine: Engine, rows: int, repeat: int = 5) -> float:
+    """Seconds of one pass of every linear of the model (LM head included) over `rows` tokens, as a step
+    runs them: each as the call the engine's forward makes (the panel kernel itself under the lean
+    decoder, engine/lean.linear_call; else the module), a fused group of siblings as one GEMM, in the
+    model's order, over inputs made once; best of `repeat` whole passes, so each weight comes from memory
+    as in a step, not from a cache warmed by a repeat. Timed on the engine's worker thread: timed on
+    another, the two threads' OpenMP teams outnumber the cores and sleep at barriers (docs/engine.md),
+    which once made this bound slower than the engine it bounds."""
+    layers = [m for m in engine.model.modules() if isinstance(m, (torch.nn.Linear, PackedLinear, FusedGroup))]
+    calls = [linear_call(m) if engine.runner.lean is not None else m for m in layers]
+
+    def timed():
+        with torch.inference_mode():
+            xs = [torch.randn(rows, m.in_features).to(m.weight.device, m.weight.dtype) for m in layers]
+            once = lambda: [f(x) for x, f in zip(xs, calls)]  # noqa: E731
+            once()
+            return best_of(once, repeat, layers[0].weight.device)
+
+    return engine.on_worker(timed)
 
 
 def weight_bytes_per_step(model) -> int:
@@ -234,7 +247,7 @@ def main() -> int:
         t_pre, t_full = timed_pair(engine_generate, gen, B, args, vocab)
         tps = B * args.new_tokens / (t_full - t_pre)
         limit = B * bw / (w_bytes + B * mean_ctx * kv_tok)
-        gemm = B / linears_seconds(lm.model, B)
+        gemm = B / linears_seconds(engine, B)
         row = {"batch": B, "engine_tok_s": round(tps, 1), "engine_steps": engine.totals.steps - steps0,
                "limit_bandwidth_tok_s": round(limit, 1), "fraction_of_limit": round(tps / limit, 3),
                "linears_only_tok_s": round(gemm, 1), "fraction_of_linears_only": round(tps / gemm, 3),

@@ -164,18 +164,27 @@ def test_weight_bytes_read_per_decode_step(tiny_model):
 
 
 def test_linears_seconds_times_every_projection_and_the_lm_head(tiny_model, monkeypatch):
-    import bench_decode
+    import threading
 
-    shapes = []
+    import bench_decode
+    from svrmad_local.engine.engine import Engine, EngineConfig
+
+    shapes, threads = [], []
 
     def fake_best_of(fn, repeat, device=None):
+        threads.append(threading.current_thread().name)
         shapes.extend(tuple(y.shape) for y in fn())
         return 1.0
 
     monkeypatch.setattr(bench_decode, "best_of", fake_best_of)
-    assert bench_decode.linears_seconds(tiny_model, rows=3) == 1.0
-    # q k v o gate up down per layer, and the LM head: every output row once, as 15 GEMMs, or as 9 once
-    # an earlier engine has packed this shared model with its siblings fused (q/k/v and gate/up one GEMM)
+    engine = Engine(tiny_model, None, EngineConfig(kv_cache_memory=4 * 2**20, block_size=4))
+    try:
+        assert bench_decode.linears_seconds(engine, rows=3) == 1.0
+    finally:
+        engine.close()
+    assert threads and all(t.startswith("svrmad-engine") for t in threads)  # timed where the steps run
+    # q k v o gate up down per layer, and the LM head: every output row once, as 15 GEMMs, or as 9 where
+    # the engine packed the model with its siblings fused (q/k/v and gate/up one GEMM)
     c = tiny_model.config
     per_layer = 2 * c.hidden_size + 2 * c.num_key_value_heads * c.head_dim + 2 * c.intermediate_size + c.hidden_size
     assert sum(s[1] for s in shapes) == c.num_hidden_layers * per_layer + c.vocab_size

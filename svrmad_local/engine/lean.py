@@ -55,7 +55,7 @@ class FastRMSNorm(nn.Module):
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon} (kernels/cpu_ops)"
 
 
-def _matmul(m: nn.Module):
+def linear_call(m: nn.Module):
     """y [T, K] -> m(y): the panel kernel called directly where m holds panels (the same call its forward
     makes, without the module's and the layout's Python around it), else the module."""
     if getattr(m, "layout", None) is PANELS and getattr(m, "packed", True):
@@ -69,7 +69,7 @@ def _columns(linears: list[nn.Module]):
     group = getattr(linears[0], "group", None)
     if group is not None and [getattr(m, "group", None) for m in linears] == [group] * len(linears) \
             and [m.i for m in linears] == list(range(len(group.bounds))):
-        cuts, mm = [slice(lo, hi) for lo, hi in group.bounds], _matmul(group)
+        cuts, mm = [slice(lo, hi) for lo, hi in group.bounds], linear_call(group)
         return lambda y: [out[:, c] for out in (mm(y),) for c in cuts]
     return lambda y: [m(y) for m in linears]
 
@@ -93,8 +93,8 @@ class _Layer:
         self.w_in, self.w_post = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
         self.qkv = _columns([a.q_proj, a.k_proj, a.v_proj])
         self.q_norm, self.k_norm = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
-        self.head_dim, self.scaling, self.o_proj = a.head_dim, a.scaling, _matmul(a.o_proj)
-        self.gate_up, self.down = _columns([m.gate_proj, m.up_proj]), _matmul(m.down_proj)
+        self.head_dim, self.scaling, self.o_proj = a.head_dim, a.scaling, linear_call(a.o_proj)
+        self.gate_up, self.down = _columns([m.gate_proj, m.up_proj]), linear_call(m.down_proj)
 
 
 class LeanDecoder:
