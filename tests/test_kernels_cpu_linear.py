@@ -47,7 +47,9 @@ def test_one_row_runs_its_own_path_to_the_same_bits(n, k):
     for bias in (None, b):
         many = cpu_linear.linear(x, panels, n, bias)
         for r in range(7):
-            assert torch.equal(cpu_linear.linear(x[r : r + 1], panels, n, bias), many[r : r + 1]), (r, bias is None)
+            for width in (4, 2, 1):  # panels at once: the speed moves, never the bits
+                one = cpu_linear.linear(x[r : r + 1], panels, n, bias, row_width=width)
+                assert torch.equal(one, many[r : r + 1]), (r, width, bias is None)
     fewer = n - 16 if n > 16 else n - 3  # a panel (or part of one) past the columns asked for
     assert torch.equal(cpu_linear.linear(x[:1], panels, fewer), cpu_linear.linear(x[:2], panels, fewer)[:1])
 

@@ -36,6 +36,7 @@ from ._cpu_build import Kernel
 
 NR = 16  # columns a panel
 KBLOCK = 1024
+ROW_WIDTH = 4  # panels a one-row call walks at once: 4, 2 or 1 (the walk before it; benchmarks/bench_gemv.py)
 
 NAME = "cpu_linear"  # its name for _backend.choose
 _KERNEL = Kernel(NAME, "cpu_linear.cpp", "SVRMAD_CPU_LINEAR", "panel linear kernel", needs_avx2=True)
@@ -71,14 +72,16 @@ def rows_of(panels: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return panels[ids // NR, :, ids % NR]
 
 
-def linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ W[:n].T + bias, W held as `panels` (see pack)."""
+def linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None = None,
+           row_width: int = ROW_WIDTH) -> torch.Tensor:
+    """x [..., K] @ W[:n].T + bias, W held as `panels` (see pack). `row_width` changes the speed of a
+    one-row call, never its bits."""
     lead = x.shape[:-1]
-    return _KERNEL.module().panel_linear(x.reshape(-1, x.shape[-1]), panels, n, bias, KBLOCK).view(*lead, n)
+    return _KERNEL.module().panel_linear(x.reshape(-1, x.shape[-1]), panels, n, bias, KBLOCK, row_width).view(*lead, n)
 
 
-def bound(panels: torch.Tensor, n: int, bias: torch.Tensor | None = None):
+def bound(panels: torch.Tensor, n: int, bias: torch.Tensor | None = None, row_width: int = ROW_WIDTH):
     """x [M, K] -> linear(x, panels, n, bias) as one closure over the compiled call: what a decode step's
     ~121 calls cost in Python is a large share of a batch-1 step on a slow core (engine/lean.py)."""
     fn = _KERNEL.module().panel_linear
-    return lambda x: fn(x, panels, n, bias, KBLOCK)
+    return lambda x: fn(x, panels, n, bias, KBLOCK, row_width)

@@ -88,13 +88,15 @@ static void micro_row(const float* X, int64_t K, const float* panel, int64_t kbl
   }
 }
 
-// panels [p0, p1) of one row, four at a time, then two, then one; panels wholly past N are skipped
+// panels [p0, p1) of one row, `width` (4, 2 or 1) at a time, then fewer; panels wholly past N are skipped
 static void row_panels(const float* X, int64_t K, const float* W, int64_t kblock, const float* bias, float* Y,
-                       int64_t N, int64_t p0, int64_t p1) {
+                       int64_t N, int64_t p0, int64_t p1, int64_t width) {
   p1 = std::min<int64_t>(p1, (N + NR - 1) / NR);
   int64_t p = p0;
-  for (; p + 4 <= p1; p += 4) micro_row<4>(X, K, W + p * K * NR, kblock, bias, Y, N, p * NR);
-  for (; p + 2 <= p1; p += 2) micro_row<2>(X, K, W + p * K * NR, kblock, bias, Y, N, p * NR);
+  if (width >= 4)
+    for (; p + 4 <= p1; p += 4) micro_row<4>(X, K, W + p * K * NR, kblock, bias, Y, N, p * NR);
+  if (width >= 2)
+    for (; p + 2 <= p1; p += 2) micro_row<2>(X, K, W + p * K * NR, kblock, bias, Y, N, p * NR);
   for (; p < p1; ++p) micro_row<1>(X, K, W + p * K * NR, kblock, bias, Y, N, p * NR);
 }
 
@@ -111,9 +113,9 @@ static void rows(int64_t R, const float* X, int64_t K, const float* panel, int64
   }
 }
 
-// x [M, K], panels [P, K, 16] -> y [M, n]
+// x [M, K], panels [P, K, 16] -> y [M, n]; `row_width`: panels at once where M = 1 (row_panels)
 torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t n, c10::optional<torch::Tensor> bias,
-                           int64_t kblock) {
+                           int64_t kblock, int64_t row_width) {
   TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && panels.size(2) == NR && x.size(1) == panels.size(1),
               "x [M, K] and panels [P, K, 16]");
   TORCH_CHECK(x.scalar_type() == at::kFloat && panels.scalar_type() == at::kFloat, "fp32 only");
@@ -128,7 +130,7 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t n, c10
   const float* B = bias.has_value() ? b.data_ptr<float>() : nullptr;
   float* Y = y.data_ptr<float>();
   if (M == 1) {
-    at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) { row_panels(X, K, W, kblock, B, Y, n, p0, p1); });
+    at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) { row_panels(X, K, W, kblock, B, Y, n, p0, p1, row_width); });
     return y;
   }
   for (int64_t mc = 0; mc < M; mc += MC) {
