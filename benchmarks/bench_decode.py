@@ -6,7 +6,7 @@
 
 Each batch size B runs twice on fresh random prompts (distinct, so no prefix reuse): once with
 1 new token (prefill + first sample) and once with 1 + new_tokens; decode tokens/s is
-B * new_tokens / (difference of the two wall times). Sampling is the paper's (temperature 1.0,
+B * new_tokens / (difference of the two wall times), the median of --repeat such pairs (3). Sampling is the paper's (temperature 1.0,
 top-p 0.95, top-k 40, a seed per request) unless --greedy; lengths are fixed (ignore_eos).
 
 The limit: a decode step reads every weight once whatever B is (the body's matrices and the LM
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 
@@ -196,6 +197,7 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--greedy", action="store_true")
+    ap.add_argument("--repeat", type=int, default=3, help="timed pairs per batch size (their median tok/s)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--engine", help="EngineConfig overrides for our engine, e.g. decoder=modules or linear=onednn")
     ap.add_argument("--vllm-python", help="also run vLLM (see bench_vs_vllm.py)")
@@ -244,11 +246,12 @@ def main() -> int:
     rows = []
     for B in batches:
         steps0 = engine.totals.steps
-        t_pre, t_full = timed_pair(engine_generate, gen, B, args, vocab)
-        tps = B * args.new_tokens / (t_full - t_pre)
+        pairs = [timed_pair(engine_generate, gen, B, args, vocab) for _ in range(args.repeat)]
+        tps = statistics.median(B * args.new_tokens / (t_full - t_pre) for t_pre, t_full in pairs)
+        t_pre = statistics.median(t for t, _ in pairs)
         limit = B * bw / (w_bytes + B * mean_ctx * kv_tok)
         gemm = B / linears_seconds(engine, B)
-        row = {"batch": B, "engine_tok_s": round(tps, 1), "engine_steps": engine.totals.steps - steps0,
+        row = {"batch": B, "engine_tok_s": round(tps, 1), "engine_steps": (engine.totals.steps - steps0) // args.repeat,
                "limit_bandwidth_tok_s": round(limit, 1), "fraction_of_limit": round(tps / limit, 3),
                "linears_only_tok_s": round(gemm, 1), "fraction_of_linears_only": round(tps / gemm, 3),
                "prefill_s": round(t_pre, 3)}
@@ -271,8 +274,9 @@ def main() -> int:
         try:
             timed_pair(vllm_generate, gen, 2, argparse.Namespace(**{**vars(args), "new_tokens": 4}), vocab)
             for row in rows:
-                t_pre, t_full = timed_pair(vllm_generate, gen, row["batch"], args, vocab)
-                row["vllm_tok_s"] = round(row["batch"] * args.new_tokens / (t_full - t_pre), 1)
+                pairs = [timed_pair(vllm_generate, gen, row["batch"], args, vocab) for _ in range(args.repeat)]
+                row["vllm_tok_s"] = round(statistics.median(row["batch"] * args.new_tokens / (t_full - t_pre)
+                                                            for t_pre, t_full in pairs), 1)
                 print(f"batch {row['batch']:3d}: vLLM {row['vllm_tok_s']:7.1f} tok/s ({vdtype})")
         finally:
             worker.close()

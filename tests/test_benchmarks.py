@@ -167,7 +167,6 @@ def test_linears_seconds_times_every_projection_and_the_lm_head(tiny_model, monk
     import threading
 
     import bench_decode
-    from svrmad_local.engine.engine import Engine, EngineConfig
 
     shapes, threads = [], []
 
@@ -304,3 +303,20 @@ def test_prompt_tokens_records_a_run_and_replays_it_at_other_budgets(tmp_path, t
     assert same["computed"] == engine["computed_tokens"] and same["evictions"] == engine["evictions"]
     tight = prompt_tokens.replay(reqs, same["peak_blocks"] // 3, block_size=4)
     assert tight["computed"] > same["computed"] and tight["evictions"] > 0
+
+
+def test_bench_gemv_step_shapes_are_the_engines_gemms_in_step_order():
+    from bench_gemv import step_shapes
+
+    config = {"hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "num_hidden_layers": 3, "vocab_size": 500}
+    shapes = step_shapes(config)
+    assert shapes[:4] == [("qkv", 128, 64), ("o_proj", 64, 64), ("gate_up", 192, 64), ("down", 64, 96)]
+    assert shapes[4:8] == shapes[:4] and len(shapes) == 3 * 4 + 1 and shapes[-1] == ("lm_head", 500, 64)
+    model = make_model("llama", vocab=500)  # the same count of weights as its unfused linears
+    c = model.config
+    same = {"hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size, "head_dim": c.head_dim,
+            "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
+            "num_hidden_layers": c.num_hidden_layers, "vocab_size": c.vocab_size}
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert sum(n * k for _, n, k in step_shapes(same)) == sum(m.weight.numel() for m in linears)
