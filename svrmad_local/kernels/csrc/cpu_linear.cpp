@@ -20,54 +20,72 @@ constexpr int64_t MC = 96;  // input rows a pass over the weights (their rows st
 constexpr int PF_NONE = 0, PF_AHEAD = 1, PF_NEXT = 2;
 constexpr int64_t PF_K = 64;
 
-// rows [0, R) of X against NP adjacent panels: out[r][j] = sum_k X[r][k] * panel[k][j], one FMA chain a
-// KBLOCK of k's, the chains added in order; then the bias. Columns from N on are not written. NP > 1
-// only with one row (a decode step at batch 1, row_panels): 2 * NP independent chains in flight
-// instead of two, the same arithmetic per output; with two, the FMA latency paced the loads and the
-// stream ran at ~28 GB/s of the ~32 a sum read (2-core AVX2 EPYC), with four panels at ~31
-template <int R, int NP, int PF>
+// a K-block's two accumulators into an output's running totals: the first block's as they are, each
+// later block's added in order (the fixed order of the kernel's arithmetic)
+static inline void add_block(__m256* tot, const __m256* acc, bool first) {
+  tot[0] = first ? acc[0] : _mm256_add_ps(tot[0], acc[0]);
+  tot[1] = first ? acc[1] : _mm256_add_ps(tot[1], acc[1]);
+}
+
+// 16 outputs held in two vectors, plus their bias, into y[0, nv) (bias points at y's first column's)
+static inline void store_outputs(const __m256* tot, float* y, const float* bias, int64_t nv) {
+  alignas(32) float out[NR];
+  _mm256_store_ps(out, tot[0]);
+  _mm256_store_ps(out + 8, tot[1]);
+  for (int j = 0; j < nv; ++j) y[j] = bias ? out[j] + bias[j] : out[j];
+}
+
+// rows [0, R) of X against one panel: out[r][j] = sum_k X[r][k] * panel[k][j], one FMA chain a
+// KBLOCK of k's, the chains added in order; then the bias
+template <int R, int PF>
 static void micro(const float* X, int64_t K, const float* panel, int64_t kblock, const float* bias, float* Y,
-                  int64_t N, int64_t n0) {
-  static_assert(NP == 1 || R == 1, "several panels of one row, or rows of one panel");
-  static_assert(R * NP <= MR, "at most 12 accumulators");
-  __m256 tot[R][NP][2];
+                  int64_t N, int64_t n0, int64_t nv) {
+  __m256 tot[R][2];
   for (int64_t kb = 0; kb < K; kb += kblock) {
     const int64_t ke = std::min(K, kb + kblock);
-    __m256 acc[R][NP][2];
-    for (int r = 0; r < R; ++r)
-      for (int p = 0; p < NP; ++p) acc[r][p][0] = acc[r][p][1] = _mm256_setzero_ps();
+    __m256 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t k = kb; k < ke; ++k) {
       if (PF == PF_AHEAD && R > 1) _mm_prefetch(reinterpret_cast<const char*>(panel + (k + PF_K) * NR), _MM_HINT_T0);
       else if (PF == PF_NEXT) _mm_prefetch(reinterpret_cast<const char*>(panel + (K + k) * NR), _MM_HINT_T1);
-      if constexpr (NP == 1) {  // rows of one panel: the panel's k loaded once, each row's x broadcast
-        const __m256 w0 = _mm256_loadu_ps(panel + k * NR), w1 = _mm256_loadu_ps(panel + k * NR + 8);
-        for (int r = 0; r < R; ++r) {
-          const __m256 xb = _mm256_broadcast_ss(X + r * K + k);
-          acc[r][0][0] = _mm256_fmadd_ps(xb, w0, acc[r][0][0]);
-          acc[r][0][1] = _mm256_fmadd_ps(xb, w1, acc[r][0][1]);
-        }
-      } else {  // one row of several panels: its x broadcast once, each panel's k loaded
-        const __m256 xb = _mm256_broadcast_ss(X + k);
-        for (int p = 0; p < NP; ++p) {
-          const float* w = panel + (p * K + k) * NR;
-          acc[0][p][0] = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w), acc[0][p][0]);
-          acc[0][p][1] = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w + 8), acc[0][p][1]);
-        }
+      const __m256 w0 = _mm256_loadu_ps(panel + k * NR), w1 = _mm256_loadu_ps(panel + k * NR + 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 xb = _mm256_broadcast_ss(X + r * K + k);
+        acc[r][0] = _mm256_fmadd_ps(xb, w0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(xb, w1, acc[r][1]);
       }
     }
-    for (int r = 0; r < R; ++r)
-      for (int p = 0; p < NP; ++p)
-        for (int h = 0; h < 2; ++h) tot[r][p][h] = kb == 0 ? acc[r][p][h] : _mm256_add_ps(tot[r][p][h], acc[r][p][h]);
+    for (int r = 0; r < R; ++r) add_block(tot[r], acc[r], kb == 0);
   }
-  alignas(32) float out[NR];
-  for (int r = 0; r < R; ++r)
-    for (int p = 0; p < NP; ++p) {
-      _mm256_store_ps(out, tot[r][p][0]);
-      _mm256_store_ps(out + 8, tot[r][p][1]);
-      const int64_t c0 = n0 + p * NR, nv = std::min<int64_t>(NR, N - c0);
-      float* y = Y + r * N + c0;
-      for (int j = 0; j < nv; ++j) y[j] = bias ? out[j] + bias[c0 + j] : out[j];
+  for (int r = 0; r < R; ++r) store_outputs(tot[r], Y + r * N + n0, bias ? bias + n0 : nullptr, nv);
+}
+
+// one input row against NP adjacent panels (M = 1, a decode step at batch 1): the same arithmetic as
+// micro<1> on each panel (one FMA chain a column and KBLOCK, the chains added in order, then the bias),
+// but 2 * NP independent chains in flight instead of two: with two, the FMA latency paced the loads
+// and the stream ran at ~28 GB/s of the ~32 a sum read (2-core AVX2 EPYC); with four panels, ~31
+template <int NP>
+static void micro_row(const float* X, int64_t K, const float* panel, int64_t kblock, const float* bias, float* Y,
+                      int64_t N, int64_t n0) {
+  __m256 tot[NP][2];
+  for (int64_t kb = 0; kb < K; kb += kblock) {
+    const int64_t ke = std::min(K, kb + kblock);
+    __m256 acc[NP][2];
+    for (int p = 0; p < NP; ++p) acc[p][0] = acc[p][1] = _mm256_setzero_ps();
+    for (int64_t k = kb; k < ke; ++k) {
+      const __m256 xb = _mm256_broadcast_ss(X + k);
+      for (int p = 0; p < NP; ++p) {
+        const float* w = panel + (p * K + k) * NR;
+        acc[p][0] = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w), acc[p][0]);
+        acc[p][1] = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w + 8), acc[p][1]);
+      }
     }
+    for (int p = 0; p < NP; ++p) add_block(tot[p], acc[p], kb == 0);
+  }
+  for (int p = 0; p < NP; ++p) {
+    const int64_t c0 = n0 + p * NR;
+    store_outputs(tot[p], Y + c0, bias ? bias + c0 : nullptr, std::min<int64_t>(NR, N - c0));
+  }
 }
 
 // panels [p0, p1) of one row, `width` (4, 2 or 1) at a time, then fewer; panels wholly past N are skipped
@@ -76,22 +94,22 @@ static void row_panels(const float* X, int64_t K, const float* W, int64_t kblock
   p1 = std::min<int64_t>(p1, (N + NR - 1) / NR);
   int64_t p = p0;
   if (width >= 4)
-    for (; p + 4 <= p1; p += 4) micro<1, 4, PF_NONE>(X, K, W + p * K * NR, kblock, bias, Y, N, p * NR);
+    for (; p + 4 <= p1; p += 4) micro_row<4>(X, K, W + p * K * NR, kblock, bias, Y, N, p * NR);
   if (width >= 2)
-    for (; p + 2 <= p1; p += 2) micro<1, 2, PF_NONE>(X, K, W + p * K * NR, kblock, bias, Y, N, p * NR);
-  for (; p < p1; ++p) micro<1, 1, PF_NONE>(X, K, W + p * K * NR, kblock, bias, Y, N, p * NR);
+    for (; p + 2 <= p1; p += 2) micro_row<2>(X, K, W + p * K * NR, kblock, bias, Y, N, p * NR);
+  for (; p < p1; ++p) micro_row<1>(X, K, W + p * K * NR, kblock, bias, Y, N, p * NR);
 }
 
 template <int PF>
 static void rows(int64_t R, const float* X, int64_t K, const float* panel, int64_t kblock, const float* bias,
-                 float* Y, int64_t N, int64_t n0) {
+                 float* Y, int64_t N, int64_t n0, int64_t nv) {
   switch (R) {
-    case 1: micro<1, 1, PF>(X, K, panel, kblock, bias, Y, N, n0); break;
-    case 2: micro<2, 1, PF>(X, K, panel, kblock, bias, Y, N, n0); break;
-    case 3: micro<3, 1, PF>(X, K, panel, kblock, bias, Y, N, n0); break;
-    case 4: micro<4, 1, PF>(X, K, panel, kblock, bias, Y, N, n0); break;
-    case 5: micro<5, 1, PF>(X, K, panel, kblock, bias, Y, N, n0); break;
-    default: micro<MR, 1, PF>(X, K, panel, kblock, bias, Y, N, n0); break;
+    case 1: micro<1, PF>(X, K, panel, kblock, bias, Y, N, n0, nv); break;
+    case 2: micro<2, PF>(X, K, panel, kblock, bias, Y, N, n0, nv); break;
+    case 3: micro<3, PF>(X, K, panel, kblock, bias, Y, N, n0, nv); break;
+    case 4: micro<4, PF>(X, K, panel, kblock, bias, Y, N, n0, nv); break;
+    case 5: micro<5, PF>(X, K, panel, kblock, bias, Y, N, n0, nv); break;
+    default: micro<MR, PF>(X, K, panel, kblock, bias, Y, N, n0, nv); break;
   }
 }
 
@@ -119,11 +137,11 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t n, c10
     const int64_t me = std::min(M, mc + MC);
     at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
       for (int64_t p = p0; p < p1; ++p) {
-        const int64_t n0 = p * NR;
-        if (n0 >= n) continue;
+        const int64_t n0 = p * NR, nv = std::min<int64_t>(NR, n - n0);
+        if (nv <= 0) continue;
         for (int64_t m = mc; m < me; m += MR) {
           auto tile = m == mc ? rows<PF_AHEAD> : m + MR >= me ? rows<PF_NEXT> : rows<PF_NONE>;
-          tile(std::min<int64_t>(MR, me - m), X + m * K, K, W + p * K * NR, kblock, B, Y + m * n, n, n0);
+          tile(std::min<int64_t>(MR, me - m), X + m * K, K, W + p * K * NR, kblock, B, Y + m * n, n, n0, nv);
         }
       }
     });
