@@ -6,15 +6,16 @@
 
 Each batch size B runs twice on fresh random prompts (distinct, so no prefix reuse): once with
 1 new token (prefill + first sample) and once with 1 + new_tokens; decode tokens/s is
-B * new_tokens / (difference of the two wall times). Sampling is the paper's (temperature 1.0,
+B * new_tokens / (difference of the two wall times), the median of --repeat such pairs (3). Sampling is the paper's (temperature 1.0,
 top-p 0.95, top-k 40, a seed per request) unless --greedy; lengths are fixed (ignore_eos).
 
 The limit: a decode step reads every weight once whatever B is (the body's matrices and the LM
 head; of the input embedding only B rows), plus each sequence's KV so far. The machine's read
 bandwidth is measured with a large tensor sum (best of several), so
     limit tokens/s = B * bandwidth / (weight bytes + B * KV bytes at the mean context).
-Beside it, what torch's matmuls alone allow: B / (seconds of every nn.Linear of the model, LM head
-included, on B rows in its dtype), i.e. a step with no attention, no sampling and no overhead; on a
+Beside it, what the step's matmuls alone allow: B / (seconds of every linear of the model, LM head
+included, on B rows in its dtype, called as the engine's forward calls them, on its worker thread),
+i.e. a step with no attention, no sampling and no overhead; on a
 CPU without bf16 instructions this, not the bandwidth, bounds bf16. With --vllm-python the same prompts run through vLLM (bench_vs_vllm's worker) too. Last line: one
 JSON object.
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 
@@ -33,6 +35,7 @@ from bench_mla import best_of
 from bench_vs_vllm import VLLM_DTYPES, VllmWorker, vllm_settings, vllm_unavailable
 from svrmad_local.engine.engine import Engine, EngineConfig
 from svrmad_local.engine.config import SamplingParams
+from svrmad_local.engine.lean import linear_call
 from svrmad_local.models.default import ensure_default_model
 from svrmad_local.models.linear import FusedGroup, PackedLinear
 from svrmad_local.models.loader import load_model
@@ -45,14 +48,25 @@ def read_bandwidth(mib: int = 512, repeat: int = 7, device="cpu") -> float:
     return x.numel() * 4 / best_of(lambda: x.sum(), repeat, torch.device(device))
 
 
-def linears_seconds(model, rows: int, repeat: int = 3) -> float:
-    """Seconds of one pass of every nn.Linear of the model (LM head included) over `rows` tokens, in
-    its own dtype and shapes and through its own backend (plain or oneDNN-packed, models/linear.py), best
-    of `repeat`: a decode step's matmuls and nothing else (a fused group of siblings is one GEMM). Timed as whole passes so each weight comes from
-    memory, as in a step, not from a cache warmed by a repeat."""
-    layers = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, PackedLinear, FusedGroup))]
-    xs = [torch.randn(rows, m.in_features).to(m.weight.device, m.weight.dtype) for m in layers]
-    return best_of(lambda: [m(x) for x, m in zip(xs, layers)], repeat, layers[0].weight.device)
+def linears_seconds(engine: Engine, rows: int, repeat: int = 5) -> float:
+    """Seconds of one pass of every linear of the model (LM head included) over `rows` tokens, as a step
+    runs them: each as the call the engine's forward makes (the panel kernel itself under the lean
+    decoder, engine/lean.linear_call; else the module), a fused group of siblings as one GEMM, in the
+    model's order, over inputs made once; best of `repeat` whole passes, so each weight comes from memory
+    as in a step, not from a cache warmed by a repeat. Timed on the engine's worker thread: timed on
+    another, the two threads' OpenMP teams outnumber the cores and sleep at barriers (docs/engine.md),
+    which once made this bound slower than the engine it bounds."""
+    layers = [m for m in engine.model.modules() if isinstance(m, (torch.nn.Linear, PackedLinear, FusedGroup))]
+    calls = [linear_call(m) if engine.runner.lean is not None else m for m in layers]
+
+    def timed():
+        with torch.inference_mode():
+            xs = [torch.randn(rows, m.in_features).to(m.weight.device, m.weight.dtype) for m in layers]
+            once = lambda: [f(x) for x, f in zip(xs, calls)]  # noqa: E731
+            once()
+            return best_of(once, repeat, layers[0].weight.device)
+
+    return engine.on_worker(timed)
 
 
 def weight_bytes_per_step(model) -> int:
@@ -183,6 +197,7 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--greedy", action="store_true")
+    ap.add_argument("--repeat", type=int, default=3, help="timed pairs per batch size (their median tok/s)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--engine", help="EngineConfig overrides for our engine, e.g. decoder=modules or linear=onednn")
     ap.add_argument("--vllm-python", help="also run vLLM (see bench_vs_vllm.py)")
@@ -231,11 +246,12 @@ def main() -> int:
     rows = []
     for B in batches:
         steps0 = engine.totals.steps
-        t_pre, t_full = timed_pair(engine_generate, gen, B, args, vocab)
-        tps = B * args.new_tokens / (t_full - t_pre)
+        pairs = [timed_pair(engine_generate, gen, B, args, vocab) for _ in range(args.repeat)]
+        tps = statistics.median(B * args.new_tokens / (t_full - t_pre) for t_pre, t_full in pairs)
+        t_pre = statistics.median(t for t, _ in pairs)
         limit = B * bw / (w_bytes + B * mean_ctx * kv_tok)
-        gemm = B / linears_seconds(lm.model, B)
-        row = {"batch": B, "engine_tok_s": round(tps, 1), "engine_steps": engine.totals.steps - steps0,
+        gemm = B / linears_seconds(engine, B)
+        row = {"batch": B, "engine_tok_s": round(tps, 1), "engine_steps": (engine.totals.steps - steps0) // args.repeat,
                "limit_bandwidth_tok_s": round(limit, 1), "fraction_of_limit": round(tps / limit, 3),
                "linears_only_tok_s": round(gemm, 1), "fraction_of_linears_only": round(tps / gemm, 3),
                "prefill_s": round(t_pre, 3)}
@@ -258,8 +274,9 @@ def main() -> int:
         try:
             timed_pair(vllm_generate, gen, 2, argparse.Namespace(**{**vars(args), "new_tokens": 4}), vocab)
             for row in rows:
-                t_pre, t_full = timed_pair(vllm_generate, gen, row["batch"], args, vocab)
-                row["vllm_tok_s"] = round(row["batch"] * args.new_tokens / (t_full - t_pre), 1)
+                pairs = [timed_pair(vllm_generate, gen, row["batch"], args, vocab) for _ in range(args.repeat)]
+                row["vllm_tok_s"] = round(statistics.median(row["batch"] * args.new_tokens / (t_full - t_pre)
+                                                            for t_pre, t_full in pairs), 1)
                 print(f"batch {row['batch']:3d}: vLLM {row['vllm_tok_s']:7.1f} tok/s ({vdtype})")
         finally:
             worker.close()

@@ -164,18 +164,26 @@ def test_weight_bytes_read_per_decode_step(tiny_model):
 
 
 def test_linears_seconds_times_every_projection_and_the_lm_head(tiny_model, monkeypatch):
+    import threading
+
     import bench_decode
 
-    shapes = []
+    shapes, threads = [], []
 
     def fake_best_of(fn, repeat, device=None):
+        threads.append(threading.current_thread().name)
         shapes.extend(tuple(y.shape) for y in fn())
         return 1.0
 
     monkeypatch.setattr(bench_decode, "best_of", fake_best_of)
-    assert bench_decode.linears_seconds(tiny_model, rows=3) == 1.0
-    # q k v o gate up down per layer, and the LM head: every output row once, as 15 GEMMs, or as 9 once
-    # an earlier engine has packed this shared model with its siblings fused (q/k/v and gate/up one GEMM)
+    engine = Engine(tiny_model, None, EngineConfig(kv_cache_memory=4 * 2**20, block_size=4))
+    try:
+        assert bench_decode.linears_seconds(engine, rows=3) == 1.0
+    finally:
+        engine.close()
+    assert threads and all(t.startswith("svrmad-engine") for t in threads)  # timed where the steps run
+    # q k v o gate up down per layer, and the LM head: every output row once, as 15 GEMMs, or as 9 where
+    # the engine packed the model with its siblings fused (q/k/v and gate/up one GEMM)
     c = tiny_model.config
     per_layer = 2 * c.hidden_size + 2 * c.num_key_value_heads * c.head_dim + 2 * c.intermediate_size + c.hidden_size
     assert sum(s[1] for s in shapes) == c.num_hidden_layers * per_layer + c.vocab_size
@@ -295,3 +303,20 @@ def test_prompt_tokens_records_a_run_and_replays_it_at_other_budgets(tmp_path, t
     assert same["computed"] == engine["computed_tokens"] and same["evictions"] == engine["evictions"]
     tight = prompt_tokens.replay(reqs, same["peak_blocks"] // 3, block_size=4)
     assert tight["computed"] > same["computed"] and tight["evictions"] > 0
+
+
+def test_bench_gemv_step_shapes_are_the_engines_gemms_in_step_order():
+    from bench_gemv import step_shapes
+
+    config = {"hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "num_hidden_layers": 3, "vocab_size": 500}
+    shapes = step_shapes(config)
+    assert shapes[:4] == [("qkv", 128, 64), ("o_proj", 64, 64), ("gate_up", 192, 64), ("down", 64, 96)]
+    assert shapes[4:8] == shapes[:4] and len(shapes) == 3 * 4 + 1 and shapes[-1] == ("lm_head", 500, 64)
+    model = make_model("llama", vocab=500)  # the same count of weights as its unfused linears
+    c = model.config
+    same = {"hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size, "head_dim": c.head_dim,
+            "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
+            "num_hidden_layers": c.num_hidden_layers, "vocab_size": c.vocab_size}
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert sum(n * k for _, n, k in step_shapes(same)) == sum(m.weight.numel() for m in linears)

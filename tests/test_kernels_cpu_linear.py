@@ -35,6 +35,25 @@ def test_a_rows_output_does_not_depend_on_the_batch(k):
     assert torch.equal(cpu_linear.linear(x[3:4].expand(7, k).contiguous(), panels, n, b), full[3:4].expand(7, n))
 
 
+@pytest.mark.parametrize("n", [5, 16, 33, 64, 100, 144, 200])  # 1-13 panels: 4, 2 and 1 at a time, a partial last
+@pytest.mark.parametrize("k", [576, 2100])
+def test_one_row_runs_its_own_path_to_the_same_bits(n, k):
+    """M = 1 (batch-1 decode) takes several panels at once (csrc/cpu_linear.cpp, row_panels): each
+    output must still be bitwise what the many-row tiles compute, with and without a bias, and with
+    panels past n (a matrix packed wider than the columns asked for)."""
+    torch.manual_seed(n + k)
+    w, b, x = torch.randn(n, k) / k**0.5, torch.randn(n), torch.randn(7, k)
+    panels = cpu_linear.pack(w)
+    for bias in (None, b):
+        many = cpu_linear.linear(x, panels, n, bias)
+        for r in range(7):
+            for width in (4, 2, 1):  # panels at once: the speed moves, never the bits
+                one = cpu_linear.linear(x[r : r + 1], panels, n, bias, row_width=width)
+                assert torch.equal(one, many[r : r + 1]), (r, width, bias is None)
+    fewer = n - 16 if n > 16 else n - 3  # a panel (or part of one) past the columns asked for
+    assert torch.equal(cpu_linear.linear(x[:1], panels, fewer), cpu_linear.linear(x[:2], panels, fewer)[:1])
+
+
 def test_pack_unpack_and_row_lookups_are_exact_copies():
     w = torch.randn(37, 11)
     panels = cpu_linear.pack(w)

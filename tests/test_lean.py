@@ -84,6 +84,27 @@ def test_lean_forward_is_bitwise_the_modules_forward(name):
     assert runs[0] == runs[1], name
 
 
+@pytest.mark.parametrize("name", ["llama", "mistral-sliding"])
+def test_decode_steps_call_the_kernels_themselves(name, monkeypatch):
+    """In a step of decode rows only, the lean loop calls the in-place CPU attention kernel itself (not
+    through paged_attention's dispatch) and the panel linears without their modules' Python; the test
+    above holds it to the modules' bits."""
+    from svrmad_local.engine import lean
+    from svrmad_local.kernels import cpu_decode, cpu_linear
+
+    model = make_zoo_model(name)
+    eng = engine(model, linear="panels")
+    if not (cpu_linear.available() and cpu_decode.available()):
+        pytest.skip("the panel or the CPU decode kernel did not build")
+    calls = {"dispatch": 0, "kernel": 0}
+    for fn, key in ((lean.paged_attention, "dispatch"), (lean.paged_decode_cpu, "kernel")):
+        monkeypatch.setattr(lean, fn.__name__, lambda *a, _f=fn, _k=key, **kw: (calls.__setitem__(_k, calls[_k] + 1), _f(*a, **kw))[1])
+    eng.generate_sync([rand_prompt(9, 1)], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    n = model.config.num_hidden_layers
+    assert calls == {"dispatch": n, "kernel": 4 * n}  # the prefill step; four decode steps
+    assert not any(isinstance(f, torch.nn.Module) for L in eng.runner.lean.layers for f in (L.o_proj, L.down))
+
+
 @pytest.mark.parametrize("name", LEAN)
 def test_lean_engine_is_token_exact_against_a_cache_free_reference(name):
     model = make_zoo_model(name)

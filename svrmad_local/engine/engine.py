@@ -200,6 +200,12 @@ class Engine:
     def score_sync(self, prompt: Prompt, continuation: list[int] | str, topk: int = 20) -> ScoreOutput:
         return asyncio.run(self.score(prompt, continuation, topk))
 
+    def on_worker(self, fn, *args):
+        """fn(*args) on the engine's worker thread, where its forwards run (its result): a benchmark that
+        times the model's own pieces beside the engine, without a second OpenMP team (see __init__)."""
+        release_team()
+        return self._executor.submit(fn, *args).result()
+
     def follow(self) -> None:
         """Tensor-parallel ranks other than the leader: run its steps until it calls `close()`."""
         if not self.sharded or self.rank == 0:

@@ -25,9 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from svrmad_local.kernels import cpu_ops
+from svrmad_local.kernels import cpu_linear, cpu_ops
+from svrmad_local.kernels.cpu_decode import paged_decode_cpu
+from svrmad_local.models.linear import PANELS
 
-from .attention import paged_attention
+from .attention import StepContext, paged_attention
 from .context import get_context
 from .execution import Choice
 from .spec import ModelSpec
@@ -53,15 +55,31 @@ class FastRMSNorm(nn.Module):
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon} (kernels/cpu_ops)"
 
 
+def linear_call(m: nn.Module):
+    """y [T, K] -> m(y): the panel kernel called directly where m holds panels (the same call its forward
+    makes, without the module's and the layout's Python around it), else the module."""
+    if getattr(m, "layout", None) is PANELS and getattr(m, "packed", True):
+        return cpu_linear.bound(m.weight, m.out_features, m.bias)
+    return m
+
+
 def _columns(linears: list[nn.Module]):
     """A function y -> the outputs of `linears` (siblings reading y): one GEMM when they are the parts of
     one fused group in order (models/linear.FusedGroup), else one call each."""
     group = getattr(linears[0], "group", None)
     if group is not None and [getattr(m, "group", None) for m in linears] == [group] * len(linears) \
             and [m.i for m in linears] == list(range(len(group.bounds))):
-        cuts = [slice(lo, hi) for lo, hi in group.bounds]
-        return lambda y: [out[:, c] for out in (group(y),) for c in cuts]
+        cuts, mm = [slice(lo, hi) for lo, hi in group.bounds], linear_call(group)
+        return lambda y: [out[:, c] for out in (mm(y),) for c in cuts]
     return lambda y: [m(y) for m in linears]
+
+
+def _decode_in_place(ctx, T: int) -> bool:
+    """A step of T decode rows and nothing else whose attention is the compiled CPU kernel reading the
+    cache in place (engine/attention.paged_attention's branch for it): the lean loop calls that kernel
+    itself, skipping the general dispatch (prefills, cascades, flash, other devices) around it."""
+    return isinstance(ctx, StepContext) and ctx.decode_rows == T and ctx.paths.decode == "cpu" \
+        and ctx.decode_levels is None and ctx.flash is None and ctx.decode_tables is not None
 
 
 class _Layer:
@@ -75,8 +93,8 @@ class _Layer:
         self.w_in, self.w_post = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
         self.qkv = _columns([a.q_proj, a.k_proj, a.v_proj])
         self.q_norm, self.k_norm = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
-        self.head_dim, self.scaling, self.o_proj = a.head_dim, a.scaling, a.o_proj
-        self.gate_up, self.down = _columns([m.gate_proj, m.up_proj]), m.down_proj
+        self.head_dim, self.scaling, self.o_proj = a.head_dim, a.scaling, linear_call(a.o_proj)
+        self.gate_up, self.down = _columns([m.gate_proj, m.up_proj]), linear_call(m.down_proj)
 
 
 class LeanDecoder:
@@ -95,6 +113,11 @@ class LeanDecoder:
         cos, sin = cos[0].contiguous(), sin[0].contiguous()
         x, res = h[0].contiguous(), None
         T = x.shape[0]
+        direct = _decode_in_place(ctx, T)
+        if direct:
+            # the kernel's index type, converted once a step rather than in each layer's call
+            table, lens = ctx.decode_tables.block_table.long(), ctx.decode_tables.lens.long()
+            bs = ctx.cache.block_size
         for L in self.layers:
             if res is None:
                 y, res = cpu_ops.rms_norm(x, L.w_in, L.eps), x
@@ -104,8 +127,12 @@ class LeanDecoder:
             if L.q_norm is not None:
                 q, k = L.q_norm(q), L.k_norm(k)
             q = cpu_ops.rope_store(q, k, v, cos, sin, k_cache[L.layer_idx], v_cache[L.layer_idx], slots)
-            out = paged_attention(L.attn, q.transpose(0, 1).unsqueeze(0), None, None, None, scaling=L.scaling)[0]
-            x = L.o_proj(out[0].reshape(T, -1))
+            if direct:
+                out = paged_decode_cpu(q, k_cache[L.layer_idx], v_cache[L.layer_idx], table, lens, bs, L.scaling,
+                                       ctx.specs[L.layer_idx].window)
+            else:
+                out = paged_attention(L.attn, q.transpose(0, 1).unsqueeze(0), None, None, None, scaling=L.scaling)[0][0]
+            x = L.o_proj(out.reshape(T, -1))
             y, res = cpu_ops.add_rms_norm(x, res, L.w_post, L.eps)
             gate, up = L.gate_up(y)
             x = L.down(F.silu(gate) * up)

@@ -11,7 +11,9 @@ With 2-64 rows the FMAs pace the loads so slowly that the hardware's prefetch le
 under the machine's bandwidth; the first row tile of a pass prefetches 64 k's (4 KB) ahead, and the last
 of several tiles the next panel. On a 2-core AVX-512 EPYC (11-25, the same step, ms): M=4 20.9 -> 17.2,
 M=8 28.8 -> 22.6, M=12 32.8 -> 21.9, M=24 47.2 -> 34.0, M=64 96.9 -> 85.0, M=512 717 -> 683; M=1
-prefetches nothing (it streams at bandwidth).
+prefetches nothing. M=1 (a batch-1 decode step) walks four panels at once instead: eight FMA chains in
+flight instead of two, the same arithmetic per output; on the 2-core AVX2 EPYC the default's whole
+step of linears went from ~30 to ~35 GB/s (docs/kernels.md, "Batch-1 decode").
 
 The layout: weight W [N, K] as panels [ceil(N / 16), K, 16], panel p holding columns 16p..16p+15 of
 W^T (zero-padded past N): each panel is one contiguous run, read once per block of input rows. The
@@ -34,6 +36,7 @@ from ._cpu_build import Kernel
 
 NR = 16  # columns a panel
 KBLOCK = 1024
+ROW_WIDTH = 4  # panels a one-row call walks at once: 4, 2 or 1 (the walk before it; benchmarks/bench_gemv.py)
 
 NAME = "cpu_linear"  # its name for _backend.choose
 _KERNEL = Kernel(NAME, "cpu_linear.cpp", "SVRMAD_CPU_LINEAR", "panel linear kernel", needs_avx2=True)
@@ -74,7 +77,16 @@ def rows_of(panels: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return panels[ids // NR, :, ids % NR]
 
 
-def linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ W[:n].T + bias, W held as `panels` (see pack)."""
+def linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None = None,
+           row_width: int = ROW_WIDTH) -> torch.Tensor:
+    """x [..., K] @ W[:n].T + bias, W held as `panels` (see pack). `row_width` changes the speed of a
+    one-row call, never its bits."""
     lead = x.shape[:-1]
-    return _KERNEL.module().panel_linear(x.reshape(-1, x.shape[-1]), panels, n, bias, KBLOCK).view(*lead, n)
+    return _KERNEL.module().panel_linear(x.reshape(-1, x.shape[-1]), panels, n, bias, KBLOCK, row_width).view(*lead, n)
+
+
+def bound(panels: torch.Tensor, n: int, bias: torch.Tensor | None = None, row_width: int = ROW_WIDTH):
+    """x [M, K] -> linear(x, panels, n, bias) as one closure over the compiled call: what a decode step's
+    ~121 calls cost in Python is a large share of a batch-1 step on a slow core (engine/lean.py)."""
+    fn = _KERNEL.module().panel_linear
+    return lambda x: fn(x, panels, n, bias, KBLOCK, row_width)
