@@ -27,7 +27,7 @@ from torch import nn
 
 from svrmad_local.kernels import cpu_linear, cpu_ops
 from svrmad_local.kernels.cpu_decode import paged_decode_cpu
-from svrmad_local.models.linear import PANELS
+from svrmad_local.models.layouts import PANELS
 
 from .attention import StepContext, paged_attention
 from .context import get_context
