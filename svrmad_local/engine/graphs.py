@@ -45,6 +45,7 @@ the device pinned, without blocking (kernels._backend.staged).
 from __future__ import annotations
 
 import logging
+import threading
 import traceback
 import warnings
 from pathlib import Path
@@ -116,6 +117,7 @@ class HostSyncCheck(TorchDispatchMode):
         self._saved = {}
         self._known = 0  # > 0 while an op already noted above runs (its own CUDA wait is not noted twice)
         self._cuda = None  # (saved sync debug mode, warnings context, saved showwarning) while active
+        self._thread = None  # the thread that entered the check: another thread's syncs are not its own
 
     @property
     def found(self) -> list[str]:
@@ -154,7 +156,8 @@ class HostSyncCheck(TorchDispatchMode):
             self._known -= 1
 
     def _on_warning(self, message, category, filename, lineno, *rest):
-        if self.SYNC_WARNING in str(message):
+        # the sync debug mode and showwarning are process-wide: count only this check's thread
+        if self.SYNC_WARNING in str(message) and threading.get_ident() == self._thread:
             if not self._known:
                 self._note(self.syncs, "cuda: a synchronizing call (a copy from the host, blocking, or a read "
                                        "of device values)")
@@ -181,6 +184,7 @@ class HostSyncCheck(TorchDispatchMode):
             warnings.filterwarnings("always", message=f".*{self.SYNC_WARNING}")
             warnings.filterwarnings("ignore", message="Synchronization debug mode is a prototype")  # said once a process
             self._cuda = (torch.cuda.get_sync_debug_mode(), ctx, warnings.showwarning)
+            self._thread = threading.get_ident()
             warnings.showwarning = self._on_warning
             torch.cuda.set_sync_debug_mode("warn")
         return super().__enter__()
