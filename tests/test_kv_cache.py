@@ -1,6 +1,7 @@
 """The prefix tree and block pool: token-exact reuse, ref counts, LRU eviction of whole subtrees."""
 
 import pytest
+import torch
 
 from svrmad_local.engine.kv_cache import BlockManager, CacheFull
 
@@ -74,3 +75,17 @@ def test_evicting_a_block_drops_its_whole_subtree():
     bm.release(chain)
     bm._evict(chain[0])
     assert bm.evictions == 3 and bm.num_free == 6 and not bm.root.children
+
+
+def test_block_tables_give_the_cpu_kernel_int64_once_a_step():
+    """The compiled CPU decode kernel takes int64 ids: the step's int32 tables are converted on first use
+    and the same tensors serve every later layer (the general attention path and the lean loop alike)."""
+    from svrmad_local.engine.kv_cache import BlockTables
+
+    t = BlockTables.of_runs([(0, 5, [3, 1]), (0, 2, [2])], "cpu")
+    assert t.block_table.dtype == torch.int32
+    table, lens = t.as_long()
+    assert table.dtype == lens.dtype == torch.int64
+    assert table.tolist() == [[3, 1], [2, 0]] and lens.tolist() == [5, 2]
+    again = t.as_long()
+    assert again[0] is table and again[1] is lens

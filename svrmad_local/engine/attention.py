@@ -351,8 +351,7 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     elif nd and spec.kind == "kv" and ctx.paths.decode is not None:  # in place, through the block tables
         t = ctx.decode_tables
         if ctx.paths.decode == "cpu":
-            out[:nd] = paged_decode_cpu(q[:nd], kc, vc, t.block_table, t.lens, ctx.cache.block_size, scaling,
-                                        spec.window, sinks)
+            out[:nd] = paged_decode_cpu(q[:nd], kc, vc, *t.as_long(), ctx.cache.block_size, scaling, spec.window, sinks)
         else:
             out[:nd] = paged_decode(q[:nd], kc, vc, t.block_table, t.lens, ctx.cache.block_size, scaling,
                                     window=spec.window, sinks=sinks, kernel_impl=ctx.paths.kernel_impl)

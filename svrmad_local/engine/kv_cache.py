@@ -251,6 +251,14 @@ class BlockTables:
     block_table: torch.Tensor
     lens: torch.Tensor
     host_lens: list[int] | None = None
+    _long: tuple | None = field(default=None, repr=False, compare=False)
+
+    def as_long(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block_table, lens) in int64, the compiled CPU decode kernel's index type: converted once a
+        step, on first use, rather than by the kernel in each layer's call."""
+        if self._long is None:
+            self._long = (self.block_table.long(), self.lens.long())
+        return self._long
 
     @classmethod
     def build(cls, tables: list[list[int]], lens: list[int], device) -> "BlockTables":

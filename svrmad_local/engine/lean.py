@@ -115,9 +115,7 @@ class LeanDecoder:
         T = x.shape[0]
         direct = _decode_in_place(ctx, T)
         if direct:
-            # the kernel's index type, converted once a step rather than in each layer's call
-            table, lens = ctx.decode_tables.block_table.long(), ctx.decode_tables.lens.long()
-            bs = ctx.cache.block_size
+            (table, lens), bs = ctx.decode_tables.as_long(), ctx.cache.block_size
         for L in self.layers:
             if res is None:
                 y, res = cpu_ops.rms_norm(x, L.w_in, L.eps), x

@@ -117,7 +117,6 @@ def enabled() -> bool:
 def gemms(model: nn.Module, backend: str, fuse: bool = True) -> list[Gemm]:
     """The distinct GEMM shapes one step runs on `backend`, as select_linear will pack them: the packed
     backends fuse sibling projections, F.linear runs each module alone."""
-
     linears = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     groups = sibling_groups(model, linears) if fuse and backend != "aten" else []
