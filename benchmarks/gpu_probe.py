@@ -259,8 +259,6 @@ def probe_run(root: Path, device: str, models: list[str] | None = None, limit: i
     what is checked is that every method finishes every question and the run folder records it."""
     import subprocess
 
-    from svrmad_local.engine.params import SamplingParams  # noqa: F401 - the package imports here
-
     name = (models or ["smollm2-135m"])[0]
     folder = root / f"{name}-weights"
     if not any(folder.glob("*.safetensors")):

@@ -147,3 +147,9 @@ def write_deepseek(root: Path, fused: bool = False, seed: int = 0, config=None) 
     qdir = _write(root / f"deepseek-fp8-{tag}", config, q)
     model.save_pretrained(root / f"deepseek-ref-{tag}")
     return qdir, root / f"deepseek-ref-{tag}"
+
+
+def write_all(root: Path) -> dict[str, tuple[Path, Path]]:
+    """Every published layout the tests hold the engine to, each as (q, ref) folders under `root`."""
+    return {"gpt-oss": write_gpt_oss(root), "deepseek": write_deepseek(root),
+            "deepseek-fused": write_deepseek(root, fused=True)}

@@ -235,11 +235,9 @@ def test_the_check_sees_a_blocking_copy_from_the_host():
 
 @pytest.fixture(scope="module")
 def quant_folders(tmp_path_factory):
-    from .quant_zoo import write_deepseek, write_gpt_oss
+    from .quant_zoo import write_all
 
-    root = tmp_path_factory.mktemp("quant")
-    return {"gpt-oss": write_gpt_oss(root), "deepseek": write_deepseek(root),
-            "deepseek-fused": write_deepseek(root, fused=True)}
+    return write_all(tmp_path_factory.mktemp("quant"))
 
 
 @pytest.mark.parametrize("name", ["gpt-oss", "deepseek", "deepseek-fused"])

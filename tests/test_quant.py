@@ -25,7 +25,7 @@ from svrmad_local.models.quant import Fp8Experts, Fp8Linear, Mxfp4Experts, Quant
 from svrmad_local.models.quant.formats import QuantSpec
 
 from .model_zoo import WINDOW, full_logprobs, loop_greedy, rand_prompt
-from .quant_zoo import BLOCK, write_deepseek, write_gpt_oss
+from .quant_zoo import BLOCK, write_all
 
 NEW = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
@@ -94,9 +94,7 @@ def test_matmuls_equal_dequantize_then_matmul(monkeypatch, chunked):
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("quant")
-    return {"gpt-oss": write_gpt_oss(root), "deepseek": write_deepseek(root),
-            "deepseek-fused": write_deepseek(root, fused=True)}
+    return write_all(tmp_path_factory.mktemp("quant"))
 
 
 @pytest.fixture(scope="module")
