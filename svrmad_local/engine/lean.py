@@ -179,8 +179,10 @@ def select_decoder(model: nn.Module, spec: ModelSpec, choice: str = "auto") -> t
     if why is not None:
         if choice == "lean":
             raise ValueError(f"decoder='lean' cannot run this model: {why}")
-        on_cpu = model.base_model.get_input_embeddings().weight.device.type == "cpu"
-        return None, Choice("decoder", "the model's modules", why, fell_back=on_cpu)
+        device = model.base_model.get_input_embeddings().weight.device.type
+        if device != "cpu":  # not a fallback: the lean forward is the CPU's, a GPU runs the modules (and graphs)
+            why = f"on {device} (the lean forward is the CPU's)"
+        return None, Choice("decoder", "the model's modules", why, fell_back=device == "cpu")
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child).__name__ in NORMS:
