@@ -61,6 +61,24 @@ def test_matches_a_float64_reference_on_shuffled_block_tables(dtype, heads, kv_h
     assert (out.double() - ref).abs().max() < TOL[dtype]
 
 
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 2), (8, 1), (16, 4)])
+@pytest.mark.parametrize("nseq", [1, 6])  # items of one KV head, and of whole sequences (2 threads)
+def test_sharing_a_kv_row_between_query_heads_changes_no_bit(heads, kv_heads, nseq):
+    """The heads of one KV group read each K/V row once (up to three at a time, csrc `dots8_heads` /
+    `axpy_heads`), with the arithmetic of one head at a time: the output equals, bit for bit, the
+    same cache with every KV head repeated for its query heads (one head a group)."""
+    g = torch.Generator().manual_seed(heads + kv_heads + nseq)
+    bs, nblocks, G = 16, 48, heads // kv_heads
+    lens = torch.tensor([70, 33, 16, 8, 1, 45])[:nseq]  # whole eight-key groups and a ragged tail
+    table = torch.stack([torch.randperm(nblocks, generator=g)[:5] for _ in lens])
+    k, v = (torch.randn(nblocks * bs, kv_heads, 64, generator=g) for _ in range(2))
+    q = torch.randn(nseq, heads, 64, generator=g)
+    grouped = cpu_decode.paged_decode_cpu(q, k, v, table, lens, bs, 0.125)
+    alone = cpu_decode.paged_decode_cpu(q, k.repeat_interleave(G, 1).contiguous(), v.repeat_interleave(G, 1).contiguous(),
+                                        table, lens, bs, 0.125)
+    assert torch.equal(grouped, alone)
+
+
 def engine(model, **kw):
     return Engine(model, None, EngineConfig(kv_cache_memory=4 * 2**20, block_size=4, **kw))
 

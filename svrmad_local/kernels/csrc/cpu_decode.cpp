@@ -50,6 +50,70 @@ static inline void dots8(const float* q, const float* rows, int64_t stride, int6
   for (int64_t j = 0; j < cnt; ++j) out[j] = dotf(q, rows + j * stride, D) * scale;
 }
 
+#ifdef SVRMAD_AVX2
+// scores of 8 tokens (rows `stride` apart) for NHT <= 3 query heads of one KV group (q rows D apart, out
+// rows `ostride` apart): each score is dots8's, lane for lane and through the same hsum8 tree, so the
+// results are bit-identical; the heads share each row load and twelve FMA chains run at once where
+// dots8 runs eight (a decode step is otherwise bound by FMA latency, not by reading the cache)
+template <int NHT>
+static inline void dots8_heads(const float* q, const float* rows, int64_t stride, int64_t D, float scale, float* out,
+                               int64_t ostride) {
+  __m256 sums[NHT][8];
+  for (int half = 0; half < 2; ++half) {
+    const float* r = rows + half * 4 * stride;
+    __m256 acc[NHT][4];
+    for (int h = 0; h < NHT; ++h)
+      for (int j = 0; j < 4; ++j) acc[h][j] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+      for (int h = 0; h < NHT; ++h) {
+        const __m256 qv = _mm256_loadu_ps(q + h * D + d);
+        for (int j = 0; j < 4; ++j) acc[h][j] = _mm256_fmadd_ps(_mm256_loadu_ps(r + j * stride + d), qv, acc[h][j]);
+      }
+    }
+    for (int h = 0; h < NHT; ++h)
+      for (int j = 0; j < 4; ++j) sums[h][half * 4 + j] = acc[h][j];
+  }
+  const __m256 sv = _mm256_set1_ps(scale);
+  for (int h = 0; h < NHT; ++h) _mm256_storeu_ps(out + h * ostride, _mm256_mul_ps(hsum8(sums[h]), sv));
+}
+
+// acc[h][0..Dv) += w[h][p] * row_p for the tokens of a block, NHT <= 3 heads of one KV group sharing each
+// row, a quarter of Dv (32) at a time so that the accumulators stay in registers: per output the same
+// fmadds in the same token order as one head at a time, bit for bit
+template <int NHT>
+static inline void axpy_heads(const float* const* w, const float* rows, int64_t stride, int64_t cnt, int64_t Dv,
+                              float* acc, int64_t astride) {
+  for (int64_t c = 0; c < Dv; c += 32) {
+    __m256 r[NHT][4];
+    for (int h = 0; h < NHT; ++h)
+      for (int j = 0; j < 4; ++j) r[h][j] = _mm256_loadu_ps(acc + h * astride + c + 8 * j);
+    const float* row = rows + c;
+    for (int64_t p = 0; p < cnt; ++p, row += stride) {
+      __m256 wv[NHT];
+      for (int h = 0; h < NHT; ++h) wv[h] = _mm256_set1_ps(w[h][p]);
+      for (int j = 0; j < 4; ++j) {
+        const __m256 x = _mm256_loadu_ps(row + 8 * j);
+        for (int h = 0; h < NHT; ++h) r[h][j] = _mm256_fmadd_ps(wv[h], x, r[h][j]);
+      }
+    }
+    for (int h = 0; h < NHT; ++h)
+      for (int j = 0; j < 4; ++j) _mm256_storeu_ps(acc + h * astride + c + 8 * j, r[h][j]);
+  }
+}
+
+// the largest of x[0..n) (max is exact: any order gives the same value), from `m`
+static inline float max_of(const float* x, int64_t n, float m) {
+  int64_t t = 0;
+  __m256 mv = _mm256_set1_ps(m);
+  for (; t + 8 <= n; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(x + t));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, mv);
+  for (int j = 0; j < 8; ++j) m = std::max(m, lanes[j]);
+  for (; t < n; ++t) m = std::max(m, x[t]);
+  return m;
+}
+#endif
+
 // pulls `rows` rows of `bytes` each, `stride` bytes apart, towards L2 (the rows of a block PF_AHEAD on,
 // while this one computes: a block table scatters a context, so the hardware's prefetch stops at every
 // block edge)
@@ -94,6 +158,21 @@ static void run(const T* q, const T* k, const T* v, const int64_t* table, const 
             if (p0 + PF_AHEAD * bs < L)
               prefetch_rows(k + ((table[b * maxb + p0 / bs + PF_AHEAD] * bs + (p - p0)) * KVH + g0) * D, cnt,
                             KVH * D * sizeof(float), per * D * sizeof(float));
+#ifdef SVRMAD_AVX2
+            if (cnt == 8 && D % 8 == 0) {  // the heads of each KV group share the row loads
+              for (int64_t h = 0; h < NH;) {
+                const int64_t take = std::min<int64_t>(3, G - h % G);
+                const float* qh = qf.data() + h * D;
+                const float* rh = rows + (h / G) * D;
+                float* oh = scores.data() + h * n + t;
+                if (take == 3) dots8_heads<3>(qh, rh, KVH * D, D, scale, oh, n);
+                else if (take == 2) dots8_heads<2>(qh, rh, KVH * D, D, scale, oh, n);
+                else dots8_heads<1>(qh, rh, KVH * D, D, scale, oh, n);
+                h += take;
+              }
+              continue;
+            }
+#endif
             for (int64_t h = 0; h < NH; ++h)
               dots8(qf.data() + h * D, rows + (h / G) * D, KVH * D, cnt, D, scale, scores.data() + h * n + t);
           }
@@ -110,7 +189,11 @@ static void run(const T* q, const T* k, const T* v, const int64_t* table, const 
         float* sh = scores.data() + h * n;
         const float* sink = sinks ? sinks + h0 + h : nullptr;
         float m = sink ? *sink : -std::numeric_limits<float>::infinity();
+#ifdef SVRMAD_AVX2
+        m = max_of(sh, n, m);
+#else
         for (int64_t t = 0; t < n; ++t) m = std::max(m, sh[t]);
+#endif
         denom[h] = (sink ? std::exp(*sink - m) : 0.f) + exp_sub_sum(sh, n, m);
       }
       std::fill(acc.begin(), acc.end(), 0.f);
@@ -118,22 +201,21 @@ static void run(const T* q, const T* k, const T* v, const int64_t* table, const 
         const T* vb = v + table[b * maxb + p0 / bs] * bs * KVH * Dv;
 #ifdef SVRMAD_AVX2
         if constexpr (std::is_same<T, float>::value) {
-          if (Dv == 64) {  // a head's accumulator stays in registers over the block's tokens
+          if (Dv % 32 == 0) {  // the heads of a KV group share each row; accumulators in registers
             const int64_t p1 = std::max(p0, start), e = std::min(p0 + bs, L);
-            for (int64_t h = 0; h < NH; ++h) {
-              float* a = acc.data() + h * Dv;
+            for (int64_t h = 0; h < NH;) {
+              const int64_t take = std::min<int64_t>(3, G - h % G), kv = g0 + h / G;
               if (h % G == 0 && p0 + PF_AHEAD * bs < L)
-                prefetch_rows(v + ((table[b * maxb + p0 / bs + PF_AHEAD] * bs + (p1 - p0)) * KVH + g0 + h / G) * Dv,
+                prefetch_rows(v + ((table[b * maxb + p0 / bs + PF_AHEAD] * bs + (p1 - p0)) * KVH + kv) * Dv,
                               e - p1, KVH * Dv * sizeof(float), Dv * sizeof(float));
-              __m256 r[8];
-              for (int j = 0; j < 8; ++j) r[j] = _mm256_loadu_ps(a + 8 * j);
-              const float* w = scores.data() + h * n - start;
-              const float* row = vb + ((p1 - p0) * KVH + g0 + h / G) * Dv;
-              for (int64_t p = p1; p < e; ++p, row += KVH * Dv) {
-                const __m256 wv = _mm256_set1_ps(w[p]);
-                for (int j = 0; j < 8; ++j) r[j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(row + 8 * j), r[j]);
-              }
-              for (int j = 0; j < 8; ++j) _mm256_storeu_ps(a + 8 * j, r[j]);
+              const float* w[3];
+              for (int64_t i = 0; i < take; ++i) w[i] = scores.data() + (h + i) * n + (p1 - start);
+              const float* row = vb + ((p1 - p0) * KVH + kv) * Dv;
+              float* a = acc.data() + h * Dv;
+              if (take == 3) axpy_heads<3>(w, row, KVH * Dv, e - p1, Dv, a, Dv);
+              else if (take == 2) axpy_heads<2>(w, row, KVH * Dv, e - p1, Dv, a, Dv);
+              else axpy_heads<1>(w, row, KVH * Dv, e - p1, Dv, a, Dv);
+              h += take;
             }
             continue;
           }
