@@ -95,3 +95,27 @@ def test_priors_are_bounded_monotone_and_missing_is_lowest(name):
 def test_none_prior_is_neutral():
     assert prior_score({}, "none") == 0.0
     assert prior_score({"min_ll": -0.1}, "none") == 0.0
+
+
+def test_a_tokens_entropy_does_not_depend_on_the_rows_beside_it():
+    """One row alone and the same row among others give bit-identical statistics (a lone row's sum is
+    split over threads by torch, a batch's is not: engine.stats.row_sum), so a seeded run's signals
+    do not change with the steps its timing made."""
+    import torch
+
+    from svrmad_local.engine.stats import stats_from_logits
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(8, 49_157, generator=g) * 4  # a vocabulary off the chunk width
+    chosen = torch.randint(0, logits.shape[1], (8,), generator=g)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(2, threads))  # the split needs threads to split over
+    try:
+        batch = stats_from_logits(logits, chosen, 5)
+        for i in range(8):
+            alone = stats_from_logits(logits[i:i + 1], chosen[i:i + 1], 5)
+            assert torch.equal(alone.entropy, batch.entropy[i:i + 1]) and torch.equal(alone.logprob, batch.logprob[i:i + 1])
+    finally:
+        torch.set_num_threads(threads)
+    p = logits.double().log_softmax(-1)
+    assert torch.allclose(batch.entropy.double(), -(p.exp() * p).sum(-1), atol=1e-5)

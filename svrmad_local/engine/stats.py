@@ -25,10 +25,22 @@ class StepStats:
     topk_ids: torch.Tensor  # [R, k]
 
 
+def row_sum(x: torch.Tensor, chunk: int = 128) -> torch.Tensor:
+    """`x` [R, V] summed over V in an order that does not depend on R. torch sums a lone row (one
+    output) in two passes split over the threads, and each row of a batch in one pass: a token's
+    entropy then changed in its last bits with the number of rows in its step, which a run's timing
+    decides, so two runs of one seeded job differed. Here `chunk`-wide slices are summed first (many
+    outputs: each in one pass, whatever R), then the V / chunk partial sums (too few to split)."""
+    pad = (-x.shape[-1]) % chunk
+    if pad:
+        x = torch.nn.functional.pad(x, (0, pad))  # adding zeros changes no sum
+    return x.view(x.shape[0], -1, chunk).sum(-1).sum(-1)
+
+
 def stats_from_logits(logits: torch.Tensor, chosen: torch.Tensor, topk: int) -> StepStats:
     """`logits` [R, V] (any dtype; upcast here), `chosen` [R] token ids."""
     logp = torch.log_softmax(logits.float(), dim=-1)
-    entropy = -(logp.exp() * logp).sum(-1)
+    entropy = -row_sum(logp.exp() * logp)
     lp = logp.gather(1, chosen.view(-1, 1).to(logp.device)).squeeze(1)
     k = min(topk, logp.shape[-1])
     top = logp.topk(k, dim=-1) if k > 0 else None
