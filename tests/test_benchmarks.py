@@ -320,3 +320,35 @@ def test_bench_gemv_step_shapes_are_the_engines_gemms_in_step_order():
             "num_hidden_layers": c.num_hidden_layers, "vocab_size": c.vocab_size}
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     assert sum(n * k for _, n, k in step_shapes(same)) == sum(m.weight.numel() for m in linears)
+
+
+def test_step_profile_logs_every_engine_step_of_a_run(tmp_path, tiny_tokenizer, capsys):
+    """Each engine step of the run is one line: their prompt tokens add up to what the engine computed
+    and their count to its steps; the report splits prefill from decode-only steps and fits the latter."""
+    import json
+
+    import step_profile
+
+    from svrmad_local.engine.runner import ModelRunner
+
+    ck = tmp_path / "model"
+    make_model("llama", vocab=len(tiny_tokenizer), seed=3).save_pretrained(ck)
+    tiny_tokenizer.save_pretrained(ck)
+    data = tmp_path / "qs.jsonl"
+    data.write_text("".join(json.dumps({"id": f"q{i}", "question": f"What is {i} + {i + 1}?", "gold": str(2 * i + 1),
+                                        "answer_type": "math"}) + "\n" for i in range(2)))
+    log, out = tmp_path / "steps.jsonl", tmp_path / "run"
+    execute = ModelRunner.execute
+    try:
+        assert step_profile.main(["--log", str(log), "--", "run", "--model", str(ck), "--dataset", str(data),
+                                  "--out", str(out), "--max-tokens", "8", "--block-size", "4", "--device", "cpu",
+                                  "--methods", "svr-mad,group-debate", "--kv-cache-memory", "4MiB"]) == 0
+    finally:
+        ModelRunner.execute = execute
+    engine = json.loads((out / "run.json").read_text())["totals"]["engine"]
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(rows) == engine["steps"]
+    assert sum(r[1] for r in rows) == engine["computed_tokens"]
+    assert all(r[6] >= r[5] for r in rows) and any(r[0] for r in rows)
+    text = capsys.readouterr().out
+    assert f"{len(rows)} steps over" in text and "decode-only steps:" in text and "steps with a prefill chunk:" in text
