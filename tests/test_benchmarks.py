@@ -276,6 +276,19 @@ def test_bench_workload_names_a_failed_side_in_one_line(monkeypatch):
         bench_workload.main(["--variant", "--kv-cache-memory bad"])
 
 
+def tiny_run_inputs(tmp_path, tokenizer):
+    """A tiny checkpoint and a two-question math dataset for a real `svrmad run`."""
+    import json
+
+    ck = tmp_path / "model"
+    make_model("llama", vocab=len(tokenizer), seed=3).save_pretrained(ck)
+    tokenizer.save_pretrained(ck)
+    data = tmp_path / "qs.jsonl"
+    data.write_text("".join(json.dumps({"id": f"q{i}", "question": f"What is {i} + {i + 1}?", "gold": str(2 * i + 1),
+                                        "answer_type": "math"}) + "\n" for i in range(2)))
+    return ck, data
+
+
 def test_prompt_tokens_records_a_run_and_replays_it_at_other_budgets(tmp_path, tiny_tokenizer):
     """The replay through the real scheduler reproduces the engine's computed tokens at the run's own
     budget, computes more at a budget too small for the workload, and the bound is never above either."""
@@ -283,12 +296,7 @@ def test_prompt_tokens_records_a_run_and_replays_it_at_other_budgets(tmp_path, t
 
     import prompt_tokens
 
-    ck = tmp_path / "model"
-    make_model("llama", vocab=len(tiny_tokenizer), seed=3).save_pretrained(ck)
-    tiny_tokenizer.save_pretrained(ck)
-    data = tmp_path / "qs.jsonl"
-    data.write_text("".join(json.dumps({"id": f"q{i}", "question": f"What is {i} + {i + 1}?", "gold": str(2 * i + 1),
-                                        "answer_type": "math"}) + "\n" for i in range(2)))
+    ck, data = tiny_run_inputs(tmp_path, tiny_tokenizer)
     trace, out = tmp_path / "trace.jsonl", tmp_path / "run"
     assert prompt_tokens.main(["record", str(trace), "--", "run", "--model", str(ck), "--dataset", str(data),
                                "--out", str(out), "--max-tokens", "8", "--block-size", "4", "--device", "cpu",
@@ -331,12 +339,7 @@ def test_step_profile_logs_every_engine_step_of_a_run(tmp_path, tiny_tokenizer, 
 
     from svrmad_local.engine.runner import ModelRunner
 
-    ck = tmp_path / "model"
-    make_model("llama", vocab=len(tiny_tokenizer), seed=3).save_pretrained(ck)
-    tiny_tokenizer.save_pretrained(ck)
-    data = tmp_path / "qs.jsonl"
-    data.write_text("".join(json.dumps({"id": f"q{i}", "question": f"What is {i} + {i + 1}?", "gold": str(2 * i + 1),
-                                        "answer_type": "math"}) + "\n" for i in range(2)))
+    ck, data = tiny_run_inputs(tmp_path, tiny_tokenizer)
     log, out = tmp_path / "steps.jsonl", tmp_path / "run"
     execute = ModelRunner.execute
     try:
