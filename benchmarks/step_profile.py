@@ -8,7 +8,9 @@ Everything after `--` is `svrmad run`'s own command line. Prints: the steps with
 time, prompt tokens and ms a token by chunk size), the decode-only steps (time, rows, and a least-squares
 fit `ms = a + b x rows + c x context tokens`: a is the weights' cost a step, c the cost of reading a
 token of context), how many times a decode step reads each distinct KV block (what shared-prefix
-attention could save), and the time between steps (scheduling, sampling, the debate layer). Issue 32's
+attention could save), and the time between steps (the LM head over the rows that sample, which
+runs after the step, then sampling, statistics, scheduling; py-spy on a --limit 1 run put the LM
+head at two thirds of it). Issue 32's
 all-methods workload was split this way (docs/kernels.md). One run measures one machine: name it.
 """
 
@@ -54,7 +56,8 @@ def report(rows: list[list]) -> None:
     decode = [r for r in rows if r[1] == 0]
     prefill = [r for r in rows if r[1] > 0]
     between = sum(max(0.0, b[4] - b[3] / 1e3 - a[4]) for a, b in zip(rows, rows[1:]))
-    print(f"{len(rows)} steps over {span:.1f} s; {sum(r[3] for r in rows) / 1e3:.1f} s inside them, {between:.1f} s between")
+    print(f"{len(rows)} steps over {span:.1f} s; {sum(r[3] for r in rows) / 1e3:.1f} s inside them, {between:.1f} s between "
+          "(the LM head, sampling, statistics, scheduling)")
     if prefill:
         tokens = sum(r[1] for r in prefill)
         print(f"steps with a prefill chunk: {len(prefill)}, {sum(r[3] for r in prefill) / 1e3:.1f} s, {tokens} prompt "
