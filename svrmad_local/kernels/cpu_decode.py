@@ -19,9 +19,10 @@ loops prefetch the rows two blocks ahead into L2 (2-core AVX-512 EPYC, 30 layers
 stays in cache: 12 x 1,000 tokens 1.3 -> 0.9 ms a layer, 8 x 2,000 1.8 -> 1.25, 2 x 1,000 2x).
 The query heads of one KV group share each row load (twelve FMA chains in flight, the same
 arithmetic per output as one head at a time): in cache 20% fewer cycles a token on a Zen 3 EPYC;
-from memory the kernel still reads at 40-52% of a plain sum there (docs/kernels.md, "Decode attention
-on the CPU against the read bandwidth"). Sliding windows and GPT-OSS sinks are applied exactly as the torch reference does. Where no compiler
-is found, `available()` is False and the engine keeps the gather + SDPA path, saying why once.
+from memory the kernel still reads at 40-52% of a plain sum there (docs/kernels.md, "Decode
+attention on the CPU against the read bandwidth"). Sliding windows and GPT-OSS sinks are applied
+exactly as the torch reference does. Where no compiler is found, `available()` is False and the
+engine keeps the gather + SDPA path, saying why once.
 """
 
 from __future__ import annotations
