@@ -179,7 +179,6 @@ def time_shape(k: int, n: int, count: int, rows: dict[str, list[int]], budget_s:
     one), within that row count's share of `budget_s`; each backend's fastest call (on a shared machine a
     call whose thread waited for a core takes a scheduler slice longer: the minimum is what the backend
     costs). Scratch: the dense weights and each backend's packed copy of them, freed on return."""
-
     stream_bytes = stream_bytes or max(64 << 20, 2 * l3_bytes())
     w = torch.randn(n, k).to(dtype)
     copies = max(1, min(count, math.ceil(stream_bytes / (w.numel() * w.element_size()))))
