@@ -17,6 +17,7 @@ all-methods workload was split this way (docs/kernels.md). One run measures one 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -25,12 +26,12 @@ from collections import defaultdict
 import numpy as np
 
 
+@contextlib.contextmanager
 def record(path: str):
-    """Wraps ModelRunner.execute: one JSON line a step [decode rows, prefill tokens, context tokens,
-    ms, end time, distinct blocks the decode rows read, blocks they read]."""
+    """While open, ModelRunner.execute also writes one JSON line a step: [decode rows, prefill tokens,
+    context tokens, ms, end time, distinct blocks the decode rows read, blocks they read]."""
     from svrmad_local.engine.runner import ModelRunner
 
-    out = open(path, "w")
     inner = ModelRunner.execute
 
     def execute(self, step):
@@ -44,8 +45,12 @@ def record(path: str):
                               sum(map(len, read))]) + "\n")
         return result
 
-    ModelRunner.execute = execute
-    return out
+    with open(path, "w") as out:
+        ModelRunner.execute = execute
+        try:
+            yield
+        finally:
+            ModelRunner.execute = inner
 
 
 def report(rows: list[list]) -> None:
@@ -93,13 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--log", default="steps.jsonl", help="one JSON line a step (default: steps.jsonl)")
     args = ap.parse_args(argv[:cut])
-    log = record(args.log)
     from svrmad_local.cli import main as svrmad
 
-    try:
+    with record(args.log):
         rc = svrmad(argv[cut + 1:])
-    finally:
-        log.close()
     with open(args.log) as f:
         report([json.loads(line) for line in f])
     return rc
