@@ -157,3 +157,14 @@ def test_a_lean_model_saves_and_reloads_with_its_norm_weights(tmp_path):
     for k, v in make_zoo_model("qwen3").state_dict().items():
         if "norm" in k:
             assert torch.equal(back.state_dict()[k], v), k
+
+
+def test_off_the_cpu_the_modules_run_and_it_is_not_a_fallback():
+    """The lean forward is the CPU's: on another device the record says so, and marks no fallback
+    (a GPU runs the modules, with graphs); run here on the meta device."""
+    eng = engine(make_zoo_model("llama"), decoder="modules")
+    spec = eng.spec
+    eng.close()
+    decoder, choice = select_decoder(make_zoo_model("llama").to("meta"), spec)
+    assert decoder is None and choice.value == "the model's modules"
+    assert choice.reason == "on meta (the lean forward is the CPU's)" and not choice.fell_back
