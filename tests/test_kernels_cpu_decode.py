@@ -79,6 +79,37 @@ def test_sharing_a_kv_row_between_query_heads_changes_no_bit(heads, kv_heads, ns
     assert torch.equal(grouped, alone)
 
 
+@pytest.mark.parametrize("window,with_sinks", [(None, False), (None, True), (300, False), (200, True)])
+def test_long_contexts_cut_in_chunks_match_the_reference_whatever_the_thread_count(window, with_sinks):
+    """A context longer than csrc CHUNK_TOKENS (128) is attended in chunks whose partial softmaxes are
+    joined (windows starting mid-chunk, sinks joining once); the chunks are fixed by position, not by
+    the threads, so one thread and two give the same bits, and a sequence of one chunk gets the bits
+    it gets alone."""
+    g = torch.Generator().manual_seed(7 + (window or 0))
+    bs, heads, kv_heads = 16, 9, 3
+    lens = torch.tensor([1, 128, 129, 700, 45, 1031])  # one key, one whole chunk, one key past it, ragged tails
+    width = -(-int(lens.max()) // bs)
+    nblocks = width * len(lens)
+    table = torch.randperm(nblocks, generator=g).view(len(lens), width)
+    k, v = (torch.randn(nblocks * bs, kv_heads, 64, generator=g) for _ in range(2))
+    q = torch.randn(len(lens), heads, 64, generator=g)
+    sinks = torch.randn(heads, generator=g) if with_sinks else None
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_decode.paged_decode_cpu(q, k, v, table, lens, bs, 0.125, window, sinks)
+        torch.set_num_threads(2)
+        two = cpu_decode.paged_decode_cpu(q, k, v, table, lens, bs, 0.125, window, sinks)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    ref = dense_reference(q, k, v, table, lens, bs, 0.125, window, sinks)
+    assert (two.double() - ref).abs().max() < 1e-5
+    for i in (0, 1, 4):  # a sequence of one chunk, alone
+        alone = cpu_decode.paged_decode_cpu(q[i:i + 1], k, v, table[i:i + 1], lens[i:i + 1], bs, 0.125, window, sinks)
+        assert torch.equal(alone[0], two[i])
+
+
 def engine(model, **kw):
     return Engine(model, None, EngineConfig(kv_cache_memory=4 * 2**20, block_size=4, **kw))
 

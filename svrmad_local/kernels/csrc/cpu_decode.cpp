@@ -134,28 +134,68 @@ static inline const float* as_float(const T* row, float* buf, int64_t D) {
 template <>
 inline const float* as_float<float>(const float* row, float*, int64_t) { return row; }
 
+// keys one work item attends to, rounded to whole blocks: a constant, not a share of the threads, so a
+// sequence's output is the same bits whatever the thread count, and one long sequence still keeps
+// every thread busy (cpu_decode.py says what it measured; 64 and 256 measured no better)
+constexpr int64_t CHUNK_TOKENS = 128;
+
+// one work item's keys: sequence b's positions [lo, hi), with the KV heads [g0, g0 + per)
+struct Item {
+  int64_t chunk, b, lo, hi, g0;
+};
+
 template <typename T>
 static void run(const T* q, const T* k, const T* v, const int64_t* table, const int64_t* lens, const float* sinks,
                 T* out, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t Dv, int64_t maxb, int64_t bs,
                 float scale, int64_t window) {
-  const int64_t G = H / KVH;
-  // one work item: a sequence and a range of its KV heads. Whole sequences when there are enough of
-  // them (each token's K/V row of all heads is one contiguous read); one KV head each otherwise.
-  const int64_t per = B >= 2 * at::get_num_threads() ? KVH : 1, parts = KVH / per;
-  at::parallel_for(0, B * parts, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> qf(per * G * D), scores, acc(per * G * Dv), kbuf(KVH * D), vbuf(KVH * Dv);
-    for (int64_t item = lo; item < hi; ++item) {
-      const int64_t b = item / parts, g0 = (item % parts) * per, L = lens[b];
-      const int64_t start = window > 0 ? std::max<int64_t>(0, L - window) : 0, n = L - start;
+  const int64_t G = H / KVH, C = bs * std::max<int64_t>(1, CHUNK_TOKENS / bs);
+  // every sequence's keys cut at multiples of C; chunks of sequence b are first[b] .. first[b + 1]
+  std::vector<int64_t> first(B + 1, 0), chunk_lo, chunk_b;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t L = lens[b], start = window > 0 ? std::max<int64_t>(0, L - window) : 0;
+    for (int64_t c = start / C; c * C < L; ++c) {
+      chunk_lo.push_back(std::max(c * C, start));
+      chunk_b.push_back(b);
+    }
+    first[b + 1] = static_cast<int64_t>(chunk_lo.size());
+  }
+  const int64_t N = first[B];
+  // Whole rows (all KV heads: one contiguous read a token) when there are chunks enough for the
+  // threads, one KV head an item otherwise. Each thread walks a run of items in memory order (a
+  // sequence's chunks one after another, so the prefetch runs on across their edges), the runs cut
+  // at equal shares of the keys: a step's sequences differ in length, equal counts would not do.
+  const int64_t per = N >= 4 * at::get_num_threads() ? KVH : 1, parts = KVH / per;
+  std::vector<Item> items;
+  std::vector<int64_t> cum{0};
+  items.reserve(N * parts);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t part = 0; part < parts; ++part)
+      for (int64_t c = first[b]; c < first[b + 1]; ++c) {
+        const int64_t lo = chunk_lo[c], hi = std::min((lo / C + 1) * C, lens[b]);
+        items.push_back({c, b, lo, hi, part * per});
+        cum.push_back(cum.back() + hi - lo);
+      }
+  // per chunk and query head: the largest score m, the sum of e^(s - m), and sum e^(s - m) v
+  std::vector<float> mx(N * H), den(N * H), part_acc(N * H * Dv);
+  const int64_t NT = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size())));
+  at::parallel_for(0, NT, 1, [&](int64_t tlo, int64_t thi) {
+    // this run: the items whose first key falls in the keys' shares tlo .. thi
+    const auto at_share = [&](int64_t t) {
+      return std::lower_bound(cum.begin(), cum.end() - 1, (cum.back() * t + NT - 1) / NT) - cum.begin();
+    };
+    const int64_t i0 = at_share(tlo), i1 = at_share(thi);
+    std::vector<float> qf(per * G * D), scores(per * G * C), kbuf(KVH * D), vbuf(KVH * Dv);
+    for (int64_t i = i0; i < i1; ++i) {
+      const Item& it = items[i];
+      const int64_t b = it.b, g0 = it.g0, s = it.lo, e = it.hi, n = e - s, L = lens[b];
       const int64_t NH = per * G, h0 = g0 * G;  // this item's query heads: h0 .. h0 + NH
       for (int64_t h = 0; h < NH; ++h)
         for (int64_t d = 0; d < D; ++d) qf[h * D + d] = static_cast<float>(q[(b * H + h0 + h) * D + d]);
-      scores.assign(NH * n, 0.f);
-      for (int64_t p0 = start - start % bs; p0 < L; p0 += bs) {
+      for (int64_t p0 = s - s % bs; p0 < e; p0 += bs) {
         const T* kb = k + table[b * maxb + p0 / bs] * bs * KVH * D;
         if constexpr (std::is_same<T, float>::value) {  // rows read in place, eight tokens a reduction
-          for (int64_t p = std::max(p0, start), e = std::min(p0 + bs, L); p < e; p += 8) {
-            const int64_t cnt = std::min<int64_t>(8, e - p), t = p - start;
+          for (int64_t p = std::max(p0, s), pe = std::min(p0 + bs, e); p < pe; p += 8) {
+            const int64_t cnt = std::min<int64_t>(8, pe - p), t = p - s;
             const float* rows = kb + ((p - p0) * KVH + g0) * D;
             if (p0 + PF_AHEAD * bs < L)
               prefetch_rows(k + ((table[b * maxb + p0 / bs + PF_AHEAD] * bs + (p - p0)) * KVH + g0) * D, cnt,
@@ -166,68 +206,83 @@ static void run(const T* q, const T* k, const T* v, const int64_t* table, const 
                 const int64_t take = std::min<int64_t>(3, G - h % G);
                 const float* qh = qf.data() + h * D;
                 const float* rh = rows + (h / G) * D;
-                float* oh = scores.data() + h * n + t;
-                if (take == 3) dots8_heads<3>(qh, rh, KVH * D, D, scale, oh, n);
-                else if (take == 2) dots8_heads<2>(qh, rh, KVH * D, D, scale, oh, n);
-                else dots8_heads<1>(qh, rh, KVH * D, D, scale, oh, n);
+                float* oh = scores.data() + h * C + t;
+                if (take == 3) dots8_heads<3>(qh, rh, KVH * D, D, scale, oh, C);
+                else if (take == 2) dots8_heads<2>(qh, rh, KVH * D, D, scale, oh, C);
+                else dots8_heads<1>(qh, rh, KVH * D, D, scale, oh, C);
                 h += take;
               }
               continue;
             }
 #endif
             for (int64_t h = 0; h < NH; ++h)
-              dots8(qf.data() + h * D, rows + (h / G) * D, KVH * D, cnt, D, scale, scores.data() + h * n + t);
+              dots8(qf.data() + h * D, rows + (h / G) * D, KVH * D, cnt, D, scale, scores.data() + h * C + t);
           }
           continue;
         }
-        for (int64_t p = std::max(p0, start), e = std::min(p0 + bs, L); p < e; ++p) {
+        for (int64_t p = std::max(p0, s), pe = std::min(p0 + bs, e); p < pe; ++p) {
           const float* kp = as_float(kb + ((p - p0) * KVH + g0) * D, kbuf.data(), per * D);
-          const int64_t t = p - start;
-          for (int64_t h = 0; h < NH; ++h) scores[h * n + t] = dotf(qf.data() + h * D, kp + (h / G) * D, D) * scale;
+          const int64_t t = p - s;
+          for (int64_t h = 0; h < NH; ++h) scores[h * C + t] = dotf(qf.data() + h * D, kp + (h / G) * D, D) * scale;
         }
       }
-      std::vector<float> denom(NH);
-      for (int64_t h = 0; h < NH; ++h) {
-        float* sh = scores.data() + h * n;
-        const float* sink = sinks ? sinks + h0 + h : nullptr;
-        float m = sink ? *sink : -std::numeric_limits<float>::infinity();
-        m = max_of(sh, n, m);
-        denom[h] = (sink ? std::exp(*sink - m) : 0.f) + exp_sub_sum(sh, n, m);
+      for (int64_t h = 0; h < NH; ++h) {  // the sink joins every chunk's max, so one chunk needs no rescaling
+        float* sh = scores.data() + h * C;
+        const float m = max_of(sh, n, sinks ? sinks[h0 + h] : -std::numeric_limits<float>::infinity());
+        mx[it.chunk * H + h0 + h] = m;
+        den[it.chunk * H + h0 + h] = exp_sub_sum(sh, n, m);
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t p0 = start - start % bs; p0 < L; p0 += bs) {
+      float* acc = part_acc.data() + (it.chunk * H + h0) * Dv;
+      std::fill(acc, acc + NH * Dv, 0.f);
+      for (int64_t p0 = s - s % bs; p0 < e; p0 += bs) {
         const T* vb = v + table[b * maxb + p0 / bs] * bs * KVH * Dv;
+        const int64_t p1 = std::max(p0, s), pe = std::min(p0 + bs, e);
 #ifdef SVRMAD_AVX2
         if constexpr (std::is_same<T, float>::value) {
           if (Dv % 32 == 0) {  // the heads of a KV group share each row; accumulators in registers
-            const int64_t p1 = std::max(p0, start), e = std::min(p0 + bs, L);
             for (int64_t h = 0; h < NH;) {
               const int64_t take = std::min<int64_t>(3, G - h % G), kv = g0 + h / G;
               if (h % G == 0 && p0 + PF_AHEAD * bs < L)
                 prefetch_rows(v + ((table[b * maxb + p0 / bs + PF_AHEAD] * bs + (p1 - p0)) * KVH + kv) * Dv,
-                              e - p1, KVH * Dv * sizeof(float), Dv * sizeof(float));
+                              pe - p1, KVH * Dv * sizeof(float), Dv * sizeof(float));
               const float* w[3];
-              for (int64_t i = 0; i < take; ++i) w[i] = scores.data() + (h + i) * n + (p1 - start);
+              for (int64_t j = 0; j < take; ++j) w[j] = scores.data() + (h + j) * C + (p1 - s);
               const float* row = vb + ((p1 - p0) * KVH + kv) * Dv;
-              float* a = acc.data() + h * Dv;
-              if (take == 3) axpy_heads<3>(w, row, KVH * Dv, e - p1, Dv, a, Dv);
-              else if (take == 2) axpy_heads<2>(w, row, KVH * Dv, e - p1, Dv, a, Dv);
-              else axpy_heads<1>(w, row, KVH * Dv, e - p1, Dv, a, Dv);
+              float* a = acc + h * Dv;
+              if (take == 3) axpy_heads<3>(w, row, KVH * Dv, pe - p1, Dv, a, Dv);
+              else if (take == 2) axpy_heads<2>(w, row, KVH * Dv, pe - p1, Dv, a, Dv);
+              else axpy_heads<1>(w, row, KVH * Dv, pe - p1, Dv, a, Dv);
               h += take;
             }
             continue;
           }
         }
 #endif
-        for (int64_t p = std::max(p0, start), e = std::min(p0 + bs, L); p < e; ++p) {
+        for (int64_t p = p1; p < pe; ++p) {
           const float* vp = as_float(vb + ((p - p0) * KVH + g0) * Dv, vbuf.data(), per * Dv);
-          const int64_t t = p - start;
-          for (int64_t h = 0; h < NH; ++h) axpyf(scores[h * n + t], vp + (h / G) * Dv, acc.data() + h * Dv, Dv);
+          const int64_t t = p - s;
+          for (int64_t h = 0; h < NH; ++h) axpyf(scores[h * C + t], vp + (h / G) * Dv, acc + h * Dv, Dv);
         }
       }
-      for (int64_t h = 0; h < NH; ++h)
-        for (int64_t d = 0; d < Dv; ++d)
-          out[(b * H + h0 + h) * Dv + d] = static_cast<T>(acc[h * Dv + d] / denom[h]);
+    }
+  });
+  // each sequence's chunks joined in position order: a lone chunk's weight is e^0 = 1 exactly, so a
+  // context of up to C keys gets the bits of attending to it in one piece. A few microseconds of
+  // work a step: on the calling thread below 64 heads (waking the others cost more, in cache)
+  at::parallel_for(0, B * H, 64, [&](int64_t lo, int64_t hi) {
+    std::vector<float> o(Dv);
+    for (int64_t bh = lo; bh < hi; ++bh) {
+      const int64_t b = bh / H, h = bh % H, c0 = first[b], c1 = first[b + 1];
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t c = c0; c < c1; ++c) m = std::max(m, mx[c * H + h]);
+      float total = sinks ? std::exp(sinks[h] - m) : 0.f;
+      std::fill(o.begin(), o.end(), 0.f);
+      for (int64_t c = c0; c < c1; ++c) {
+        const float w = std::exp(mx[c * H + h] - m);
+        total += w * den[c * H + h];
+        axpyf(w, part_acc.data() + (c * H + h) * Dv, o.data(), Dv);
+      }
+      for (int64_t d = 0; d < Dv; ++d) out[bh * Dv + d] = static_cast<T>(o[d] / total);
     }
   });
 }

@@ -1,0 +1,105 @@
+"""How fast the CPU decode kernel reads the paged cache, against a plain read of the same bytes (a script).
+
+    python benchmarks/bench_decode_read.py [--threads 1,2] [--repeat 7] [--against OLD.cpp]
+
+The default model's attention (9 query heads, 3 KV heads, 64 dims, fp32, blocks of 16 at random places
+in the cache), one cache per layer for 30 layers so that the K/V come from memory, as in a step. For
+each case (the lengths of a step's sequences): the K/V bytes the kernel reads per second over the 30
+calls (best of --repeat), the same bytes read by torch's sum over one tensor, and the ratio (issue 32's
+target: >= 85%). The sum is timed right after the kernel in each case: this machine's bandwidth moves
+with its neighbours. --against builds another revision of csrc/cpu_decode.cpp
+(`git show REV:svrmad_local/kernels/csrc/cpu_decode.cpp > old.cpp`) and times it in the same run, its
+outputs checked within 1e-5 of ours. The last line is one JSON object with every figure.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from svrmad_local.kernels import cpu_decode  # noqa: E402
+
+HEADS, KV_HEADS, DIM, BLOCK, SCALE = 9, 3, 64, 16, 0.125
+CASES = {"one of 300": [300], "one of 1,500": [1500], "8 of 2,000": [2000] * 8, "12 of 500": [500] * 12,
+         "9 of 150-3,000": [3000, 200, 300, 2500, 400, 1800, 600, 900, 150]}
+
+
+def _against(src: str):
+    from torch.utils.cpp_extension import load
+
+    from svrmad_local.kernels._cpu_build import cflags
+
+    csrc = ROOT / "svrmad_local" / "kernels" / "csrc"
+    return load(name="bench_decode_read_against", sources=[src], extra_cflags=cflags(),
+                extra_include_paths=[str(csrc)], verbose=False).paged_decode
+
+
+def _best(fn, repeat: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def case(lens: list[int], layers: int, repeat: int, kernels: dict, g: torch.Generator) -> dict:
+    width = -(-max(lens) // BLOCK)
+    nblocks = width * len(lens)
+    k = [torch.randn(nblocks * BLOCK, KV_HEADS, DIM, generator=g) for _ in range(layers)]
+    v = [torch.randn(nblocks * BLOCK, KV_HEADS, DIM, generator=g) for _ in range(layers)]
+    table = torch.randperm(nblocks, generator=g).view(len(lens), width)
+    L, q = torch.tensor(lens), torch.randn(len(lens), HEADS, DIM, generator=g)
+    nbytes = sum(lens) * KV_HEADS * DIM * 4 * 2 * layers
+    row, outs = {}, {}
+    for name, fn in kernels.items():
+        outs[name] = fn(q, k[0], v[0], table, L, BLOCK, SCALE, -1, None)
+        row[name] = nbytes / _best(lambda: [fn(q, k[i], v[i], table, L, BLOCK, SCALE, -1, None) for i in range(layers)],
+                                   repeat) / 1e9
+    for name, out in outs.items():
+        err = (out - outs["kernel"]).abs().max().item()
+        if err > 1e-5:
+            raise SystemExit(f"bench_decode_read: {name} differs from the kernel by {err:.2e}")
+    flat = torch.randn(nbytes // 4, generator=g)
+    row["sum"] = nbytes / _best(flat.sum, repeat) / 1e9
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", default="1,2", help="thread counts to time (default 1,2)")
+    ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--against", help="another revision's csrc/cpu_decode.cpp, timed in the same run")
+    args = ap.parse_args()
+    if not cpu_decode.available():
+        raise SystemExit(f"bench_decode_read: the kernel is not built: {cpu_decode.unavailable_reason()}")
+    kernels = {"kernel": cpu_decode._KERNEL.module().paged_decode}
+    if args.against:
+        kernels["against"] = _against(args.against)
+    print(f"{platform.processor() or platform.machine()}, torch {torch.__version__}; GB/s of K/V read, "
+          f"{args.layers} layers' caches, best of {args.repeat}")
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for threads in (int(t) for t in args.threads.split(",")):
+        torch.set_num_threads(threads)
+        for label, lens in CASES.items():
+            row = {"threads": threads, "case": label, **case(lens, args.layers, args.repeat, kernels, g)}
+            rows.append(row)
+            line = "  ".join(f"{n} {row[n]:5.1f} ({row[n] / row['sum']:4.0%})" for n in kernels)
+            print(f"{threads} thread(s), {label:>15}: {line}  sum {row['sum']:5.1f}", flush=True)
+    print(json.dumps({"shape": {"heads": HEADS, "kv_heads": KV_HEADS, "dim": DIM, "block": BLOCK},
+                      "layers": args.layers, "against": args.against, "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
