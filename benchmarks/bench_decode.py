@@ -158,6 +158,44 @@ def host_ops(model, tokenizer, batches: list[int], block_size: int = 16, new_tok
     return rows
 
 
+def profile_decode(engine: Engine, B: int, args, vocab: int, top: int = 12) -> dict:
+    """One generate of B fresh prompts (1 + --new-tokens tokens each) under torch.profiler, after one
+    unprofiled generate of the same shape (graph captures, compiles): the wall time a step, the time
+    the device was busy a step (its kernels' own times), and the ops that took the most host time and
+    the kernels that took the most device time. The profiler starts on the engine's worker thread:
+    it records the host ops of the thread it starts on (the device's kernels come from every thread)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    on_gpu = next(engine.model.parameters()).device.type == "cuda"
+    gen = torch.Generator().manual_seed(1)
+    params = [SamplingParams(**sampling(i, 1 + args.new_tokens, args.greedy)) for i in range(B)]
+    engine.generate_sync(random_prompts(gen, B, args.prompt_tokens, vocab), params)
+    prompts = random_prompts(gen, B, args.prompt_tokens, vocab)
+    prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else []))
+    steps0 = engine.totals.steps
+    engine.on_worker(prof.start)
+    t0 = time.perf_counter()
+    engine.generate_sync(prompts, params)
+    wall = time.perf_counter() - t0
+    engine.on_worker(prof.stop)
+    steps = engine.totals.steps - steps0
+    events = prof.key_averages()
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+    host = [e for e in events if e.device_type == DeviceType.CPU]
+
+    def ms(us):
+        return round(us / 1e3 / steps, 4)
+
+    return {"batch": B, "steps": steps, "wall_ms_per_step": round(wall * 1e3 / steps, 3),
+            "device_busy_ms_per_step": ms(sum(e.self_device_time_total for e in kernels)),
+            "kernels_per_step": round(sum(e.count for e in kernels) / steps, 1),
+            "top_kernels_ms_per_step": [(e.key[:90], ms(e.self_device_time_total), round(e.count / steps, 1))
+                                        for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]],
+            "top_host_ms_per_step": [(e.key[:90], ms(e.self_cpu_time_total), round(e.count / steps, 1))
+                                     for e in sorted(host, key=lambda e: -e.self_cpu_time_total)[:top]]}
+
+
 def random_prompts(gen: torch.Generator, count: int, length: int, vocab: int) -> list[list[int]]:
     return torch.randint(100, vocab, (count, length), generator=gen).tolist()
 
@@ -205,6 +243,9 @@ def main() -> int:
     ap.add_argument("--host-ops", action="store_true",
                     help="count the torch ops one decode step dispatches at each batch size, and stop")
     ap.add_argument("--json", action="store_true", help="with --host-ops: one JSON object only")
+    ap.add_argument("--profile", type=int, metavar="B",
+                    help="profile one generate of B sequences (torch.profiler: wall and device-busy ms a step, the "
+                         "top host ops and kernels), and stop")
     ap.add_argument("--random-weights", action="store_true",
                     help="random weights from --model's config.json (a checkpoint's shape: timing only)")
     args = ap.parse_args()
@@ -241,6 +282,16 @@ def main() -> int:
     print(f"machine: read bandwidth {bw / 1e9:.1f} GB/s; model: {w_bytes / 1e6:.0f} MB of {str(dtype)[6:]} weights "
           f"read per step, {kv_tok} KV bytes per token")
 
+    if args.profile:
+        prof = profile_decode(engine, args.profile, args, vocab)
+        print(f"batch {prof['batch']}: {prof['wall_ms_per_step']} ms a step, the device busy "
+              f"{prof['device_busy_ms_per_step']} ms of it ({prof['kernels_per_step']} kernels a step)")
+        for title, key in (("host ops (self time)", "top_host_ms_per_step"), ("kernels", "top_kernels_ms_per_step")):
+            print(f"  {title}, ms a step and calls a step:")
+            for name, t, calls in prof[key]:
+                print(f"    {t:8.4f}  {calls:7.1f}  {name}")
+        print(json.dumps({"profile": prof, "engine": args.engine, "dtype": args.dtype}))
+        return 0
     gen = torch.Generator().manual_seed(0)
     timed_pair(engine_generate, gen, 2, argparse.Namespace(**{**vars(args), "new_tokens": 4}), vocab)  # warm-up
     rows = []

@@ -41,7 +41,7 @@ WHEELS = ROOT / ".whl"
 FETCH = 'pip download --no-deps -d .whl pytest pluggy iniconfig gguf'  # gguf: not in the lent image
 CARRY_LIMIT = 64 * 2**20
 FIRST = ["env", "deps", "package", "models"]  # every call runs these first (each a few seconds)
-GPU_STEPS = ["tests", "graphs", "bf16", "flash", "run", "kernels", "engine", "decode"]
+GPU_STEPS = ["tests", "graphs", "bf16", "flash", "run", "kernels", "engine", "decode", "profile"]
 PARTS = {"1": FIRST + ["tests", "graphs", "bf16", "flash", "run"], "2": FIRST + ["kernels", "decode"],
          "3": FIRST + ["engine"]}
 ENGINE_MODELS = ["smollm2-135m", "qwen3-1.7b"]
@@ -331,9 +331,16 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=570.0, help="time this call may take (default 570)")
     ap.add_argument("--engine-models", default=",".join(ENGINE_MODELS),
                     help=f"the engine step's models (default {','.join(ENGINE_MODELS)})")
+    ap.add_argument("--decode-models", default=ENGINE_MODELS[0],
+                    help=f"the decode step's models, of {','.join(ENGINE_MODELS)} (default {ENGINE_MODELS[0]})")
     args = ap.parse_args(argv)
     chk = Check(args.out, args.dry_run, args.budget_s)
     wanted = PARTS.get(args.steps or "", None) or (FIRST + (args.steps.split(",") if args.steps else GPU_STEPS))
+    models = set(args.engine_models.split(",")) | set(args.decode_models.split(","))
+    if not models <= set(ENGINE_MODELS):
+        print(f"gpu_check: unknown model(s) {', '.join(sorted(models - set(ENGINE_MODELS)))}; models: "
+              f"{', '.join(ENGINE_MODELS)}", file=sys.stderr)
+        return 2
     unknown = sorted(set(wanted) - set(FIRST + GPU_STEPS + ["carry"]))
     if unknown:
         print(f"gpu_check: unknown step(s) {', '.join(unknown)}; steps: {', '.join(FIRST + GPU_STEPS)}", file=sys.stderr)
@@ -378,11 +385,20 @@ def main(argv=None) -> int:
             plan.append((f"engine-{model}-nographs", base + ["--engine", "cuda_graphs=off", "--skip-naive"] + wl, 40,
                          _last_json))
     if "decode" in wanted:
-        for graphs in ("auto", "off"):
-            base = [py, "benchmarks/bench_decode.py", "--model", str(m / "smollm2-135m"), "--random-weights",
-                    "--dtype", "bf16", "--engine", f"cuda_graphs={graphs}"]
-            plan.append((f"decode-graphs-{graphs}", base + ["--batches", "1,8,32"], 90, _last_json))
-            plan.append((f"host-ops-graphs-{graphs}", base + ["--host-ops", "--json"], 20, _last_json))
+        for model in args.decode_models.split(","):
+            tag = "" if model == ENGINE_MODELS[0] else f"-{model}"  # the default's step names as before
+            for graphs in ("auto", "off"):
+                base = [py, "benchmarks/bench_decode.py", "--model", str(m / model), "--random-weights",
+                        "--dtype", "bf16", "--engine", f"cuda_graphs={graphs}"]
+                plan.append((f"decode{tag}-graphs-{graphs}", base + ["--batches", "1,8,32"], 90, _last_json))
+                plan.append((f"host-ops{tag}-graphs-{graphs}", base + ["--host-ops", "--json"], 20, _last_json))
+    if "profile" in wanted:  # where a decode step's time goes: the host, the device, which kernels
+        for model in args.decode_models.split(","):
+            for graphs in ("auto", "off"):
+                plan.append((f"profile-{model}-graphs-{graphs}",
+                             [py, "benchmarks/bench_decode.py", "--model", str(m / model), "--random-weights",
+                              "--dtype", "bf16", "--engine", f"cuda_graphs={graphs}", "--profile", "1",
+                              "--new-tokens", "32"], 40, _last_json))
     for name, cmd, expect, parse in plan:
         step = add(name, True)
         if not ready:

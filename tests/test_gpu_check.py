@@ -69,3 +69,18 @@ def test_the_dry_run_writes_the_summary_and_never_runs_a_cuda_step(tmp_path, mon
     for folder in steps["models"]["figures"]["models"].values():
         assert (Path(folder) / "config.json").exists()
     assert Path(steps["package"]["figures"]["kernels"]).resolve().is_relative_to(gpu_check.ROOT)
+
+
+def test_the_decode_step_runs_each_model_asked_for_and_refuses_an_unknown_one(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SVRMAD_GPU_CHECK_WORK", str(tmp_path / "work"))
+    assert gpu_check.main([str(tmp_path / "bad"), "--dry-run", "--decode-models", "llama-70b"]) == 2
+    assert "unknown model(s) llama-70b" in capsys.readouterr().err
+    out = tmp_path / "out"
+    assert gpu_check.main([str(out), "--dry-run", "--steps", "decode", "--decode-models", "smollm2-135m,qwen3-1.7b"]) == 0
+    steps = {s["name"]: s for s in json.loads((out / "summary.json").read_text())["steps"] if s["needs_cuda"]}
+    assert list(steps) == ["decode-graphs-auto", "host-ops-graphs-auto", "decode-graphs-off", "host-ops-graphs-off",
+                           "decode-qwen3-1.7b-graphs-auto", "host-ops-qwen3-1.7b-graphs-auto",
+                           "decode-qwen3-1.7b-graphs-off", "host-ops-qwen3-1.7b-graphs-off"]
+    for name, s in steps.items():
+        model = "qwen3-1.7b" if "qwen3" in name else "smollm2-135m"
+        assert s["status"] == "skipped" and s["command"][s["command"].index("--model") + 1].endswith(model), s
