@@ -17,7 +17,6 @@ import argparse
 import json
 import platform
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from bench_mla import best_of  # noqa: E402
 from svrmad_local.kernels import cpu_decode  # noqa: E402
 
 HEADS, KV_HEADS, DIM, BLOCK, SCALE = 9, 3, 64, 16, 0.125
@@ -43,13 +43,8 @@ def _against(src: str):
 
 
 def _best(fn, repeat: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
+    fn()  # a first call compiles nothing here, but pages the inputs in
+    return best_of(fn, repeat, torch.device("cpu"))
 
 
 def case(lens: list[int], layers: int, repeat: int, kernels: dict, g: torch.Generator) -> dict:

@@ -353,3 +353,39 @@ def test_step_profile_logs_every_engine_step_of_a_run(tmp_path, tiny_tokenizer, 
     assert all(r[6] >= r[5] for r in rows) and any(r[0] for r in rows)
     text = capsys.readouterr().out
     assert f"{len(rows)} steps over" in text and "decode-only steps:" in text and "steps with a prefill chunk:" in text
+
+
+def test_profile_decode_reports_the_steps_it_profiled_and_the_host_ops_of_the_worker():
+    """bench_decode --profile: the profiler starts on the engine's worker (started on the caller's
+    thread it would record none of the step's ops); on the CPU no kernel is reported."""
+    from bench_decode import profile_decode
+
+    from .model_zoo import make_zoo_model
+
+    engine = Engine(make_zoo_model("llama"), None, EngineConfig(kv_cache_memory=4 * 2**20, block_size=4))
+    args = SimpleNamespace(new_tokens=5, prompt_tokens=6, greedy=True)
+    prof = profile_decode(engine, 2, args, vocab=engine.model.get_output_embeddings().out_features)
+    assert prof["batch"] == 2 and prof["steps"] == 6 and prof["wall_ms_per_step"] > 0
+    assert prof["kernels_per_step"] == 0 and prof["top_kernels_ms_per_step"] == []
+    names = [name for name, _, _ in prof["top_host_ms_per_step"]]
+    assert any(n.startswith("aten::") for n in names), names
+
+
+def test_bench_decode_read_times_the_kernel_against_a_plain_read_and_another_revision(tmp_path, capsys, monkeypatch):
+    import json
+
+    import bench_decode_read
+
+    from svrmad_local.kernels import cpu_decode
+
+    if not cpu_decode.available():
+        pytest.skip(f"no kernel: {cpu_decode.unavailable_reason()}")
+    monkeypatch.setattr(bench_decode_read, "CASES", {"two": [40, 300]})
+    same = tmp_path / "cpu_decode.cpp"
+    same.write_text((Path(cpu_decode.__file__).parent / "csrc" / "cpu_decode.cpp").read_text())
+    monkeypatch.setattr(sys, "argv", ["bench_decode_read.py", "--threads", "1", "--repeat", "1", "--layers", "2",
+                                      "--against", str(same)])
+    bench_decode_read.main()
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
+    assert [(r["threads"], r["case"]) for r in rows] == [(1, "two")]
+    assert all(rows[0][k] > 0 for k in ("kernel", "against", "sum"))
