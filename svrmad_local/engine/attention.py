@@ -196,6 +196,20 @@ class StepContext:
             self._plans[key] = cascade_plan(q, k_paged, self.decode_levels, q_pos=self.decode_pos, window=window)
         return self._plans[key]
 
+    def decode_path(self, kind: str) -> str | None:
+        """How this step's decode rows attend in a layer of `kind` ("kv" or "latent"), decided here only
+        (paged_attention follows it; the lean loop calls the CPU kernel itself where it says "cpu"):
+        "flash" (flash-attn over the whole step), "cascade" (shared prefixes once), "cpu" / "triton" (the
+        paged kernel through the block tables), "absorbed" (MLA from the latent cache), "padded" (SDPA
+        over a gather); None where the step has no decode rows."""
+        if kind == "kv" and self.flash is not None:
+            return "flash"
+        if not self.decode_rows:
+            return None
+        if kind == "kv":
+            return "cascade" if self.decode_levels is not None else self.paths.decode or "padded"
+        return "absorbed" if self.paths.mla_absorbed else "padded"
+
     def view(self, window: int | None, latent: bool = False) -> View:
         key = (window, latent)
         if key not in self._views:
@@ -332,33 +346,34 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     spec = ctx.specs[layer]
     sinks = kwargs.get("s_aux") if spec.sinks else None
     q = query[0].transpose(0, 1)  # [T, H, D]
+    how = ctx.decode_path(spec.kind)
+    if how == "flash":
+        return _flash(ctx, layer, q, scaling, spec.window, sinks).unsqueeze(0), None
     if spec.kind == "latent":  # key/value: the expanded context of every run, concatenated
         kc, vc = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [L, H, D]
         view = ctx.view(None, latent=True)
     else:
-        if ctx.flash is not None:
-            return _flash(ctx, layer, q, scaling, spec.window, sinks).unsqueeze(0), None
         kc, vc = ctx.cache.k[layer], ctx.cache.v[layer]
         view = _IN_PLACE if ctx.prefill_tables is not None else ctx.view(spec.window)
     out = q.new_empty(q.shape[0], q.shape[1], vc.shape[-1])
     nd = ctx.decode_rows
-    if nd and ctx.decode_levels is not None and spec.kind == "kv":  # shared prefixes attended once
+    if how == "cascade":  # shared prefixes attended once
         bs = ctx.cache.block_size
         paged = (kc.view(-1, bs, *kc.shape[1:]), vc.view(-1, bs, *vc.shape[1:]))
         out[:nd] = cascade_attention(q[:nd], *paged, ctx.decode_levels, scaling, q_pos=ctx.decode_pos,
                                      window=spec.window, sinks=sinks, kernel_impl=ctx.paths.kernel_impl,
                                      plan=ctx.cascade_plan(spec.window, q[:nd], paged[0]))
-    elif nd and spec.kind == "kv" and ctx.paths.decode is not None:  # in place, through the block tables
+    elif how in ("cpu", "triton"):  # in place, through the block tables
         t = ctx.decode_tables
-        if ctx.paths.decode == "cpu":
+        if how == "cpu":
             out[:nd] = paged_decode_cpu(q[:nd], kc, vc, *t.as_long(), ctx.cache.block_size, scaling, spec.window, sinks)
         else:
             out[:nd] = paged_decode(q[:nd], kc, vc, t.block_table, t.lens, ctx.cache.block_size, scaling,
                                     window=spec.window, sinks=sinks, kernel_impl=ctx.paths.kernel_impl)
-    elif nd and spec.kind == "latent" and ctx.paths.mla_absorbed:  # absorbed MLA, from the latent cache
+    elif how == "absorbed":  # MLA, from the latent cache
         out[:nd] = mla.decode_attention(module, q[:nd], ctx.cache.k[layer], ctx.cache.v[layer], ctx.decode_tables,
                                         ctx.cache.block_size, scaling, ctx.paths.kernel_impl)
-    elif nd:
+    elif how == "padded":
         _attend_padded(ctx, q, kc, vc, layer, view.decode, spec.kind, scaling, sinks, out)
     if view is _IN_PLACE:  # prefill runs, in place through their block tables (Triton)
         t = ctx.prefill_tables

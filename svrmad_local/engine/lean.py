@@ -75,11 +75,10 @@ def _columns(linears: list[nn.Module]):
 
 
 def _decode_in_place(ctx, T: int) -> bool:
-    """A step of T decode rows and nothing else whose attention is the compiled CPU kernel reading the
-    cache in place (engine/attention.paged_attention's branch for it): the lean loop calls that kernel
+    """A step of T decode rows and nothing else whose decode rows take the compiled CPU kernel
+    (StepContext.decode_path, which paged_attention follows too): the lean loop calls that kernel
     itself, skipping the general dispatch (prefills, cascades, flash, other devices) around it."""
-    return isinstance(ctx, StepContext) and ctx.decode_rows == T and ctx.paths.decode == "cpu" \
-        and ctx.decode_levels is None and ctx.flash is None and ctx.decode_tables is not None
+    return isinstance(ctx, StepContext) and ctx.decode_rows == T and ctx.decode_path("kv") == "cpu"
 
 
 class _Layer:
