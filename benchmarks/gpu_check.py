@@ -384,21 +384,17 @@ def main(argv=None) -> int:
                          _last_json))
             plan.append((f"engine-{model}-nographs", base + ["--engine", "cuda_graphs=off", "--skip-naive"] + wl, 40,
                          _last_json))
-    if "decode" in wanted:
-        for model in args.decode_models.split(","):
-            tag = "" if model == ENGINE_MODELS[0] else f"-{model}"  # the default's step names as before
-            for graphs in ("auto", "off"):
-                base = [py, "benchmarks/bench_decode.py", "--model", str(m / model), "--random-weights",
-                        "--dtype", "bf16", "--engine", f"cuda_graphs={graphs}"]
+    for model in args.decode_models.split(","):
+        tag = "" if model == ENGINE_MODELS[0] else f"-{model}"  # the default's decode step names as before
+        for graphs in ("auto", "off"):
+            base = [py, "benchmarks/bench_decode.py", "--model", str(m / model), "--random-weights",
+                    "--dtype", "bf16", "--engine", f"cuda_graphs={graphs}"]
+            if "decode" in wanted:
                 plan.append((f"decode{tag}-graphs-{graphs}", base + ["--batches", "1,8,32"], 90, _last_json))
                 plan.append((f"host-ops{tag}-graphs-{graphs}", base + ["--host-ops", "--json"], 20, _last_json))
-    if "profile" in wanted:  # where a decode step's time goes: the host, the device, which kernels
-        for model in args.decode_models.split(","):
-            for graphs in ("auto", "off"):
-                plan.append((f"profile-{model}-graphs-{graphs}",
-                             [py, "benchmarks/bench_decode.py", "--model", str(m / model), "--random-weights",
-                              "--dtype", "bf16", "--engine", f"cuda_graphs={graphs}", "--profile", "1",
-                              "--new-tokens", "32"], 40, _last_json))
+            if "profile" in wanted:  # where a decode step's time goes: the host, the device, which kernels
+                plan.append((f"profile-{model}-graphs-{graphs}", base + ["--profile", "1", "--new-tokens", "32"], 40,
+                             _last_json))
     for name, cmd, expect, parse in plan:
         step = add(name, True)
         if not ready:

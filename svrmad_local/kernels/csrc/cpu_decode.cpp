@@ -150,13 +150,10 @@ static void run(const T* q, const T* k, const T* v, const int64_t* table, const 
                 float scale, int64_t window) {
   const int64_t G = H / KVH, C = bs * std::max<int64_t>(1, CHUNK_TOKENS / bs);
   // every sequence's keys cut at multiples of C; chunks of sequence b are first[b] .. first[b + 1]
-  std::vector<int64_t> first(B + 1, 0), chunk_lo, chunk_b;
+  std::vector<int64_t> first(B + 1, 0), chunk_lo;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t L = lens[b], start = window > 0 ? std::max<int64_t>(0, L - window) : 0;
-    for (int64_t c = start / C; c * C < L; ++c) {
-      chunk_lo.push_back(std::max(c * C, start));
-      chunk_b.push_back(b);
-    }
+    for (int64_t c = start / C; c * C < L; ++c) chunk_lo.push_back(std::max(c * C, start));
     first[b + 1] = static_cast<int64_t>(chunk_lo.size());
   }
   const int64_t N = first[B];
