@@ -24,6 +24,7 @@ from ._backend import choose
 from ._cpu_build import Kernel
 
 NAME = "cpu_ops"  # its name for _backend.choose
+DTYPES = (torch.float32,)  # the activation dtypes the compiled ops take; callers run a torch reference for others
 _KERNEL = Kernel(NAME, "cpu_ops.cpp", "SVRMAD_CPU_OPS", "fused CPU decoder ops", needs_avx2=True,
                  extra_cflags=("-ffp-contract=off",))
 
