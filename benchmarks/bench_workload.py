@@ -1,9 +1,9 @@
-"""Issue 32's prefill-heavy workload, side by side: `svrmad run` over GSM8K with all five methods.
+"""The prefill-heavy debate workload, side by side: `svrmad run` over GSM8K with all five methods.
 
 Each side is one `svrmad run` in a fresh process and a fresh output folder: on this checkout once per
 `--variant` (extra `svrmad run` arguments: "" for the defaults, "--kv-cache-memory 2GiB" for the old
 CPU budget, "--run-ahead"), and with `--ref PATH` on another checkout at its defaults (for example
-main at 8981e79, the issue's reference). The run is seeded, so the sides do the same work
+main at 8981e79, the reference of docs/measurements.md). The run is seeded, so the sides do the same work
 unless their engines differ; the counters show where they differ. Prints, per side, the wall time of
 the whole command (load included) and the run's own, engine steps, prompt tokens billed / computed /
 reused from the cache, generated tokens, evictions and peak KV; then each side's time against the
@@ -73,7 +73,7 @@ def fmt(v) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--limit", type=int, default=4, help="GSM8K questions (issue 32: 4)")
+    p.add_argument("--limit", type=int, default=4, help="GSM8K questions (default 4, as in docs/measurements.md)")
     p.add_argument("--dataset", default="gsm8k")
     p.add_argument("--methods", default=METHODS)
     p.add_argument("--max-tokens", type=int, default=256)

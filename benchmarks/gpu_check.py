@@ -1,7 +1,7 @@
 """The GPU check for a bare, offline GPU machine (what benchmarks/gpu_check.sh runs), in steps.
 
-    benchmarks/gpu_check.sh OUTDIR [--steps 1|2|3|a,b,...]  on the GPU machine (OUTDIR: the run tool's $OUT)
-    benchmarks/gpu_check.sh --dry-run OUTDIR                here, on a CPU: everything but CUDA
+    benchmarks/gpu_check.sh OUTDIR [--steps 1|2|3|a,b,...]  on the GPU machine
+    benchmarks/gpu_check.sh --dry-run OUTDIR                on a CPU machine: everything but CUDA
 
 It installs nothing into the machine's Python: the wheels carried in .whl/ (downloaded beforehand by
 FETCH) go into a private folder with `pip install --no-index --no-deps --target`, only where the
@@ -14,9 +14,8 @@ published layouts from tests/quant_zoo.py), then runs the steps (each killed if 
 OUTDIR/summary.json: {"steps": [{"name", "status": "ran" | "skipped", "reason", "needs_cuda", "result":
 "pass" | "fail" (where it ran), "seconds", "command", "figures", "log"}], ...}. Every step's output is kept
 in OUTDIR/logs/NAME.log. A step needing CUDA is "skipped" on a CPU, with its command. Steps that cannot
-finish within the call's time left (--budget-s, 570 s by default: the run tool allows 600) are skipped
-with that reason, so one call never overruns; README, "The GPU check", gives the calls that fitted the
-15 minutes an H200 was lent for.
+finish within the call's time left (--budget-s, 570 s by default: under a 10-minute limit on a command)
+are skipped with that reason, so one call never overruns. How to run it: docs/gpu-check.md.
 """
 
 from __future__ import annotations
@@ -35,29 +34,30 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 WHEELS = ROOT / ".whl"
-# What .whl/ holds, and the command that fetches it (on a machine with the network, before lending). The lent
-# machine's own transformers (5.17) is inside pyproject's range, so it runs as it comes and only pytest is
-# carried; a machine whose release is outside the range is refused by the deps step, naming the requirement.
-FETCH = 'pip download --no-deps -d .whl pytest pluggy iniconfig gguf'  # gguf: not in the lent image
+# What .whl/ holds, and the command that fetches it (on a machine with the network, beforehand). A GPU image
+# with torch, Triton and a transformers inside pyproject's range (>=5.17) runs as it comes, so only pytest and
+# gguf are carried; a machine whose release is outside the range is refused by the deps step, naming it.
+FETCH = 'pip download --no-deps -d .whl pytest pluggy iniconfig gguf'  # gguf: often missing from GPU images
 CARRY_LIMIT = 64 * 2**20
 FIRST = ["env", "deps", "package", "models"]  # every call runs these first (each a few seconds)
 GPU_STEPS = ["tests", "graphs", "bf16", "flash", "run", "kernels", "engine", "decode", "profile"]
 PARTS = {"1": FIRST + ["tests", "graphs", "bf16", "flash", "run"], "2": FIRST + ["kernels", "decode"],
          "3": FIRST + ["engine"]}
 ENGINE_MODELS = ["smollm2-135m", "qwen3-1.7b"]
-# issue 28's defects, and the step whose failure names each (the CPU tests cover 2, 3 and 5 too)
+# the ways the GPU path was found able to fail, and the step whose failure names each (the CPU tests cover
+# the fallback inside a capture, the paged prefill sync and the blocking copies too)
 DEFECTS = {
-    "1 MoE capture": "graphs: gpt-oss-mxfp4 and deepseek-fp8 must capture every decode shape (a failed shape is "
+    "MoE capture": "graphs: gpt-oss-mxfp4 and deepseek-fp8 must capture every decode shape (a failed shape is "
                      "named with its error)",
-    "2 fallback inside a capture": "graphs: no Triton kernel may fall back (kernels_fell_back), no shape may fail",
-    "3 paged prefill sync": "graphs: no host sync from paged_prefill.py in any step (host_syncs lists all)",
-    "4 capture at start-up": "graphs: every shape captured at build, graph memory within what the KV budget kept",
-    "5 blocking copies": "graphs: no blocking host->device copy in any step (host_syncs)",
-    "6 Triton resource limits": "tests (the compiled kernels against their references) and graphs (kernels_fell_back "
+    "fallback inside a capture": "graphs: no Triton kernel may fall back (kernels_fell_back), no shape may fail",
+    "paged prefill sync": "graphs: no host sync from paged_prefill.py in any step (host_syncs lists all)",
+    "capture at start-up": "graphs: every shape captured at build, graph memory within what the KV budget kept",
+    "blocking copies": "graphs: no blocking host->device copy in any step (host_syncs)",
+    "Triton resource limits": "tests (the compiled kernels against their references) and graphs (kernels_fell_back "
                                 "names a kernel whose compile failed)",
-    "7 flash-attn": "flash: the installed flash-attn, paged (block 256) and over a gather (block 16), against the bf16 "
+    "flash-attn": "flash: the installed flash-attn, paged (block 256) and over a gather (block 16), against the bf16 "
                     "reference; skipped with the reason where it is not installed",
-    "8 bare machine": "deps, package, models: offline installs, the package from the tree, models built here",
+    "bare machine": "deps, package, models: offline installs, the package from the tree, models built here",
     "bf16 checked": "bf16: greedy tokens and log-probs against a cache-free bf16 reference",
 }
 
@@ -176,7 +176,7 @@ class Check:
         wheels = sorted(WHEELS.glob("*.whl"))
         step.figures["carried"] = [w.name for w in wheels]
         todo, needs = _plan(wheels, _version)
-        # what the lent machine would need: its transformers is 5.17, in our range (and, at worst, the oldest hub)
+        # what a machine with the lowest transformers of our range (5.17, and at worst the oldest hub) would need
         lent = {"transformers": "5.17.0", "huggingface-hub": "1.5.0"}
         step.figures["install_on_transformers_5.17"] = [w.name for w in _plan(wheels, lambda d: lent.get(
             _norm(d)) or _version(d))[0]]
@@ -323,7 +323,7 @@ def _last_json(text: str):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("out", type=Path, help="where summary.json and logs/ go (the run tool's $OUT)")
+    ap.add_argument("out", type=Path, help="where summary.json and logs/ go")
     ap.add_argument("--dry-run", action="store_true", help="a CPU machine: everything but CUDA")
     ap.add_argument("--steps", help="comma-separated step names, or a part: 1 (tests, graphs, bf16, flash), "
                                     "2 (kernels, decode) or 3 (engine); default: all. env, deps, package, models "
@@ -358,16 +358,16 @@ def main(argv=None) -> int:
     if args.dry_run or "carry" in wanted:
         chk.local(add("carry", False), chk.step_carry)
     ready = all(s.result == "pass" for s in steps if s.name in ("package", "models"))
-    plan = []  # each step's `expect`: seconds it took on an H200 (2026-11-26), with room; tests grew a torchrun since
+    plan = []  # each step's `expect`: seconds it took on an H200 (docs/measurements.md), with room
     if "tests" in wanted:
         plan.append(("tests", [py, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "tests/test_gpu.py"], 200,
                      _pytest_counts))
     probe = [py, "benchmarks/gpu_probe.py"]
-    if "graphs" in wanted:  # defects 1, 4, 5, 6: every model captures every shape, no kernel falls back
+    if "graphs" in wanted:  # every model captures every shape, no kernel falls back, no blocking copy
         plan.append(("graphs", probe + ["graphs", str(m)], 45, _probe_json))
     if "bf16" in wanted:
         plan.append(("bf16", probe + ["bf16", str(m)], 30, _probe_json))
-    if "flash" in wanted:  # defect 7
+    if "flash" in wanted:  # flash-attn where installed
         plan.append(("flash", probe + ["flash", str(m)], 60, _probe_json))
     if "run" in wanted:  # the main job, svrmad run with every method, on the device
         plan.append(("run", probe + ["run", str(m)], 45, _probe_json))

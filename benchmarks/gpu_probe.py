@@ -18,11 +18,10 @@ cache) over the prompt and the engine's tokens: the bf16 model, and the truth, t
 to fp32. At every generated position the engine's token must be the argmax of one of them, except at a
 near tie (the best log-prob within TOL of the engine token's), and the engine's log-prob must be no
 further from the truth than the bf16 reference's is, plus TOL. TOL = 0.05 nats: a bf16 logit carries
-~3 significant digits, and the two paths order their sums differently (measured here on the CPU: see
-docs/kernels.md, "The GPU check"). The truth, not the bf16 reference, is the yardstick because the
+~3 significant digits, and the two paths order their sums differently (docs/gpu-check.md, "The bf16
+criterion"; figures in docs/measurements.md). The truth, not the bf16 reference, is the yardstick because the
 reference can be the less exact of the two: GPT-OSS's eager attention takes its softmax in bf16, 0.126
-nats from fp32 on the zoo model, where our Triton kernels (fp32 softmax) stay within 0.026 (first seen
-on an H200, then on the CPU with the kernels interpreted).
+nats from fp32 on the zoo model, where our Triton kernels (fp32 softmax) stay within 0.026.
 """
 
 from __future__ import annotations
@@ -147,7 +146,7 @@ def probe_graphs(root: Path, device: str, models: list[str] | None = None) -> di
                 failures.append(f"{name}: the graphs took {taken} bytes, {kept} were kept out of the KV budget")
         for kernel, why in _backend._disabled.items():
             failures.append(f"{name}: Triton kernel {kernel} failed and fell back to its reference: {why[:300]}")
-        # what issue 28 named: a blocking copy from the host (defect 5), paged prefill reading back (defect 3);
+        # what fails the probe: a blocking copy from the host, paged prefill or sampling reading back;
         # other syncs of prefill steps (e.g. MLA's unique over the prefill slots) are listed, not failed
         bad = [x for x in syncs if "from the host, blocking" in x or "paged_prefill.py" in x or "in sample" in x]
         if bad:

@@ -10,8 +10,8 @@ fit `ms = a + b x rows + c x context tokens`: a is the weights' cost a step, c t
 token of context), how many times a decode step reads each distinct KV block (what shared-prefix
 attention could save), and the time between steps (the LM head over the rows that sample, which
 runs after the step, then sampling, statistics, scheduling; py-spy on a --limit 1 run put the LM
-head at two thirds of it). Issue 32's
-all-methods workload was split this way (docs/kernels.md). One run measures one machine: name it.
+head at two thirds of it). The
+all-methods workload of docs/measurements.md was split this way. One run measures one machine: name it.
 """
 
 from __future__ import annotations

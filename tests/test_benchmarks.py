@@ -213,7 +213,7 @@ def test_drift_summary():
 
 
 def test_a_decode_step_dispatches_the_same_engine_ops_at_every_batch_size():
-    """Issue 19's target for the eager path: the ops outside the model body (the step's views,
+    """The eager path's bound: the ops outside the model body (the step's views,
     sampling, statistics) do not grow with the batch, and stay at most 100."""
     from bench_decode import host_ops
 

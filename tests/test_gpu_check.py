@@ -1,6 +1,6 @@
 """benchmarks/gpu_check.py, the GPU check for a bare machine: what it would install from the carried
-wheels, and its dry run on this CPU machine (the summary the issue asks for: every step ran or skipped,
-a CUDA step never "ran" here, the files carried within the run tool's 64 MiB)."""
+wheels, and its dry run on this CPU machine (the summary docs/gpu-check.md describes: every step ran or
+skipped, a CUDA step never "ran" here, the files carried within 64 MiB)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def test_a_wheel_is_installed_only_where_the_release_falls_short_and_brings_its_
     def machine(have):
         return lambda d: have.get(gpu_check._norm(d), "99.0")  # anything else: present and new enough
 
-    # the lent machine: transformers 5.17 (the lowest of our range), an old hub and click, no pytest
+    # a GPU image with transformers 5.17 (the lowest of our range), an old hub and click, no pytest
     lent = {"transformers": "5.17.0", "huggingface-hub": "1.5.0", "click": "8.1.0", "pytest": None, "pluggy": None}
     todo, needs = gpu_check._plan(wheels, machine(lent))
     assert [w.name for w in todo] == [pytest_w.name, pluggy.name]

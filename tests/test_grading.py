@@ -64,7 +64,7 @@ NOT_EQUIVALENT = [
 ]
 
 
-# Issue 12's misses, each in both directions, in the styles of public answer keys.
+# Equivalences an earlier grader missed, each in both directions, in the styles of public answer keys.
 BIG = "7" * 5000  # past Python's 4,300-digit int/str limit
 MISSES_EQUAL = [
     # MATH's thousands separator ,\!

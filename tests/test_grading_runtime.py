@@ -20,7 +20,7 @@ _spec = importlib.util.spec_from_file_location("bench_grading", ROOT / "benchmar
 bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)
 
-# the issue's quadratic cases, and the worst ones of benchmarks/bench_grading.py
+# inputs an earlier extractor took quadratic time on, and the worst ones of benchmarks/bench_grading.py
 SLOW_INPUTS = ["newlines", "boxed then newlines", "digits", "unclosed boxes", "nested boxes", "dashes",
                "number lists", "text commands"]
 

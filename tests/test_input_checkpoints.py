@@ -1,4 +1,4 @@
-"""Issue 30, rows 3, 5, 6 and 9: checkpoint folders cut short, inconsistent or of the wrong types are
+"""Checkpoint folders cut short (a partial download), inconsistent or of the wrong types are
 refused in one line naming the file, the field or the tensor, from the headers alone, by the
 loader (`svrmad run`) and by `svrmad plan` alike. Tiny checkpoints written here, then damaged."""
 

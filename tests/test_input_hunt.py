@@ -1,6 +1,7 @@
-"""Issue 30, the rest of the class: damaged run folders, flags that compare false, and commands
-that refuse without leaving a trace. Every case is one line and exit 2, never a traceback, and the
-run folder keeps what it had (scripted agents: see runharness.py)."""
+"""Hostile and new-user inputs across run, report, replay, merge, plan and prepare: damaged run
+folders, flags that compare false (NaN), and commands that refuse without leaving a trace. Every case
+is one line and exit 2, never a traceback, and the run folder keeps what it had (scripted agents: see
+runharness.py)."""
 
 from __future__ import annotations
 

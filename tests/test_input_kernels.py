@@ -1,4 +1,4 @@
-"""Issue 30, row 7: with no C++ compiler on PATH and nothing cached, the CPU kernels are skipped in
+"""With no C++ compiler on PATH and nothing cached, the CPU kernels are skipped in
 one svrmad line (which kernels, why, what runs instead, how to get them), without torch's compiler
 banners. Run in a fresh interpreter whose PATH holds ninja and Python but no compiler."""
 

@@ -1,4 +1,4 @@
-"""Issue 30, rows 2, 8, 10 and 11: `svrmad run` checks everything that reads no weight before it
+"""`svrmad run` checks everything that reads no weight before it
 loads, writes or takes the lock (eval/preflight.py), and a start that fails later leaves a folder
 the next valid command takes over. Tiny checkpoints written here; the agents are scripted, so
 `make_backend` (the model load) is the seam: a test that must stop before it makes it raise."""

@@ -1,4 +1,4 @@
-"""Issue 30, row 1: SID-ET without SVR-MAD among the methods runs to its end and reports. Its skip
+"""SID-ET without SVR-MAD among the methods runs to its end and reports. Its skip
 rate is tuned against SVR-MAD replayed from the trace (Algorithm 2), so a live question records
 SVR-MAD's debates too (scripted agents: see runharness.py)."""
 

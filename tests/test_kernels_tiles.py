@@ -16,7 +16,7 @@ def test_the_estimate_counts_q_once_and_k_v_per_stage():
 
 
 def test_fp32_head_dim_256_takes_smaller_key_tiles_on_an_h100():
-    """The issue's case: paged prefill in fp32 with head_dim 256 asked for 64x64 tiles (about 336 KB)."""
+    """The case that did not fit: paged prefill in fp32 with head_dim 256 asked for 64x64 tiles (about 336 KB)."""
     assert attn_smem(64, 64, 256, 256, 4) > H100_SMEM
     m, n = fit_attn_tiles(64, 64, 256, 256, 4, H100_SMEM)
     assert (m, n) == (64, 32) and attn_smem(m, n, 256, 256, 4) <= H100_SMEM

@@ -1,5 +1,5 @@
 """Loading never runs a checkpoint's code or unpickles its weights, and a broken tokenizer or config
-is reported as what it is (issue 9, items 5 and 10)."""
+is reported as what it is, not as a missing checkpoint."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Every architecture we claim is token-exact against a cache-free transformers loop, and every other
-one is refused in one line (issue: never silently wrong).
+one is refused in one line: the engine is never silently wrong.
 
 Prompts are longer than the sliding windows, share prefixes (n > 1 forks, partial-block copies, a
 warm cache) and go through preemption; teacher-forced statistics equal log_softmax of a plain forward.

@@ -1,4 +1,4 @@
-"""Issue 9: nothing lost, nothing silently wrong. The run layer under crashes, failing questions,
+"""Nothing lost, nothing silently wrong: the run layer under crashes, failing questions,
 changed settings and a second run on the same folder (scripted agents: see runharness.py)."""
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Bad input fails in one line with exit code 2 before any model is loaded (issue 9, items 6-8)."""
+"""Bad input (counts, memory strings such as "0.9", groups, stray method options, folders) fails in
+one line with exit code 2 before any model is loaded."""
 
 from __future__ import annotations
 

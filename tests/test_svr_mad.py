@@ -237,7 +237,7 @@ def test_check_each_runs_the_debates_before_C_concurrently_and_the_rest_one_by_o
     assert res.accepted and res.ncomm == 2 and max(peak) == 2
 
 
-# ---------------------------------------------------------------- Algorithm 1 as written (issue 13)
+# ---------------------------------------------------------------- Algorithm 1 as written (repeated pairs)
 # Skewed splits where C exceeds the majority's number of disagreeing peers. Unscripted debates
 # keep the receiver's answer: every agent holds its answer against everyone.
 

@@ -29,7 +29,7 @@ def test_warns_once_when_steps_sleep_on_barriers(caplog):
         drive(w, 300, 64)
     warned = [r.getMessage() for r in caplog.records]
     assert len(warned) == 1 and "slept 300 times a step over its last 8 steps" in warned[0], warned
-    # what it measured, and both causes, never one guessed (issue 30 row 12: another process did it)
+    # what it measured, and both causes, never one guessed (another process on the cores sleeps the worker too)
     assert "other processes on the machine" in warned[0] and "another thread of this process" in warned[0]
     assert "another thread is running" not in warned[0]
 

@@ -1,5 +1,5 @@
-"""Trace files as people write them: the minimal form, malformed lines, a torn last line (issue 9,
-item 9), and one-line errors at the CLI for corrupt run files (item 8)."""
+"""Trace files as people write them: the minimal form, malformed lines, a torn last line, and
+one-line errors at the CLI for corrupt run files."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from svrmad_local.methods import run_method
 
 
 def minimal(row: dict) -> dict:
-    """The minimal form of issue 3: agents by list position (no "agent"/"id"), debates without ids."""
+    """The minimal trace form (debate/trace.py): agents by list position (no "agent"/"id"), debates without ids."""
     keep = ("answer", "prior", "prompt_tokens", "completion_tokens", "signals")
     return {"id": row["id"], "gold": row["gold"], "answer_type": row["answer_type"],
             "agents": [{k: a[k] for k in keep} for a in row["agents"]],

@@ -3,7 +3,7 @@
 Why: with SDPA, every layer of every decode step first gathers each sequence's whole context out of
 the paged cache into a padded [B, L, heads, dim] buffer (KVCache.gather), then attends to it. At the
 paper's lengths that copy is the largest cost after the linears (22% of a step at 700 tokens of
-context, issue 20's profile), and it reads and writes every K/V byte twice more than attention needs.
+context in a profile of the CPU decode step), and it reads and writes every K/V byte twice more than attention needs.
 This kernel walks each sequence's block table instead: one pass over its keys and values, in place.
 
 It is a small C++ function (csrc/cpu_decode.cpp) compiled once on first use (torch.utils.cpp_extension, cached under

@@ -2,7 +2,7 @@
 
 Why: which backend is fastest depends on the CPU. On 2-core AVX2 and AVX-512 EPYCs our panels beat
 oneDNN at every step size; on an AVX-512 + AMX Intel oneDNN was 1.7x faster at a 512-row prefill chunk
-while the panels won at 1-8 rows (issue 32). A rule written from one machine's figures is a guess on
+while the panels won at 1-8 rows (docs/measurements.md). A rule written from one machine's figures is a guess on
 the next, so `auto` times the candidates here, at the model's own GEMM shapes (q/k/v and gate/up fused
 as they run) and the step sizes that occur, and keeps the one layout that minimises the expected
 workload. One layout, because the panels and oneDNN's blocked layout are different bytes: serving
@@ -52,7 +52,7 @@ class Workload:
     """What the engine is expected to compute, to weigh the step sizes' timings.
 
     prompt_per_generated: prompt tokens computed per generated token. 5 by default: the report's run of all
-    five debate methods (issue 32) computed 186,081 prompt tokens and generated 37,227. A generated token is
+    five debate methods on 4 GSM8K questions computed 186,081 prompt tokens and generated 37,227. A generated token is
     taken as equally likely to come from a decode step of any size in `decode_rows`, a prompt token from a
     prefill chunk of any size in `prefill_rows`. `margin`: the panels (the same tokens on every machine)
     are kept unless another backend's expected time is lower by more than this fraction."""
