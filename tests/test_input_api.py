@@ -95,3 +95,8 @@ def test_requests_are_checked_before_they_are_queued(engine):
         engine.generate_sync("2 + 3?", greedy)
     with pytest.raises(EngineClosed):
         engine.score_sync("2 + 3?", "5")
+
+
+def test_from_pretrained_checks_its_settings_before_loading(tmp_path):
+    with pytest.raises(SettingsError, match="block_size must be >= 1, got 0"):
+        Engine.from_pretrained(tmp_path / "not-loaded", block_size=0)  # a missing folder would say so second

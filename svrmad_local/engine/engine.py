@@ -150,8 +150,8 @@ class Engine:
                             f"EngineConfig has {', '.join(sorted(fields))}")
         from svrmad_local.models.quant import set_kernel_impl
 
+        cfg = EngineConfig(**config)  # checked before the weights load
         lm = load_model(path, dtype=dtype, device=device, device_map=device_map, quantization=quantization)
-        cfg = EngineConfig(**config)
         set_kernel_impl(lm.model, cfg.kernel_impl)  # packed weights compute through the engine's kernel choice
         return cls(lm.model, lm.tokenizer, cfg)
 
