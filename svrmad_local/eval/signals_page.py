@@ -121,8 +121,7 @@ def _tokens_section(runs: dict[str, Path], saved: dict, chosen, out: Path) -> li
                         "figure is empty and there is no token track.\n"]
     rows = []
     for label in runs:
-        files = saved[label].values()
-        size, tokens = sum(f.path.stat().st_size for f in files), sum(f.tokens for f in files)
+        size, tokens = token_stats.footprint(saved[label].values())
         g = positions[positions["run"] == label]
         if tokens:
             rows.append([label, len(g), tokens, f"{size / tokens:.2f}", _f(g["relative"].median(), "{:.2f}")])

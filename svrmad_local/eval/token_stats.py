@@ -219,10 +219,15 @@ def read(run_dir) -> dict[tuple[str, str], tuple[np.ndarray, np.ndarray]]:
     return {(qid, rid): track for qid, f in kept.items() for rid, track in f.tracks().items()}
 
 
+def footprint(files: Iterable[Saved]) -> tuple[int, int]:
+    """(bytes on disk, tokens) of `files`."""
+    files = list(files)
+    return sum(f.path.stat().st_size for f in files), sum(f.tokens for f in files)
+
+
 def bytes_per_token(run_dir) -> tuple[int, int]:
     """(bytes on disk, tokens) of the files that belong to the run."""
-    kept, _ = belonging(run_dir)
-    return sum(f.path.stat().st_size for f in kept.values()), sum(f.tokens for f in kept.values())
+    return footprint(belonging(run_dir)[0].values())
 
 
 def merge(src, out) -> tuple[int, list[str]]:

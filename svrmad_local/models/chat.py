@@ -32,8 +32,8 @@ class ChatError(UserError, ValueError):
 def check_messages(messages) -> None:
     """Every message a dict with a text `role` and a `content` of text, token ids, or a list of
     those: a missing key is named here, not a KeyError inside the rendering."""
-    if not isinstance(messages, (list, tuple)) or not messages:
-        raise ChatError(f"chat messages must be a non-empty list of {{'role': ..., 'content': ...}}, got {messages!r:.80}")
+    if not isinstance(messages, (list, tuple)):
+        raise ChatError(f"chat messages must be a list of {{'role': ..., 'content': ...}}, got {messages!r:.80}")
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise ChatError(f"message {i} is a {type(m).__name__}, not a {{'role': ..., 'content': ...}} dict")
