@@ -226,3 +226,45 @@ def test_shared_mmlu_pro_stratified_sample():
     counts = collections.Counter(q.meta["category"] for q in a)
     assert len(counts) == 14 and counts["math"] == 16 and counts["history"] == 4
     assert all(q.gold in "ABCDEFGHIJ"[: len(q.choices)] for q in a)
+
+
+# ---------------------------------------------------------------- files as other tools write them
+
+def test_a_byte_order_mark_does_not_cost_the_first_question(tmp_path):
+    """Windows tools write UTF-8 with a BOM; JSON refuses it, so the first row was lost to a warning."""
+    jsonl = tmp_path / "bom.jsonl"
+    jsonl.write_bytes(b"\xef\xbb\xbf" + (FIXTURES / "questions_small.jsonl").read_bytes())
+    assert [q.id for q in load_dataset(jsonl, on_error="fail")] == ["my-1", "my-2"]
+    csv = tmp_path / "bom.csv"
+    csv.write_bytes(b"\xef\xbb\xbfidx,Question,Answer\n7,What is 1 + 1?,2\n")
+    assert [(q.id, q.gold) for q in load_dataset(csv, on_error="fail")] == [("math-0007", "2")]
+
+
+def test_csqa_parquet_as_the_hub_publishes_it(tmp_path):
+    """CommonsenseQA's Parquet holds `choices` as a struct of two string lists (pandas reads numpy
+    arrays there); a question-shaped Parquet holds `choices` as a list column."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    rows = [json.loads(line) for line in open(datasets.BUNDLED_DIR / "csqa_sample.jsonl")][:3]
+    path = tmp_path / "validation-00000-of-00001.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    got = load_dataset(path, on_error="fail")
+    want = load_dataset(datasets.BUNDLED_DIR / "csqa_sample.jsonl", limit=3)
+    assert [(q.id, q.question, q.gold, q.choices) for q in got] == [(q.id, q.question, q.gold, q.choices) for q in want]
+    shaped = tmp_path / "mine.parquet"
+    pq.write_table(pa.Table.from_pylist([{"id": "m1", "question": "Yes?", "gold": "A", "answer_type": "mc",
+                                          "choices": ["yes", "no"]}]), shaped)
+    assert load_dataset(shaped, on_error="fail")[0].choices == ["yes", "no"]
+
+
+@pytest.mark.parametrize("gold", ["NaN", "Infinity", "-Infinity"])
+def test_a_gold_that_is_not_a_value_is_a_bad_row(tmp_path, gold):
+    """Python's json reads NaN and Infinity; a gold of NaN was taken as the answer "nan"."""
+    path = tmp_path / "qs.jsonl"
+    path.write_text('{"id": "a", "question": "1 + 1?", "gold": 2, "answer_type": "math"}\n'
+                    f'{{"id": "b", "question": "0 / 0?", "gold": {gold}, "answer_type": "math"}}\n')
+    with pytest.warns(DatasetWarning, match=r"qs\.jsonl:2: field 'gold' is .*inf|qs\.jsonl:2: field 'gold' is nan"):
+        assert [q.id for q in load_dataset(path)] == ["a"]
+    with pytest.raises(DatasetError, match=r"qs\.jsonl:2: field 'gold' is (nan|inf|-inf), not a value"):
+        load_dataset(path, on_error="fail")

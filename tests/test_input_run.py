@@ -6,13 +6,14 @@ the next valid command takes over. Tiny checkpoints written here; the agents are
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
 
 from svrmad_local import cli
 from svrmad_local.eval import run as run_mod
-from svrmad_local.models.loader import ModelLoadError, check_device
+from svrmad_local.models.loader import ModelLoadError, check_device, check_folder
 
 from .runharness import PerQuestion, state, write_dataset
 from .test_input_checkpoints import ck  # noqa: F401  (the tiny checkpoint fixture)
@@ -100,6 +101,65 @@ def test_a_tokenizer_without_a_chat_template_is_refused_before_loading(tmp_path,
     assert run(tmp_path, ck, tmp_path / "out") == 2
     assert "has no chat template" in last_line(capsys)
     assert loads.calls == 0
+
+
+def set_template(ck, template: str) -> None:
+    cfg = json.loads((ck / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (ck / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (ck / "chat_template.jinja").write_text(template)
+
+
+@pytest.mark.parametrize("template, says", [
+    # a template that only takes alternating turns starting with the user, as some do, but says so with a raise
+    ("{% for m in messages %}{% if m.role == 'assistant' %}{{ raise_exception('Conversation roles must alternate "
+     "user/assistant/user/assistant/...') }}{% endif %}{{ m.content }}{% endfor %}",
+     "the chat template failed on messages (user, assistant, user): TemplateError: Conversation roles must alternate"),
+    ("{% for m in messages %}{{ m.content }}", "TemplateSyntaxError: Unexpected end of template"),
+    ("{{ messages[0].content / 2 }}", "the chat template failed on messages (user): TypeError"),
+])
+def test_a_chat_template_that_fails_is_refused_before_loading(tmp_path, ck, loads, capsys, template, says):
+    """The template is rendered on the conversations a debate sends before any weight is read;
+    a failure was a jinja2 traceback once the model had loaded."""
+    set_template(ck, template)
+    assert run(tmp_path, ck, tmp_path / "out") == 2
+    line = last_line(capsys)
+    assert line.startswith(f"svrmad run: {ck}: ") and says in line, line
+    assert loads.calls == 0 and not (tmp_path / "out").exists()
+
+
+def test_a_vocabulary_smaller_than_the_tokenizer_is_refused_before_loading(tmp_path, tiny_tokenizer, loads, capsys):
+    """Every chat prompt holds the template's special tokens, the tokenizer's last ids: with fewer
+    embeddings than tokens every question failed, one at a time."""
+    from svrmad_local.models.loader import load_model
+
+    from .conftest import make_model
+
+    small = tmp_path / "small"
+    make_model("llama", vocab=len(tiny_tokenizer) - 8, layers=1).save_pretrained(small)
+    tiny_tokenizer.save_pretrained(small)
+    says = f"the tokenizer in {small} has {len(tiny_tokenizer)} tokens but the model's vocabulary (config.json vocab_size) has {len(tiny_tokenizer) - 8}"
+    assert run(tmp_path, small, tmp_path / "out") == 2
+    assert says in last_line(capsys) and loads.calls == 0
+    with pytest.raises(ModelLoadError, match=re.escape(says)):
+        load_model(small, device="cpu")
+
+
+@pytest.mark.parametrize("text, says", [
+    ("{not json", "generation_config.json is not valid JSON"),
+    ('{"max_new_tokens": -5}', "generation_config.json: `max_new_tokens` must be greater than 0, but is -5."),
+    ("[1]", "generation_config.json is a JSON list, not an object"),
+])
+def test_a_bad_generation_config_is_named_before_loading(tmp_path, ck, loads, capsys, text, says):
+    """transformers skips a generation_config.json that is not JSON (its eos ids silently go) and
+    refuses a bad value only after the weights, as a failure to load them."""
+    (ck / "generation_config.json").write_text(text)
+    assert run(tmp_path, ck, tmp_path / "out") == 2
+    line = last_line(capsys)
+    assert f"{ck / 'generation_config.json'}" in line and says in line, line
+    assert loads.calls == 0
+    with pytest.raises(ModelLoadError, match=re.escape(says)):
+        check_folder(ck, device="cpu")
 
 
 # ---------------------------------------------------------------- row 8: a device this torch cannot use

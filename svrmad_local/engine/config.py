@@ -12,7 +12,55 @@ shares the batch.
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
+
+from svrmad_local.errors import UserError
+from svrmad_local.sizes import parse_memory
+
+
+class SettingsError(UserError, ValueError):
+    """Settings of an EngineConfig, SamplingParams or SignalConfig that cannot work, refused when the
+    object is built (so the Python API refuses what the command line refuses, in the same words).
+    `problems` keeps (field, what is wrong) pairs so a caller that knows its own names for the
+    fields (the command line's flags) can say them instead: `line(names)`."""
+
+    def __init__(self, owner: str, problems: list[tuple[str, str]]):
+        self.owner, self.problems = owner, problems
+        super().__init__(f"invalid {owner}: {self.line()}")
+
+    def line(self, names: dict[str, str] | None = None) -> str:
+        return "; ".join(f"{(names or {}).get(f, f)} {what}" for f, what in self.problems)
+
+
+def _integer(value, low: int | None = None) -> str | None:
+    """What is wrong with `value` as a count (bools and 2.5 are not integers), or None."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        return f"must be an integer, got {value!r}"
+    if low is not None and value < low:
+        return f"must be >= {low}, got {value}"
+    return None
+
+
+def _number(value, low: float, high: float | None = None, open_low: bool = False) -> str | None:
+    """What is wrong with `value` as a finite number in [low, high] ((low, high] with `open_low`):
+    NaN compares false, so it would pass every bound and surface later as a sampler error."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return f"must be a number, got {value!r}"
+    if not math.isfinite(value):
+        return f"must be a finite number, got {value}"
+    if (value <= low if open_low else value < low) or (high is not None and value > high):
+        if high is None:
+            return f"must be >= {low}, got {value}"
+        return f"must be in {'(' if open_low else '['}{low}, {high}], got {value}"
+    return None
+
+
+def _refuse(obj, checks: dict[str, str | None]) -> None:
+    problems = [(name, what) for name, what in checks.items() if what]
+    if problems:
+        raise SettingsError(type(obj).__name__, problems)
 
 
 @dataclass
@@ -24,6 +72,9 @@ class SignalConfig:
     tail_tokens: int = 2048
     bottom_fraction: float = 0.10
 
+    def __post_init__(self) -> None:
+        _refuse(self, {"group_window": _integer(self.group_window, 1), "tail_tokens": _integer(self.tail_tokens, 1),
+                       "bottom_fraction": _number(self.bottom_fraction, 0, 1, open_low=True)})
 
 
 @dataclass
@@ -66,6 +117,18 @@ class EngineConfig:
     signals: SignalConfig = field(default_factory=SignalConfig)
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        checks = {name: _integer(getattr(self, name), 1)
+                  for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "score_chunk")}
+        checks["seed"] = _integer(self.seed)
+        try:  # the same parser the build sizes the pool with, against a nominal amount available
+            parse_memory(self.kv_cache_memory, available=1 << 40, default=1)
+        except ValueError as exc:
+            checks["kv_cache_memory"] = str(exc).removeprefix("kv_cache_memory ")
+        if not isinstance(self.signals, SignalConfig):
+            checks["signals"] = f"must be a SignalConfig, got {self.signals!r}"
+        _refuse(self, checks)
+
 
 @dataclass
 class SamplingParams:
@@ -83,22 +146,34 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        problems = []
-        if self.n < 1:
-            problems.append(f"n must be >= 1, got {self.n}")
-        if self.temperature < 0:
-            problems.append(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            problems.append(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            problems.append(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if self.max_tokens < 0:
-            problems.append(f"max_tokens must be >= 0, got {self.max_tokens}")
-        if self.topk_logprobs < 0:
-            problems.append(f"topk_logprobs must be >= 0, got {self.topk_logprobs}")
-        if problems:
-            raise ValueError("invalid SamplingParams: " + "; ".join(problems))
+        if isinstance(self.stop, tuple):
+            self.stop = list(self.stop)
+        if isinstance(self.stop_token_ids, tuple):
+            self.stop_token_ids = list(self.stop_token_ids)
+        _refuse(self, {
+            "n": _integer(self.n, 1),
+            "temperature": _number(self.temperature, 0),
+            "top_p": _number(self.top_p, 0, 1, open_low=True),
+            "top_k": _integer(self.top_k, 0),
+            "max_tokens": _integer(self.max_tokens, 0),
+            "stop": _stop_strings(self.stop),
+            "stop_token_ids": (f"must be a list of token ids (integers >= 0), got {self.stop_token_ids!r}"
+                               if not isinstance(self.stop_token_ids, list)
+                               or any(_integer(t, 0) for t in self.stop_token_ids) else None),
+            "ignore_eos": None if isinstance(self.ignore_eos, bool) else f"must be True or False, got {self.ignore_eos!r}",
+            "seed": None if self.seed is None else _integer(self.seed),
+            "topk_logprobs": _integer(self.topk_logprobs, 0),
+        })
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _stop_strings(stop) -> str | None:
+    """An empty stop string matches at every position: each completion would end after one token."""
+    if not isinstance(stop, list) or not all(isinstance(x, str) for x in stop):
+        return f"must be a string or a list of strings, got {stop!r}"
+    if any(x == "" for x in stop):
+        return "holds an empty string, which every text ends with (each completion would stop after one token)"
+    return None

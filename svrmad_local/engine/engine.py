@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Union
 
 from svrmad_local.dist import GroupLost
+from svrmad_local.errors import UserError
 
 from . import build
 from .config import EngineConfig, SamplingParams  # noqa: F401  (EngineConfig: public here too)
@@ -32,6 +33,10 @@ from .threads import release_team
 
 
 Prompt = Union[list[int], str, list[dict]]
+
+
+class EngineClosed(UserError, RuntimeError):
+    """A request to an engine whose `close()` has run: its worker thread is gone."""
 
 
 @dataclass
@@ -81,6 +86,7 @@ class Engine:
         self._wake: asyncio.Event | None = None
         self._live: dict[int, Request] = {}
         self._chat = None
+        self.closed = False
 
     @property
     def max_model_len(self) -> int:
@@ -144,8 +150,8 @@ class Engine:
                             f"EngineConfig has {', '.join(sorted(fields))}")
         from svrmad_local.models.quant import set_kernel_impl
 
+        cfg = EngineConfig(**config)  # checked before the weights load
         lm = load_model(path, dtype=dtype, device=device, device_map=device_map, quantization=quantization)
-        cfg = EngineConfig(**config)
         set_kernel_impl(lm.model, cfg.kernel_impl)  # packed weights compute through the engine's kernel choice
         return cls(lm.model, lm.tokenizer, cfg)
 
@@ -162,11 +168,16 @@ class Engine:
 
                 self._chat = ChatFormat(self.tokenizer, self.eos_ids)
             return self._chat.encode(list(prompt))
+        if not isinstance(prompt, (list, tuple)):
+            raise TypeError(f"a prompt is token ids, a string or chat messages, got {type(prompt).__name__}")
         return list(prompt)
 
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None) -> RequestOutput:
         """One request: `params.n` samples of `prompt` (token ids, a string or chat messages)."""
-        params = params or SamplingParams()
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"generate() takes its settings as a SamplingParams, got {type(params).__name__}")
+        self._check_open()
         ids = self.encode(prompt)
         self._check_prompt(ids)
         return await self._submit(Request(self._new_id(), ids, params, None))
@@ -174,6 +185,7 @@ class Engine:
     async def score(self, prompt: Prompt, continuation: list[int] | str, topk: int = 20) -> ScoreOutput:
         """Teacher-forced statistics of `continuation` after `prompt` (the prompt's cached prefix is
         reused; the continuation's positions are always computed, in chunks)."""
+        self._check_open()
         prompt = self.encode(prompt)
         continuation = self.tokenizer.encode(continuation, add_special_tokens=False) if isinstance(continuation, str) \
             else list(continuation)
@@ -215,6 +227,7 @@ class Engine:
 
     def close(self) -> None:
         """Release the worker thread; with tensor parallelism, rank 0 also lets the followers go."""
+        self.closed = True
         if self.sharded and self.rank == 0 and self.runner.tp is not None:
             channel, self.runner.tp = self.runner.tp, None
             try:
@@ -227,6 +240,10 @@ class Engine:
     def _new_id(self) -> int:
         self._next_id += 1
         return self._next_id
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise EngineClosed("this engine is closed (close() was called): build a new Engine to generate again")
 
     def _check_prompt(self, prompt: list[int]) -> None:
         if not prompt:

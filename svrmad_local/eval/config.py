@@ -13,19 +13,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
-import math
 import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from svrmad_local.engine.config import EngineConfig, SamplingParams
+from svrmad_local.engine.config import EngineConfig, SamplingParams, SettingsError
 from svrmad_local.eval.options import (METHODS, add_method_arguments, check_method_options, method_default,
                                        method_flag, method_options, parse_methods, stray_options)
 from svrmad_local.methods import accepted_params
 from svrmad_local.models.reasoning import EFFORTS
-from svrmad_local.sizes import parse_memory
 
 # The run's own --max-tokens default. The paper uses 16,384 (--paper-settings); 256 is what the
 # embedded 135M default can afford on a CPU and still box an answer. SamplingParams' own default
@@ -145,24 +143,15 @@ class RunConfig:
         mp = self.method_params
         for flag, value, low in (("--agents", self.agents, 2), ("--max-tokens", self.sampling.max_tokens, 1),
                                  ("--limit", self.limit, 0), ("--concurrency", self.concurrency, 1),
-                                 ("--block-size", self.engine.block_size, 1),
-                                 ("--max-num-seqs", self.engine.max_num_seqs, 1), ("--tp", self.tp, 1)):
+                                 ("--tp", self.tp, 1)):
             if value is not None and value < low:
                 p.append(f"{flag} must be >= {low}, got {value}")
         p += check_method_options(mp, self.skip_rate)
-        for name, mem in (("--kv-cache-memory", self.engine.kv_cache_memory),):
-            try:
-                parse_memory(mem, available=1 << 40, default=1)
-            except ValueError as exc:
-                p.append(f"{name}: {exc}")
         if self.shard is not None:
             try:
                 parse_shard(self.shard)
             except ValueError as exc:
                 p.append(str(exc))
-        for flag, value in (("--temperature", self.sampling.temperature), ("--top-p", self.sampling.top_p)):
-            if isinstance(value, float) and not math.isfinite(value):
-                p.append(f"{flag} must be a finite number, got {value}")
         if self.out is not None and not str(self.out).strip():
             p.append("--out is empty: name a folder (default runs/<dataset>)")
         if "group-debate" in self.methods:
@@ -261,6 +250,12 @@ def _from_dict(cls, data: dict):
 
 # ---------------------------------------------------------------- the command line of `svrmad run`
 
+# The flag that sets each engine and sampling field (how a refused setting is named on the command line).
+FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k",
+         "block_size": "--block-size", "max_num_seqs": "--max-num-seqs", "kv_cache_memory": "--kv-cache-memory",
+         "seed": "--seed"}
+
+
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     """Options left at None are filled from --paper-settings, then from the dataclass defaults."""
     rc, ec, sp = RunConfig(), EngineConfig(), SamplingParams()
@@ -342,12 +337,15 @@ def from_args(args: argparse.Namespace) -> RunConfig:
         return value if value is not None else preset.get(name, fallback)
 
     sp = SamplingParams()
-    sampling = dataclasses.replace(sp, max_tokens=pick("max_tokens", RUN_MAX_TOKENS),
-                                   temperature=pick("temperature", sp.temperature),
-                                   top_p=pick("top_p", sp.top_p), top_k=pick("top_k", sp.top_k))
-    engine = EngineConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-                          max_num_seqs=args.max_num_seqs, seed=args.seed, cascade=args.cascade,
-                          linear=args.linear, decoder=args.decoder, cuda_graphs=args.cuda_graphs)
+    try:  # the engine's own checks (engine/config.py), said with the flags' names
+        sampling = dataclasses.replace(sp, max_tokens=pick("max_tokens", RUN_MAX_TOKENS),
+                                       temperature=pick("temperature", sp.temperature),
+                                       top_p=pick("top_p", sp.top_p), top_k=pick("top_k", sp.top_k))
+        engine = EngineConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+                              max_num_seqs=args.max_num_seqs, seed=args.seed, cascade=args.cascade,
+                              linear=args.linear, decoder=args.decoder, cuda_graphs=args.cuda_graphs)
+    except SettingsError as exc:
+        raise ValueError(exc.line(FLAGS)) from None
     params = method_options(args)
     methods = parse_methods(args.methods)
     for k in ("S", "C"):  # the preset's S/C go to the methods that take them, explicit flags win

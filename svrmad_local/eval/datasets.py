@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import math
 import os
 import random
 import re
@@ -71,14 +72,20 @@ def _read_rows(path: Path, report: _Reporter) -> Iterator[tuple[str, int, dict]]
     suffix = path.suffix.lower()
     if suffix == ".parquet":
         try:
-            import pandas as pd
-        except ImportError as exc:  # pragma: no cover - pandas is a dependency
-            raise DatasetError(f"{path}: reading Parquet needs pandas and pyarrow") from exc
-        for i, row in enumerate(pd.read_parquet(path).to_dict("records")):
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise DatasetError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow)") from None
+        try:
+            table = pq.read_table(path)
+        except Exception as exc:  # pyarrow's ArrowInvalid and kin: not a Parquet file, or a damaged one
+            raise DatasetError(f"{path}: cannot be read as Parquet ({' '.join(str(exc).split())[:200]})") from None
+        # plain Python values: list columns as lists, structs (CommonsenseQA's choices) as dicts, nulls as None
+        for i, row in enumerate(table.to_pylist()):
             yield f"row {i + 1}", i, row
     elif suffix == ".csv":
-        # bytes that are not UTF-8 become lone surrogates here, so the row that holds them is named
-        with open(path, newline="", encoding="utf-8", errors="surrogateescape") as f:
+        # bytes that are not UTF-8 become lone surrogates here, so the row that holds them is named;
+        # utf-8-sig drops a byte-order mark, which would otherwise become part of the first column's name
+        with open(path, newline="", encoding="utf-8-sig", errors="surrogateescape") as f:
             reader = csv.DictReader(f)
             start = 2
             for i, row in enumerate(reader):
@@ -93,7 +100,7 @@ def _read_rows(path: Path, report: _Reporter) -> Iterator[tuple[str, int, dict]]
         with open(path, "rb") as f:
             for i, raw in enumerate(f):
                 try:
-                    line = raw.decode("utf-8")
+                    line = raw.decode("utf-8-sig" if i == 0 else "utf-8")  # a byte-order mark is not the row's
                 except UnicodeDecodeError as exc:
                     report.bad(str(i + 1), f"not UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})")
                     continue
@@ -117,6 +124,8 @@ def _field(row: dict, name: str, kind: type = str) -> Any:
     if kind is str:
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
             raise _BadRow(f"field {name!r} is not text")
+        if isinstance(value, float) and not math.isfinite(value):  # JSON's NaN/Infinity (Python reads them)
+            raise _BadRow(f"field {name!r} is {value}, not a value (a gold of NaN would be graded as the text 'nan')")
         value = str(value).strip()
         if not value:
             raise _BadRow(f"empty {name!r}")

@@ -17,10 +17,12 @@ import os
 import shutil
 import socket
 import sys
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Iterator
 
-from svrmad_local.debate.trace import TraceError, iter_jsonl
+from svrmad_local.debate.trace import TornLineWarning, TraceError, iter_jsonl
 from svrmad_local.errors import UserError
 
 TRACE, RESULTS, SKIPPED, ERRORS = "trace.jsonl", "results.jsonl", "skipped.jsonl", "errors.jsonl"
@@ -32,12 +34,24 @@ class FolderBusy(UserError, RuntimeError):
     """Another live run holds the folder's lock."""
 
 
+@contextmanager
+def naming(path: Path) -> Iterator[None]:
+    """An OSError raised while writing `path` names it: a full disk's write says only "[Errno 28]
+    No space left on device", and a run writes a dozen files."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is None and exc.errno is not None:
+            raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from exc
+        raise
+
+
 def write_lines(path: Path, rows: Iterable[dict], sync: bool = False) -> None:
     """Append rows as JSONL in one write; `sync` also fsyncs (a commit record)."""
     data = "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in rows)
     if not data:
         return
-    with open(path, "a", encoding="utf-8") as f:
+    with naming(path), open(path, "a", encoding="utf-8") as f:
         f.write(data)
         f.flush()
         if sync:
@@ -47,7 +61,8 @@ def write_lines(path: Path, rows: Iterable[dict], sync: bool = False) -> None:
 def write_json(path: Path, obj: dict) -> None:
     """Replace a JSON file atomically: a crash leaves the old or the new one, never half of one."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=str), encoding="utf-8")
+    with naming(tmp):
+        tmp.write_text(json.dumps(obj, indent=2, default=str), encoding="utf-8")
     os.replace(tmp, path)
 
 
@@ -108,24 +123,35 @@ class RunFolder:
         """Cut torn last lines of this folder's files; the names of the files that had one."""
         return [name for name in DATA_FILES if cut_torn_tail(self.dir / name)]
 
-    def lock(self) -> None:
-        """Hold an exclusive lock on the folder for this process's lifetime (released by the OS
-        when it exits, crash included). Raises FolderBusy naming the holder."""
+    def lock(self, shared: bool = False) -> None:
+        """Hold a lock on the folder for this process's lifetime (released by the OS when it exits,
+        crash included): exclusive for a writer, `shared` for a reader (`svrmad merge` reading a
+        source), which only has to keep a writer out and may find the folder read-only. Raises
+        FolderBusy naming the holder."""
         import fcntl
 
-        f = open(self.out / LOCK, "a+", encoding="utf-8")
         try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            f = open(self.out / LOCK, "a+", encoding="utf-8")
+        except OSError:
+            if not shared:
+                raise
+            try:  # a read-only folder: its lock file, if a run ever made one, can still be locked
+                f = open(self.out / LOCK, encoding="utf-8")
+            except FileNotFoundError:
+                return  # nothing can write a folder that cannot hold a lock file
+        try:
+            fcntl.flock(f, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
         except OSError:
             f.seek(0)
             holder = f.read().strip() or "another process"
             f.close()
             raise FolderBusy(f"{self.out} is in use by another run ({holder}); wait for it to finish, "
                              "or pass another --out") from None
-        f.seek(0)
-        f.truncate()
-        f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-        f.flush()
+        if not shared:
+            f.seek(0)
+            f.truncate()
+            f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+            f.flush()
         self._lock_file = f
 
     def unlock(self) -> None:
@@ -193,25 +219,24 @@ class RunFolder:
         of questions not committed here (commit records first, then their results), results rows
         whose (id, method) is new, error lines not yet here. Idempotent, so a merge cut short by a
         crash is simply done again. `drop_methods`: result rows not to take (SID-ET's, tuned per
-        folder, are re-tuned on the merged one). Returns lines added per file."""
+        folder, are re-tuned on the merged one). `src` is only read (it may be read-only): a torn
+        last line there is passed over, not cut. Returns lines added per file."""
         src = Path(src)
-        for name in DATA_FILES:
-            cut_torn_tail(src / name)
         done = self.committed_ids()
         added = {}
         for name in (TRACE, SKIPPED):
-            new = [r for r in rows(src / name) if str(r["id"]) not in done]
+            new = [r for r in rows(src / name, whole=True) if str(r["id"]) not in done]
             new = list({str(r["id"]): r for r in new}.values())
             self._write(self.dir / name, new, sync=True)
             added[name] = len(new)
         have = {(str(r["id"]), r.get("method")) for r in rows(self.results)}
         drop = set(drop_methods)
-        new = [r for r in rows(src / RESULTS)
+        new = [r for r in rows(src / RESULTS, whole=True)
                if r.get("method") not in drop and (str(r["id"]), r.get("method")) not in have]
         self._write(self.results, new)
         added[RESULTS] = len(new)
         seen = {json.dumps(e, sort_keys=True) for e in rows(self.errors)}
-        new = [e for e in rows(src / ERRORS) if json.dumps(e, sort_keys=True) not in seen]
+        new = [e for e in rows(src / ERRORS, whole=True) if json.dumps(e, sort_keys=True) not in seen]
         self._write(self.errors, new)
         added[ERRORS] = len(new)
         return added
@@ -234,14 +259,26 @@ class RunFolder:
         return taken
 
 
-def rows(path: Path) -> list[dict]:
+def rows(path: Path, whole: bool = False) -> list[dict]:
     """The lines of a run file (trace, results, skipped, errors), each checked to name its question:
-    a line without an "id" is a TraceError naming the file and line, not a KeyError further on."""
+    a line without an "id" is a TraceError naming the file and line, not a KeyError further on.
+    `whole`: for a file this process must not cut (a merge's source, perhaps read-only), leave out
+    a last line its writer did not finish (no newline: not committed, as `cut_torn_tail` would cut)."""
+    torn = None
+    if whole and path.exists():
+        data = path.read_bytes()
+        if data and not data.endswith(b"\n"):
+            torn = data.count(b"\n") + 1
     out = []
-    for line, row in iter_jsonl(path):
-        if row.get("id") is None:
-            raise TraceError(f"{path}:{line}: no \"id\" (every line of a run file names its question)")
-        out.append(row)
+    with warnings.catch_warnings():
+        if torn:
+            warnings.simplefilter("ignore", TornLineWarning)
+        for line, row in iter_jsonl(path):
+            if line == torn:
+                continue
+            if row.get("id") is None:
+                raise TraceError(f"{path}:{line}: no \"id\" (every line of a run file names its question)")
+            out.append(row)
     return out
 
 

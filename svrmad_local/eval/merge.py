@@ -4,16 +4,21 @@ started by a scheduler without torch.distributed, e.g. a SLURM array) into one r
 The folders must share their settings fingerprint. Questions are taken once each under the commit
 rule (eval/folder.py), so merging again, or after new shards finish, adds only what is new. SID-ET's
 rows are not taken: each shard tuned its skip rate on its own questions, and the merged folder
-tunes it once on all of them (with the ablation sweeps, eval/posthoc.py).
+tunes it once on all of them (with the ablation sweeps, eval/posthoc.py). The sources' token
+statistics (`--save-token-stats`) that belong to their runs come along with their questions.
+Sources are only read, under a shared lock (they may be read-only); a merge refused before it
+writes leaves no --out behind.
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 from pathlib import Path
 
 from svrmad_local.eval.config import RunConfig, diff_fingerprints
-from svrmad_local.eval.folder import RUN_JSON, RunFolder, note
+from svrmad_local.eval import token_stats
+from svrmad_local.eval.folder import LOCK, RUN_JSON, RunFolder, note
 from svrmad_local.eval.posthoc import POST_HOC, finalize
 
 
@@ -32,43 +37,59 @@ def main(args) -> int:
         src.read_meta()  # a damaged run.json: one line, now (read again under the lock)
     if args.out.exists() and not args.out.is_dir():
         raise ValueError(f"--out {args.out} is a file, not a folder")
-    out = RunFolder(args.out)
-    held = [out]
+    held: list[RunFolder] = []
+    created = not args.out.exists()
     try:
-        out.lock()
-        for src in sources:  # a folder whose run is still going is not merged half-way
-            src.lock()
+        for src in sources:  # a folder whose run is still going is not merged half-way; sources are only read
+            src.lock(shared=True)
             held.append(src)
-        metas = [src.read_meta() for src in sources]
-        own = out.read_meta()
-        named = [(src.out, m) for src, m in zip(sources, metas)] + [(out.out, own)] * bool(own)
-        for d, m in named:
-            if "fingerprint" not in m or "config" not in m:
-                raise ValueError(f"{d / RUN_JSON} records no settings (an older run): cannot check it matches the others")
-            diff = diff_fingerprints(named[0][1]["fingerprint"], m["fingerprint"])
-            if diff:
-                raise ValueError(f"{d} was run with other settings than {named[0][0]} ({'; '.join(diff)}); "
-                                 "only folders of one run can be merged")
-        first = named[0][1]
-        cfg = RunConfig.from_dict(first["config"], where=named[0][0] / RUN_JSON)  # before anything is written
-        out.cut_torn_tails()
-        out.merge_parts()
-        for src in sources:
-            taken = [out.merge_from(p, drop_methods=POST_HOC) for p in (src.out, *src.part_dirs())]
-            note(f"{src.out}: took {sum(t['trace.jsonl'] + t['skipped.jsonl'] for t in taken)} questions")
-        cfg.shard, cfg.out = None, str(out.out)
-        own.update(config=cfg.to_dict(), fingerprint=first["fingerprint"], paper_settings=cfg.paper_settings,
-                   merged_from=sorted({*own.get("merged_from", []), *(str(s.out) for s in sources)}))
-        out.write_meta(own)
-        finalize(out, cfg)
-        from svrmad_local.eval.run import print_summary, tally
-
-        totals, rows, failed = tally(out)
-        meta = out.read_meta()
-        meta["totals"] = totals
-        out.write_meta(meta)
-        print_summary(out, totals, rows, failed, None, {})
+        out = RunFolder(args.out)
+        out.lock()
+        held.append(out)
+        _merge(sources, out)
+    except BaseException:
+        if created and args.out.is_dir() and {p.name for p in args.out.iterdir()} <= {LOCK}:
+            shutil.rmtree(args.out)  # refused before writing: no folder holding only its lock file
+        raise
     finally:
         for folder in held:
             folder.unlock()
     return 0
+
+
+def _merge(sources: list[RunFolder], out: RunFolder) -> None:
+    metas = [src.read_meta() for src in sources]
+    own = out.read_meta()
+    named = [(src.out, m) for src, m in zip(sources, metas)] + [(out.out, own)] * bool(own)
+    for d, m in named:
+        if "fingerprint" not in m or "config" not in m:
+            raise ValueError(f"{d / RUN_JSON} records no settings (an older run): cannot check it matches the others")
+        diff = diff_fingerprints(named[0][1]["fingerprint"], m["fingerprint"])
+        if diff:
+            raise ValueError(f"{d} was run with other settings than {named[0][0]} ({'; '.join(diff)}); "
+                             "only folders of one run can be merged")
+    first = named[0][1]
+    cfg = RunConfig.from_dict(first["config"], where=named[0][0] / RUN_JSON)  # before anything is written
+    out.cut_torn_tails()
+    out.merge_parts()
+    for src in sources:
+        taken = [out.merge_from(p, drop_methods=POST_HOC) for p in (src.out, *src.part_dirs())]
+        note(f"{src.out}: took {sum(t['trace.jsonl'] + t['skipped.jsonl'] for t in taken)} questions")
+    cfg.shard, cfg.out = None, str(out.out)
+    own.update(config=cfg.to_dict(), fingerprint=first["fingerprint"], paper_settings=cfg.paper_settings,
+               merged_from=sorted({*own.get("merged_from", []), *(str(s.out) for s in sources)}))
+    out.write_meta(own)
+    for src in sources:  # after the trace lines: a file is taken for a question the merged folder holds
+        copied, left = token_stats.merge(src.out, out.out)
+        if copied:
+            note(f"{src.out}: took {copied} token-stats files")
+        for line in left:
+            note(f"left out {line}")
+    finalize(out, cfg)
+    from svrmad_local.eval.run import print_summary, tally
+
+    totals, rows, failed = tally(out)
+    meta = out.read_meta()
+    meta["totals"] = totals
+    out.write_meta(meta)
+    print_summary(out, totals, rows, failed, None, {})

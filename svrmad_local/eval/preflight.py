@@ -112,12 +112,15 @@ def model_path(cfg: RunConfig) -> str:
 
 
 def check_model(cfg: RunConfig, path: str) -> None:
-    """The checkpoint folder and the device (models.loader.check_folder, no weight read), and a
-    tokenizer with a chat template: every agent's prompt is a chat."""
-    from svrmad_local.models.loader import check_folder, load_tokenizer
+    """The checkpoint folder and the device (models.loader.check_folder, no weight read), a tokenizer
+    with a chat template that renders the conversations a debate sends (every agent's prompt is a
+    chat), and no more tokens in it than the model has embeddings."""
+    from svrmad_local.models.chat import ChatError, ChatFormat
+    from svrmad_local.models.loader import check_folder, check_vocabulary, load_tokenizer
+    from svrmad_local.models.reasoning import effort_kwargs
 
-    check_folder(path, dtype=cfg.dtype, device=cfg.device, device_map=cfg.device_map, tp=cfg.tp > 1,
-                 quantization=cfg.quantization)
+    checked = check_folder(path, dtype=cfg.dtype, device=cfg.device, device_map=cfg.device_map, tp=cfg.tp > 1,
+                           quantization=cfg.quantization)
     tokenizer = load_tokenizer(Path(path))
     if tokenizer is None:
         raise PreflightError(f"{path} has no tokenizer (tokenizer.json, tokenizer_config.json...); the agents' "
@@ -125,3 +128,8 @@ def check_model(cfg: RunConfig, path: str) -> None:
     if not getattr(tokenizer, "chat_template", None):
         raise PreflightError(f"the tokenizer in {path} has no chat template; the agents' prompts are chats: use the "
                              "instruct (chat) release of the model, or add its chat_template to tokenizer_config.json")
+    check_vocabulary(tokenizer, checked.config, Path(path))
+    try:
+        ChatFormat(tokenizer, None, effort_kwargs(tokenizer.chat_template, cfg.reasoning_effort, path)).probe()
+    except ChatError as exc:
+        raise PreflightError(f"{path}: {exc}") from None

@@ -9,7 +9,8 @@ its own (bootstrap resamples, seed, bins). It writes PNG + CSV + one markdown pa
 from __future__ import annotations
 
 import argparse
-import json
+import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,11 @@ from svrmad_local.errors import UserError
 from svrmad_local.eval import signals_figures as draw
 from svrmad_local.eval import signals_study as study
 from svrmad_local.eval import token_stats
+from svrmad_local.eval.folder import RunFolder, note
 from svrmad_local.eval.metrics import markdown
+
+# What the page writes into --out: the outputs of an earlier study there are replaced as a whole.
+OUTPUTS = ("signals.md", "signals_*.csv", "signals_*.png", "token_track.png")
 
 
 def _f(v, fmt: str = "{:.1f}") -> str:
@@ -38,9 +43,7 @@ def labels_for(run_dirs: list[Path]) -> dict[str, Path]:
 def _run_table(runs: dict[str, Path], df: pd.DataFrame) -> str:
     rows = []
     for label, d in runs.items():
-        cfg = {}
-        if (d / "run.json").is_file():
-            cfg = json.loads((d / "run.json").read_text(encoding="utf-8")).get("config", {})
+        cfg = RunFolder(d, create=False).read_meta().get("config") or {}
         g = df[df["run"] == label]
         rows.append([label, f"`{d}`", cfg.get("dataset", "?"), cfg.get("model") or "embedded default",
                      cfg.get("dtype") or "default", g["id"].nunique(), len(g), int(g["correct"].sum())])
@@ -69,12 +72,46 @@ def _selective_table(data: pd.DataFrame, run: str) -> str:
     return markdown(["signal"] + [f"top {k}/{n_agents}" for k in ks], rows)
 
 
-def _tokens_section(runs: dict[str, Path], out: Path, track: str | None) -> list[str]:
+def parse_track(track: str) -> tuple[str, str]:
+    """--track QID:RID as (question id, response id); response ids hold no colon, question ids may."""
+    qid, colon, rid = track.rpartition(":")
+    if not colon or not qid or not rid:
+        raise UserError(f"--track {track!r}: expected QID:RID, a question id and one of its response ids (e.g. q1:0)")
+    return qid, rid
+
+
+def saved_stats(runs: dict[str, Path]) -> dict[str, dict[str, token_stats.Saved]]:
+    """Each run's token-stats files that belong to it; the files left out are named on stderr."""
+    saved = {}
+    for label, d in runs.items():
+        saved[label], left = token_stats.belonging(d)
+        if left:
+            more = f"; and {len(left) - 3} more" if len(left) > 3 else ""
+            note(f"left out {len(left)} file(s) of {d / token_stats.FOLDER} that are not its run's own: "
+                 + "; ".join(left[:3]) + more)
+    return saved
+
+
+def pick_track(runs: dict[str, Path], saved: dict, track: str | None) -> tuple[str, tuple[str, str]] | None:
+    """(run label, (question, response)) of the response whose track is drawn: --track's, in the
+    first run that has it, else the first saved; None when no run saved any."""
+    if track is None:
+        return next(((label, (qid, f.rids[0])) for label, files in saved.items() for qid, f in files.items()
+                     if f.rids), None)
+    qid, rid = parse_track(track)
+    found = next((label for label, files in saved.items() if qid in files and rid in files[qid].rids), None)
+    if found is None:
+        where = ", ".join(str(runs[label] / token_stats.FOLDER) for label in saved)
+        raise UserError(f"--track {track}: no response {rid!r} of question {qid!r} in {where}")
+    return found, (qid, rid)
+
+
+def _tokens_section(runs: dict[str, Path], saved: dict, chosen, out: Path) -> list[str]:
     """The token-level part: where the lowest log-prob falls, and one response's track."""
-    saved = {label: token_stats.read(d) for label, d in runs.items()}
     positions = pd.DataFrame([{"run": label, "id": qid, "response": rid,
                                "relative": int(np.argmin(lp)) / max(len(lp) - 1, 1), "tokens": len(lp)}
-                              for label, tracks in saved.items() for (qid, rid), (lp, _) in tracks.items() if len(lp)],
+                              for label, files in saved.items() for qid, f in files.items()
+                              for rid, (lp, _) in f.tracks().items() if len(lp)],
                              columns=["run", "id", "response", "relative", "tokens"])
     positions.to_csv(out / "signals_min_position.csv", index=False)
     draw.min_position_figure(positions, out)
@@ -83,32 +120,61 @@ def _tokens_section(runs: dict[str, Path], out: Path, track: str | None) -> list
         return parts + ["No run here saved its token statistics (`svrmad run --save-token-stats`), so this "
                         "figure is empty and there is no token track.\n"]
     rows = []
-    for label, d in runs.items():
-        size, tokens = token_stats.bytes_per_token(d)
+    for label in runs:
+        size, tokens = token_stats.footprint(saved[label].values())
         g = positions[positions["run"] == label]
         if tokens:
             rows.append([label, len(g), tokens, f"{size / tokens:.2f}", _f(g["relative"].median(), "{:.2f}")])
     parts += [markdown(["run", "responses", "tokens", "bytes per token on disk", "median relative position"], rows),
-              "\nOver every saved response (initial and debate): the position of its lowest-log-prob token "
-              "divided by (tokens - 1); 0 is the first token, 1 the last.\n"]
-    label = next(label for label in saved if saved[label])
-    key = tuple(track.split(":", 1)) if track else next(iter(saved[label]))
-    if key not in saved[label]:
-        raise UserError(f"--track {track}: no response {key[1]!r} of question {key[0]!r} in {runs[label]}/token_stats")
-    lp, ent = saved[label][key]
-    draw.track_figure(np.asarray(lp), np.asarray(ent), f"{label}, question {key[0]}, response {key[1]}", out)
-    return parts + [f"\n### One response's track ({label}, question `{key[0]}`, response `{key[1]}`)\n",
+              "\nOver every saved response (initial and debate) of the runs' committed questions: the position of "
+              "its lowest-log-prob token divided by (tokens - 1); 0 is the first token, 1 the last.\n"]
+    label, (qid, rid) = chosen
+    lp, ent = saved[label][qid].tracks()[rid]
+    draw.track_figure(np.asarray(lp), np.asarray(ent), f"{label}, question {qid}, response {rid}", out)
+    return parts + [f"\n### One response's track ({label}, question `{qid}`, response `{rid}`)\n",
                     "![token track](token_track.png)\n"]
+
+
+def _replace_outputs(staged: Path, out: Path) -> None:
+    """Put a study written whole into `staged` in place of the one in `out`: an earlier study's
+    files the new one does not write (a token track) go, so the folder never mixes two studies."""
+    out.mkdir(parents=True, exist_ok=True)
+    new = {p.name for p in staged.iterdir()}
+    for pattern in OUTPUTS:
+        for old in out.glob(pattern):
+            if old.name not in new:
+                old.unlink()
+    for name in sorted(new, key=lambda n: n == "signals.md"):  # the page last: it names the others
+        os.replace(staged / name, out / name)
 
 
 def write_study(run_dirs: list[Path], out: Path, n_boot: int = 1000, seed: int = 0, n_bins: int = 10,
                 track: str | None = None) -> Path:
-    """Read the runs, write every CSV, PNG and `out/signals.md`; returns the page's path."""
+    """Read and check the runs, then write every CSV, PNG and `out/signals.md`; returns the page's
+    path. Every refusal comes before the first write, and the files are written aside and moved in
+    together, so `out` holds one whole study: the new one, or the one it had."""
     runs = labels_for([Path(d) for d in run_dirs])
-    df = pd.concat([study.responses(d, label) for label, d in runs.items()], ignore_index=True)
-    if df.empty:
-        raise UserError(f"no debated question in {', '.join(map(str, runs.values()))}: nothing to study yet")
-    out.mkdir(parents=True, exist_ok=True)
+    frames = {label: study.responses(d, label) for label, d in runs.items()}
+    empty = [str(runs[label]) for label, f in frames.items() if f.empty]
+    if empty:
+        raise UserError(f"no debated question in {', '.join(empty)}: nothing to study yet"
+                        + (" (leave it out to study the others)" if len(empty) < len(runs) else ""))
+    df = pd.concat(frames.values(), ignore_index=True)
+    saved = saved_stats(runs)
+    chosen = pick_track(runs, saved, track)
+    staged = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(staged, ignore_errors=True)
+    staged.mkdir(parents=True)
+    try:
+        _write(runs, df, saved, chosen, staged, n_boot, seed, n_bins)
+        _replace_outputs(staged, out)
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)
+    return out / "signals.md"
+
+
+def _write(runs: dict[str, Path], df: pd.DataFrame, saved: dict, chosen, out: Path, n_boot: int, seed: int,
+           n_bins: int) -> None:
     df.to_csv(out / "signals_responses.csv", index=False)
     auroc = study.auroc(df, n_boot, seed)
     auroc.to_csv(out / "signals_auroc.csv", index=False)
@@ -174,10 +240,8 @@ def write_study(run_dirs: list[Path], out: Path, n_boot: int = 1000, seed: int =
         markdown(["run", "answer from", "questions", "correct", "Acc (%)"],
                  [[r.run, r.receiver, r.questions, r.correct, _f(r.accuracy)] for r in accepted.itertuples()]),
     ]
-    parts += _tokens_section(runs, out, track)
-    path = out / "signals.md"
-    path.write_text("\n".join(parts))
-    return path
+    parts += _tokens_section(runs, saved, chosen, out)
+    (out / "signals.md").write_text("\n".join(parts))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -195,6 +259,10 @@ def main(args) -> int:
         raise UserError("several runs need --out (where the comparison goes)")
     if args.bins < 1 or args.bootstrap < 0:
         raise UserError(f"--bins must be >= 1 and --bootstrap >= 0, got {args.bins} and {args.bootstrap}")
+    if args.seed < 0:
+        raise UserError(f"--seed must be >= 0 (numpy's generators take no negative seed), got {args.seed}")
+    if args.track is not None:
+        parse_track(args.track)
     path = write_study(args.run_dirs, args.out or args.run_dirs[0] / "signals", args.bootstrap, args.seed,
                        args.bins, args.track)
     print(f"signals study written to {path}")

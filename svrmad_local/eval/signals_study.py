@@ -63,14 +63,15 @@ def run_label(run_dir: Path) -> str:
 
 def responses(run_dir, label: str | None = None, svr_method: str = SVR_METHOD) -> pd.DataFrame:
     """One row per initial response of `run_dir`'s trace: run, id, agent, answer, answer_type,
-    correct, every signal of SIGNALS (NaN where absent). Raises FileNotFoundError without a trace."""
+    correct, every signal of SIGNALS (NaN where absent); none for a run folder that debated nothing
+    yet (no trace.jsonl beside its run.json). Raises FileNotFoundError for a folder that is no run's."""
     run_dir = Path(run_dir)
     trace = run_dir / "trace.jsonl"
-    if not trace.exists():
+    if not trace.exists() and not (run_dir / "run.json").is_file():
         what = "does not exist" if not run_dir.exists() else "has no trace.jsonl"
         raise FileNotFoundError(f"{run_dir} {what}: expected a run folder written by `svrmad run --out`")
     rows = []
-    for q in read_trace(trace):
+    for q in read_trace(trace) if trace.exists() else []:
         for a in q["agents"]:
             sig = a.get("signals") or {}
             rec = {"id": q["id"], "agent": a["agent"], "answer": a.get("answer"),

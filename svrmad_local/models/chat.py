@@ -17,10 +17,44 @@ from __future__ import annotations
 
 from typing import Union
 
+from svrmad_local.errors import UserError
+
 Part = Union[str, list[int]]
 Content = Union[Part, list[Part]]
 
 _SENTINEL = "\x1e{}\x1f"
+
+
+class ChatError(UserError, ValueError):
+    """Chat messages this format cannot take, or a chat template that fails on them."""
+
+
+def check_messages(messages) -> None:
+    """Every message a dict with a text `role` and a `content` of text, token ids, or a list of
+    those: a missing key is named here, not a KeyError inside the rendering."""
+    if not isinstance(messages, (list, tuple)):
+        raise ChatError(f"chat messages must be a list of {{'role': ..., 'content': ...}}, got {messages!r:.80}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ChatError(f"message {i} is a {type(m).__name__}, not a {{'role': ..., 'content': ...}} dict")
+        missing = [k for k in ("role", "content") if k not in m]
+        if missing:
+            raise ChatError(f"message {i} has no {' and no '.join(repr(k) for k in missing)} (keys: {sorted(m)})")
+        if not isinstance(m["role"], str):
+            raise ChatError(f"message {i}: role must be text, got {m['role']!r:.80}")
+        if not _is_content(m["content"]):
+            raise ChatError(f"message {i} ({m['role']}): content must be text, token ids, or a list of those, "
+                            f"got {type(m['content']).__name__}")
+
+
+def _is_content(content, top: bool = True) -> bool:
+    if isinstance(content, str):
+        return True
+    if not isinstance(content, (list, tuple)):
+        return False
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in content):
+        return True
+    return top and all(_is_content(part, False) for part in content)
 
 
 class ChatFormat:
@@ -44,9 +78,27 @@ class ChatFormat:
 
     def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
         """The template's text with message i's content replaced by sentinel i."""
+        from jinja2 import TemplateError
+
         placeholders = [{"role": m["role"], "content": _SENTINEL.format(i)} for i, m in enumerate(messages)]
-        return self.tok.apply_chat_template(placeholders, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                            **self.template_kwargs)
+        try:
+            return self.tok.apply_chat_template(placeholders, tokenize=False,
+                                                add_generation_prompt=add_generation_prompt, **self.template_kwargs)
+        except (TemplateError, TypeError, ValueError, ArithmeticError, LookupError, AttributeError) as exc:
+            # a syntax error, the template's own raise_exception(...), or an operation its code cannot do
+            roles = ", ".join(m["role"] for m in messages)
+            raise ChatError(f"the chat template failed on messages ({roles}): {type(exc).__name__}: "
+                            f"{' '.join(str(exc).split())[:300]}") from None
+
+    def probe(self) -> None:
+        """Render the conversations a debate sends (a user turn; user, assistant, user) with the
+        generation prompt: a template that fails on them is refused before any weight is read,
+        naming what it raised (ChatError), instead of failing every question after the load."""
+        self.generation_prompt()
+        for messages in ([{"role": "user", "content": "2 + 3?"}],
+                         [{"role": "user", "content": "2 + 3?"}, {"role": "assistant", "content": "5"},
+                          {"role": "user", "content": "Another agent says 6. Answer again."}]):
+            self.encode(messages)
 
     def generation_prompt(self) -> str:
         """The text the template appends to open the assistant's turn (e.g. "<|start|>assistant",
@@ -59,6 +111,7 @@ class ChatFormat:
     def encode(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """`messages`: [{"role": ..., "content": str | list[int] | list[str | list[int]]}], an assistant
         message optionally `"generated": True` (see the module docstring)."""
+        check_messages(messages)
         text = self._render(messages, add_generation_prompt)
         last = max((i for i, m in enumerate(messages) if m.get("generated")), default=None)
         if last is None:

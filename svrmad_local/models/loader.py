@@ -140,6 +140,7 @@ def check_folder(path: str | Path, *, dtype: str | torch.dtype | None = None, de
             "decoder-only causal LM that transformers can build"
         )
     headers = files.check_files(path)
+    check_generation_config(path)
     check_device(device)
     if device is None and device_map is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -168,6 +169,7 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype | None = None, devi
     c = check_folder(path, dtype=dtype, device=device, device_map=device_map, tp=tp, quantization=quantization)
     path, config, spec, mode, torch_dtype, device = c.path, c.config, c.spec, c.mode, c.dtype, c.device
     tokenizer = load_tokenizer(path)
+    check_vocabulary(tokenizer, config, path)
     if tp:  # our own plan (models/shard.py): each rank reads its slice; `tp` is the group, or True for the world
         from svrmad_local.dist import Group
         from svrmad_local.models.shard import load_sharded
@@ -214,6 +216,42 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype | None = None, devi
     if device_map is None and not tp:
         model = model.to(device)
     return LoadedModel(model.eval(), tokenizer, path)
+
+
+def check_generation_config(path: Path) -> None:
+    """The folder's generation_config.json, read as transformers will read it: transformers skips a
+    file that is not JSON with a log line (its eos ids then silently go) and refuses a bad value
+    only once the weights are loaded, so both are refused here, naming the file."""
+    from transformers import GenerationConfig
+
+    file = path / "generation_config.json"
+    if not file.is_file():
+        return
+    try:
+        raw = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"{file} is not valid JSON ({getattr(exc, 'msg', exc)}); fix it, or move it away to use "
+                             "the model's default generation settings") from None
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{file} is a JSON {type(raw).__name__}, not an object")
+    try:
+        with hf.quiet():
+            GenerationConfig.from_dict(raw)
+    except (ValueError, TypeError) as exc:
+        raise ModelLoadError(f"{file}: {' '.join(str(exc).split())}") from None
+
+
+def check_vocabulary(tokenizer, config, path: Path) -> None:
+    """A tokenizer with more tokens than the model has embeddings makes ids the model cannot read
+    (the chat template's special tokens are usually the last ids): every question would fail."""
+    if tokenizer is None:
+        return
+    vocab = getattr(config.get_text_config(), "vocab_size", None)
+    if isinstance(vocab, int) and len(tokenizer) > vocab:
+        beyond = tokenizer.convert_ids_to_tokens(list(range(vocab, min(len(tokenizer), vocab + 3))))
+        raise ModelLoadError(f"the tokenizer in {path} has {len(tokenizer)} tokens but the model's vocabulary "
+                             f"(config.json vocab_size) has {vocab}: ids {vocab} and up (e.g. {', '.join(map(str, beyond))}) "
+                             "have no embedding; use the tokenizer saved with these weights")
 
 
 def load_tokenizer(path: Path):
