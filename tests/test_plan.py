@@ -58,7 +58,13 @@ def test_gpt_oss_120b_packed_fits_one_80gib_gpu_with_kv_room_and_bf16_does_not()
     # 18 full layers: K and V of 8 heads of 64, bf16; 18 sliding layers hold at most 128 tokens
     assert p["kv_bytes_per_token"] == 18 * 2 * 8 * 64 * 2
     assert p["kv_window_cap_bytes_per_sequence"] == 18 * 128 * 2 * 8 * 64 * 2
-    room = 80 * GiB - 8 * GiB - native_bytes  # reserve: 10% of the GPU
+    # the engine's rule: 0.9 of what is free after loading (less a 1 GiB CUDA context), less its forward at
+    # 2,048 tokens: the residual stream's 6 copies, and the larger of attention (q, k, v, out and their
+    # copies) and the routed experts (4 of 128 a token: gate/up, the product, down, in and out rows)
+    t, h = 2048, 2880
+    forward = 6 * t * h * 2 + max(2 * t * (2 * 64 + 2 * 8) * 64 * 2, t * 4 * (3 * 2880 + 2 * h) * 2 + t * 128 * 4)
+    assert p["forward_bytes_per_gpu"] == forward
+    room = int(0.9 * (80 * GiB - GiB - native_bytes)) - forward
     assert p["kv_room_per_gpu"] == room > 10 * GiB
     assert p["sequences"] == room // (SEQ * 36864 + 18 * 128 * 2048) >= 6
     assert p["fits"] is True
@@ -87,7 +93,8 @@ def test_deepseek_v31_fp8_fits_8x141gib_not_8x80gib_and_says_why():
         small = make_plan(CONFIGS / "deepseek-v3.1", 8, 80 * GiB, "native", tp=tp)
         assert small["fits"] is False
         gib = f"{per_gpu / GiB:.1f} GiB"
-        assert small["reason"] == (f"needs {gib} of weights per GPU plus 8.0 GiB of reserve on 80.0 GiB" if tp is None
+        assert small["reason"] == (f"needs {gib} of weights per GPU plus 2.0 GiB of reserve (the CUDA context and a "
+                                   "forward of 2,048 tokens) on 80.0 GiB" if tp is None
                                    else f"needs {gib} of weights per GPU on 80.0 GiB")
     # the replicated parts make --tp 8 hold 4.2 GB a GPU more than an even split
     assert make_plan(CONFIGS / "deepseek-v3.1", 8, 141 * GiB, tp=8)["weight_bytes_whole_per_gpu"] == whole

@@ -187,11 +187,15 @@ class KVCache:
     heads, dim] (flat slots), each on its layer's device, shaped by the layer's spec: per-head K and V,
     or for a latent layer the compressed latent and the shared RoPE key (`spec.LayerSpec`)."""
 
-    def __init__(self, num_blocks: int, block_size: int, specs: list, layer_devices: list[torch.device], dtype: torch.dtype):
+    def __init__(self, num_blocks: int, block_size: int, specs: list, layer_devices: list[torch.device], dtype: torch.dtype,
+                 zeroed: bool = False):
+        """`zeroed`: the provisional cache a profiled forward reads (engine/build.py) holds zeros, not whatever
+        the memory held (a NaN there would spread through the forward); the real pool is never filled."""
         slots = num_blocks * block_size
         self.block_size = block_size
-        self.k = [torch.empty(slots, *s.k_shape, dtype=dtype, device=d) for s, d in zip(specs, layer_devices)]
-        self.v = [torch.empty(slots, *s.v_shape, dtype=dtype, device=d) for s, d in zip(specs, layer_devices)]
+        new = torch.zeros if zeroed else torch.empty
+        self.k = [new(slots, *s.k_shape, dtype=dtype, device=d) for s, d in zip(specs, layer_devices)]
+        self.v = [new(slots, *s.v_shape, dtype=dtype, device=d) for s, d in zip(specs, layer_devices)]
         self._scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._copies: list[tuple[int, int, int]] = []
         self.replay = False  # a tensor-parallel follower: copies arrive with the steps

@@ -98,17 +98,16 @@ class ModelRunner:
             row += end - start
         nd, paths = step.num_decode, self.paths
         ctx = StepContext(self.cache, self.spec.layers, staged(slot_map, torch.long, dev), runs, nd, paths)
-        # latent layers get the step's context back from the cache hook, each distinct slot once (forks
-        # share their prefix), to be expanded once by the model's own code; with MLA absorbed only the
-        # prefill runs' context, the decode rows attend to the cached latent in place (engine.mla)
-        expand = runs[nd:] if paths.mla_absorbed else runs
-        if self.spec.has_latent and expand:
+        # mla="expanded": latent layers get the step's context back from the cache hook, each distinct slot
+        # once (forks share their prefix), to be expanded at once by the model's own code; with MLA
+        # absorbed every row attends from the cached latent (engine/mla.py, prefill runs a chunk at a time)
+        if self.spec.has_latent and not paths.mla_absorbed:
             # on the host (a unique on the GPU waits for it): the runs' slots come from their block tables
-            hosts = [r.host_index() for r in expand]
+            hosts = [r.host_index() for r in runs]
             slots, inverse = np.unique(np.concatenate(hosts), return_inverse=True)
             ctx.latent_slots, inverse = staged(slots, torch.long, dev), staged(inverse, torch.long, dev)
             parts = inverse.split([h.shape[0] for h in hosts])
-            ctx.latent_runs = [Span(r.row0, r.row1, part) for r, part in zip(expand, parts)]
+            ctx.latent_runs = [Span(r.row0, r.row1, part) for r, part in zip(runs, parts)]
         elif self.spec.has_latent:
             ctx.latent_runs = []
         if nd and (paths.mla_absorbed or paths.decode):  # decode rows read the cache in place
