@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from svrmad_local.models.plan import kv_room
+from svrmad_local.models.plan import GPU_SHARE, kv_room
 from svrmad_local.sizes import parse_memory
 
 
@@ -36,9 +36,8 @@ def available_memory(device: torch.device) -> int:
 
 # The CPU default's share of the RAM available after loading: the other half is the headroom for
 # activations, the OS, this process's other buffers and other programs (RAM is shared, GPU memory is
-# not: there the share is 0.9, as in vLLM). docs/engine.md, "KV-cache", has the reasoning.
+# not: there the share is GPU_SHARE, 0.9, as in vLLM). docs/engine.md, "KV-cache", has the reasoning.
 CPU_SHARE = 0.5
-GPU_SHARE = 0.9
 
 
 def workload_cap(max_num_seqs: int, max_model_len: int, block_size: int, block_bytes: int) -> int:

@@ -28,15 +28,16 @@ import torch
 from svrmad_local.kernels import merge_states
 from svrmad_local.kernels.mla_decode import mla_decode
 from svrmad_local.models.linear import dense_weight
+from svrmad_local.models.plan import MLA_CHUNK_BYTES
 
 from .context import get_context
 from .kv_cache import BlockTables
 
 MODES = ("absorbed", "expanded")
 # The expanded keys and values of a prefill's context held at once, per layer: bounds the step's memory
-# whatever the context's length (a parameter: a larger chunk is fewer, larger GEMMs). models/plan.py
-# counts the same figure (MLA_CHUNK_BYTES); tests/test_mla.py checks the two agree.
-PREFILL_CHUNK_BYTES = 256 * 2**20
+# whatever the context's length (a parameter: a larger chunk is fewer, larger GEMMs); `svrmad plan`
+# counts it in the profiled forward
+PREFILL_CHUNK_BYTES = MLA_CHUNK_BYTES
 # fp32 scores of one query block against one chunk, where attention runs in torch (the CPU)
 SCORE_BYTES = 64 * 2**20
 

@@ -32,8 +32,8 @@ PROMPT_TOKENS = 1_024  # the question in its chat template (debate prompts reuse
 # forward at the largest prefill chunk takes (`forward_bytes`, estimated here, measured by the engine).
 GPU_SHARE = 0.9  # engine/memory.py's default share
 CUDA_CONTEXT = GiB  # the CUDA context, cuBLAS workspaces and compiled kernels: not free after loading
-PREFILL_TOKENS = 2048  # EngineConfig.max_num_batched_tokens's default: the profiled forward's tokens
-MLA_CHUNK_BYTES = 256 * 2**20  # engine/mla.py's bound on the latent expanded at once in a prefill
+PREFILL_TOKENS = 2048  # EngineConfig.max_num_batched_tokens's default (tests/test_plan.py checks it)
+MLA_CHUNK_BYTES = 256 * 2**20  # the engine's bound on the latent expanded at once in a prefill (engine/mla.py)
 NCCL_BYTES = GiB  # NCCL's buffers under --tp (allocated outside torch at the first collective)
 KV_ITEM = 2  # the cache holds bf16 keys and values
 MXFP4_BLOCK = 32  # values per e8m0 scale; 16 bytes of e2m1 codes + 1 byte of scale
