@@ -275,9 +275,13 @@ def test_sizes_and_widths():
     assert graphs.batch_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
     assert graphs.batch_sizes(12) == [1, 2, 4, 8, 12]
     assert graphs.batch_sizes(1) == [1]
-    assert graphs.widths(512) == [8, 16, 32, 64, 128, 256, 512]
+    assert graphs.widths(256) == [8, 16, 32, 64, 128, 256]
     assert graphs.widths(100) == [8, 16, 32, 64, 100]
     assert graphs.widths(3) == [3]
+    # bounded: GPT-OSS-120B's 131,072 positions in 16-token blocks step by 4 (6 widths, not 11)
+    assert graphs.widths(8192) == [8, 32, 128, 512, 2048, 8192]
+    assert graphs.widths(512, most=7) == [8, 16, 32, 64, 128, 256, 512]
+    assert all(len(graphs.widths(n)) <= graphs.MAX_WIDTHS for n in range(1, 70_000, 997))
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt-oss", "deepseek-v3"])
