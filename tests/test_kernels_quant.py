@@ -248,6 +248,7 @@ def test_the_gpu_tiling_splits_narrow_decode_outputs_over_k():
     assert (kv_a.block_m, kv_a.block_n, kv_a.split_k) == (16, 64, 14)
     assert qt._k_share(7168, kv_a) * kv_a.split_k >= 7168
     assert qt.gpu_tiles(1, 32768, 512, 16, 9, 132).split_k == 1
-    assert qt.gpu_tiles(2048, 576, 7168, 16, 9, 132).split_k == 1
+    assert qt.gpu_tiles(2048, 576, 7168, 16, 9, 132).split_k == 4
+    assert qt.gpu_tiles(2048, 5760, 2880, 32, 9, 132).split_k == 1
     assert qt.gpu_tiles(1, 2880, 2880, 32, 9, 132, grouped=True).split_k == 1
     assert qt.gpu_tiles(4096, 5760, 2880, 32, 9, 132).block_m == 128
