@@ -263,3 +263,17 @@ def test_prefill_over_a_long_cached_context_expands_one_chunk_at_a_time(model, m
             largest[mode, n] = counter.bytes
     assert largest["absorbed", 60] == largest["absorbed", 240], largest
     assert largest["expanded", 240] > 2 * largest["expanded", 60], largest
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the GPU check's tests step runs it)")
+@pytest.mark.parametrize("causal", [False, True])
+def test_prefill_chunks_on_cuda_take_the_memory_efficient_kernel_and_match_fp32(causal):
+    """engine/mla.py's chunk attention on a GPU: keys 192 wide, values 128 (DeepSeek's), bf16, through the
+    memory-efficient kernel and its log-sum-exp, against the fp32 path the CPU takes."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k = (torch.randn(n, 16, 192, generator=g, device="cuda", dtype=torch.bfloat16) for n in (64, 64))
+    v = torch.randn(64, 16, 128, generator=g, device="cuda", dtype=torch.bfloat16)
+    out, lse = mla._attend(q, k, v, 0.07, causal)
+    ref_out, ref_lse = mla._attend(q.cpu(), k.cpu(), v.cpu(), 0.07, causal)
+    torch.testing.assert_close(out.cpu(), ref_out, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse.cpu(), ref_lse, atol=2e-2, rtol=1e-3)
