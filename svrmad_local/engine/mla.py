@@ -21,6 +21,7 @@ reference: the whole context expanded in one call).
 
 from __future__ import annotations
 
+import logging
 import weakref
 
 import torch
@@ -33,6 +34,7 @@ from svrmad_local.models.plan import MLA_CHUNK_BYTES
 from .context import get_context
 from .kv_cache import BlockTables
 
+log = logging.getLogger("svrmad_local")
 MODES = ("absorbed", "expanded")
 # The expanded keys and values of a prefill's context held at once, per layer: bounds the step's memory
 # whatever the context's length (a parameter: a larger chunk is fewer, larger GEMMs); `svrmad plan`
@@ -203,12 +205,30 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cau
     SCORE_BYTES)."""
     if q.is_cuda:
         try:
-            o, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
-                q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], None, True, 0.0, causal,
-                scale=scale)[:2]
-            return o[0].transpose(0, 1).float(), lse[0, :, : q.shape[0]].transpose(0, 1)
-        except RuntimeError:  # an unsupported shape or dtype: the fp32 path below
-            pass
+            return _attend_cuda(q, k, v, scale, causal)
+        except RuntimeError as err:  # an unsupported shape or dtype: the fp32 path, said once
+            if not _warned:
+                _warned.append(err)
+                log.warning("svrmad: MLA prefill attention runs in fp32 torch ops (slower): the memory-efficient "
+                            "kernel refused %s keys and %s values: %s", tuple(k.shape), tuple(v.shape),
+                            str(err).splitlines()[0])
+    return _attend_torch(q, k, v, scale, causal)
+
+
+_warned: list = []
+
+
+def _attend_cuda(q, k, v, scale: float, causal: bool):
+    """`_attend` through torch's memory-efficient kernel (it takes values narrower than keys, and returns
+    the log-sum-exp, padded to 32 queries)."""
+    o, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], None, True, 0.0, causal,
+        scale=scale)[:2]
+    return o[0].transpose(0, 1).float(), lse[0, :, : q.shape[0]].transpose(0, 1)
+
+
+def _attend_torch(q, k, v, scale: float, causal: bool):
+    """`_attend` in fp32 torch ops, scores of a block of query rows at a time (at most SCORE_BYTES)."""
     qh, kh, vh = q.transpose(0, 1).float(), k.transpose(0, 1).float(), v.transpose(0, 1).float()  # [H, ., D]
     H, qn, n = qh.shape[0], qh.shape[1], kh.shape[1]
     out = torch.empty(qn, H, vh.shape[-1], dtype=torch.float32, device=q.device)
