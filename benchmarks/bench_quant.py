@@ -164,6 +164,14 @@ def _mxfp4_bytes(blocks, active: int, m: int, k: int, n: int, item: int) -> int:
     return active * per + m * k * item + m * n * item
 
 
+def routed(g, m: int, e: int, top_k: int, k: int, dev, dtype):
+    """(offsets [E+1], rows per expert, x [m * top_k, K]) of m tokens routed to top_k of e experts at random."""
+    choice = torch.rand(m, e, generator=g, device=dev).topk(top_k, dim=1).indices.flatten()
+    counts = torch.bincount(choice, minlength=e)
+    offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+    return offsets, counts.tolist(), torch.randn(m * top_k, k, generator=g, device=dev, dtype=dtype)
+
+
 def moe_rows(cfg, ms, dev, dtype, reps, triton_ok, seed=0, bandwidth=None):
     g = torch.Generator(device=dev).manual_seed(seed)
     e, h, inter, top_k = cfg["experts"], cfg["hidden"], cfg["inter"], cfg["top_k"]
@@ -174,11 +182,7 @@ def moe_rows(cfg, ms, dev, dtype, reps, triton_ok, seed=0, bandwidth=None):
         scales = torch.randint(118, 124, (e, n, k // 32), generator=g, device=dev, dtype=torch.uint8)
         dense = dequant_mxfp4(blocks, scales, dtype)  # for the bf16 column only
         for m in ms:
-            choice = torch.rand(m, e, generator=g, device=dev).topk(top_k, dim=1).indices.flatten()
-            counts = torch.bincount(choice, minlength=e)
-            offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
-            counts = counts.tolist()
-            x = torch.randn(m * top_k, k, generator=g, device=dev, dtype=dtype)
+            offsets, counts, x = routed(g, m, e, top_k, k, dev, dtype)
             fns = {
                 "triton": lambda: qt.mxfp4_grouped_matmul_triton(x, offsets, blocks, scales),
                 "deq+mm": lambda: grouped_reference(x, counts, lambda i: dequant_mxfp4(blocks[i], scales[i], dtype)),
@@ -224,11 +228,7 @@ def fp8_expert_rows(cfg, ms, dev, dtype, reps, triton_ok, block=(128, 128), seed
         weight = (torch.randn(e, n, k, generator=g, device=dev) * 100).to(torch.float8_e4m3fn)
         scale_inv = torch.rand(e, -(-n // block[0]), -(-k // block[1]), generator=g, device=dev) * k**-0.5 / 50
         for m in ms:
-            choice = torch.rand(m, e, generator=g, device=dev).topk(top_k, dim=1).indices.flatten()
-            counts = torch.bincount(choice, minlength=e)
-            offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
-            counts = counts.tolist()
-            x = torch.randn(m * top_k, k, generator=g, device=dev, dtype=dtype)
+            offsets, counts, x = routed(g, m, e, top_k, k, dev, dtype)
             dense = {i: dequant_fp8(weight[i], scale_inv[i], block, dtype) for i, c in enumerate(counts) if c}
             fns = {
                 "triton": lambda: qt.fp8_grouped_matmul_triton(x, offsets, weight, scale_inv, block),
