@@ -1,7 +1,7 @@
 """The GPU check for a bare, offline GPU machine (what benchmarks/gpu_check.sh runs), in steps.
 
-    benchmarks/gpu_check.sh OUTDIR [--steps 1|2|3|a,b,...]  on the GPU machine (OUTDIR: the run tool's $OUT)
-    benchmarks/gpu_check.sh --dry-run OUTDIR                here, on a CPU: everything but CUDA
+    benchmarks/gpu_check.sh OUTDIR [--steps 1|2|3|a,b,...]  on the GPU machine
+    benchmarks/gpu_check.sh --dry-run OUTDIR                on a CPU machine: everything but CUDA
 
 It installs nothing into the machine's Python: the wheels carried in .whl/ (downloaded beforehand by
 FETCH) go into a private folder with `pip install --no-index --no-deps --target`, only where the
@@ -14,16 +14,8 @@ published layouts from tests/quant_zoo.py; GPT-OSS-120B's config cut to 4 layers
 OUTDIR/summary.json: {"steps": [{"name", "status": "ran" | "skipped", "reason", "needs_cuda", "result":
 "pass" | "fail" (where it ran), "seconds", "command", "figures", "log"}], ...}. Every step's output is kept
 in OUTDIR/logs/NAME.log. A step needing CUDA is "skipped" on a CPU, with its command. Steps that cannot
-finish within the call's time left (--budget-s, 570 s by default: the run tool allows 600) are skipped
-with that reason, so one call never overruns; README, "The GPU check", gives the calls that fitted the
-15 minutes an H200 was lent for.
-
-Parts 4 and 5 time the paper's two models' paths: `quant` (the packed MXFP4 and FP8 GEMMs at batch 1
-and prefill sizes against cuBLAS on the dequantized weights and the bytes they read, with a sweep of
-tilings at batch 1), `mla-*` (absorbed MLA decode at 128 heads and a TP-8 rank's 16, 1k and 16k tokens,
-against the latent's read rate), `long-1k` / `long-16k` (decode tok/s at batch 1 and 32 after 1k and 16k
-prompt tokens, GPT-OSS-120B at 4 layers) and `memory` (a 16k-token run at the default KV budget: peak
-reserved against the total, the profiled forward against the plan's estimate).
+finish within the call's time left (--budget-s, 570 s by default: under a 10-minute limit on a command)
+are skipped with that reason, so one call never overruns. How to run it: docs/gpu-check.md.
 """
 
 from __future__ import annotations
@@ -48,6 +40,12 @@ WHEELS = ROOT / ".whl"
 FETCH = 'pip download --no-deps -d .whl pytest pluggy iniconfig gguf'  # gguf: not in the lent image
 CARRY_LIMIT = 64 * 2**20
 FIRST = ["env", "deps", "package", "models"]  # every call runs these first (each a few seconds)
+# Parts 4 and 5 time the paper's two models' paths: `quant` (the packed MXFP4 and FP8 GEMMs at batch 1 and
+# prefill sizes against cuBLAS on the dequantized weights and the bytes they read, with a sweep of tilings
+# at batch 1), `mla-*` (absorbed MLA decode at 128 heads and a TP-8 rank's 16, 1k and 16k tokens, against
+# the latent's read rate), `long-1k` / `long-16k` (decode tok/s at batch 1 and 32 after 1k and 16k prompt
+# tokens, GPT-OSS-120B at 4 layers) and `memory` (a 16k-token run at the default KV budget: peak reserved
+# against the total, the profiled forward against the plan's estimate).
 GPU_STEPS = ["tests", "graphs", "bf16", "flash", "run", "kernels", "engine", "decode", "profile", "quant", "mla",
              "long", "memory"]
 PARTS = {"1": FIRST + ["tests", "graphs", "bf16", "flash", "run"], "2": FIRST + ["kernels", "decode"],
