@@ -10,7 +10,7 @@ PYTHONPATH (svrmad_local/ holds every module, kernels/ included), so neither set
 is needed. It builds every model it needs
 on the spot (config folders at the real shapes of the embedded default and of a 1.7B Qwen3, with a
 tokenizer trained here, for random weights; tiny MXFP4 GPT-OSS and FP8 DeepSeek-V3 checkpoints in the
-published layouts from tests/quant_zoo.py), then runs the steps (each killed if the call's time runs out), and writes
+published layouts from tests/quant_zoo.py; GPT-OSS-120B's config cut to 4 layers, `long_model`), then runs the steps (each killed if the call's time runs out), and writes
 OUTDIR/summary.json: {"steps": [{"name", "status": "ran" | "skipped", "reason", "needs_cuda", "result":
 "pass" | "fail" (where it ran), "seconds", "command", "figures", "log"}], ...}. Every step's output is kept
 in OUTDIR/logs/NAME.log. A step needing CUDA is "skipped" on a CPU, with its command. Steps that cannot
@@ -40,9 +40,19 @@ WHEELS = ROOT / ".whl"
 FETCH = 'pip download --no-deps -d .whl pytest pluggy iniconfig gguf'  # gguf: often missing from GPU images
 CARRY_LIMIT = 64 * 2**20
 FIRST = ["env", "deps", "package", "models"]  # every call runs these first (each a few seconds)
-GPU_STEPS = ["tests", "graphs", "bf16", "flash", "run", "kernels", "engine", "decode", "profile"]
+# Parts 4 and 5 time the paper's two models' paths: `quant` (the packed MXFP4 and FP8 GEMMs at batch 1 and
+# prefill sizes against cuBLAS on the dequantized weights and the bytes they read, with a sweep of tilings
+# at batch 1), `mla-*` (absorbed MLA decode at 128 heads and a TP-8 rank's 16, 1k and 16k tokens, against
+# the latent's read rate), `long-1k` / `long-16k` (decode tok/s at batch 1 and 32 after 1k and 16k prompt
+# tokens, GPT-OSS-120B at 4 layers) and `memory` (a 16k-token run at the default KV budget: peak reserved
+# against the total, the profiled forward against the plan's estimate).
+GPU_STEPS = ["tests", "graphs", "bf16", "flash", "run", "kernels", "engine", "decode", "profile", "quant", "mla",
+             "long", "memory"]
 PARTS = {"1": FIRST + ["tests", "graphs", "bf16", "flash", "run"], "2": FIRST + ["kernels", "decode"],
-         "3": FIRST + ["engine"]}
+         "3": FIRST + ["engine"], "4": FIRST + ["quant", "mla"], "5": FIRST + ["long", "memory"]}
+# the paper's main model at a few layers (random bf16 weights at GPT-OSS-120B's real widths, two sliding and two
+# full layers, all 128 experts: ~28 GB): the long-context decode and memory steps' model
+LONG_MODEL, LONG_LAYERS = "gpt-oss-120b-4l", 4
 ENGINE_MODELS = ["smollm2-135m", "qwen3-1.7b"]
 # the ways the GPU path was found able to fail, and the step whose failure names each (the CPU tests cover
 # the fallback inside a capture, the paged prefill sync and the blocking copies too)
@@ -225,6 +235,7 @@ class Check:
         if out.returncode != 0:
             return [f"building the models failed: {_last_line(out.stderr or out.stdout)}"]
         step.figures.update(json.loads(out.stdout.strip().splitlines()[-1]))
+        step.figures["models"][LONG_MODEL] = str(long_model(self.models))
         return []
 
     def step_carry(self, step: Step):
@@ -238,6 +249,22 @@ class Check:
         step.figures.update(tree_bytes=tree, tree_files=len([f for f in files if f]), carry=[".whl"],
                             wheels=wheels, total_bytes=total, limit_bytes=CARRY_LIMIT, fetch_wheels=FETCH)
         return [] if total < CARRY_LIMIT else [f"{total} bytes to carry, over the {CARRY_LIMIT} limit"]
+
+
+def long_model(models: Path) -> Path:
+    """GPT-OSS-120B's published config cut to its first LONG_LAYERS layers, without its quantization (random
+    bf16 weights), beside the harmony tokenizer the models step trained for the packed GPT-OSS."""
+    folder = models / LONG_MODEL
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((ROOT / "tests" / "fixtures" / "configs" / "gpt-oss-120b" / "config.json").read_text())
+    cfg.pop("quantization_config", None)
+    cfg["num_hidden_layers"], cfg["layer_types"] = LONG_LAYERS, cfg["layer_types"][:LONG_LAYERS]
+    (folder / "config.json").write_text(json.dumps(cfg, indent=1))
+    tokenizer = models / "gpt-oss-mxfp4"
+    for f in tokenizer.glob("*"):
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(f, folder / f.name)
+    return folder
 
 
 def _plan(wheels, version):
@@ -314,6 +341,12 @@ def _pytest_counts(text: str):
     return {"counts": counts, "failed": failed[:40]}, [f"{len(failed)} failed: {', '.join(failed[:5])}"] if failed else []
 
 
+def _memory_json(text: str):
+    """bench_memory.py's last line: its figures, and its `failures` (an OOM, a peak past the total)."""
+    obj = json.loads(text.strip().splitlines()[-1])
+    return obj, obj.pop("failures", [])
+
+
 def _last_json(text: str):
     for line in reversed(text.strip().splitlines()):
         if line.startswith("{"):
@@ -326,8 +359,8 @@ def main(argv=None) -> int:
     ap.add_argument("out", type=Path, help="where summary.json and logs/ go")
     ap.add_argument("--dry-run", action="store_true", help="a CPU machine: everything but CUDA")
     ap.add_argument("--steps", help="comma-separated step names, or a part: 1 (tests, graphs, bf16, flash), "
-                                    "2 (kernels, decode) or 3 (engine); default: all. env, deps, package, models "
-                                    "always run")
+                                    "2 (kernels, decode), 3 (engine), 4 (quant, mla) or 5 (long, memory); default: "
+                                    "all. env, deps, package, models always run")
     ap.add_argument("--budget-s", type=float, default=570.0, help="time this call may take (default 570)")
     ap.add_argument("--engine-models", default=",".join(ENGINE_MODELS),
                     help=f"the engine step's models (default {','.join(ENGINE_MODELS)})")
@@ -360,8 +393,9 @@ def main(argv=None) -> int:
     ready = all(s.result == "pass" for s in steps if s.name in ("package", "models"))
     plan = []  # each step's `expect`: seconds it took on an H200 (docs/measurements.md), with room
     if "tests" in wanted:
-        plan.append(("tests", [py, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "tests/test_gpu.py"], 200,
-                     _pytest_counts))
+        plan.append(("tests", [py, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "tests/test_gpu.py",
+                               "tests/test_mla.py::test_prefill_chunks_on_cuda_take_the_memory_efficient_kernel_and_"
+                               "match_fp32"], 200, _pytest_counts))
     probe = [py, "benchmarks/gpu_probe.py"]
     if "graphs" in wanted:  # every model captures every shape, no kernel falls back, no blocking copy
         plan.append(("graphs", probe + ["graphs", str(m)], 45, _probe_json))
@@ -395,6 +429,27 @@ def main(argv=None) -> int:
             if "profile" in wanted:  # where a decode step's time goes: the host, the device, which kernels
                 plan.append((f"profile-{model}-graphs-{graphs}", base + ["--profile", "1", "--new-tokens", "32"], 40,
                              _last_json))
+    # the packed GEMMs and absorbed MLA at the paper's shapes against the device's read rate, and the paper's
+    # main model at long contexts: decode at 1k and 16k, and the memory a 16k run holds at the default budget
+    if "quant" in wanted:
+        plan.append(("quant", [py, "benchmarks/bench_quant.py", "--ms", "1,8,512,2048", "--reps", "10", "--sweep"],
+                     300, _last_json))
+    if "mla" in wanted:
+        mla = [py, "benchmarks/bench_mla.py", "--dtype", "bf16", "--device", "cuda", "--json"]
+        plan.append(("mla-128-heads", mla + ["--heads", "128", "--contexts", "1024,16384", "--sweep"], 120, _last_json))
+        plan.append(("mla-16-heads-tp8-rank", mla + ["--heads", "16", "--contexts", "1024,16384", "--sweep"], 90,
+                     _last_json))
+        plan.append(("mla-128-heads-batch32", mla + ["--heads", "128", "--contexts", "16384", "--batch", "32",
+                                                     "--skip-expanded"], 60, _last_json))
+    long = [py, "benchmarks/bench_decode.py", "--model", str(m / LONG_MODEL), "--random-weights", "--dtype", "bf16",
+            "--batches", "1,32", "--new-tokens", "64", "--repeat", "1"]
+    if "long" in wanted:
+        plan.append(("long-1k", long + ["--prompt-tokens", "1024"], 180, _last_json))
+        plan.append(("long-16k", long + ["--prompt-tokens", "16384"], 420, _last_json))
+    if "memory" in wanted:
+        plan.append(("memory", [py, "benchmarks/bench_memory.py", "--model", str(m / LONG_MODEL), "--random-weights",
+                                "--sequences", "8", "--prompt-tokens", "16384", "--new-tokens", "32"], 240,
+                     _memory_json))
     for name, cmd, expect, parse in plan:
         step = add(name, True)
         if not ready:

@@ -389,3 +389,18 @@ def test_bench_decode_read_times_the_kernel_against_a_plain_read_and_another_rev
     rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
     assert [(r["threads"], r["case"]) for r in rows] == [(1, "two")]
     assert all(rows[0][k] > 0 for k in ("kernel", "against", "sum"))
+
+
+def test_bench_memory_reports_the_pool_and_the_plans_estimate_on_the_cpu():
+    """benchmarks/bench_memory.py (the GPU check's memory step) runs on the CPU over a tiny model: every
+    sequence completes and the report carries the budget, the pool per device and the plan's estimate."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_memory
+
+    from tests.conftest import make_model
+
+    row = bench_memory.measure(make_model("llama"), None, sequences=3, prompt_tokens=40, new_tokens=4,
+                               kv_cache_memory="1MiB", block_size=8)
+    assert row["failures"] == [] and row["generated"] == [4, 4, 4]
+    assert row["kv_budget_bytes"] == 2**20 and list(row["kv_devices"]) == ["cpu"]
+    assert row["plan_forward_bytes"] > 0 and row["peak_kv_bytes"] > 0

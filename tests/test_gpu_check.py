@@ -65,7 +65,8 @@ def test_the_dry_run_writes_the_summary_and_never_runs_a_cuda_step(tmp_path, mon
     assert [n for n, s in steps.items() if s["needs_cuda"]] == ["tests", "graphs", "bf16", "flash"]
     carry = steps["carry"]["figures"]
     assert carry["total_bytes"] == carry["tree_bytes"] + sum(carry["wheels"].values()) < 64 * 2**20
-    assert set(steps["models"]["figures"]["models"]) == {"smollm2-135m", "qwen3-1.7b", "gpt-oss-mxfp4", "deepseek-fp8"}
+    assert set(steps["models"]["figures"]["models"]) == {"smollm2-135m", "qwen3-1.7b", "gpt-oss-mxfp4", "deepseek-fp8",
+                                                         gpu_check.LONG_MODEL}
     for folder in steps["models"]["figures"]["models"].values():
         assert (Path(folder) / "config.json").exists()
     assert Path(steps["package"]["figures"]["kernels"]).resolve().is_relative_to(gpu_check.ROOT)
@@ -84,3 +85,32 @@ def test_the_decode_step_runs_each_model_asked_for_and_refuses_an_unknown_one(tm
     for name, s in steps.items():
         model = "qwen3-1.7b" if "qwen3" in name else "smollm2-135m"
         assert s["status"] == "skipped" and s["command"][s["command"].index("--model") + 1].endswith(model), s
+
+
+def test_the_paper_model_steps_are_listed_with_their_commands_and_skipped_on_a_cpu(tmp_path, monkeypatch):
+    """Parts 4 and 5: the packed GEMMs (with the tiling sweep), absorbed MLA at 128 heads and a TP-8 rank's 16,
+    decode at 1k and 16k contexts and the memory of a 16k run, each skipped here with the command it would
+    run; the few-layer GPT-OSS-120B model they run on is built from the published config."""
+    monkeypatch.setenv("SVRMAD_GPU_CHECK_WORK", str(tmp_path / "work"))
+    out = tmp_path / "out"
+    assert gpu_check.main([str(out), "--dry-run", "--steps", "4"]) == 0
+    assert gpu_check.main([str(tmp_path / "out5"), "--dry-run", "--steps", "5"]) == 0
+    steps = {}
+    for folder in (out, tmp_path / "out5"):
+        summary = json.loads((folder / "summary.json").read_text())
+        steps.update({s["name"]: s for s in summary["steps"] if s["needs_cuda"]})
+    assert list(steps) == ["quant", "mla-128-heads", "mla-16-heads-tp8-rank", "mla-128-heads-batch32", "long-1k",
+                           "long-16k", "memory"]
+    for s in steps.values():
+        assert s["status"] == "skipped" and s["reason"].startswith("needs CUDA") and s["command"], s
+    assert "--sweep" in steps["quant"]["command"] and "bench_quant.py" in steps["quant"]["command"][1]
+    assert steps["mla-16-heads-tp8-rank"]["command"][steps["mla-16-heads-tp8-rank"]["command"].index("--heads") + 1] \
+        == "16"
+    for name, tokens in (("long-1k", "1024"), ("long-16k", "16384"), ("memory", "16384")):
+        cmd = steps[name]["command"]
+        assert cmd[cmd.index("--prompt-tokens") + 1] == tokens and cmd[cmd.index("--model") + 1].endswith(
+            gpu_check.LONG_MODEL)
+    folder = Path(json.loads((out / "summary.json").read_text())["steps"][3]["figures"]["models"][gpu_check.LONG_MODEL])
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 4 and len(cfg["layer_types"]) == 4 and "quantization_config" not in cfg
+    assert cfg["hidden_size"] == 2880 and cfg["num_local_experts"] == 128 and (folder / "tokenizer.json").exists()

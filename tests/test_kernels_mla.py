@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from svrmad_local.kernels import HAS_TRITON
-from svrmad_local.kernels.mla_decode import _splits, mla_decode, reference_mla_decode
+from svrmad_local.kernels.mla_decode import mla_decode, plan, reference_mla_decode
 
 
 def _case(lens, heads, c_dim, r_dim, bs, seed, dtype=torch.float32):
@@ -61,10 +61,35 @@ def test_triton_bf16_cache_close_to_float64():
     torch.testing.assert_close(got.double(), _f64(*args, 4, 0.3), atol=2e-2, rtol=2e-2)
 
 
-def test_splits_depend_on_the_table_width_only_and_cover_it():
+def test_the_plan_depends_on_shapes_only_and_covers_the_table():
     for width in (1, 16, 1024, 1025, 5000, 70000):
-        n, chunk = _splits(width, 16)
-        assert n * chunk >= width and (n - 1) * chunk < width and chunk % 16 == 0 and n <= 16
+        for rows, heads in ((1, 128), (32, 128), (1, 16), (8, 16)):
+            block_h, n, chunk = plan(rows, heads, width, 512, 64, 2, 32)
+            assert n * chunk >= width and (n - 1) * chunk < width and chunk % 32 == 0
+            assert block_h == min(64, heads)
+
+
+def test_the_plan_reads_deepseeks_latent_once_a_head_tile_and_fills_the_gpu_at_16k():
+    """DeepSeek-V3.1 at batch 1 and 16k tokens: 128 heads in two tiles of 64 (the latent read twice a split,
+    not 8 times as with 16 heads a program), split until about two programs an SM or until a split's fp32
+    partials would pass half its latent bytes; a tensor-parallel rank's 16 heads: one tile."""
+    block_h, n, chunk = plan(1, 128, 16_384, 512, 64, 2, 32, sms=132)
+    partial, latent = 2 * 128 * 512 * 4, chunk * 576 * 2
+    assert block_h == 64 and partial <= latent / 2 and n == -(-16_384 // chunk) == 18
+    block_h, n, chunk = plan(1, 16, 16_384, 512, 64, 2, 32, sms=132)
+    assert block_h == 16 and n * 1 >= 100  # one head tile: many splits fill the GPU
+    assert plan(32, 128, 16_384, 512, 64, 2, 32, sms=132)[1] == 5  # 64 tiles: five splits make 2 an SM
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+@pytest.mark.parametrize("heads, block_h", [(128, 64), (16, 16), (16, 64)])
+@pytest.mark.parametrize("splits", [1, 3, 7])
+def test_triton_at_deepseeks_shape_with_the_gpu_tiles(heads, block_h, splits):
+    """DeepSeek's latent (512) and RoPE key (64) at 128 heads and a TP-8 rank's 16, with the GPU's heads a
+    program (64: two tiles at 128 heads; one tile past the heads at 16) and any split count."""
+    args = _case([37, 300, 5], heads, 512, 64, 16, seed=heads + splits)
+    got = mla_decode(*args, 16, 0.07, kernel_impl="triton", block_h=block_h, splits=splits)
+    torch.testing.assert_close(got.double(), _f64(*args, 16, 0.07), atol=1e-5, rtol=1e-5)
 
 
 def test_shapes_are_checked():

@@ -165,3 +165,90 @@ def test_bench_quant_cpu_smoke():
                          capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     assert '"rows"' in res.stdout.strip().splitlines()[-1]
+
+
+# --- the tilings the GPUs take, at the paper's models' tile edges (small enough for the interpreter) ---
+# GPT-OSS-120B's experts: hidden 2880 and intermediate 2880 (gate_up 5760 x 2880, down 2880 x 2880) are 22.5
+# K tiles of 128 and 22.5 or 45 N tiles of 128 or 64: a 192 x 192 weight has the same half tiles. DeepSeek-V3.1's
+# FP8 kv_a (576 x 7168) is 4.5 scale blocks of N (9 N tiles of 64) split over K at decode: 192 rows (1.5 blocks)
+# split unevenly over a K of 7 blocks hit the same edges.
+GPU_TILES = [qt.Tiles(16, 64, 128), qt.Tiles(16, 64, 128, split_k=2), qt.Tiles(16, 64, 128, split_k=3),
+             qt.Tiles(64, 128, 64), qt.Tiles(128, 128, 64)]
+TILE_IDS = ["decode", "decode-split2", "decode-split3", "mid", "prefill"]
+
+
+@pytest.mark.parametrize("cfg", GPU_TILES, ids=TILE_IDS)
+@pytest.mark.parametrize("m", [1, 5, 130])
+def test_mxfp4_matmul_at_the_gpu_tilings(cfg, m):
+    g = torch.Generator().manual_seed(m)
+    blocks, scales = random_mxfp4(g, (), 192, 192)
+    x = torch.randn(m, 192, generator=g)
+    b = torch.randn(192, generator=g)
+    ref = x.double() @ dequant_mxfp4_f64(blocks, scales).T + b.double()
+    close(qt.mxfp4_matmul_triton(x, blocks, scales, b, cfg=cfg), ref, torch.float32)
+
+
+@pytest.mark.parametrize("cfg", GPU_TILES + [qt.Tiles(16, 64, 32, split_k=5)], ids=TILE_IDS + ["decode-bk32-split5"])
+@pytest.mark.parametrize("m", [1, 5, 130])
+def test_fp8_matmul_at_the_gpu_tilings(cfg, m):
+    g = torch.Generator().manual_seed(m + 1)
+    n, k, block = 192, 7 * 128, (128, 128)
+    weight = (torch.randn(n, k, generator=g) * 50).to(torch.float8_e4m3fn)
+    scale_inv = torch.rand(2, 7, generator=g) * 0.02 + 1e-3
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    ref = x.double() @ dequant_fp8_f64(weight, scale_inv, block).T
+    close(qt.fp8_matmul_triton(x, weight, scale_inv, block, cfg=cfg), ref, torch.bfloat16)
+
+
+def _routed(g, tokens: int, experts: int, top: int):
+    """Expert offsets of `tokens` routed to `top` of `experts` each (rows sorted by expert, some experts empty)."""
+    picks = torch.stack([torch.randperm(experts - 2, generator=g)[:top] for _ in range(tokens)]).flatten()
+    counts = torch.bincount(picks, minlength=experts)
+    return torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]), int(counts.sum())
+
+
+@pytest.mark.parametrize("cfg", [GPU_TILES[0], GPU_TILES[3], GPU_TILES[4]], ids=["decode", "mid", "prefill"])
+@pytest.mark.parametrize("tokens", [1, 40])
+def test_grouped_matmuls_at_the_gpu_tilings(cfg, tokens):
+    """GPT-OSS's 4 of 128 experts (MXFP4) and DeepSeek's 8 of 256 (FP8), scaled to 4 of 12 and 8 of 12 at the
+    same tile edges: a decode step's single rows and a prefill chunk's partial row tiles, empty experts."""
+    g = torch.Generator().manual_seed(tokens)
+    e = 12
+    offsets, m = _routed(g, tokens, e, 4)
+    blocks, scales = random_mxfp4(g, (e,), 192, 192)
+    bias = torch.randn(e, 192, generator=g)
+    x = torch.randn(m, 192, generator=g)
+    w = dequant_mxfp4_f64(blocks, scales)
+    ref = torch.cat([x[offsets[i]:offsets[i + 1]].double() @ w[i].T + bias[i].double() for i in range(e)])
+    close(qt.mxfp4_grouped_matmul_triton(x, offsets, blocks, scales, bias, cfg=cfg), ref, torch.float32)
+    offsets, m = _routed(g, tokens, e, 8)
+    weight = (torch.randn(e, 192, 256, generator=g) * 50).to(torch.float8_e4m3fn)
+    scale_inv = torch.rand(e, 2, 2, generator=g) * 0.02 + 1e-3
+    x = torch.randn(m, 256, generator=g).to(torch.bfloat16)
+    ref = torch.cat([x[offsets[i]:offsets[i + 1]].double() @ dequant_fp8_f64(weight[i], scale_inv[i], (128, 128)).T
+                     for i in range(e)])
+    close(qt.fp8_grouped_matmul_triton(x, offsets, weight, scale_inv, (128, 128), cfg=cfg), ref, torch.bfloat16)
+
+
+def test_the_tile_map_reads_the_offsets_once_and_bounds_the_grid():
+    """Each row tile's (expert, first row, end) from one pass over the offsets; the grid's bound
+    cdiv(M, BLOCK_M) + min(E, M) covers every tile, the rest marked -1."""
+    offsets = torch.tensor([0, 3, 3, 21, 22, 22, 40], dtype=torch.int32)
+    t, te, tr, tend = qt._tile_map(offsets, 6, 40, 16)
+    assert t == 3 + 6
+    assert te.tolist() == [0, 2, 2, 3, 5, 5, -1, -1, -1]
+    assert tr[:6].tolist() == [0, 3, 19, 21, 22, 38] and tend[:6].tolist() == [3, 21, 21, 22, 40, 40]
+
+
+def test_the_gpu_tiling_splits_narrow_decode_outputs_over_k():
+    """At batch 1 on an H100 (132 SMs): DeepSeek's kv_a (576 x 7168, 9 column tiles) is split over K toward two
+    programs an SM, as far as four K tiles a share allow (56 K tiles: 14 shares, 126 programs); a wide output (kv_b's 32768 rows) or a prefill chunk is not; the
+    grouped GEMMs never split (their row tiles spread over the experts)."""
+    kv_a = qt.gpu_tiles(1, 576, 7168, 16, 9, 132)
+    assert (kv_a.block_m, kv_a.block_n, kv_a.split_k) == (16, 64, 14)
+    assert qt._k_share(7168, kv_a) * kv_a.split_k >= 7168
+    assert qt.gpu_tiles(1, 32768, 512, 16, 9, 132).split_k == 1
+    assert qt.gpu_tiles(2048, 576, 7168, 16, 9, 132).split_k == 4
+    assert qt.gpu_tiles(2048, 5760, 2880, 32, 9, 132).split_k == 1
+    assert qt.gpu_tiles(1, 2880, 2880, 32, 9, 132, grouped=True).split_k == 1
+    assert qt.gpu_tiles(4096, 5760, 2880, 32, 9, 132).block_m == 128

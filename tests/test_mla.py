@@ -35,12 +35,13 @@ def engine(model, **kw):
 
 @pytest.fixture
 def decode_calls(monkeypatch):
-    """Each absorbed decode call: (decode rows, whether the step also expanded prefill runs)."""
+    """Each absorbed decode call: (decode rows, whether the step also has prefill runs)."""
     calls = []
     real = mla.decode_attention
 
     def spy(module, q, *args, **kw):
-        calls.append((q.shape[0], get_context().latent_slots is not None))
+        ctx = get_context()
+        calls.append((q.shape[0], len(ctx.runs) > ctx.decode_rows))
         return real(module, q, *args, **kw)
 
     monkeypatch.setattr(mla, "decode_attention", spy)
@@ -90,10 +91,12 @@ def test_forks_sharing_a_prefix(model, decode_calls):
     _assert_same(_run(engine(model, mla="expanded"), [prompt], sampled), _run(engine(model), [prompt], sampled))
 
 
-def test_decode_steps_no_longer_expand_the_context(model, monkeypatch):
-    """With the absorbed form a decode-only step hands kv_b_proj the new tokens only."""
+def test_absorbed_steps_expand_only_bounded_chunks_of_prefill_context(model, monkeypatch):
+    """With the absorbed form no step hands transformers' expand_kv anything (decode rows and prefill runs
+    attend from the cache); kv_b_proj expands prefill contexts a chunk at a time and nothing in a
+    decode-only step. mla="expanded" still expands the whole context at every step (the reference)."""
     attn_cls = type(model.model.layers[0].self_attn)
-    seen = []
+    seen, rows = [], []
     real = attn_cls.expand_kv
 
     def spy(self, kv_nope, k_rot):
@@ -102,12 +105,23 @@ def test_decode_steps_no_longer_expand_the_context(model, monkeypatch):
 
     monkeypatch.setattr(attn_cls, "expand_kv", spy)
     n_layers = len(model.model.layers)
+    hooks = [layer.self_attn.kv_b_proj.register_forward_pre_hook(lambda m, a: rows.append(a[0].shape[0]))
+             for layer in model.model.layers]
+    monkeypatch.setattr(mla, "PREFILL_CHUNK_BYTES", 1)  # one block a chunk
     prompt = rand_prompt(20, 3)
-    for mode, want in (("absorbed", [20] + [1] * (NEW - 1)), ("expanded", list(range(20, 20 + NEW)))):
-        eng = engine(model, mla=mode)
-        seen.clear()  # (the probe at Engine(...) expands two tokens)
+    eng = engine(model)
+    seen.clear(), rows.clear()  # (the probe at Engine(...) expands two tokens)
+    try:
         _run(eng, [prompt], GREEDY)
-        assert seen == [n for n in want for _ in range(n_layers)], mode
+    finally:
+        for h in hooks:
+            h.remove()
+    assert seen == [] and rows and max(rows) == 4  # block_size 4: one block of the context at a time
+    assert len(rows) == n_layers * 20 // 4  # the prefill's 20 tokens in five chunks; no decode step expands
+    eng = engine(model, mla="expanded")
+    seen.clear()
+    _run(eng, [prompt], GREEDY)
+    assert seen == [n for n in range(20, 20 + NEW) for _ in range(n_layers)]
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
@@ -199,3 +213,67 @@ def test_absorbed_decode_never_waits_for_the_device(model):
     with torch.inference_mode(), Ops():
         mla.decode_attention(attn, q, c, kr, tables, 4, attn.scaling, "torch")
     assert seen and not syncing & set(seen), sorted(syncing & set(seen))
+
+
+class _LargestFloat:
+    """The bytes of the largest floating tensor any op makes (not in place, not a view) while active."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+        self.bytes = 0
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if not func._schema.is_mutable and not func.is_view:
+                    for t in out if isinstance(out, (tuple, list)) else (out,):
+                        if torch.is_tensor(t) and t.is_floating_point():
+                            counter.bytes = max(counter.bytes, t.numel() * t.element_size())
+                return out
+
+        self.mode = Mode
+
+
+def test_prefill_over_a_long_cached_context_expands_one_chunk_at_a_time(model, monkeypatch):
+    """A prompt continuing a long cached context: its prefill step makes no tensor larger at a 240-token
+    context than at a 60-token one (the context is expanded a chunk of one block at a time), and its
+    tokens are the cache-free loop's. mla="expanded" (the whole context at once) grows with it."""
+    monkeypatch.setattr(mla, "PREFILL_CHUNK_BYTES", 1)  # one 4-token block a chunk
+    largest = {}
+    for mode in ("absorbed", "expanded"):
+        for n in (60, 240):
+            head = rand_prompt(n, 5)
+            tail = head + rand_prompt(6, 9)
+            eng = engine(model, mla=mode, max_num_batched_tokens=64)
+            eng.generate_sync([head], SamplingParams(temperature=0, max_tokens=1))  # the context, now cached
+            counter, real = _LargestFloat(), eng.runner.execute
+
+            def counted(step, _real=real, _counter=counter):
+                if step.num_decode:  # decode rows read the whole context by design (the torch reference)
+                    return _real(step)
+                with _counter.mode():
+                    return _real(step)
+
+            eng.runner.execute = counted
+            got = eng.generate_sync([tail], GREEDY)[0].completions[0].token_ids
+            if n == 240:
+                assert got == loop_greedy(model, tail, NEW), mode
+            largest[mode, n] = counter.bytes
+    assert largest["absorbed", 60] == largest["absorbed", 240], largest
+    assert largest["expanded", 240] > 2 * largest["expanded", 60], largest
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the GPU check's tests step runs it)")
+@pytest.mark.parametrize("causal", [False, True])
+def test_prefill_chunks_on_cuda_take_the_memory_efficient_kernel_and_match_fp32(causal):
+    """engine/mla.py's chunk attention on a GPU: keys 192 wide, values 128 (DeepSeek's), bf16, through the
+    memory-efficient kernel and its log-sum-exp, against the fp32 path the CPU takes."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k = (torch.randn(n, 16, 192, generator=g, device="cuda", dtype=torch.bfloat16) for n in (64, 64))
+    v = torch.randn(64, 16, 128, generator=g, device="cuda", dtype=torch.bfloat16)
+    out, lse = mla._attend_cuda(q, k, v, 0.07, causal)
+    ref_out, ref_lse = mla._attend_torch(q.cpu(), k.cpu(), v.cpu(), 0.07, causal)
+    torch.testing.assert_close(out.cpu(), ref_out, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse.cpu(), ref_lse, atol=2e-2, rtol=1e-3)

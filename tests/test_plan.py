@@ -58,7 +58,13 @@ def test_gpt_oss_120b_packed_fits_one_80gib_gpu_with_kv_room_and_bf16_does_not()
     # 18 full layers: K and V of 8 heads of 64, bf16; 18 sliding layers hold at most 128 tokens
     assert p["kv_bytes_per_token"] == 18 * 2 * 8 * 64 * 2
     assert p["kv_window_cap_bytes_per_sequence"] == 18 * 128 * 2 * 8 * 64 * 2
-    room = 80 * GiB - 8 * GiB - native_bytes  # reserve: 10% of the GPU
+    # the engine's rule: 0.9 of what is free after loading (less a 1 GiB CUDA context), less its forward at
+    # 2,048 tokens: the residual stream's 6 copies, and the larger of attention (q, k, v, out and their
+    # copies) and the routed experts (4 of 128 a token: gate/up, the product, down, in and out rows)
+    t, h = 2048, 2880
+    forward = 6 * t * h * 2 + max(2 * t * (2 * 64 + 2 * 8) * 64 * 2, t * 4 * (3 * 2880 + 2 * h) * 2 + t * 128 * 4)
+    assert p["forward_bytes_per_gpu"] == forward
+    room = int(0.9 * (80 * GiB - GiB - native_bytes)) - forward
     assert p["kv_room_per_gpu"] == room > 10 * GiB
     assert p["sequences"] == room // (SEQ * 36864 + 18 * 128 * 2048) >= 6
     assert p["fits"] is True
@@ -87,7 +93,8 @@ def test_deepseek_v31_fp8_fits_8x141gib_not_8x80gib_and_says_why():
         small = make_plan(CONFIGS / "deepseek-v3.1", 8, 80 * GiB, "native", tp=tp)
         assert small["fits"] is False
         gib = f"{per_gpu / GiB:.1f} GiB"
-        assert small["reason"] == (f"needs {gib} of weights per GPU plus 8.0 GiB of reserve on 80.0 GiB" if tp is None
+        assert small["reason"] == (f"needs {gib} of weights per GPU plus 2.0 GiB of reserve (the CUDA context and a "
+                                   "forward of 2,048 tokens) on 80.0 GiB" if tp is None
                                    else f"needs {gib} of weights per GPU on 80.0 GiB")
     # the replicated parts make --tp 8 hold 4.2 GB a GPU more than an even split
     assert make_plan(CONFIGS / "deepseek-v3.1", 8, 141 * GiB, tp=8)["weight_bytes_whole_per_gpu"] == whole
@@ -321,3 +328,87 @@ def test_bad_input_is_one_plan_error(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(PlanError, match="is not a safetensors file"):
         make_plan(tmp_path, 1, 80 * GiB)
+
+
+def _scaled(tmp_path: Path, name: str, layers: int) -> tuple[Path, dict]:
+    """The shipped config cut to its first `layers` layers: the real widths, a scaled-down depth."""
+    cfg = json.loads((CONFIGS / name / "config.json").read_text())
+    cfg["num_hidden_layers"] = layers
+    if "layer_types" in cfg:
+        cfg["layer_types"] = cfg["layer_types"][:layers]
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder, cfg
+
+
+def _engine_kv_specs(cfg: dict) -> list:
+    """The engine's own view of each layer's cache (its spec probe, engine/spec.py), on a small model with
+    the config's attention geometry (heads, KV heads and head width, windows; MLA's latent and RoPE
+    widths) and tiny everything else: what a layer caches depends on nothing else."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from svrmad_local.engine.attention import Attachment
+    from svrmad_local.engine.spec import inspect_model
+
+    small = {k: v for k, v in cfg.items() if k != "quantization_config"} | dict(
+        hidden_size=64, intermediate_size=32, moe_intermediate_size=32, vocab_size=128, q_lora_rank=32,
+        num_local_experts=2, n_routed_experts=2, num_experts_per_tok=1, experts_per_token=1, n_group=1, topk_group=1,
+        first_k_dense_replace=1, rope_scaling=None, pad_token_id=0, eos_token_id=1, bos_token_id=0)
+    config = AutoConfig.for_model(**small)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    return inspect_model(model, Attachment(model)).layers
+
+
+@pytest.mark.parametrize("name, layers, gpus, gpu_memory, tp", [("gpt-oss-120b", 4, 1, 80 * GiB, 1),
+                                                                ("deepseek-v3.1", 5, 8, 141 * GiB, 8)])
+def test_the_plan_counts_the_pool_the_engine_then_sizes(tmp_path, name, layers, gpus, gpu_memory, tp):
+    """At a scaled-down depth of the paper's two models (the real widths, meta tensors, nothing
+    allocated): the bytes the loader gives a GPU (GPT-OSS-120B on one 80 GiB GPU; DeepSeek-V3.1 at --tp 8
+    on 8 x 141 GiB, its first and last rank), the engine's KV bytes a block from its own spec probe, and
+    the engine's pool rule (engine/memory.py) over that GPU's memory free after loading, make the
+    sequences the plan counts, and the pool fits the plan's KV room. The profiled forward cannot run
+    here: the engine is given the plan's estimate of it (the GPU check's memory step measures it)."""
+    from transformers import AutoConfig
+
+    from svrmad_local.engine import memory
+    from svrmad_local.engine.kv_cache import KVCache
+    from svrmad_local.engine.tp import Group
+    from svrmad_local.models.plan import CUDA_CONTEXT
+    from svrmad_local.models.quant import quant_spec
+    from svrmad_local.models.shard import meta_split
+
+    from .test_tp import _published_index
+
+    folder, cfg = _scaled(tmp_path, name, layers)
+    plan = make_plan(folder, gpus, gpu_memory, tp=tp)
+    specs = _engine_kv_specs(cfg)
+    block_size, seq_blocks = 16, SEQ // 16
+    layer_bytes = [KVCache.bytes_per_block([s], block_size, torch.bfloat16) for s in specs]
+    gpu = torch.device("cuda", 0)
+    for rank in sorted({0, tp - 1}):
+        model, _, _ = meta_split(AutoConfig.from_pretrained(folder), torch.bfloat16, Group(tuple(range(tp)), rank),
+                                 quant_spec(cfg), _published_index(folder))
+        held = {id(t): t for t in [*model.parameters(), *model.buffers()]}.values()
+        weights = sum(t.numel() * t.element_size() for t in held)
+        assert weights == pytest.approx(plan["weight_bytes_per_gpu"], rel=2e-3)  # FP8 scale grids round per rank
+        free = gpu_memory - CUDA_CONTEXT - weights  # what the GPU reports free once the weights are in
+        pool = memory.kv_pool(None, [gpu] * len(specs), layer_bytes, held={gpu: plan["forward_bytes_per_gpu"]},
+                              free={gpu: free})
+        blocks = pool.blocks()
+        # the engine's paged cache keeps every token of sliding layers: the plan's uncapped count
+        assert blocks // seq_blocks == plan["sequences_uncapped"] > 0
+        # the pool is the plan's KV room, to within a block and the weights' per-rank rounding
+        off = sum(layer_bytes) + abs(plan["weight_bytes_per_gpu"] - weights)
+        assert blocks * sum(layer_bytes) == pytest.approx(plan["kv_room_per_gpu"], abs=off)
+    if name == "deepseek-v3.1":  # the latent, whole on every rank
+        assert sum(layer_bytes) // block_size == plan["kv_bytes_per_token"] == layers * 576 * 2
+
+
+def test_the_plan_estimates_the_forward_the_engine_profiles():
+    """The plan's forward is the engine's profiled one: max_num_batched_tokens' default tokens."""
+    from svrmad_local.engine.config import EngineConfig
+    from svrmad_local.models.plan import PREFILL_TOKENS
+
+    assert PREFILL_TOKENS == EngineConfig().max_num_batched_tokens

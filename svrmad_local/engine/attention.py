@@ -213,8 +213,7 @@ class StepContext:
     def view(self, window: int | None, latent: bool = False) -> View:
         key = (window, latent)
         if key not in self._views:
-            nd = 0 if latent and self.paths.mla_absorbed else self.decode_rows  # absorbed: latent_runs are prefills
-            self._views[key] = _view(self.latent_runs if latent else self.runs, nd, window,
+            self._views[key] = _view(self.latent_runs if latent else self.runs, self.decode_rows, window,
                                      pad_decode=latent or self.paths.decode is None, latent=latent)
         return self._views[key]
 
@@ -239,8 +238,8 @@ class StepContext:
 class PagedKV:
     """Passed to the model as `cache`: every layer hands it what it caches for the step's new
     tokens. It writes them to their slots; a latent layer gets back its whole context (every run's,
-    concatenated) to expand, the way transformers' own cache returns it, or with MLA absorbed the
-    context of the prefill runs only (`latent_slots`; none: the new tokens back, unused)."""
+    concatenated) to expand, the way transformers' own cache returns it (`latent_slots`), or with MLA
+    absorbed the new tokens, which it does not expand (engine/mla.py attends from the cache)."""
 
     def update(self, key, value, layer_idx, *args, **kwargs):
         ctx = get_context()
@@ -251,7 +250,7 @@ class PagedKV:
         kc[ctx.slot_mapping] = key[0].transpose(0, 1).to(kc.dtype)
         vc[ctx.slot_mapping] = value[0].transpose(0, 1).to(vc.dtype)
         if ctx.specs[layer_idx].kind != "latent" or ctx.latent_slots is None:
-            return key, value  # (latent, absorbed, no prefill run: the decode rows read the cache in place)
+            return key, value  # (latent, absorbed: every row reads the cache, engine/mla.py)
         k, v = ctx.cache.gather(layer_idx, ctx.latent_slots)  # [L, 1, d]
         return k.transpose(0, 1).unsqueeze(0).to(key.dtype), v.transpose(0, 1).unsqueeze(0).to(value.dtype)
 
@@ -349,6 +348,14 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     how = ctx.decode_path(spec.kind)
     if how == "flash":
         return _flash(ctx, layer, q, scaling, spec.window, sinks).unsqueeze(0), None
+    if spec.kind == "latent" and ctx.paths.mla_absorbed:  # every row from the latent cache (engine/mla.py)
+        out = q.new_empty(q.shape[0], q.shape[1], module.v_head_dim)
+        nd, c, kr, bs = ctx.decode_rows, ctx.cache.k[layer], ctx.cache.v[layer], ctx.cache.block_size
+        if nd:
+            out[:nd] = mla.decode_attention(module, q[:nd], c, kr, ctx.decode_tables, bs, scaling, ctx.paths.kernel_impl)
+        if q.shape[0] > nd:
+            mla.prefill_attention(module, q, c, kr, ctx.runs[nd:], bs, scaling, out)
+        return out.unsqueeze(0), None
     if spec.kind == "latent":  # key/value: the expanded context of every run, concatenated
         kc, vc = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [L, H, D]
         view = ctx.view(None, latent=True)
@@ -370,9 +377,6 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
         else:
             out[:nd] = paged_decode(q[:nd], kc, vc, t.block_table, t.lens, ctx.cache.block_size, scaling,
                                     window=spec.window, sinks=sinks, kernel_impl=ctx.paths.kernel_impl)
-    elif how == "absorbed":  # MLA, from the latent cache
-        out[:nd] = mla.decode_attention(module, q[:nd], ctx.cache.k[layer], ctx.cache.v[layer], ctx.decode_tables,
-                                        ctx.cache.block_size, scaling, ctx.paths.kernel_impl)
     elif how == "padded":
         _attend_padded(ctx, q, kc, vc, layer, view.decode, spec.kind, scaling, sinks, out)
     if view is _IN_PLACE:  # prefill runs, in place through their block tables (Triton)

@@ -22,8 +22,10 @@ from .config import EngineConfig
 from .execution import Choice, Execution
 from .kv_cache import BlockManager, KVCache
 from .lean import select_decoder
-from .memory import keep_freed_memory, kv_budget, workload_cap
-from .runner import ModelRunner, choose_attention
+from . import mla
+from .memory import (available_memory, empty_cache, fraction, keep_freed_memory, kv_pool, measurable, measure,
+                     workload_cap)
+from .runner import ModelRunner, StepInput, choose_attention
 from .spec import inspect_model
 from .threads import BarrierSleepWatch
 
@@ -52,46 +54,68 @@ def build(eng, model, cfg: EngineConfig) -> None:
     eng.weight_bytes = weight_bytes(model)
     layers = model.base_model.layers if hasattr(model.base_model, "layers") else None
     devices = [layer_device(model, layers, i) for i in range(len(spec.layers))]
-    block_bytes = KVCache.bytes_per_block(spec.layers, cfg.block_size, spec.dtype)
+    layer_bytes = [KVCache.bytes_per_block([s], cfg.block_size, spec.dtype) for s in spec.layers]
+    block_bytes = sum(layer_bytes)
     mc = model.config.get_text_config()
     eng.max_model_len = getattr(mc, "max_position_embeddings", None) or 1 << 30
     cap = workload_cap(cfg.max_num_seqs, eng.max_model_len, cfg.block_size, block_bytes)
-    eng.kv_budget_bytes, eng.kv_budget_rule = kv_budget(cfg.kv_cache_memory, devices[0], cap)
-    num_blocks = eng.kv_budget_bytes // block_bytes
     eng.tp_group = tp.group_of(model)
     eng.sharded = eng.tp_group is not None
-    if eng.sharded:
-        num_blocks = tp.agree_on_blocks(num_blocks, devices[0], eng.tp_group)
-    if num_blocks < 2:
-        raise ValueError(f"kv_cache_memory={cfg.kv_cache_memory!r} holds {num_blocks} blocks of {block_bytes} bytes; need at least 2")
     eng.block_bytes = block_bytes
     eng._watch = None
     if devices[0].type == "cpu":
         keep_freed_memory()
         eng._watch = BarrierSleepWatch()  # warns once if another thread's torch work slows the steps
-    # graphs to capture: the cache is sized after their memory is measured over a provisional one
-    measure = cfg.cuda_graphs in ("auto", "on") and graphs.can_capture(devices[0]) and not eng.sharded
-    eng.cache = KVCache(graphs.PROVISIONAL_BLOCKS if measure else num_blocks, cfg.block_size, spec.layers,
-                         devices, spec.dtype)
     head = model.get_output_embeddings().weight
     device = model.base_model.get_input_embeddings().weight.device
     paths, attention = choose_attention(cfg.attention, cfg.cascade, cfg.kernel_impl, cfg.mla, device, head.dtype, spec,
                                         cfg.block_size)
+    if spec.has_latent:
+        mla.install(model)  # absorbed steps hand kv_b_proj nothing to expand (engine/mla.py)
+    # Where the pool's size depends on what a forward takes (a GPU; the default or a fraction), the cache
+    # starts provisional: a forward at the largest prefill chunk is measured over it, and the decode
+    # graphs' memory too; the real cache is sized after both, from the memory free before any of it.
+    free = {d: available_memory(d) for d in dict.fromkeys(devices)}
+    profiling = any(measurable(d) for d in devices) and (cfg.kv_cache_memory is None
+                                                          or fraction(cfg.kv_cache_memory) is not None)
+    measure_graphs = cfg.cuda_graphs in ("auto", "on") and graphs.can_capture(devices[0]) and not eng.sharded
+    tokens, context = profile_shape(cfg, eng.max_model_len, model if paths.mla_absorbed else None, spec.dtype)
+    provisional = 0
+    if profiling or measure_graphs:
+        provisional = max(graphs.PROVISIONAL_BLOCKS, -(-(tokens + context) // cfg.block_size) if profiling else 0)
+    eng.cache = KVCache(provisional, cfg.block_size, spec.layers, devices, spec.dtype, zeroed=True) if provisional \
+        else None
     eng.runner = ModelRunner(model, attached, eng.cache, spec, cfg.block_size, paths)
     decoder = Choice("decoder", "the model's modules", "tensor parallel")
     if not eng.sharded:
         eng.runner.lean, decoder = select_decoder(model, spec, cfg.decoder)
+    held = {}
+    if profiling:  # every rank of a tensor-parallel group profiles (the forward's collectives pair up)
+        held = measure(devices, lambda: profile_forward(eng.runner, model, tokens, context))
+    pool = kv_pool(cfg.kv_cache_memory, devices, layer_bytes, cap, held, free)
+    eng.kv_held = {str(d): n for d, n in held.items()}
+    eng.kv_budget_bytes, eng.kv_budget_rule = pool.bytes, pool.rule
+    num_blocks = pool.blocks()
+    if eng.sharded:
+        num_blocks = tp.agree_on_blocks(num_blocks, devices[0], eng.tp_group)
+    if num_blocks < 2:
+        raise ValueError(f"kv_cache_memory={cfg.kv_cache_memory!r} holds {num_blocks} blocks of {block_bytes} bytes "
+                         f"({pool.rule}); need at least 2")
     eng.graph_reserve = 0  # bytes of the KV budget kept for the decode graphs
     unaffordable = None
-    if measure:
+    if measure_graphs:
         if graphs.why_off(cfg.cuda_graphs, eng.runner, eng.sharded) is None:
             eng.graph_reserve = graphs.graph_memory(eng.runner, cfg.max_num_seqs, max_blocks(eng, num_blocks))
-        if (eng.kv_budget_bytes - eng.graph_reserve) // block_bytes < 3:
+        if pool.blocks({devices[0]: eng.graph_reserve}) < 3:
             unaffordable = (f"the decode graphs take {eng.graph_reserve} bytes, leaving less than 3 KV blocks of "
                             f"kv_cache_memory={cfg.kv_cache_memory!r}")
             eng.graph_reserve = 0
-        num_blocks = (eng.kv_budget_bytes - eng.graph_reserve) // block_bytes
-        eng.cache = eng.runner.cache = KVCache(num_blocks, cfg.block_size, spec.layers, devices, spec.dtype)
+        num_blocks = min(num_blocks, pool.blocks({devices[0]: eng.graph_reserve}))
+    # the provisional cache's memory goes back before the real one is made
+    eng.cache = eng.runner.cache = None
+    empty_cache(devices)
+    eng.cache = eng.runner.cache = KVCache(num_blocks, cfg.block_size, spec.layers, devices, spec.dtype)
+    eng.kv_devices = pool.per_device(num_blocks)
     eng.runner.static, graphs_choice = static_decode(eng, cfg, num_blocks, unaffordable)
     # the static path's padding rows write a scratch block that no sequence may own: the last one
     eng.blocks = BlockManager(num_blocks - (eng.runner.static is not None), cfg.block_size)
@@ -111,6 +135,31 @@ def build(eng, model, cfg: EngineConfig) -> None:
                   "the weights are split over the group (engine/tp.py)" if eng.sharded else "one process holds the model"),
         stats=stats_choice(cfg.kernel_impl, head), attention_paths=paths)
     log.info("svrmad: %s", eng.execution.line())
+
+
+def profile_shape(cfg: EngineConfig, max_model_len: int, latent_model, dtype) -> tuple[int, int]:
+    """(new tokens, cached context) of the largest step a forward will take, which the KV budget is sized
+    after: a prefill chunk of max_num_batched_tokens tokens; where `latent_model`'s latent layers expand
+    their context in chunks (MLA absorbed, engine/mla.py), after a cached context of one such chunk."""
+    tokens = max(1, min(cfg.max_num_batched_tokens, max_model_len))
+    context = 0
+    latent = mla.latent_modules(latent_model) if latent_model is not None else []
+    if latent:
+        m = latent[0]
+        context = max(0, min(mla.chunk_slots(m, mla.heads_of(m), dtype, cfg.block_size), max_model_len - tokens))
+    return tokens, context
+
+
+@torch.inference_mode()
+def profile_forward(runner, model, tokens: int, context: int) -> None:
+    """One prefill step of `tokens` new tokens (token 0) after `context` cached ones over the provisional
+    cache, and its LM head row; the absorbed MLA weights are made first, so what they keep is measured
+    with it. Build measures what it takes (memory.measure) before sizing the KV pool."""
+    if runner.paths.mla_absorbed:
+        mla.prepare(model)
+    end = context + tokens
+    hidden = runner.execute(StepInput([0] * tokens, [(context, end, list(range(-(-end // runner.block_size))))], 0, []))
+    runner.logits(hidden[-1:])
 
 
 def quantization_choice(model) -> Choice:

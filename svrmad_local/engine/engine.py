@@ -125,6 +125,8 @@ class Engine:
             "kv_blocks": self.blocks.num_blocks,
             "kv_budget_bytes": self.kv_budget_bytes,
             "kv_budget": self.kv_budget_rule,
+            "kv_devices": self.kv_devices,  # per device: what the pool takes there, and its budget there
+            "kv_held": self.kv_held,  # per measured device: what the profiled forward took (engine/build.py)
             "graph_bytes": {"reserved": self.graph_reserve,
                             "taken": self.runner.static.pool_bytes if self.runner.static is not None else 0},
             "peak_kv_bytes": self.blocks.peak_used * self.block_bytes,

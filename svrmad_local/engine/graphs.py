@@ -44,6 +44,7 @@ the device pinned, without blocking (kernels._backend.staged).
 
 from __future__ import annotations
 
+import bisect
 import logging
 import threading
 import traceback
@@ -77,14 +78,27 @@ def batch_sizes(max_num_seqs: int) -> list[int]:
     return sizes + [max_num_seqs]
 
 
-def widths(max_blocks: int, smallest: int = 8) -> list[int]:
-    """Block-table widths: powers of two from `smallest`, the last being `max_blocks` itself (a graph
-    per width keeps short contexts from paying for split-K programs over a table sized for the longest)."""
-    out, w = [], smallest
-    while w < max_blocks:
-        out.append(w)
-        w *= 2
-    return out + [max_blocks]
+# The most block-table widths captured: a model of 131,072 positions in 16-token blocks would otherwise
+# take 11 widths, and 11 x 11 graphs at max_num_seqs 64 are a minute of start-up. Beyond it the widths
+# step by 4, 8... instead of 2 (a step then runs at most that factor wider than its longest context:
+# its split-K programs past the context find nothing to read). A parameter: more widths, closer fits.
+MAX_WIDTHS = 6
+
+
+def widths(max_blocks: int, smallest: int = 8, most: int | None = None) -> list[int]:
+    """Block-table widths: `smallest` times powers of two (of four, eight... where powers of two would
+    make more than `most`, MAX_WIDTHS), the last being `max_blocks` itself (a graph per width keeps short
+    contexts from paying for split-K programs over a table sized for the longest)."""
+    most = MAX_WIDTHS if most is None else most
+    ratio = 2
+    while True:
+        out, w = [], smallest
+        while w < max_blocks:
+            out.append(w)
+            w *= ratio
+        if len(out) + 1 <= most:
+            return out + [max_blocks]
+        ratio *= 2
 
 
 def _caller() -> str:
@@ -307,7 +321,7 @@ class StaticDecode:
         widest = max(len(b) for _, _, b in step.runs)
         if widest > self.widths[-1]:
             return None
-        return next(s for s in self.sizes if s >= B), next(w for w in self.widths if w >= widest)
+        return self.sizes[bisect.bisect_left(self.sizes, B)], self.widths[bisect.bisect_left(self.widths, widest)]
 
     def run(self, step, shape: tuple[int, int]) -> torch.Tensor:
         """Final hidden states [B, H] of a decode-only step (rows in the step's order) at `shape`:
@@ -338,21 +352,23 @@ class StaticDecode:
                         len(self.failed), len(self.failed) + len(self.graphs), P, W, why)
 
     def _load(self, step, P: int, W: int) -> None:
-        """Copies the step into the static buffers from host arrays: ids, positions and slots; lengths; the
-        block table (numpy, so the host work is a few calls at any batch size), staged without blocking."""
+        """Copies the step into the static buffers: ids, positions and slots and lengths from host arrays
+        (numpy, staged without blocking: a few calls at any batch size); the block table's rows from the
+        runner's device copy (appended to, kv_cache.DeviceTables), the padding rows' reading the scratch
+        block: the host work does not grow with the context."""
         bs, B, dev = self.runner.block_size, step.num_decode, self.runner.device
         host = np.zeros((3, P), dtype=np.int64)
         host[2] = self.scratch * bs
         lens = np.ones(P, dtype=np.int32)
-        table = np.full((P, W), self.scratch, dtype=np.int32)
         host[0, :B] = step.ids
         for i, (_, end, blocks) in enumerate(step.runs):
             host[1, i], lens[i] = end - 1, end
             host[2, i] = blocks[(end - 1) // bs] * bs + (end - 1) % bs
-            table[i, : len(blocks)] = blocks
         self.inputs[:, :P].copy_(staged(torch.from_numpy(host), torch.long, dev))
         self.lens[:P].copy_(staged(torch.from_numpy(lens), torch.int32, dev))
-        self.tables[W][:P].copy_(staged(torch.from_numpy(table), torch.int32, dev))
+        rows = self.runner.decode_tables(step).block_table
+        self.tables[W][:B, : rows.shape[1]].copy_(rows)
+        self.tables[W][B:P].fill_(self.scratch)
 
     def _forward(self, P: int, W: int) -> torch.Tensor:
         r = self.runner

@@ -187,11 +187,15 @@ class KVCache:
     heads, dim] (flat slots), each on its layer's device, shaped by the layer's spec: per-head K and V,
     or for a latent layer the compressed latent and the shared RoPE key (`spec.LayerSpec`)."""
 
-    def __init__(self, num_blocks: int, block_size: int, specs: list, layer_devices: list[torch.device], dtype: torch.dtype):
+    def __init__(self, num_blocks: int, block_size: int, specs: list, layer_devices: list[torch.device], dtype: torch.dtype,
+                 zeroed: bool = False):
+        """`zeroed`: the provisional cache a profiled forward reads (engine/build.py) holds zeros, not whatever
+        the memory held (a NaN there would spread through the forward); the real pool is never filled."""
         slots = num_blocks * block_size
         self.block_size = block_size
-        self.k = [torch.empty(slots, *s.k_shape, dtype=dtype, device=d) for s, d in zip(specs, layer_devices)]
-        self.v = [torch.empty(slots, *s.v_shape, dtype=dtype, device=d) for s, d in zip(specs, layer_devices)]
+        new = torch.zeros if zeroed else torch.empty
+        self.k = [new(slots, *s.k_shape, dtype=dtype, device=d) for s, d in zip(specs, layer_devices)]
+        self.v = [new(slots, *s.v_shape, dtype=dtype, device=d) for s, d in zip(specs, layer_devices)]
         self._scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._copies: list[tuple[int, int, int]] = []
         self.replay = False  # a tensor-parallel follower: copies arrive with the steps
@@ -274,3 +278,81 @@ class BlockTables:
     def to(self, device) -> "BlockTables":
         return BlockTables(self.block_table.to(device, non_blocking=True), self.lens.to(device, non_blocking=True),
                            self.host_lens)
+
+
+class DeviceTables:
+    """Every decoding sequence's block table, kept on the step's device between steps and appended to:
+    a decode step uploads the few block ids its sequences gained (one a sequence every `block_size`
+    tokens) and gathers its rows on the device, so its host work does not grow with the context (a table
+    rebuilt from Python lists each step costs a long context's length in every step). A sequence's row is
+    rewritten whole only when its blocks changed other than by an append (`Sequence.blocks_epoch`: an
+    identical cached block adopted, a preemption, a fork). Rows and columns grow by doubling as needed; a
+    row not used for the longest time is handed to a new sequence when none is free."""
+
+    def __init__(self, device, rows: int = 8, width: int = 64):
+        self.device = torch.device(device)
+        self.table = torch.zeros(rows, width, dtype=torch.int32, device=self.device)
+        self.meta: list[tuple[int, int, int]] = [(-1, 0, 0)] * rows  # per row: (uid, epoch, blocks written)
+        self.row_of: dict[int, int] = {}
+        self.used = [0] * rows  # the step that last read each row
+        self.step = 0
+
+    def select(self, runs, keys) -> BlockTables:
+        """The block tables [R, W] and lengths of `runs` ((start, end, block ids covering [0, end)), as in
+        runner.StepInput) of the sequences `keys` ((uid, blocks_epoch) each), after writing the block ids
+        each row lacks."""
+        self.step += 1
+        rows, cols, vals, order, ends = [], [], [], [], []
+        width = 1
+        for (_, end, blocks), (uid, epoch) in zip(runs, keys):
+            r = self._row(uid)
+            n = len(blocks)
+            u, e, written = self.meta[r]
+            start = written if (u, e) == (uid, epoch) and written <= n else 0
+            if start < n:
+                rows.extend([r] * (n - start))
+                cols.extend(range(start, n))
+                vals.extend(blocks[start:])
+            self.meta[r] = (uid, epoch, n)
+            self.used[r] = self.step
+            order.append(r)
+            ends.append(end)
+            width = max(width, n)
+        self._fit(width)
+        if vals:
+            index = staged([rows, cols], torch.long, self.device)
+            self.table[index[0], index[1]] = staged(vals, torch.int32, self.device)
+        picked = torch.index_select(self.table[:, :width], 0, staged(order, torch.long, self.device))
+        return BlockTables(picked, staged(ends, torch.int32, self.device), ends)
+
+    def _row(self, uid: int) -> int:
+        r = self.row_of.get(uid)
+        if r is not None:
+            return r
+        free = [i for i, (u, _, _) in enumerate(self.meta) if u == -1]
+        if free:
+            r = free[0]
+        else:  # the row read longest ago, unless every row is in this step: then more rows
+            r = min(range(len(self.used)), key=self.used.__getitem__)
+            if self.used[r] == self.step:
+                r = len(self.meta)
+                self._fit(rows=2 * r)
+            else:
+                del self.row_of[self.meta[r][0]]
+        self.row_of[uid] = r
+        self.meta[r] = (uid, -1, 0)  # an epoch no sequence has: written whole
+        return r
+
+    def _fit(self, width: int = 0, rows: int = 0) -> None:
+        """Grows the table (doubling) to at least `rows` rows and `width` columns, keeping its contents."""
+        R, W = self.table.shape
+        if rows <= R and width <= W:
+            return
+        R2, W2 = max(R, rows), W
+        while W2 < width:
+            W2 *= 2
+        grown = torch.zeros(R2, W2, dtype=torch.int32, device=self.device)
+        grown[:R, :W] = self.table
+        self.table = grown
+        self.meta += [(-1, 0, 0)] * (R2 - R)
+        self.used += [0] * (R2 - R)

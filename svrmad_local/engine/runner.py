@@ -23,7 +23,7 @@ from . import mla
 from .attention import FLASH_PAGE, HAS_FLASH_ATTN, Attachment, PagedKV, Span, StepContext, flash_attn_varlen_func
 from .context import set_context
 from .execution import AttentionPaths, Choice
-from .kv_cache import BlockTables, KVCache
+from .kv_cache import BlockTables, DeviceTables, KVCache
 from .scheduler import Batch
 from .spec import ModelSpec
 
@@ -31,12 +31,15 @@ from .spec import ModelSpec
 @dataclass
 class StepInput:
     """One step in plain numbers: the new token ids in row order; per run (start, end, block ids
-    covering [0, end)), decode runs first (`num_decode` of them); cache row copies to apply first."""
+    covering [0, end)), decode runs first (`num_decode` of them); cache row copies to apply first; per
+    run its sequence's (uid, blocks_epoch), which the device's copy of the decode rows' block tables is
+    kept by (kv_cache.DeviceTables; None: the tables are built from the runs)."""
 
     ids: list[int]
     runs: list[tuple[int, int, list[int]]]
     num_decode: int
     copies: list[tuple[int, int, int]]
+    keys: list[tuple[int, int]] | None = None
 
 
 class ModelRunner:
@@ -61,6 +64,7 @@ class ModelRunner:
         self.paged_kv = PagedKV()
         self.lean = None  # engine.lean.LeanDecoder where it applies (set by the engine)
         self.tp = None  # set by engine.tp for tensor parallelism: sends each step to the other ranks
+        self.tables = DeviceTables(self.device)  # the decode rows' block tables, kept between steps
 
     def prepare(self, batch: Batch) -> StepInput:
         """What every rank needs to run the step, in plain numbers (the tensor-parallel followers
@@ -71,7 +75,8 @@ class ModelRunner:
         for w in batch.work:
             ids.extend(w.seq.tokens[w.start : w.end])
             runs.append((w.start, w.end, w.seq.blocks[: -(-w.end // self.block_size)]))
-        return StepInput(ids, runs, len(batch.decode), self.cache.take_copies())
+        keys = [(w.seq.uid, w.seq.blocks_epoch) for w in batch.work]
+        return StepInput(ids, runs, len(batch.decode), self.cache.take_copies(), keys)
 
     @torch.inference_mode()
     def forward(self, batch: Batch) -> torch.Tensor:
@@ -98,21 +103,20 @@ class ModelRunner:
             row += end - start
         nd, paths = step.num_decode, self.paths
         ctx = StepContext(self.cache, self.spec.layers, staged(slot_map, torch.long, dev), runs, nd, paths)
-        # latent layers get the step's context back from the cache hook, each distinct slot once (forks
-        # share their prefix), to be expanded once by the model's own code; with MLA absorbed only the
-        # prefill runs' context, the decode rows attend to the cached latent in place (engine.mla)
-        expand = runs[nd:] if paths.mla_absorbed else runs
-        if self.spec.has_latent and expand:
+        # mla="expanded": latent layers get the step's context back from the cache hook, each distinct slot
+        # once (forks share their prefix), to be expanded at once by the model's own code; with MLA
+        # absorbed every row attends from the cached latent (engine/mla.py, prefill runs a chunk at a time)
+        if self.spec.has_latent and not paths.mla_absorbed:
             # on the host (a unique on the GPU waits for it): the runs' slots come from their block tables
-            hosts = [r.host_index() for r in expand]
+            hosts = [r.host_index() for r in runs]
             slots, inverse = np.unique(np.concatenate(hosts), return_inverse=True)
             ctx.latent_slots, inverse = staged(slots, torch.long, dev), staged(inverse, torch.long, dev)
             parts = inverse.split([h.shape[0] for h in hosts])
-            ctx.latent_runs = [Span(r.row0, r.row1, part) for r, part in zip(expand, parts)]
+            ctx.latent_runs = [Span(r.row0, r.row1, part) for r, part in zip(runs, parts)]
         elif self.spec.has_latent:
             ctx.latent_runs = []
         if nd and (paths.mla_absorbed or paths.decode):  # decode rows read the cache in place
-            ctx.decode_tables = BlockTables.of_runs(step.runs[:nd], dev)
+            ctx.decode_tables = self.decode_tables(step)
         if paths.prefill_in_place and len(step.runs) > nd:  # prefill rows read the cache in place
             ctx.prefill_tables = BlockTables.of_runs(step.runs[nd:], dev)
             ctx.prefill_cu = [r.row0 - nd for r in runs[nd:]] + [runs[-1].row1 - nd]  # rows of q[nd:]
@@ -133,6 +137,14 @@ class ModelRunner:
                                               self.levels_device)
             ctx.decode_pos = staged([e - 1 for _, e, _ in decode], torch.long, dev)
         return self.run_body(ctx, staged([step.ids], torch.long, dev), staged([pos], torch.long, dev))
+
+    def decode_tables(self, step: StepInput) -> BlockTables:
+        """The decode rows' block tables: from the device's copy, appended to (DeviceTables), where the step
+        names its sequences; else built from the runs."""
+        nd = step.num_decode
+        if step.keys is None:
+            return BlockTables.of_runs(step.runs[:nd], self.device)
+        return self.tables.select(step.runs[:nd], step.keys[:nd])
 
     def run_body(self, ctx: StepContext, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """The model body (or the lean forward) over ids/pos [1, T] with the step's context parked for

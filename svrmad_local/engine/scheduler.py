@@ -77,10 +77,40 @@ class Scheduler:
         self.waiting.append(seq)
 
     # -- block bookkeeping ------------------------------------------------------------------
+    # Every change of a sequence's blocks goes through these three, which keep its request's count of the
+    # blocks its sequences hold (`held_blocks`) and mark a change other than an append (`blocks_epoch`:
+    # the runner's device copy of the table is appended to, and rewritten only then).
+    def _set_blocks(self, seq: Sequence, blocks: list[int]) -> None:
+        held = seq.request.held_blocks
+        for b in seq.blocks:
+            held[b] -= 1
+            if not held[b]:
+                del held[b]
+        for b in blocks:
+            held[b] = held.get(b, 0) + 1
+        seq.blocks = blocks
+        seq.blocks_epoch += 1
+
+    def _append_block(self, seq: Sequence, b: int) -> None:
+        seq.blocks.append(b)
+        held = seq.request.held_blocks
+        held[b] = held.get(b, 0) + 1
+
+    def _replace_block(self, seq: Sequence, i: int, b: int) -> None:
+        old, held = seq.blocks[i], seq.request.held_blocks
+        if b == old:
+            return
+        held[old] -= 1
+        if not held[old]:
+            del held[old]
+        held[b] = held.get(b, 0) + 1
+        seq.blocks[i] = b
+        seq.blocks_epoch += 1
+
     def reserve(self, seq: Sequence, end: int) -> None:
         """Make sure `seq` holds blocks for positions [0, end); raises CacheFull."""
         while len(seq.blocks) * self.bs < end:
-            seq.blocks.append(self.bm.allocate())
+            self._append_block(seq, self.bm.allocate())
 
     def index_full_blocks(self, seq: Sequence) -> None:
         """Put the blocks `seq` has filled into the prefix tree (possibly adopting identical ones)."""
@@ -91,7 +121,7 @@ class Scheduler:
     def _register(self, seq: Sequence, i: int, end: int) -> None:
         """Index block i of `seq`, holding tokens [i * bs, end), under its predecessor."""
         parent = seq.blocks[i - 1] if i else None
-        seq.blocks[i] = self.bm.register(parent, seq.blocks[i], tuple(seq.tokens[i * self.bs : end]))
+        self._replace_block(seq, i, self.bm.register(parent, seq.blocks[i], tuple(seq.tokens[i * self.bs : end])))
 
     def free(self, seq: Sequence) -> None:
         """Release `seq`'s blocks, indexing its last partial block so later prompts can copy it."""
@@ -100,7 +130,8 @@ class Scheduler:
         if 0 < rows < self.bs and seq.num_indexed < len(seq.blocks):
             self._register(seq, seq.num_indexed, seq.num_computed)
         self.bm.release(seq.blocks)
-        seq.blocks, seq.num_computed, seq.num_indexed = [], 0, 0
+        self._set_blocks(seq, [])
+        seq.num_computed, seq.num_indexed = 0, 0
 
     def _admit_blocks(self, seq: Sequence, inflight: list[Sequence]) -> str:
         """Reuse the cached prefix and allocate the rest of the known tokens. Returns "ok",
@@ -113,7 +144,8 @@ class Scheduler:
         if seq.request.score_from is not None:
             limit = min(limit, seq.request.score_from - 1)  # scored positions need their hidden states
         shared, covered, partial = self.bm.match(seq.tokens, max(limit, 0))
-        seq.blocks, seq.num_computed, seq.num_indexed = shared, covered, len(shared)
+        self._set_blocks(seq, shared)
+        seq.num_computed, seq.num_indexed = covered, len(shared)
         if partial is not None:
             covered += partial[1]
         if any(common_prefix(seq.tokens, o.tokens, limit) - covered >= self.bs for o in inflight):
@@ -151,7 +183,8 @@ class Scheduler:
         full = leader.num_computed // bs
         for b in leader.blocks[:full]:
             self.bm.incref(b)
-        child.blocks, child.num_indexed, child.num_computed = list(leader.blocks[:full]), min(full, leader.num_indexed), full * bs
+        self._set_blocks(child, list(leader.blocks[:full]))
+        child.num_indexed, child.num_computed = min(full, leader.num_indexed), full * bs
         rows = leader.num_computed - full * bs
         if rows:
             try:

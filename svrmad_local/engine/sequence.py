@@ -7,6 +7,7 @@ plus a given continuation, fed through teacher-forced, with statistics for the c
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import asyncio
@@ -100,11 +101,17 @@ class Request:
         self.sequences: list[Sequence] = []
         self.finished: list[Sequence] = []
         self.error: BaseException | None = None
+        # the blocks its sequences hold, with how many of them hold each (kept by the scheduler as blocks
+        # change, so the peak KV of a step is one len() and not a walk over every block)
+        self.held_blocks: dict[int, int] = {}
 
     @property
     def num_outputs(self) -> int:
         """Sequences that finish this request: one for scoring (or max_tokens=0), else n."""
         return 1 if self.score_from is not None or self.params.max_tokens == 0 else self.params.n
+
+
+_uids = itertools.count()
 
 
 @dataclass(eq=False)
@@ -115,6 +122,10 @@ class Sequence:
     num_prompt: int
     generator: random.Random | None
     blocks: list[int] = field(default_factory=list)
+    # the runner keeps each sequence's block table on the device and appends to it (kv_cache.DeviceTables):
+    # `uid` names the sequence there, `blocks_epoch` changes whenever `blocks` changes other than by an append
+    uid: int = field(default_factory=lambda: next(_uids))
+    blocks_epoch: int = 0
     num_computed: int = 0  # tokens whose KV is in `blocks`
     num_indexed: int = 0  # leading full blocks already put in the prefix tree
     is_leader_prefill: bool = False  # leader of an n>1 request that has not forked yet

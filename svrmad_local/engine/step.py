@@ -90,10 +90,10 @@ class Step:
             self.totals.computed_tokens += counted
 
     def _note_peak_kv(self, work: list[Work]) -> None:
-        """The most KV each request has held: its distinct blocks, so a shared prefix counts once."""
+        """The most KV each request has held: its distinct blocks, so a shared prefix counts once (the
+        scheduler keeps the count as blocks change: the same few operations at any context length)."""
         for req in {w.seq.request for w in work}:
-            held = len({b for s in req.sequences for b in s.blocks})
-            req.usage.peak_kv_bytes = max(req.usage.peak_kv_bytes, held * self.block_bytes)
+            req.usage.peak_kv_bytes = max(req.usage.peak_kv_bytes, len(req.held_blocks) * self.block_bytes)
 
     def _sample(self, hidden: torch.Tensor, to_sample: list[tuple[Sequence, int]], finished: list[Request]) -> None:
         # row indices reach the device pinned, without blocking (kernels._backend.staged)

@@ -13,9 +13,14 @@ Shapes: q_lat [N, H, C], q_rot [N, H, R] (one decode query per row); c_cache [S,
 block ids (padding ignored); lens [N] the context length of each row, its own token included. Returns
 out_lat [N, H, C] fp32.
 
-The Triton path splits the context (grid: rows x head tiles x splits) and merges the splits with torch
-ops. The split count depends on the block table's width only (a shape), never on `lens` (values), so
-no call waits for the GPU: it can be captured in a CUDA graph.
+The Triton path splits the context (grid: head tiles x rows x splits, the head tiles of one split
+adjacent, so the second reads the latent chunk the first brought into L2) and merges the splits with
+torch ops. A program takes up to 64 heads (`MAX_BLOCK_H`: a [64, 512] fp32 accumulator), so at DeepSeek's
+128 heads each split's latent is read twice (once per tile), at a tensor-parallel rank's 16 once. The
+split count (`plan`) aims at two programs an SM, each split long enough that the fp32 partial outputs it
+writes and the merge reads stay under half the latent bytes it reads; it depends on shapes only (the
+table's width, rows, heads), never on `lens` (values), so no call waits for the GPU: it can be captured
+in a CUDA graph.
 """
 from __future__ import annotations
 
@@ -28,14 +33,15 @@ LOG2E = 1.4426950408889634
 
 
 def mla_decode(q_lat, q_rot, c_cache, kr_cache, block_table, lens, block_size: int, scale: float, *,
-               kernel_impl: str = "auto") -> torch.Tensor:
-    """Absorbed MLA decode attention over the paged latent cache; [N, H, C] fp32 (see the module doc)."""
+               kernel_impl: str = "auto", block_h: int | None = None, splits: int | None = None) -> torch.Tensor:
+    """Absorbed MLA decode attention over the paged latent cache; [N, H, C] fp32 (see the module doc).
+    `block_h`, `splits`: the Triton path's heads a program and context splits (default: `plan`)."""
     c2, kr2 = c_cache.reshape(c_cache.shape[0], -1), kr_cache.reshape(kr_cache.shape[0], -1)
     _check(q_lat, q_rot, c2, kr2, block_table, lens)
     impl = resolve_impl(kernel_impl, q_lat.device, "mla_decode")
     if impl == "triton" and q_lat.shape[0]:
         try:
-            return _mla_triton(q_lat, q_rot, c2, kr2, block_table, lens, block_size, scale)
+            return _mla_triton(q_lat, q_rot, c2, kr2, block_table, lens, block_size, scale, block_h, splits)
         except Exception as e:  # noqa: BLE001 - a kernel problem degrades speed under "auto", not the run
             fall_back("mla_decode", e, kernel_impl)
     return reference_mla_decode(q_lat, q_rot, c2, kr2, block_table, lens, block_size, scale)
@@ -83,8 +89,8 @@ if HAS_TRITON:
         """One program: a tile of heads of one row x one chunk of its context; online softmax in the
         exp2 domain, writing the chunk's normalised output and its lse (natural log; -inf for an
         empty chunk). Every tile of latent rows is loaded once for the BLOCK_H heads."""
-        n = tl.program_id(0)
-        hb = tl.program_id(1)
+        hb = tl.program_id(0)
+        n = tl.program_id(1)
         split = tl.program_id(2)
         heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         hmask = heads < H
@@ -124,39 +130,52 @@ if HAS_TRITON:
         has = l_i > 0.0
         out = acc / tl.where(has, l_i, 1.0)[:, None]
         lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
-        row = (split * tl.num_programs(0) + n) * H + heads
+        row = (split * tl.num_programs(1) + n) * H + heads
         tl.store(O + row[:, None] * CD + cc[None, :], out, mask=hmask[:, None] & cmask[None, :])
         tl.store(LSE + row, lse, mask=hmask)
 
 
-def _splits(max_len: int, block_n: int) -> tuple[int, int]:
-    """(number of splits, tokens per split) for a context of at most `max_len` tokens: about 1k tokens a
-    split, at most 16 splits (a shape-only choice: the same for every call with this table width)."""
-    n_split = max(1, min(16, cdiv(max_len, 1024)))
-    chunk = cdiv(cdiv(max_len, n_split), block_n) * block_n
-    return cdiv(max_len, chunk), chunk
+MAX_BLOCK_H = 64  # heads a program at most: its [BLOCK_H, kv_lora_rank] fp32 accumulator lives in registers
+SMS_DEFAULT = 132  # an H100's SMs: the split target where the device cannot be asked (the interpreter)
 
 
-def _mla_triton(q_lat, q_rot, c_cache, kr_cache, block_table, lens, block_size, scale):
+def plan(rows: int, heads: int, max_len: int, c_dim: int, r_dim: int, item: int, block_n: int,
+         sms: int = SMS_DEFAULT, block_h: int | None = None, splits: int | None = None) -> tuple[int, int, int]:
+    """(heads a program, number of splits, tokens a split) for `rows` decode queries of `heads` heads over
+    tables of `max_len` tokens: up to MAX_BLOCK_H heads a program; splits toward two programs an SM, each
+    at least `min_chunk` tokens, where its fp32 partial output (written, then read by the merge) is at
+    most half the latent it reads. A shape-only choice: the same for every call at this table width."""
+    block_h = block_h or min(MAX_BLOCK_H, max(16, next_pow2(heads)))
+    tiles = rows * cdiv(heads, block_h)
+    min_chunk = cdiv(2 * 2 * heads * c_dim * 4, (c_dim + r_dim) * item)
+    if splits is None:
+        splits = max(1, min(cdiv(2 * sms, tiles), cdiv(max_len, max(block_n, min_chunk))))
+    chunk = cdiv(cdiv(max_len, splits), block_n) * block_n
+    return block_h, cdiv(max_len, chunk), chunk
+
+
+def _mla_triton(q_lat, q_rot, c_cache, kr_cache, block_table, lens, block_size, scale, block_h=None, splits=None):
     n, h, cd = q_lat.shape
     rd = q_rot.shape[2]
     dev = q_lat.device
-    block_h, block_n = (16, 16) if interpreting() else (16, 32)
-    n_split, chunk = _splits(block_table.shape[1] * block_size, block_n)
+    block_n = 16 if interpreting() else 32
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else SMS_DEFAULT
+    block_h, n_split, chunk = plan(n, h, block_table.shape[1] * block_size, cd, rd, c_cache.element_size(), block_n,
+                                   sms, block_h or (16 if interpreting() else None), splits)
     o_part = torch.empty(n_split, n, h, cd, device=dev)
     l_part = torch.empty(n_split, n, h, device=dev)
     dt = c_cache.dtype
     ql, qr = q_lat.to(dt).contiguous(), q_rot.to(dt).contiguous()
     # fp32 caches take an exact ieee dot; bf16 under the interpreter too (its bf16 dot is wrong)
     dot_f32 = dt == torch.float32 or (interpreting() and dt == torch.bfloat16)
-    _mla_decode_kernel[(n, cdiv(h, block_h), n_split)](
+    _mla_decode_kernel[(cdiv(h, block_h), n, n_split)](
         ql, qr, c_cache, kr_cache, block_table, lens, o_part, l_part,
         scale * LOG2E, chunk, h, cd, rd,
         ql.stride(0), ql.stride(1), qr.stride(0), qr.stride(1), c_cache.stride(0), kr_cache.stride(0),
         block_table.stride(0),
         BLOCK_SIZE=block_size, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_C=max(16, next_pow2(cd)),
         BLOCK_R=max(16, next_pow2(rd)), DOT_F32=dot_f32,
-        num_warps=4 if interpreting() or cd < 256 else 8,  # a [16, 512] fp32 accumulator per program
+        num_warps=4 if interpreting() or cd * block_h < 256 * 16 else 8,  # a [BLOCK_H, C] fp32 accumulator
     )
     if n_split == 1:
         return o_part[0]

@@ -27,7 +27,14 @@ from svrmad_local.models.files import DTYPE_BYTES
 GiB = 2**30
 AGENTS, NEW_TOKENS = 6, 16_384  # the paper's shape: 6 agents, up to 16,384 generated tokens each
 PROMPT_TOKENS = 1_024  # the question in its chat template (debate prompts reuse cached answers)
-RESERVE_FRACTION, RESERVE_MIN = 0.10, 2 * GiB  # per GPU: CUDA context, activations, logits, NCCL
+# What a GPU keeps besides the weights and the KV pool, counted as the engine sizes its pool
+# (engine/memory.py): the pool gets GPU_SHARE of the memory free after loading, less what a profiled
+# forward at the largest prefill chunk takes (`forward_bytes`, estimated here, measured by the engine).
+GPU_SHARE = 0.9  # engine/memory.py's default share
+CUDA_CONTEXT = GiB  # the CUDA context, cuBLAS workspaces and compiled kernels: not free after loading
+PREFILL_TOKENS = 2048  # EngineConfig.max_num_batched_tokens's default (tests/test_plan.py checks it)
+MLA_CHUNK_BYTES = 256 * 2**20  # the engine's bound on the latent expanded at once in a prefill (engine/mla.py)
+NCCL_BYTES = GiB  # NCCL's buffers under --tp (allocated outside torch at the first collective)
 KV_ITEM = 2  # the cache holds bf16 keys and values
 MXFP4_BLOCK = 32  # values per e8m0 scale; 16 bytes of e2m1 codes + 1 byte of scale
 CONFIG_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
@@ -354,6 +361,46 @@ def kv_layers(cfg: dict) -> list[LayerKV]:
     return [LayerKV(2 * kv * hd * KV_ITEM, kv, w) for w in windows]
 
 
+# --- what the engine keeps besides weights and KV -------------------------------------------------
+
+def kv_room(free: int, held: int, share: float = GPU_SHARE) -> int:
+    """What the KV pool may take on one GPU: `share` of the memory free after loading, less `held`, what
+    the profiled forward took there. One rule for the engine (engine/memory.py, which measures `held`)
+    and the plan (which estimates it, `forward_bytes`)."""
+    return max(0, int(share * free) - held)
+
+
+def forward_bytes(cfg: dict, tp: int = 1, layers_here: int | None = None, tokens: int = PREFILL_TOKENS) -> int:
+    """An estimate of what the engine's profiled forward (one prefill chunk of `tokens` tokens) takes on a
+    GPU and keeps: the largest layer's activations in bf16 (the residual stream and its copies; the
+    attention's query, keys, values and output, for latent attention a bounded chunk of the expanded
+    latent; the MLP or the routed experts' rows), the absorbed MLA weights of the GPU's `layers_here`
+    layers (bf16 copies of kv_b_proj's two halves), and NCCL's buffers under --tp. The engine measures
+    the real figure (Engine.info["kv_held"]); the GPU check prints both."""
+    t, h, item = tokens, cfg["hidden_size"], 2
+    heads = cfg["num_attention_heads"] // tp
+    layers_here = cfg["num_hidden_layers"] if layers_here is None else layers_here
+    stream = 6 * t * h * item
+    absorbed = 0
+    if cfg.get("kv_lora_rank"):
+        nope, rope, v, c = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"], cfg["kv_lora_rank"]
+        attn = 2 * t * heads * (nope + rope) * item + min(MLA_CHUNK_BYTES, t * heads * (2 * nope + rope + v) * item) \
+            + t * heads * v * (item + 4)
+        absorbed = layers_here * heads * c * (nope + v) * item
+    else:
+        kv = max(1, (cfg.get("num_key_value_heads") or cfg["num_attention_heads"]) // tp)
+        hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+        attn = 2 * t * (2 * heads + 2 * kv) * hd * item
+    experts = next((cfg[k] for k in ("n_routed_experts", "num_local_experts") if cfg.get(k)), 0)
+    if experts:
+        top = cfg.get("num_experts_per_tok") or cfg.get("experts_per_token") or 1
+        inter = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
+        mlp = t * top * (3 * inter + 2 * h) * item + t * experts * 4
+    else:
+        mlp = 3 * t * (cfg["intermediate_size"] // tp) * item
+    return stream + max(attn, mlp) + absorbed + (NCCL_BYTES if tp > 1 else 0)
+
+
 # --- tensor-parallel refusals --------------------------------------------------------------------
 
 def check_tp_heads(cfg: dict, tp: int) -> None:
@@ -490,14 +537,18 @@ def _plan(path: Path, cfg: dict, gpus, gpu_memory, quantization, tp, prompt_toke
     seq_bytes = math.ceil((grow * seq + cap) / split)
     seq_uncapped = math.ceil(sum(per_gpu(x) for x in layers) * seq / split)
     weights_gpu = math.ceil(total / span) if tp is None else whole + math.ceil((total - whole) / tp)
-    reserve = max(RESERVE_MIN, int(RESERVE_FRACTION * gpu_memory))
-    room = gpu_memory - reserve - weights_gpu
+    held = forward_bytes(cfg, tp or 1, math.ceil(cfg["num_hidden_layers"] / (1 if tp else span)))
+    free = gpu_memory - CUDA_CONTEXT - weights_gpu
+    room = kv_room(free, held) if free > 0 else 0
+    # what the GPU keeps besides weights and KV: the context, the forward, (1 - share) of the rest
+    reserve = gpu_memory - weights_gpu - room if room > 0 else CUDA_CONTEXT + held
     sequences = replicas * (max(0, room) // seq_bytes)
     mem, wg = _gib(gpu_memory), _gib(weights_gpu)
     if weights_gpu > gpu_memory:
         reason = f"needs {wg} of weights per GPU on {mem}"
     elif room <= 0:
-        reason = f"needs {wg} of weights per GPU plus {_gib(reserve)} of reserve on {mem}"
+        reason = (f"needs {wg} of weights per GPU plus {_gib(reserve)} of reserve (the CUDA context and a forward "
+                  f"of {PREFILL_TOKENS:,} tokens) on {mem}")
     elif sequences < AGENTS:
         reason = (f"{wg} of weights and {_gib(reserve)} of reserve per GPU on {mem} leave {_gib(room)} for the KV "
                   f"cache: {sequences} of the {AGENTS} sequences of {seq:,} tokens one question needs")
@@ -509,7 +560,7 @@ def _plan(path: Path, cfg: dict, gpus, gpu_memory, quantization, tp, prompt_toke
         "quantization": quantization, "parameters": sum(params.values()), "parameters_by_format": params,
         "weight_bytes": total, "gpus": gpus, "gpu_memory": gpu_memory, "tp": tp, "replicas": replicas,
         "weight_bytes_per_gpu": weights_gpu, "weight_bytes_whole_per_gpu": whole if tp and tp > 1 else None,
-        "reserve_bytes_per_gpu": reserve, "kv_room_per_gpu": max(0, room),
+        "reserve_bytes_per_gpu": reserve, "forward_bytes_per_gpu": held, "kv_room_per_gpu": max(0, room),
         "kv_bytes_per_token": math.ceil(grow / split),
         "kv_window_cap_bytes_per_sequence": math.ceil(cap / split),
         "kv_window_layers": len(capped), "kv_windows": sorted({x.window for x in capped}),
