@@ -21,7 +21,7 @@ from .attention import Attachment
 from .config import EngineConfig
 from .execution import Choice, Execution
 from .kv_cache import BlockManager, KVCache
-from .lean import select_decoder
+from .decoder import select_decoder
 from .memory import keep_freed_memory, kv_budget, workload_cap
 from .runner import ModelRunner, choose_attention
 from .spec import inspect_model
@@ -78,9 +78,7 @@ def build(eng, model, cfg: EngineConfig) -> None:
     paths, attention = choose_attention(cfg.attention, cfg.cascade, cfg.kernel_impl, cfg.mla, device, head.dtype, spec,
                                         cfg.block_size)
     eng.runner = ModelRunner(model, attached, eng.cache, spec, cfg.block_size, paths)
-    decoder = Choice("decoder", "the model's modules", "tensor parallel")
-    if not eng.sharded:
-        eng.runner.lean, decoder = select_decoder(model, spec, cfg.decoder)
+    eng.runner.decoder, decoder = select_decoder(model, spec, cfg.decoder, cfg.kernel_impl)
     eng.graph_reserve = 0  # bytes of the KV budget kept for the decode graphs
     unaffordable = None
     if measure:
