@@ -150,7 +150,8 @@ def why_not(model: nn.Module, spec: ModelSpec) -> str | None:
         return f"{type(body).__name__} is not a decoder body (embed_tokens, layers, rotary_emb, norm)"
     names = {type(layer).__name__ for layer in layers}
     if len(names) != 1 or not names <= set(LAYERS):
-        return f"{', '.join(sorted(names - set(LAYERS)) or sorted(names))} layers (ported: {', '.join(sorted(LAYERS))})"
+        return (f"{', '.join(sorted(names - set(LAYERS)) or sorted(names))} layers, not ported "
+                f"(ported: {', '.join(dict.fromkeys(LAYERS.values()))})")
     if any(type(p).__name__ == "DTensor" for p in model.parameters()):
         return "DTensor (transformers' tensor-parallel) weights"
     sharded = tp.group_of(model) is not None
