@@ -135,3 +135,70 @@ def test_the_choice_is_made_per_device_and_dtype_and_says_why(monkeypatch):
     assert "torch reference (the fused CPU ops are unavailable: SVRMAD_CPU_OPS=0)" == off.describe()
     meta = Ops("meta", torch.float32)
     assert meta.impl == "torch" and meta.why
+
+
+def _interpreter():
+    from svrmad_local.kernels import _backend
+
+    if not (_backend.HAS_TRITON and _backend.interpreter_ready()):
+        pytest.skip("Triton's interpreter is not available in this process")
+    return Ops("cpu", torch.float32, kernel_impl="triton")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_triton_ops_are_the_references_under_the_interpreter(dtype):
+    """kernels/fused_triton.py on CPU tensors in Triton's interpreter: the residual add, RoPE and the cache
+    writes bit for bit (no FMA contraction; bf16 rounded to nearest even by hand, as torch rounds); the norms
+    and the activations within rounding (a tree sum, exp)."""
+    assert _interpreter().impl == "triton"
+    ops = Ops("cpu", dtype, kernel_impl="triton")
+    torch.manual_seed(5)
+    close = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    for style in (PLAIN, CAST_LAST, GEMMA):
+        x, res, w = (torch.randn(7, 64) * 3).to(dtype), torch.randn(7, 64).to(dtype), torch.randn(64).to(dtype)
+        torch.testing.assert_close(ops.rms_norm(x, w, 1e-6, style), fused.reference_rms_norm(x, w, 1e-6, style), **close)
+        y, s = ops.add_rms_norm(x, res, w, 1e-6, style)
+        y_ref, s_ref = fused.reference_add_rms_norm(x, res, w, 1e-6, style)
+        assert torch.equal(s, s_ref)
+        torch.testing.assert_close(y, y_ref, **close)
+    T, H, KVH, D = 5, 6, 2, 16
+    qkv = (torch.randn(T, (H + 2 * KVH) * D) * 4).to(dtype)
+    q, k, v = (qkv[:, a:b].view(T, -1, D) for a, b in ((0, H * D), (H * D, (H + KVH) * D), ((H + KVH) * D, None)))
+    slots = torch.tensor([3, 7, 1, 11, 0])
+    for r in (D, 10):  # full and partial rotary
+        cos, sin = (t.to(dtype) for t in angles(T, r, 6))
+        for norm in (None, (torch.randn(D).to(dtype), 1e-6, PLAIN), (torch.randn(D).to(dtype), 1e-6, GEMMA)):
+            caches = [torch.zeros(12, KVH, D, dtype=dtype) for _ in range(4)]
+            got = ops.rope_store(q, k, v, cos, sin, caches[0], caches[1], slots, norm, norm)
+            want = fused.reference_rope_store(q, k, v, cos, sin, caches[2], caches[3], slots, norm, norm)
+            assert torch.equal(caches[1], caches[3])  # v copied
+            if norm is None or dtype == torch.bfloat16:
+                assert torch.equal(got, want) and torch.equal(caches[0], caches[2]), (r, norm)
+            else:  # the head's norm sums in another order
+                torch.testing.assert_close(got, want, **close)
+                torch.testing.assert_close(caches[0], caches[2], **close)
+    gate, up = (torch.randn(4, 40) * 3).to(dtype), torch.randn(4, 40).to(dtype)
+    for act in ("silu", "gelu_tanh"):
+        torch.testing.assert_close(ops.act_mul(gate, up, act), fused.reference_act_mul(gate, up, act), **close)
+
+
+def test_a_failing_triton_op_falls_back_to_its_reference_once(monkeypatch):
+    """Under "auto" a Triton op that raises (a compile error on an untested GPU) is said once and served by
+    its reference from then on; asked for explicitly, it raises."""
+    from svrmad_local.kernels import _backend
+
+    monkeypatch.setattr(_backend, "_disabled", {})
+    calls = []
+
+    def broken(*a):
+        calls.append(1)
+        raise RuntimeError("compile error (injected)")
+
+    op = fused._guarded("rms_norm", broken, fused.reference_rms_norm, "auto")
+    x, w = torch.randn(3, 8), torch.randn(8)
+    with pytest.warns(RuntimeWarning, match="fused_rms_norm"):
+        assert torch.equal(op(x, w, 1e-6, PLAIN), fused.reference_rms_norm(x, w, 1e-6))
+    assert torch.equal(op(x, w, 1e-6, PLAIN), fused.reference_rms_norm(x, w, 1e-6)) and len(calls) == 1
+    assert "fused_rms_norm" in _backend.disabled()
+    with pytest.raises(RuntimeError, match="injected"):
+        fused._guarded("rms_norm", broken, fused.reference_rms_norm, "triton")(x, w, 1e-6, PLAIN)

@@ -90,8 +90,10 @@ def test_forks_sharing_a_prefix(model, decode_calls):
     _assert_same(_run(engine(model, mla="expanded"), [prompt], sampled), _run(engine(model), [prompt], sampled))
 
 
-def test_decode_steps_no_longer_expand_the_context(model, monkeypatch):
-    """With the absorbed form a decode-only step hands kv_b_proj the new tokens only."""
+@pytest.mark.parametrize("decoder", ["modules", "ours"])
+def test_decode_steps_no_longer_expand_the_context(model, monkeypatch, decoder):
+    """With the absorbed form a decode-only step expands no context: the modules hand kv_b_proj the new
+    tokens only (unused), our decoder (engine/decoder.py) calls kv_b not at all."""
     attn_cls = type(model.model.layers[0].self_attn)
     seen = []
     real = attn_cls.expand_kv
@@ -103,8 +105,12 @@ def test_decode_steps_no_longer_expand_the_context(model, monkeypatch):
     monkeypatch.setattr(attn_cls, "expand_kv", spy)
     n_layers = len(model.model.layers)
     prompt = rand_prompt(20, 3)
-    for mode, want in (("absorbed", [20] + [1] * (NEW - 1)), ("expanded", list(range(20, 20 + NEW)))):
-        eng = engine(model, mla=mode)
+    absorbed = [20] + ([1] * (NEW - 1) if decoder == "modules" else [])
+    for mode, want in (("absorbed", absorbed), ("expanded", list(range(20, 20 + NEW)))):
+        eng = engine(model, mla=mode, decoder=decoder)
+        if decoder == "ours":  # our loop calls kv_b itself: count the rows it expands
+            for L in eng.runner.decoder.layers:
+                L.latent.kv_b = lambda c, _f=L.latent.kv_b: (seen.append(c.shape[0]), _f(c))[1]
         seen.clear()  # (the probe at Engine(...) expands two tokens)
         _run(eng, [prompt], GREEDY)
         assert seen == [n for n in want for _ in range(n_layers)], mode

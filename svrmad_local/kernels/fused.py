@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu_ops
-from ._backend import choose
+from ._backend import choose, fall_back
 
 ACTS = ("silu", "gelu_tanh")
 
@@ -137,7 +137,8 @@ class Ops:
             from . import fused_triton as t
 
             self.rms_norm, self.add_rms_norm, self.rope_store, self.act_mul = (
-                t.rms_norm, t.add_rms_norm, t.rope_store, t.act_mul)
+                _guarded(name, getattr(t, name), globals()["reference_" + name], kernel_impl)
+                for name in ("rms_norm", "add_rms_norm", "rope_store", "act_mul"))
 
     def describe(self) -> str:
         """One phrase for the record: which implementation runs, and why the reference where it does."""
@@ -146,6 +147,23 @@ class Ops:
         if self.impl == "triton":
             return "Triton (kernels/fused_triton.py)"
         return f"torch reference ({self.why})"
+
+
+def _guarded(name: str, fast, reference, kernel_impl: str):
+    """`fast` (a Triton op) until it raises; under "auto" its reference from then on, said once
+    (kernels._backend.fall_back: an explicit "triton", or a failure while a graph is captured, raises)."""
+    state = {"on": True}
+
+    def call(*args):
+        if state["on"]:
+            try:
+                return fast(*args)
+            except Exception as err:  # a compile error on an untested GPU, say
+                fall_back("fused_" + name, err, kernel_impl)
+                state["on"] = False
+        return reference(*args)
+
+    return call
 
 
 def _choose(device: torch.device, dtype: torch.dtype, kernel_impl: str) -> tuple[str, str | None]:
