@@ -170,6 +170,8 @@ def why_not(model: nn.Module, spec: ModelSpec) -> str | None:
                 return f"hooks on {type(m).__name__} of layer {i} (an accelerate device map?), which the loop would skip"
     if any(hasattr(m, "_hf_hook") for m in model.modules()):
         return "modules with hooks (an accelerate device map?)"
+    if body._forward_hooks or body._forward_pre_hooks:
+        return f"hooks on the model body ({type(body).__name__}), which our forward would skip"
     norms = {type(m).__name__ for m in model.modules() if type(m).__name__.endswith("RMSNorm")}
     if not norms <= set(NORMS) | {FastRMSNorm.__name__}:
         return f"{', '.join(sorted(norms - set(NORMS)))} norms"
