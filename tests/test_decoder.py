@@ -128,6 +128,27 @@ def test_the_static_decode_path_runs_our_forward_bit_for_bit(name):
     assert ours == modules, name
 
 
+def test_over_the_triton_ops_in_the_interpreter_it_is_token_exact():
+    """kernel_impl='triton' on CPU tensors: our decoder runs kernels/fused_triton.py in Triton's interpreter
+    (Gemma 3: q/k norms, (1 + w) norms, GELU-tanh, sliding and global layers), token-exact against a
+    cache-free loop of the same model (its norms swapped for the same ops), log-probs within 1e-4 of
+    transformers' own. (One model: the interpreter runs the attention kernels too, slowly.)"""
+    name = "gemma3"
+    from svrmad_local.kernels import _backend
+
+    if not (_backend.HAS_TRITON and _backend.interpreter_ready()):
+        pytest.skip("Triton's interpreter is not available in this process")
+    model, plain = make_zoo_model(name), make_zoo_model(name)
+    eng = engine(model, kernel_impl="triton", decoder="ours")
+    assert "fused ops: Triton" in eng.execution.decoder.reason
+    p = rand_prompt(WINDOW + 3, 7)
+    got = eng.generate_sync([p], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0].completions[0]
+    assert got.token_ids == loop_greedy(model, p, 4), name
+    ref = full_logprobs(plain, p + got.token_ids)[len(p) - 1 : -1].gather(1, torch.tensor(got.token_ids)[:, None])[:, 0]
+    assert (torch.tensor(got.logprobs) - ref).abs().max() < 1e-4, name
+    eng.close()
+
+
 @pytest.mark.parametrize("name", ["llama", "mistral-sliding", "gpt-oss"])
 def test_decode_steps_call_the_kernels_themselves(name, monkeypatch):
     """In a step of decode rows only, the loop calls the in-place CPU attention kernel itself (not through
