@@ -128,22 +128,28 @@ def test_the_static_decode_path_runs_our_forward_bit_for_bit(name):
     assert ours == modules, name
 
 
-def test_over_the_triton_ops_in_the_interpreter_it_is_token_exact():
-    """kernel_impl='triton' on CPU tensors: our decoder runs kernels/fused_triton.py in Triton's interpreter
-    (Gemma 3: q/k norms, (1 + w) norms, GELU-tanh, sliding and global layers), token-exact against a
-    cache-free loop of the same model (its norms swapped for the same ops), log-probs within 1e-4 of
-    transformers' own. (One model: the interpreter runs the attention kernels too, slowly.)"""
-    name = "gemma3"
+@pytest.mark.parametrize("name", ["gemma3", "qwen3-moe", "phi3-sliding"])
+def test_over_the_triton_ops_in_the_interpreter_it_is_token_exact(name):
+    """Our decoder over kernels/fused_triton.py in Triton's interpreter (the ops swapped in after build, the
+    model's norms with them; attention stays on this CPU's kernels: interpreted, it would take minutes):
+    Gemma 3's q/k norms, (1 + w) norms and GELU-tanh, Qwen3-MoE's norms around its experts, Phi-3's fused
+    projections; token-exact against a cache-free loop of the same model, log-probs within 1e-4 of
+    transformers' own."""
+    from svrmad_local.engine.families import swap_norms
     from svrmad_local.kernels import _backend
+    from svrmad_local.kernels.fused import Ops
 
     if not (_backend.HAS_TRITON and _backend.interpreter_ready()):
         pytest.skip("Triton's interpreter is not available in this process")
     model, plain = make_zoo_model(name), make_zoo_model(name)
-    eng = engine(model, kernel_impl="triton", decoder="ours")
-    assert "fused ops: Triton" in eng.execution.decoder.reason
-    p = rand_prompt(WINDOW + 3, 7)
-    got = eng.generate_sync([p], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0].completions[0]
-    assert got.token_ids == loop_greedy(model, p, 4), name
+    eng = engine(model, decoder="ours")
+    ops = Ops("cpu", torch.float32, kernel_impl="triton")
+    assert ops.impl == "triton"
+    swap_norms(model, ops)
+    eng.runner.decoder.ops = ops
+    p = rand_prompt(2 * WINDOW + 3, 7)
+    got = eng.generate_sync([p], GREEDY)[0].completions[0]
+    assert got.token_ids == loop_greedy(model, p, GREEDY.max_tokens), name
     ref = full_logprobs(plain, p + got.token_ids)[len(p) - 1 : -1].gather(1, torch.tensor(got.token_ids)[:, None])[:, 0]
     assert (torch.tensor(got.logprobs) - ref).abs().max() < 1e-4, name
     eng.close()
@@ -167,13 +173,14 @@ def test_decode_steps_call_the_kernels_themselves(name, monkeypatch):
     eng.generate_sync([rand_prompt(9, 1)], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
     n = model.config.num_hidden_layers
     assert calls == {"dispatch": n, "kernel": 4 * n}  # the prefill step; four decode steps
-    assert not any(isinstance(f, torch.nn.Module) for L in eng.runner.decoder.layers for f in (L.o_proj, L.down))
+    linears = [f for L in eng.runner.decoder.layers for f in (L.o_proj, L.dense.down if L.dense else L.o_proj)]
+    assert not any(isinstance(f, torch.nn.Module) for f in linears)
 
 
 @pytest.mark.parametrize("name", ["gpt-oss", "deepseek"])
 def test_packed_checkpoints_run_our_forward_bit_for_bit(name, tmp_path):
-    """MXFP4 experts (GPT-OSS) and FP8 linears and experts (DeepSeek-V3), kept packed: our decoder calls the
-    packed modules as the model's own forward does (the MoE block as one call) and gives its bits."""
+    """MXFP4 experts (GPT-OSS) and FP8 linears and experts (DeepSeek-V3), kept packed: our decoder routes
+    the rows itself and calls the packed experts as the model's own forward does, and gives its bits."""
     from svrmad_local.models.loader import load_model
     from svrmad_local.models.quant.modules import PackedModule
 

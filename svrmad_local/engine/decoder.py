@@ -4,8 +4,8 @@ ops of kernels/fused.py around the linears and the engine's paged attention.
 
 A layer is about nine calls: residual add + RMSNorm; the q/k/v GEMM; q/k norm + RoPE + the K/V cache
 write; attention over the paged cache (in place for decode rows); o_proj; add + RMSNorm; the gate/up GEMM;
-act(gate) * up; down. A mixture-of-experts layer calls the model's MoE block (router and experts) as its
-MLP, one call. DeepSeek-V3's latent attention writes the compressed KV and attends with engine/mla.py
+act(gate) * up; down. A mixture-of-experts layer routes its rows (the family's router, ported) and calls
+the model's experts module, one call. DeepSeek-V3's latent attention writes the compressed KV and attends with engine/mla.py
 (absorbed for decode rows, expanded through kv_b for prefill runs). Under tensor parallelism the two
 all-reduces of a layer are written here, after o_proj and after the MLP (models/shard.py split the
 weights by heads, columns and experts).
@@ -33,7 +33,7 @@ from . import tp
 from .attention import StepContext, paged_attention
 from .context import get_context
 from .execution import Choice
-from .families import DENSE_MLPS, LAYERS, MOE_BLOCKS, NORMS, Layer, Rotary, norm_parts, rope_latent, swap_norms
+from .families import DENSE_MLPS, LAYERS, MOE_BLOCKS, NORMS, Dense, Layer, Rotary, norm_parts, rope_latent, swap_norms
 from .families import ACT_CLASSES, FastRMSNorm
 from .spec import ModelSpec
 
@@ -123,13 +123,18 @@ class Decoder:
         return L.o_proj(out.reshape(T, -1))
 
     def mlp(self, L: Layer, y: torch.Tensor) -> torch.Tensor:
-        """gate/up GEMM, act(gate) * up, down; or the model's MoE block (its own reductions skipped:
-        `forward`, not the hooked call; the loop reduces)."""
-        if L.mlp is not None:
-            out = L.mlp.forward(y.unsqueeze(0))
-            return (out[0] if isinstance(out, tuple) else out)[0]
-        gate, up = L.gate_up(y)
-        return L.down(self.ops.act_mul(gate, up, L.act))
+        """gate/up GEMM, act(gate) * up, down; or the experts: the ported router, the model's experts module
+        (one call), DeepSeek-V3's shared expert added."""
+        if L.moe is None:
+            return self.dense(L.dense, y)
+        m = L.moe
+        weights, index = m.route(m.router, y)
+        out = m.experts(y, index, weights)
+        return out if m.shared is None else out + self.dense(m.shared, y)
+
+    def dense(self, d: Dense, y: torch.Tensor) -> torch.Tensor:
+        gate, up = d.gate_up(y)
+        return d.down(self.ops.act_mul(gate, up, d.act))
 
 
 def _decode_in_place(ctx, T: int):
@@ -159,13 +164,14 @@ def why_not(model: nn.Module, spec: ModelSpec) -> str | None:
         mlp = type(layer.mlp).__name__
         if mlp not in DENSE_MLPS | MOE_BLOCKS:
             return f"layer {i}'s MLP is a {mlp}"
-        if mlp in DENSE_MLPS:
-            act = type(getattr(layer.mlp, "act_fn", None) or getattr(layer.mlp, "activation_fn", None)).__name__
+        dense = layer.mlp if mlp in DENSE_MLPS else getattr(layer.mlp, "shared_experts", None)
+        if dense is not None:
+            act = type(getattr(dense, "act_fn", None) or getattr(dense, "activation_fn", None)).__name__
             if act not in ACT_CLASSES:
                 return f"activation {act} (ported: {', '.join(sorted(ACT_CLASSES))})"
-        moe = set(layer.mlp.modules()) if mlp in MOE_BLOCKS else set()
+        moe = set(layer.mlp.experts.modules()) if mlp in MOE_BLOCKS else set()
         for m in layer.modules():
-            reduced = sharded and m in (layer.self_attn, layer.mlp) and not m._forward_pre_hooks
+            reduced = sharded and m in (layer.self_attn, layer.mlp) and not m._forward_pre_hooks  # written in the loop
             if m not in moe and not reduced and (hasattr(m, "_hf_hook") or m._forward_hooks or m._forward_pre_hooks):
                 return f"hooks on {type(m).__name__} of layer {i} (an accelerate device map?), which the loop would skip"
     if any(hasattr(m, "_hf_hook") for m in model.modules()):

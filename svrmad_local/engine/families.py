@@ -12,8 +12,9 @@ A family is named by its layer class. What a layer holds, in the order the loop 
 - attention "latent" (DeepSeek-V3's MLA): q_a/kv_a (one GEMM where fused), their norms, q_b, kv_b
   (expanded for prefill runs; absorbed for decode rows by engine/mla.py), interleaved RoPE or not.
 - MLP "dense": gate/up as one GEMM (fused, or Phi-3's gate_up_proj), SiLU or GELU (tanh), down; or
-  "block": a mixture-of-experts block (Qwen3-MoE, GPT-OSS, DeepSeek-V3), called as the model's module
-  (for packed checkpoints our own models/quant modules inside it), one call.
+  mixture of experts (Qwen3-MoE, GPT-OSS, DeepSeek-V3): the family's router, ported (`ROUTERS`: the
+  model's formula, op for op), then the model's experts module, one call (for packed checkpoints our own
+  models/quant experts), plus DeepSeek-V3's shared expert as a dense MLP.
 RoPE's cos/sin are the model's own rotary module's (exact for every rope type it implements); GPT-OSS's
 come half-width (its rotation pairs dimension j with j + D/2, as `rotate_half` does), so they are
 doubled once a step.
@@ -22,6 +23,7 @@ doubled once a step.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from svrmad_local.kernels import cpu_linear
@@ -38,7 +40,6 @@ NORMS = {"LlamaRMSNorm": PLAIN, "MistralRMSNorm": PLAIN, "Qwen2RMSNorm": PLAIN, 
          "Qwen3MoeRMSNorm": PLAIN, "Phi3RMSNorm": PLAIN, "DeepseekV3RMSNorm": PLAIN, "GptOssRMSNorm": CAST_LAST,
          "Gemma3RMSNorm": GEMMA}
 DENSE_MLPS = {"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "Phi3MLP", "Gemma3MLP", "Qwen3MoeMLP", "DeepseekV3MLP"}
-MOE_BLOCKS = {"Qwen3MoeSparseMoeBlock", "GptOssMLP", "DeepseekV3MoE"}
 ACT_CLASSES = {"SiLUActivation": "silu", "SiLU": "silu", "GELUTanh": "gelu_tanh", "PytorchGELUTanh": "gelu_tanh"}
 HALF_ROTARY = {"gpt-oss"}  # families whose rotary module returns cos/sin of D/2 (doubled for rotate_half)
 
@@ -109,11 +110,79 @@ def split_call(linear: nn.Module, sizes: list[int]):
     return lambda y: mm(y).split(sizes, dim=-1)
 
 
+def route_softmax_topk(router: nn.Module, h: torch.Tensor):
+    """Qwen3-MoE: softmax over the experts (fp32), the top k, renormalised where the config says so."""
+    logits = F.linear(h, router.weight)
+    top, index = torch.topk(F.softmax(logits, dtype=torch.float, dim=-1), router.top_k, dim=-1)
+    if router.norm_topk_prob:
+        top /= top.sum(dim=-1, keepdim=True)
+    return top.to(logits.dtype), index
+
+
+def route_topk_softmax(router: nn.Module, h: torch.Tensor):
+    """GPT-OSS: the top k logits (with the router's bias), softmax over those k."""
+    top, index = torch.topk(F.linear(h, router.weight, router.bias), router.top_k, dim=-1)
+    return F.softmax(top, dim=1, dtype=top.dtype), index
+
+
+def route_grouped_sigmoid(router: nn.Module, h: torch.Tensor):
+    """DeepSeek-V3: sigmoid scores in fp32, chosen with the correction bias within the best groups (each
+    group scored by its top two), weighted by the plain scores, renormalised, scaled."""
+    scores = F.linear(h.type(torch.float32), router.weight.type(torch.float32)).sigmoid()
+    choice = scores + router.e_score_correction_bias
+    groups, per = router.num_group, router.num_experts // router.num_group
+    group_scores = choice.view(-1, groups, per).topk(2, dim=-1)[0].sum(dim=-1)
+    group_idx = torch.topk(group_scores, k=router.topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+    score_mask = group_mask.unsqueeze(-1).expand(-1, groups, per).reshape(-1, router.num_experts)
+    choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
+    index = torch.topk(choice, k=router.top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, index)
+    if router.norm_topk_prob:
+        weights /= weights.sum(dim=-1, keepdim=True) + 1e-20
+    return weights * router.routed_scaling_factor, index
+
+
+# mixture-of-experts block class -> (its router's attribute, the routing): transformers' formulas, ported
+ROUTERS = {"Qwen3MoeSparseMoeBlock": ("gate", route_softmax_topk), "GptOssMLP": ("router", route_topk_softmax),
+           "DeepseekV3MoE": ("gate", route_grouped_sigmoid)}
+MOE_BLOCKS = set(ROUTERS)
+
+
+class Dense:
+    """A dense MLP's parts: gate/up as one GEMM where fused (or Phi-3's gate_up_proj), the activation, down."""
+
+    __slots__ = ("gate_up", "act", "down")
+
+    def __init__(self, m: nn.Module):
+        self.act = ACT_CLASSES[type(m.act_fn if hasattr(m, "act_fn") else m.activation_fn).__name__]
+        if hasattr(m, "gate_up_proj"):  # Phi-3: one projection, gate first
+            half = m.gate_up_proj.out_features // 2
+            self.gate_up = split_call(m.gate_up_proj, [half, half])
+        else:
+            self.gate_up = columns([m.gate_proj, m.up_proj])
+        self.down = linear_call(m.down_proj)
+
+
+class Experts:
+    """A mixture-of-experts layer's parts: the ported router (its module holds the weights), the model's
+    experts module (called as a module: a tensor-parallel rank's expert mapping is its pre-hook), and
+    DeepSeek-V3's shared expert."""
+
+    __slots__ = ("router", "route", "experts", "shared")
+
+    def __init__(self, m: nn.Module):
+        name, self.route = ROUTERS[type(m).__name__]
+        self.router, self.experts = getattr(m, name), m.experts
+        shared = getattr(m, "shared_experts", None)
+        self.shared = Dense(shared) if shared is not None else None
+
+
 class Layer:
     """One decoder layer's parts, read once (see the module docstring); the loop reads plain attributes."""
 
     __slots__ = ("index", "kind", "attn", "in_norm", "attn_out", "mlp_in", "mlp_out", "qkv", "q_norm", "k_norm",
-                 "head_dim", "scaling", "sinks", "window", "rope", "o_proj", "latent", "mlp", "gate_up", "act", "down")
+                 "head_dim", "scaling", "sinks", "window", "rope", "o_proj", "latent", "dense", "moe")
 
     def __init__(self, layer: nn.Module, family: str, spec: LayerSpec):
         a = layer.self_attn
@@ -142,18 +211,8 @@ class Layer:
             if getattr(a, "q_norm", None) is not None:
                 self.q_norm, self.k_norm = norm_parts(a.q_norm), norm_parts(a.k_norm)
             self.sinks = a.sinks if spec.sinks else None
-        m = layer.mlp
-        self.mlp = self.gate_up = self.act = self.down = None
-        if type(m).__name__ in MOE_BLOCKS:
-            self.mlp = m
-        else:
-            self.act = ACT_CLASSES[type(m.act_fn if hasattr(m, "act_fn") else m.activation_fn).__name__]
-            if hasattr(m, "gate_up_proj"):  # Phi-3: one projection, gate first
-                half = m.gate_up_proj.out_features // 2
-                self.gate_up = split_call(m.gate_up_proj, [half, half])
-            else:
-                self.gate_up = columns([m.gate_proj, m.up_proj])
-            self.down = linear_call(m.down_proj)
+        moe = type(layer.mlp).__name__ in MOE_BLOCKS
+        self.moe, self.dense = (Experts(layer.mlp), None) if moe else (None, Dense(layer.mlp))
 
 
 class Latent:
