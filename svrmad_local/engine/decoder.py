@@ -33,8 +33,8 @@ from . import tp
 from .attention import StepContext, paged_attention
 from .context import get_context
 from .execution import Choice
-from .families import DENSE_MLPS, LAYERS, MOE_BLOCKS, NORMS, Dense, Layer, Rotary, norm_parts, rope_latent, swap_norms
-from .families import ACT_CLASSES, FastRMSNorm
+from .families import (ACT_CLASSES, DENSE_MLPS, LAYERS, MOE_BLOCKS, NORMS, Dense, FastRMSNorm, Layer, Rotary, norm_parts,
+                       rope_latent, swap_norms)
 from .spec import ModelSpec
 
 CHOICES = ("auto", "ours", "modules")
@@ -65,8 +65,10 @@ class Decoder:
                 y, res = ops.rms_norm(x, *L.in_norm), x
             else:
                 y, res = ops.add_rms_norm(x, res, *L.in_norm)
-            a = self.latent_attention(L, y, ctx, tables[L.rope]) if L.latent else self.attention(L, y, ctx, tables[L.rope],
-                                                                                               direct)
+            if L.latent is None:
+                a = self.attention(L, y, ctx, tables[L.rope], direct)
+            else:
+                a = self.latent_attention(L, y, ctx, tables[L.rope])
             if self.group is not None:
                 tp.all_reduce(a, self.group)
             if L.attn_out is not None:
