@@ -35,7 +35,7 @@ from bench_mla import best_of
 from bench_vs_vllm import VLLM_DTYPES, VllmWorker, vllm_settings, vllm_unavailable
 from svrmad_local.engine.engine import Engine, EngineConfig
 from svrmad_local.engine.config import SamplingParams
-from svrmad_local.engine.lean import linear_call
+from svrmad_local.engine.families import linear_call
 from svrmad_local.models.default import ensure_default_model
 from svrmad_local.models.linear import FusedGroup, PackedLinear
 from svrmad_local.models.loader import load_model
@@ -50,14 +50,14 @@ def read_bandwidth(mib: int = 512, repeat: int = 7, device="cpu") -> float:
 
 def linears_seconds(engine: Engine, rows: int, repeat: int = 5) -> float:
     """Seconds of one pass of every linear of the model (LM head included) over `rows` tokens, as a step
-    runs them: each as the call the engine's forward makes (the panel kernel itself under the lean
-    decoder, engine/lean.linear_call; else the module), a fused group of siblings as one GEMM, in the
+    runs them: each as the call the engine's forward makes (the panel kernel itself under our
+    decoder, engine/families.linear_call; else the module), a fused group of siblings as one GEMM, in the
     model's order, over inputs made once; best of `repeat` whole passes, so each weight comes from memory
     as in a step, not from a cache warmed by a repeat. Timed on the engine's worker thread: timed on
     another, the two threads' OpenMP teams outnumber the cores and sleep at barriers (docs/engine.md),
     which once made this bound slower than the engine it bounds."""
     layers = [m for m in engine.model.modules() if isinstance(m, (torch.nn.Linear, PackedLinear, FusedGroup))]
-    calls = [linear_call(m) if engine.runner.lean is not None else m for m in layers]
+    calls = [linear_call(m) if engine.runner.decoder is not None else m for m in layers]
 
     def timed():
         with torch.inference_mode():
@@ -86,7 +86,7 @@ def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
 class HostOps:
     """Counts the torch ops a decode step dispatches (a TorchDispatchMode on the engine's worker thread):
     `engine` outside the model body's forward (the step's views, sampling, statistics), `model` inside
-    it (transformers' modules or the lean forward, and our attention). On a GPU each is a kernel launch or more of host time."""
+    it (transformers' modules or our decoder, and our attention). On a GPU each is a kernel launch or more of host time."""
 
     def __init__(self, engine: Engine):
         from torch.utils._python_dispatch import TorchDispatchMode
@@ -103,17 +103,17 @@ class HostOps:
         body = engine.model.base_model
         body.register_forward_pre_hook(lambda *a: setattr(self, "inside", self.inside + 1))
         body.register_forward_hook(lambda *a: setattr(self, "inside", self.inside - 1))
-        lean = engine.runner.lean
-        if lean is not None:  # the lean forward (engine/lean.py) stands in for the body's
+        decoder = engine.runner.decoder
+        if decoder is not None:  # our decoder (engine/decoder.py) stands in for the body's
 
-            def counted_lean(ids, pos):
+            def counted_decoder(ids, pos):
                 self.inside += 1
                 try:
-                    return lean(ids, pos)
+                    return decoder(ids, pos)
                 finally:
                     self.inside -= 1
 
-            engine.runner.lean = counted_lean
+            engine.runner.decoder = counted_decoder
         step, schedule = engine._step, engine.scheduler.schedule
         shape = []
 

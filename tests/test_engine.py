@@ -358,20 +358,24 @@ def test_prefix_plus_causal_square_equals_the_masked_call(dtype, with_sinks):
         assert (out.double() - ref).abs().max() < (2e-6 if dtype == torch.float32 else 2e-2)
 
 
-def test_every_forward_of_the_engine_runs_on_its_one_worker_thread(tiny_model):
+def test_every_forward_of_the_engine_runs_on_its_one_worker_thread(tiny_model, monkeypatch):
     """The probe included: a forward on the caller's thread would start a second OpenMP team, and
     with more OpenMP threads than cores every step's barriers sleep instead of spinning (1.7x slower
-    on 2 cores, docs/engine.md)."""
+    on 2 cores, docs/engine.md). Every forward goes through models/hf.run_body (the probe, the modules)
+    or the runner's run_body (every step, our decoder's too)."""
     import threading
 
+    from svrmad_local.engine.runner import ModelRunner
+    from svrmad_local.models import hf
+
     threads = []
-    hook = tiny_model.base_model.register_forward_pre_hook(lambda *_: threads.append(threading.get_ident()))
-    try:
-        eng = engine(tiny_model)
-        eng.generate_sync([rand_prompt(9, 3), rand_prompt(5, 4)], GREEDY)
-        eng.close()
-    finally:
-        hook.remove()
+    for owner, name in ((hf, "run_body"), (ModelRunner, "run_body")):
+        real = getattr(owner, name)
+        monkeypatch.setattr(owner, name, lambda *a, _f=real: (threads.append(threading.get_ident()), _f(*a))[1])
+    eng = engine(tiny_model)
+    assert eng.runner.decoder is not None
+    eng.generate_sync([rand_prompt(9, 3), rand_prompt(5, 4)], GREEDY)
+    eng.close()
     assert len(threads) > 2 and len(set(threads)) == 1 and threads[0] != threading.get_ident()
 
 

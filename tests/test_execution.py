@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from svrmad_local.engine import attention, build, lean
+from svrmad_local.engine import attention, build, decoder
 from svrmad_local.engine.engine import Engine, EngineConfig
 from svrmad_local.engine.execution import Choice, Execution
 from svrmad_local.engine.params import SamplingParams
@@ -55,7 +55,7 @@ def test_what_runs_is_what_the_record_says(monkeypatch):
     choose again from the config or the machine."""
     calls = []
     real = attention.paged_decode_cpu
-    for module in (attention, lean):  # the lean loop calls the kernel itself in decode-only steps
+    for module in (attention, decoder):  # our decoder calls the kernel itself in decode-only steps
         monkeypatch.setattr(module, "paged_decode_cpu", lambda *a, **k: calls.append(1) or real(*a, **k))
     model = make_zoo_model("llama")
     prompt = rand_prompt(11, 3)
@@ -84,18 +84,20 @@ def test_what_runs_is_what_the_record_says(monkeypatch):
 
 def test_the_start_line_names_a_missing_compiler(monkeypatch):
     """The CPU kernels fall back when they cannot be built (kernels/_cpu_build): the decode kernel's and
-    the fused ops' reasons are in the record, flagged as fallbacks, and in its one line."""
+    the fused ops' reasons are in the record, flagged as fallbacks, and in its one line (our decoder then
+    runs the fused ops' torch references)."""
     monkeypatch.setattr(cpu_decode, "available", lambda: False)
     monkeypatch.setattr(cpu_decode, "unavailable_reason", lambda: "no C++ compiler (c++ is not on PATH)")
     monkeypatch.setenv("SVRMAD_CPU_OPS", "0")
     eng = engine(make_zoo_model("llama"))
     ex = eng.execution
     assert ex.decode.value == "gather" and ex.decode.fell_back
-    assert ex.decoder.value == "the model's modules" and ex.decoder.fell_back
+    assert ex.decoder.value == "ours" and ex.decoder.fell_back
     line = ex.line()
     assert line.startswith("engine: cpu fp32 · ") and "\n" not in line
     assert "decode gather: the compiled CPU decode kernel is unavailable: no C++ compiler (c++ is not on PATH)" in line
-    assert "decoder the model's modules: the fused CPU ops are unavailable: SVRMAD_CPU_OPS=0" in line
+    assert "decoder ours: llama, engine/decoder.py; fused ops: torch reference (the fused CPU ops are unavailable: " \
+           "SVRMAD_CPU_OPS=0)" in line
     assert eng.info["execution"]["decode"]["fell_back"] is True
     eng.close()
     asked = engine(make_zoo_model("llama"), attention="sdpa", decoder="modules")  # asked for: no fallback

@@ -4,8 +4,9 @@
   the SDPA path with CUDA graphs (engine/graphs.py) and without, and through the compiled Triton
   cascade kernels (fp32, TF32 off: exactness is a statement about the same arithmetic, not about
   reduced-precision matmuls);
-* the compiled Triton kernels (cascade attention with windows and sinks, merge, token statistics)
-  against their torch references on CUDA tensors in fp32, fp16 and bf16.
+* the compiled Triton kernels (cascade attention with windows and sinks, merge, token statistics, the
+  decoder's fused ops) against their torch references on CUDA tensors in fp32, fp16 and bf16;
+* our decoder (engine/decoder.py) over the Triton fused ops, against the modules and a cache-free loop.
 
 Run on a GPU machine, from a process where triton was not imported in interpreter mode:
     TRITON_INTERPRET=0 python -m pytest -q tests/test_gpu.py
@@ -85,6 +86,58 @@ def test_zoo_is_token_exact_on_the_gpu(zoo, path):
             assert graphs.startswith("on (") or graphs.startswith("off: the decode step returns to the host"), \
                 (name, graphs)
             assert static is None or static.replays > 0 or "failed, run eagerly" in graphs, (name, graphs)
+
+
+@pytest.mark.parametrize("graphs", ["auto", "off"])
+@pytest.mark.parametrize("name", EXACT)
+def test_our_decoder_on_the_gpu_is_the_modules(name, graphs):
+    """decoder='ours' on CUDA runs the Triton fused ops (kernels/fused_triton.py): token-exact against a
+    cache-free loop of the same model (its norms swapped for the same ops), log-probs within 1e-4 of the
+    modules' engine, with and without graphs. What "auto" needs before it takes ours on a GPU."""
+    _compiled_triton()
+    model = make_zoo_model(name).to(CUDA)
+    kw = dict(kv_cache_memory=64 * 2**20, block_size=4, cuda_graphs=graphs)
+    eng = Engine(model, None, EngineConfig(decoder="ours", **kw))
+    assert eng.execution.decoder.value == "ours" and "Triton" in eng.execution.decoder.reason, eng.execution.line()
+    prompts = [rand_prompt(2 * WINDOW + 5, 2), rand_prompt(7, 3)]
+    outs = eng.generate_sync(prompts, GREEDY)
+    assert [o.completions[0].token_ids for o in outs] == [loop_greedy(model, p, NEW) for p in prompts], name
+    assert not any(k.startswith("fused_") for k in kernels._backend.disabled()), kernels._backend.disabled()
+    modules = Engine(model, None, EngineConfig(decoder="modules", **kw)).generate_sync(prompts, GREEDY)
+    for a, b in zip(outs, modules):
+        assert a.completions[0].token_ids == b.completions[0].token_ids, name
+        assert a.completions[0].logprobs == pytest.approx(b.completions[0].logprobs, abs=1e-4), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_triton_ops_on_cuda_match_their_references(dtype):
+    """The residual add, RoPE and the cache writes bit for bit; norms and activations within rounding."""
+    _compiled_triton()
+    from svrmad_local.kernels import fused
+
+    ops = fused.Ops(CUDA, dtype)
+    assert ops.impl == "triton"
+    g = torch.Generator(device=CUDA).manual_seed(0)
+    rnd = lambda *shape, s=1.0: (torch.randn(*shape, device=CUDA, generator=g) * s).to(dtype)  # noqa: E731
+    close = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    for style in (fused.PLAIN, fused.CAST_LAST, fused.GEMMA):
+        x, res, w = rnd(9, 576, s=3), rnd(9, 576), rnd(576)
+        y, s_ = ops.add_rms_norm(x, res, w, 1e-6, style)
+        y_ref, s_ref = fused.reference_add_rms_norm(x, res, w, 1e-6, style)
+        assert torch.equal(s_, s_ref)
+        torch.testing.assert_close(y, y_ref, **close)
+    T, H, KVH, D = 7, 8, 2, 64
+    q, k, v = rnd(T, H, D, s=4), rnd(T, KVH, D, s=4), rnd(T, KVH, D)
+    ang = torch.randn(T, D // 2, device=CUDA, generator=g) * 30
+    cos, sin = torch.cat([ang, ang], -1).cos().to(dtype), torch.cat([ang, ang], -1).sin().to(dtype)
+    slots = torch.tensor([5, 1, 9, 3, 0, 11, 7], device=CUDA)
+    caches = [torch.zeros(12, KVH, D, dtype=dtype, device=CUDA) for _ in range(4)]
+    got = ops.rope_store(q, k, v, cos, sin, caches[0], caches[1], slots)
+    want = fused.reference_rope_store(q, k, v, cos, sin, caches[2], caches[3], slots)
+    assert torch.equal(got, want) and torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    gate, up = rnd(9, 1536, s=3), rnd(9, 1536)
+    for act in ("silu", "gelu_tanh"):
+        torch.testing.assert_close(ops.act_mul(gate, up, act), fused.reference_act_mul(gate, up, act), **close)
 
 
 DTYPES = {"fp32": (torch.float32, 1e-5), "fp16": (torch.float16, 2e-2), "bf16": (torch.bfloat16, 3e-2)}

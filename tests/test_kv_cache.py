@@ -79,7 +79,7 @@ def test_evicting_a_block_drops_its_whole_subtree():
 
 def test_block_tables_give_the_cpu_kernel_int64_once_a_step():
     """The compiled CPU decode kernel takes int64 ids: the step's int32 tables are converted on first use
-    and the same tensors serve every later layer (the general attention path and the lean loop alike)."""
+    and the same tensors serve every later layer (the general attention path and our decoder alike)."""
     from svrmad_local.engine.kv_cache import BlockTables
 
     t = BlockTables.of_runs([(0, 5, [3, 1]), (0, 2, [2])], "cpu")

@@ -91,10 +91,12 @@ def test_forks_sharing_a_prefix(model, decode_calls):
     _assert_same(_run(engine(model, mla="expanded"), [prompt], sampled), _run(engine(model), [prompt], sampled))
 
 
-def test_absorbed_steps_expand_only_bounded_chunks_of_prefill_context(model, monkeypatch):
-    """With the absorbed form no step hands transformers' expand_kv anything (decode rows and prefill runs
-    attend from the cache); kv_b_proj expands prefill contexts a chunk at a time and nothing in a
-    decode-only step. mla="expanded" still expands the whole context at every step (the reference)."""
+@pytest.mark.parametrize("decoder", ["modules", "ours"])
+def test_absorbed_steps_expand_only_bounded_chunks_of_prefill_context(model, monkeypatch, decoder):
+    """With the absorbed form no step hands transformers' expand_kv or our decoder's kv_b anything (decode
+    rows and prefill runs attend from the cache); kv_b_proj expands prefill contexts a chunk at a time
+    (engine/mla.py) and nothing in a decode-only step. mla="expanded" still expands the whole context at
+    every step (the reference)."""
     attn_cls = type(model.model.layers[0].self_attn)
     seen, rows = [], []
     real = attn_cls.expand_kv
@@ -103,13 +105,20 @@ def test_absorbed_steps_expand_only_bounded_chunks_of_prefill_context(model, mon
         seen.append(kv_nope.shape[2])
         return real(self, kv_nope, k_rot)
 
+    def count_ours(eng):  # our loop calls kv_b itself (not through the module's hooks)
+        for L in eng.runner.decoder.layers:
+            L.latent.kv_b = lambda c, _f=L.latent.kv_b: (seen.append(c.shape[0]), _f(c))[1]
+
     monkeypatch.setattr(attn_cls, "expand_kv", spy)
     n_layers = len(model.model.layers)
-    hooks = [layer.self_attn.kv_b_proj.register_forward_pre_hook(lambda m, a: rows.append(a[0].shape[0]))
-             for layer in model.model.layers]
     monkeypatch.setattr(mla, "PREFILL_CHUNK_BYTES", 1)  # one block a chunk
     prompt = rand_prompt(20, 3)
-    eng = engine(model)
+    eng = engine(model, decoder=decoder)
+    if decoder == "ours":
+        count_ours(eng)
+    # (after the build: our decoder refuses a model with hooks, which its loop would skip)
+    hooks = [layer.self_attn.kv_b_proj.register_forward_pre_hook(lambda m, a: rows.append(a[0].shape[0]))
+             for layer in model.model.layers]
     seen.clear(), rows.clear()  # (the probe at Engine(...) expands two tokens)
     try:
         _run(eng, [prompt], GREEDY)
@@ -118,7 +127,9 @@ def test_absorbed_steps_expand_only_bounded_chunks_of_prefill_context(model, mon
             h.remove()
     assert seen == [] and rows and max(rows) == 4  # block_size 4: one block of the context at a time
     assert len(rows) == n_layers * 20 // 4  # the prefill's 20 tokens in five chunks; no decode step expands
-    eng = engine(model, mla="expanded")
+    eng = engine(model, mla="expanded", decoder=decoder)
+    if decoder == "ours":
+        count_ours(eng)
     seen.clear()
     _run(eng, [prompt], GREEDY)
     assert seen == [n for n in range(20, 20 + NEW) for _ in range(n_layers)]

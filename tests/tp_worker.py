@@ -96,7 +96,7 @@ def main(out: str, paths: list[str], device: str = "cpu") -> None:
         if dist.get_rank() == 0:
             with counting(engine) as count:
                 done = workload(engine)
-            results[path] = {**done, "world": dist.get_world_size(), "resident": sizes,
+            results[path] = {**done, "world": dist.get_world_size(), "resident": sizes, "decoder": engine.info["decoder"],
                              "kv_shape_here": list(engine.spec.layers[0].k_shape), "collectives": count}
             engine.close()
         else:

@@ -21,7 +21,7 @@ from .attention import Attachment
 from .config import EngineConfig
 from .execution import Choice, Execution
 from .kv_cache import BlockManager, KVCache
-from .lean import select_decoder
+from .decoder import select_decoder
 from . import mla
 from .memory import (available_memory, empty_cache, fraction, keep_freed_memory, kv_pool, measurable, measure,
                      workload_cap)
@@ -86,9 +86,7 @@ def build(eng, model, cfg: EngineConfig) -> None:
     eng.cache = KVCache(provisional, cfg.block_size, spec.layers, devices, spec.dtype, zeroed=True) if provisional \
         else None
     eng.runner = ModelRunner(model, attached, eng.cache, spec, cfg.block_size, paths)
-    decoder = Choice("decoder", "the model's modules", "tensor parallel")
-    if not eng.sharded:
-        eng.runner.lean, decoder = select_decoder(model, spec, cfg.decoder)
+    eng.runner.decoder, decoder = select_decoder(model, spec, cfg.decoder, cfg.kernel_impl)
     held = {}
     if profiling:  # every rank of a tensor-parallel group profiles (the forward's collectives pair up)
         held = measure(devices, lambda: profile_forward(eng.runner, model, tokens, context))

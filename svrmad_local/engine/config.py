@@ -90,9 +90,11 @@ class EngineConfig:
     machine; SVRMAD_CALIBRATE=0: the panels for fp32, else oneDNN's layout, else F.linear) and says why;
     the packing is done in place, once.
 
-    decoder: "auto" | "lean" | "modules", how the layers run (engine/lean.py): "auto" takes the lean
-    forward (fused norms, RoPE and cache writes; bitwise the modules' computation with those norms) for
-    fp32 Llama/Mistral/Qwen2/Qwen3 on the CPU, else the model's own modules, saying why.
+    decoder: "auto" | "ours" | "modules", how the layers run: "ours" is the engine's own forward
+    (engine/decoder.py: fused norms, RoPE and cache writes; bitwise the modules' computation with those
+    norms) for every family it claims, "modules" transformers' own; "auto" takes ours on the CPU and the
+    modules on a GPU (our fused ops are not yet validated there) or for an architecture not ported,
+    saying why. "lean" is the old name of "ours", still accepted.
 
     mla: "absorbed" (decode rows of multi-head latent attention read the cached latent, engine/mla.py) |
     "expanded" (transformers' own expansion of the whole context at every step, the reference).

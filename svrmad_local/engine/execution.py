@@ -2,7 +2,7 @@
 
 Why one record: the choices (which attention path, which decode and prefill kernels, how the linears
 and the layers run, CUDA graphs, the weights' quantization, tensor parallelism, the statistics'
-kernels) are each made by the module that knows them (runner.choose_attention, lean.select_decoder,
+kernels) are each made by the module that knows them (runner.choose_attention, decoder.select_decoder,
 models/linear.select_linear, graphs.why_off, models/quant.choose_mode, kernels.select_impl), but
 engine/build.py gathers their outcomes into one frozen `Execution`, and everything downstream reads it:
 the runner and the attention hooks read its `AttentionPaths` every step instead of recomputing flags,

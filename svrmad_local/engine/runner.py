@@ -62,7 +62,7 @@ class ModelRunner:
         self.levels_device = self.device if paths.cascade in (None, "torch") else torch.device("cpu")
         self.static = None  # engine.graphs.StaticDecode: decode-only steps at fixed shapes (set by the engine)
         self.paged_kv = PagedKV()
-        self.lean = None  # engine.lean.LeanDecoder where it applies (set by the engine)
+        self.decoder = None  # engine.decoder.Decoder where our forward runs (set by the engine)
         self.tp = None  # set by engine.tp for tensor parallelism: sends each step to the other ranks
         self.tables = DeviceTables(self.device)  # the decode rows' block tables, kept between steps
 
@@ -147,13 +147,13 @@ class ModelRunner:
         return self.tables.select(step.runs[:nd], step.keys[:nd])
 
     def run_body(self, ctx: StepContext, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """The model body (or the lean forward) over ids/pos [1, T] with the step's context parked for
-        the hooks: final hidden states [T, H]."""
+        """Our decoder (engine/decoder.py), or the model's own body, over ids/pos [1, T] with the step's
+        context parked for the attention and the cache hook: final hidden states [T, H]."""
         set_context(ctx)
         try:
             with self.attached():
-                if self.lean is not None:
-                    return self.lean(ids, pos)
+                if self.decoder is not None:
+                    return self.decoder(ids, pos)
                 return hf.run_body(self.body, ids, pos, self.paged_kv).last_hidden_state[0]
         finally:
             set_context(None)

@@ -42,6 +42,14 @@ def agree_on_blocks(num_blocks: int, device: torch.device, group: Group) -> int:
     return int(t.item())
 
 
+def all_reduce(t: torch.Tensor, group: Group) -> torch.Tensor:
+    """Sums `t` over the group, in place: the row-parallel end of an attention or MLP block (our decoder
+    calls it after o_proj and after the MLP; the modules' path hooks the same call, models/shard.py)."""
+    with lost_rank(group):
+        dist.all_reduce(t, group=group.pg)
+    return t
+
+
 class StepChannel:
     """The leader sends every step (or None to stop) to the other ranks of its group."""
 

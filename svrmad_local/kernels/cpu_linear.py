@@ -87,6 +87,6 @@ def linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | N
 
 def bound(panels: torch.Tensor, n: int, bias: torch.Tensor | None = None, row_width: int = ROW_WIDTH):
     """x [M, K] -> linear(x, panels, n, bias) as one closure over the compiled call: what a decode step's
-    ~121 calls cost in Python is a large share of a batch-1 step on a slow core (engine/lean.py)."""
+    ~121 calls cost in Python is a large share of a batch-1 step on a slow core (engine/decoder.py)."""
     fn = _KERNEL.module().panel_linear
     return lambda x: fn(x, panels, n, bias, KBLOCK, row_width)

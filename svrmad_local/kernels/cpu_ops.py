@@ -11,7 +11,7 @@ Numerics:
   computes. The residual add is one IEEE add: bitwise too.
 - RMSNorm sums the squares in an order of its own (8 lanes, then the lanes in order, then the tail),
   so it differs from transformers' `pow(2).mean()` at fp32 rounding. That is why the engine swaps the
-  model's norm modules for `engine.lean.FastRMSNorm`, which calls this: the engine and any reference
+  model's norm modules for `engine.families.FastRMSNorm`, which calls this: the engine and any reference
   that runs the same model then compute the same bits. A row's result never depends on the other
   rows (batch-invariant).
 """

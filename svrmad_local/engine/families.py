@@ -1,0 +1,266 @@
+"""What differs between the decoder families, read once from the model's module tree when the engine is
+built: the decoder (engine/decoder.py) runs one layer loop for all of them over what this returns.
+
+A family is named by its layer class. What a layer holds, in the order the loop uses it:
+- norms: (weight, eps, style) triples. Gemma 3 scales by (1 + weight) and rounds like GPT-OSS after the
+  weight (`fused.NormStyle`); Gemma 3 also norms the attention's and the MLP's outputs before their
+  residual adds (its "sandwich" norms: `attn_out`, `mlp_out`).
+- attention "kv": q/k/v as one GEMM where the linears were fused (models/linear.FusedGroup) or one
+  projection holds them (Phi-3's qkv_proj); q/k norms (Qwen3, Gemma 3); the model's own `scaling`
+  (Gemma 3's query_pre_attn_scalar); sinks (GPT-OSS); the layer's window (from the engine's spec);
+  which rotary table (Gemma 3's local and global layers have their own); o_proj.
+- attention "latent" (DeepSeek-V3's MLA): q_a/kv_a (one GEMM where fused), their norms, q_b, kv_b
+  (expanded for prefill runs; absorbed for decode rows by engine/mla.py), interleaved RoPE or not.
+- MLP "dense": gate/up as one GEMM (fused, or Phi-3's gate_up_proj), SiLU or GELU (tanh), down; or
+  mixture of experts (Qwen3-MoE, GPT-OSS, DeepSeek-V3): the family's router, ported (`ROUTERS`: the
+  model's formula, op for op), then the model's experts module, one call (for packed checkpoints our own
+  models/quant experts), plus DeepSeek-V3's shared expert as a dense MLP.
+RoPE's cos/sin are the model's own rotary module's (exact for every rope type it implements); GPT-OSS's
+come half-width (its rotation pairs dimension j with j + D/2, as `rotate_half` does), so they are
+doubled once a step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from svrmad_local.kernels import cpu_linear
+from svrmad_local.kernels.fused import CAST_LAST, GEMMA, PLAIN, NormStyle, Ops
+from svrmad_local.models.layouts import PANELS
+
+from .spec import LayerSpec
+
+LAYERS = {"LlamaDecoderLayer": "llama", "MistralDecoderLayer": "mistral", "Qwen2DecoderLayer": "qwen2",
+          "Qwen3DecoderLayer": "qwen3", "Phi3DecoderLayer": "phi3", "Gemma3DecoderLayer": "gemma3",
+          "Qwen3MoeDecoderLayer": "qwen3-moe", "GptOssDecoderLayer": "gpt-oss",
+          "DeepseekV3DecoderLayer": "deepseek-v3"}
+NORMS = {"LlamaRMSNorm": PLAIN, "MistralRMSNorm": PLAIN, "Qwen2RMSNorm": PLAIN, "Qwen3RMSNorm": PLAIN,
+         "Qwen3MoeRMSNorm": PLAIN, "Phi3RMSNorm": PLAIN, "DeepseekV3RMSNorm": PLAIN, "GptOssRMSNorm": CAST_LAST,
+         "Gemma3RMSNorm": GEMMA}
+DENSE_MLPS = {"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "Phi3MLP", "Gemma3MLP", "Qwen3MoeMLP", "DeepseekV3MLP"}
+ACT_CLASSES = {"SiLUActivation": "silu", "SiLU": "silu", "GELUTanh": "gelu_tanh", "PytorchGELUTanh": "gelu_tanh"}
+HALF_ROTARY = {"gpt-oss"}  # families whose rotary module returns cos/sin of D/2 (doubled for rotate_half)
+
+
+class FastRMSNorm(nn.Module):
+    """One of NORMS, computed by kernels/fused.py (the compiled op on the CPU: one call instead of eight
+    ops); swapped in when our decoder runs, so the modules (a reference that runs the same model) compute
+    the same norms. Keeps its weight under the same name: the model saves and reloads as before."""
+
+    def __init__(self, norm: nn.Module, style: NormStyle, ops: Ops):
+        super().__init__()
+        self.weight = norm.weight
+        self.variance_epsilon = norm_eps(norm)
+        self.style, self.ops = style, ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = self.ops if x.device == self.ops.device and x.dtype == self.ops.dtype else Ops(x.device, x.dtype)
+        return ops.rms_norm(x, self.weight, self.variance_epsilon, self.style)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, {self.ops.impl}"
+
+
+def norm_eps(norm: nn.Module) -> float:
+    return norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps
+
+
+def norm_parts(norm: nn.Module) -> tuple[torch.Tensor, float, NormStyle]:
+    """(weight, eps, style) of a norm module (the model's own, or its FastRMSNorm)."""
+    style = norm.style if isinstance(norm, FastRMSNorm) else NORMS[type(norm).__name__]
+    return norm.weight, norm_eps(norm), style
+
+
+def swap_norms(model: nn.Module, ops: Ops) -> None:
+    """Every norm of NORMS in `model` becomes a FastRMSNorm over the same weight (in place); one already
+    swapped takes `ops` (a later engine's choice)."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child).__name__ in NORMS:
+                setattr(parent, name, FastRMSNorm(child, NORMS[type(child).__name__], ops))
+            elif isinstance(child, FastRMSNorm):
+                child.ops = ops
+
+
+def linear_call(m: nn.Module):
+    """y [T, K] -> m(y): the panel kernel called directly where m holds panels (the same call its forward
+    makes, without the module's and the layout's Python around it), else the module."""
+    if getattr(m, "layout", None) is PANELS and getattr(m, "packed", True):
+        return cpu_linear.bound(m.weight, m.out_features, m.bias)
+    return m
+
+
+def columns(linears: list[nn.Module]):
+    """A function y -> the outputs of `linears` (siblings reading y): one GEMM when they are the parts of
+    one fused group in order (models/linear.FusedGroup), else one call each."""
+    group = getattr(linears[0], "group", None)
+    if group is not None and [getattr(m, "group", None) for m in linears] == [group] * len(linears) \
+            and [m.i for m in linears] == list(range(len(group.bounds))):
+        cuts, mm = [slice(lo, hi) for lo, hi in group.bounds], linear_call(group)
+        return lambda y: [out[:, c] for out in (mm(y),) for c in cuts]
+    calls = [linear_call(m) for m in linears]
+    return lambda y: [f(y) for f in calls]
+
+
+def split_call(linear: nn.Module, sizes: list[int]):
+    """A function y -> the column blocks of one linear's output (Phi-3's qkv_proj and gate_up_proj)."""
+    mm = linear_call(linear)
+    return lambda y: mm(y).split(sizes, dim=-1)
+
+
+def route_softmax_topk(router: nn.Module, h: torch.Tensor):
+    """Qwen3-MoE: softmax over the experts (fp32), the top k, renormalised where the config says so."""
+    logits = F.linear(h, router.weight)
+    top, index = torch.topk(F.softmax(logits, dtype=torch.float, dim=-1), router.top_k, dim=-1)
+    if router.norm_topk_prob:
+        top /= top.sum(dim=-1, keepdim=True)
+    return top.to(logits.dtype), index
+
+
+def route_topk_softmax(router: nn.Module, h: torch.Tensor):
+    """GPT-OSS: the top k logits (with the router's bias), softmax over those k."""
+    top, index = torch.topk(F.linear(h, router.weight, router.bias), router.top_k, dim=-1)
+    return F.softmax(top, dim=1, dtype=top.dtype), index
+
+
+def route_grouped_sigmoid(router: nn.Module, h: torch.Tensor):
+    """DeepSeek-V3: sigmoid scores in fp32, chosen with the correction bias within the best groups (each
+    group scored by its top two), weighted by the plain scores, renormalised, scaled."""
+    scores = F.linear(h.type(torch.float32), router.weight.type(torch.float32)).sigmoid()
+    choice = scores + router.e_score_correction_bias
+    groups, per = router.num_group, router.num_experts // router.num_group
+    group_scores = choice.view(-1, groups, per).topk(2, dim=-1)[0].sum(dim=-1)
+    group_idx = torch.topk(group_scores, k=router.topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+    score_mask = group_mask.unsqueeze(-1).expand(-1, groups, per).reshape(-1, router.num_experts)
+    choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
+    index = torch.topk(choice, k=router.top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, index)
+    if router.norm_topk_prob:
+        weights /= weights.sum(dim=-1, keepdim=True) + 1e-20
+    return weights * router.routed_scaling_factor, index
+
+
+# mixture-of-experts block class -> (its router's attribute, the routing): transformers' formulas, ported
+ROUTERS = {"Qwen3MoeSparseMoeBlock": ("gate", route_softmax_topk), "GptOssMLP": ("router", route_topk_softmax),
+           "DeepseekV3MoE": ("gate", route_grouped_sigmoid)}
+MOE_BLOCKS = set(ROUTERS)
+
+
+class Dense:
+    """A dense MLP's parts: gate/up as one GEMM where fused (or Phi-3's gate_up_proj), the activation, down."""
+
+    __slots__ = ("gate_up", "act", "down")
+
+    def __init__(self, m: nn.Module):
+        self.act = ACT_CLASSES[type(m.act_fn if hasattr(m, "act_fn") else m.activation_fn).__name__]
+        if hasattr(m, "gate_up_proj"):  # Phi-3: one projection, gate first
+            half = m.gate_up_proj.out_features // 2
+            self.gate_up = split_call(m.gate_up_proj, [half, half])
+        else:
+            self.gate_up = columns([m.gate_proj, m.up_proj])
+        self.down = linear_call(m.down_proj)
+
+
+class Experts:
+    """A mixture-of-experts layer's parts: the ported router (its module holds the weights), the model's
+    experts module (called as a module: a tensor-parallel rank's expert mapping is its pre-hook), and
+    DeepSeek-V3's shared expert."""
+
+    __slots__ = ("router", "route", "experts", "shared")
+
+    def __init__(self, m: nn.Module):
+        name, self.route = ROUTERS[type(m).__name__]
+        self.router, self.experts = getattr(m, name), m.experts
+        shared = getattr(m, "shared_experts", None)
+        self.shared = Dense(shared) if shared is not None else None
+
+
+class Layer:
+    """One decoder layer's parts, read once (see the module docstring); the loop reads plain attributes."""
+
+    __slots__ = ("index", "kind", "attn", "in_norm", "attn_out", "mlp_in", "mlp_out", "qkv", "q_norm", "k_norm",
+                 "head_dim", "scaling", "sinks", "window", "rope", "o_proj", "latent", "dense", "moe")
+
+    def __init__(self, layer: nn.Module, family: str, spec: LayerSpec):
+        a = layer.self_attn
+        self.index, self.attn, self.kind = a.layer_idx, a, spec.kind
+        self.window, self.scaling = spec.window, a.scaling
+        self.in_norm = norm_parts(layer.input_layernorm)
+        if family == "gemma3":  # sandwich norms around both blocks
+            self.attn_out, self.mlp_out = norm_parts(layer.post_attention_layernorm), norm_parts(layer.post_feedforward_layernorm)
+            self.mlp_in = norm_parts(layer.pre_feedforward_layernorm)
+        else:
+            self.attn_out = self.mlp_out = None
+            self.mlp_in = norm_parts(layer.post_attention_layernorm)
+        self.rope = getattr(a, "layer_type", None) if family == "gemma3" else None  # the rotary table it reads
+        self.o_proj = linear_call(a.o_proj)
+        self.qkv = self.q_norm = self.k_norm = self.head_dim = self.sinks = self.latent = None
+        if spec.kind == "latent":
+            self.latent = Latent(a)
+        else:
+            self.head_dim = a.head_dim
+            if hasattr(a, "qkv_proj"):  # Phi-3: one projection
+                q = a.config.num_attention_heads * a.head_dim
+                kv = (a.qkv_proj.out_features - q) // 2
+                self.qkv = split_call(a.qkv_proj, [q, kv, kv])
+            else:
+                self.qkv = columns([a.q_proj, a.k_proj, a.v_proj])
+            if getattr(a, "q_norm", None) is not None:
+                self.q_norm, self.k_norm = norm_parts(a.q_norm), norm_parts(a.k_norm)
+            self.sinks = a.sinks if spec.sinks else None
+        moe = type(layer.mlp).__name__ in MOE_BLOCKS
+        self.moe, self.dense = (Experts(layer.mlp), None) if moe else (None, Dense(layer.mlp))
+
+
+class Latent:
+    """DeepSeek-V3's multi-head latent attention parts: the query (through its LoRA q_a/q_b, or one
+    q_proj), the compressed KV (kv_a: the latent and the shared RoPE key), their norms, kv_b."""
+
+    __slots__ = ("module", "q_a_kv_a", "q_a_norm", "q_b", "q_proj", "kv_a", "kv_a_norm", "kv_b", "nope", "rope",
+                 "rank", "v_dim", "interleave")
+
+    def __init__(self, a: nn.Module):
+        self.module = a
+        self.nope, self.rope, self.rank, self.v_dim = a.qk_nope_head_dim, a.qk_rope_head_dim, a.kv_lora_rank, a.v_head_dim
+        self.interleave = bool(getattr(a.config, "rope_interleave", False))
+        self.q_a_kv_a = self.q_a_norm = self.q_b = self.q_proj = self.kv_a = None
+        if a.q_lora_rank is not None:
+            self.q_a_kv_a = columns([a.q_a_proj, a.kv_a_proj_with_mqa])
+            self.q_a_norm, self.q_b = norm_parts(a.q_a_layernorm), linear_call(a.q_b_proj)
+        else:
+            self.q_proj, self.kv_a = linear_call(a.q_proj), linear_call(a.kv_a_proj_with_mqa)
+        self.kv_a_norm, self.kv_b = norm_parts(a.kv_a_layernorm), linear_call(a.kv_b_proj)
+
+
+def rope_latent(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+    """DeepSeek's RoPE on x [T, heads, r] with cos/sin [T, r]: interleaved pairs (x0, x1), (x2, x3)...
+    each rotated by one frequency (`rope_interleave`, its checkpoints' layout), in transformers' order of
+    operations; else `rotate_half`'s pairing."""
+    c, s = cos[:, None, :], sin[:, None, :]
+    if not interleave:
+        half = x.shape[-1] // 2
+        return (x * c) + (torch.cat((-x[..., half:], x[..., :half]), dim=-1) * s)
+    c, s = c[..., : c.shape[-1] // 2], s[..., : s.shape[-1] // 2]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
+class Rotary:
+    """The step's cos/sin [T, r] from the model's own rotary module, per table a layer reads (one; Gemma 3
+    one per layer type)."""
+
+    def __init__(self, body: nn.Module, family: str, keys: set):
+        self.module, self.keys, self.double = body.rotary_emb, sorted(keys, key=str), family in HALF_ROTARY
+
+    def __call__(self, h: torch.Tensor, pos: torch.Tensor) -> dict:
+        tables = {}
+        for key in self.keys:
+            cos, sin = self.module(h, pos) if key is None else self.module(h, pos, key)
+            cos, sin = cos[0], sin[0]
+            if self.double:
+                cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+            tables[key] = (cos.contiguous(), sin.contiguous())
+        return tables
