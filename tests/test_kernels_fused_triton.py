@@ -295,3 +295,95 @@ def test_the_decoder_on_the_triton_ops_gives_the_references_greedy_tokens(name, 
     assert [c.token_ids for c in runs["triton"]] == [c.token_ids for c in runs["torch"]] == truth
     for ours, ref in zip(runs["triton"], runs["torch"]):
         assert ours.logprobs == pytest.approx(ref.logprobs, abs=1e-4)
+
+
+# ------------------------------------------------------------------------------ compiled for a GPU
+
+# Run in a fresh interpreter without TRITON_INTERPRET: the host functions run on CPU tensors at the shapes
+# below, each launch is recorded instead of run (its arguments typed and specialised as Triton's launcher
+# does: ints equal to 1 become constants, 16-aligned pointers and multiples of 16 get divisibility hints)
+# and compiled for an H100 (sm_90) down to a cubin by Triton's bundled ptxas. No GPU needed.
+COMPILE_FOR_SM90 = r'''
+import os, sys
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from svrmad_local.kernels import fused, fused_triton as ft
+from svrmad_local.kernels.fused import CAST_LAST, GEMMA, PLAIN
+
+NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64", torch.int32: "i32"}
+ptx = []
+
+class Compile:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            names = self.fn.arg_names
+            values = dict(zip(names, args), **{k: kw.pop(k) for k in list(kw) if k in names})
+            sig, consts, attrs = {}, {}, {}
+            for i, (name, p) in enumerate(zip(names, self.fn.params)):
+                v = values[name]
+                if p.is_constexpr or (type(v) is int and v == 1):
+                    sig[name], consts[name] = "constexpr", v
+                elif torch.is_tensor(v):
+                    sig[name] = "*" + NAMES[v.dtype]
+                    if v.data_ptr() % 16 == 0:
+                        attrs[(i,)] = [["tt.divisibility", 16]]
+                elif type(v) is int:
+                    sig[name] = "i32" if abs(v) < 2**31 else "i64"
+                    if v % 16 == 0:
+                        attrs[(i,)] = [["tt.divisibility", 16]]
+                else:
+                    sig[name] = "fp32"
+            k = triton.compile(ASTSource(self.fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32), options=kw)
+            ptx.append((self.fn.__name__, str(values.get("Q", values.get("X", values.get("G"))).dtype), k.asm["ptx"]))
+        return launch
+
+for name in ("_rms_norm_kernel", "_rope_store_kernel", "_act_mul_kernel"):
+    setattr(ft, name, Compile(getattr(ft, name)))
+
+def case(dtype, B, hidden, H, KVH, D, rot, inter, style, act):
+    x = torch.zeros(B, hidden, dtype=dtype)
+    w = torch.ones(hidden, dtype=dtype)
+    ft.rms_norm(x, w, 1e-6, style)
+    ft.add_rms_norm(x, x.clone(), w, 1e-6, style)
+    qkv = torch.zeros(B, (H + 2 * KVH) * D, dtype=dtype)
+    q, k, v = (t.view(B, -1, D) for t in qkv.split([H * D, KVH * D, KVH * D], dim=-1))
+    cos = torch.zeros(B, rot, dtype=dtype)
+    cache = torch.zeros(64, KVH, D, dtype=dtype)
+    norm = (torch.ones(D, dtype=dtype), 1e-6, style) if style is not CAST_LAST else None
+    ft.rope_store(q, k, v, cos, cos, cache, cache.clone(), torch.arange(B), norm, norm)
+    gate, up = torch.zeros(B, 2 * inter, dtype=dtype).split([inter, inter], dim=-1)
+    ft.act_mul(gate, up, act)
+
+case(torch.bfloat16, 8, 2048, 16, 8, 128, 128, 6144, PLAIN, "silu")  # Qwen3-1.7B
+case(torch.bfloat16, 1, 2560, 8, 4, 256, 256, 10240, GEMMA, "gelu_tanh")  # Gemma 3 4B
+case(torch.float16, 32, 2880, 64, 8, 64, 64, 2880, CAST_LAST, "silu")  # GPT-OSS 20B's attention and norms
+case(torch.float32, 4, 3072, 32, 8, 96, 48, 8192, PLAIN, "silu")  # partial rotary, fp32
+fp32_rope = [p for name, dtype, p in ptx if name == "_rope_store_kernel" and dtype == "torch.float32"]
+assert fp32_rope and not any("fma.rn.f32" in p for p in fp32_rope), "fp32 RoPE fuses multiply-adds"
+print(f"compiled {len(ptx)} kernels for sm_90")
+'''
+
+
+def test_every_kernel_compiles_for_an_h100_as_launched(tmp_path):
+    """The interpreter runs what a GPU would refuse to compile (a dtype mismatch between the branches of
+    a runtime `if`, a missing constexpr...): each kernel is compiled for sm_90 from the arguments its host
+    function passes, at four families' shapes and dtypes; fp32 RoPE's PTX has no fused multiply-add (the
+    reference rounds each product)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import triton
+
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("triton has no bundled ptxas (its NVIDIA backend)")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    out = subprocess.run([sys.executable, "-c", COMPILE_FOR_SM90], capture_output=True, text=True, env=env,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "compiled 16 kernels for sm_90"
