@@ -404,3 +404,24 @@ def test_bench_memory_reports_the_pool_and_the_plans_estimate_on_the_cpu():
     assert row["failures"] == [] and row["generated"] == [4, 4, 4]
     assert row["kv_budget_bytes"] == 2**20 and list(row["kv_devices"]) == ["cpu"]
     assert row["plan_forward_bytes"] > 0 and row["peak_kv_bytes"] > 0
+
+
+def test_bench_fused_checks_each_op_against_its_reference_or_says_it_needs_cuda(interp, capsys, monkeypatch):
+    """Without CUDA the script says so and exits 0; --dry-run runs every op and batch through Triton's
+    interpreter, checked against the torch reference (within one bf16 rounding of the largest value)."""
+    import json
+
+    import bench_fused
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench_fused.main([]) == 0
+    assert "needs a CUDA device" in capsys.readouterr().out
+    assert bench_fused.main(["--dry-run", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [(r["op"], r["batch"]) for r in out["rows"]] == [
+        (op, b) for b in (1, 3) for op in ("rms_norm", "add_rms_norm", "rope_store", "act_mul")]
+    for r in out["rows"]:
+        assert r["bytes"] > 0 and r["triton_eager_us"] > 0 and r["torch_eager_us"] > 0
+        assert 0 <= r["max_diff"] <= 2**-8, r
+    assert [s["batch"] for s in out["steps"]] == [1, 3]
+
