@@ -46,9 +46,9 @@ FIRST = ["env", "deps", "package", "models"]  # every call runs these first (eac
 # the latent's read rate), `long-1k` / `long-16k` (decode tok/s at batch 1 and 32 after 1k and 16k prompt
 # tokens, GPT-OSS-120B at 4 layers) and `memory` (a 16k-token run at the default KV budget: peak reserved
 # against the total, the profiled forward against the plan's estimate).
-GPU_STEPS = ["tests", "graphs", "bf16", "flash", "run", "kernels", "engine", "decode", "profile", "quant", "mla",
-             "long", "memory"]
-PARTS = {"1": FIRST + ["tests", "graphs", "bf16", "flash", "run"], "2": FIRST + ["kernels", "decode"],
+GPU_STEPS = ["tests", "graphs", "bf16", "flash", "run", "kernels", "fused", "engine", "decode", "profile", "quant",
+             "mla", "long", "memory"]
+PARTS = {"1": FIRST + ["tests", "graphs", "bf16", "flash", "run"], "2": FIRST + ["kernels", "fused", "decode"],
          "3": FIRST + ["engine"], "4": FIRST + ["quant", "mla"], "5": FIRST + ["long", "memory"]}
 # the paper's main model at a few layers (random bf16 weights at GPT-OSS-120B's real widths, two sliding and two
 # full layers, all 128 experts: ~28 GB): the long-context decode and memory steps' model
@@ -359,16 +359,25 @@ def main(argv=None) -> int:
     ap.add_argument("out", type=Path, help="where summary.json and logs/ go")
     ap.add_argument("--dry-run", action="store_true", help="a CPU machine: everything but CUDA")
     ap.add_argument("--steps", help="comma-separated step names, or a part: 1 (tests, graphs, bf16, flash), "
-                                    "2 (kernels, decode), 3 (engine), 4 (quant, mla) or 5 (long, memory); default: "
+                                    "2 (kernels, fused, decode), 3 (engine), 4 (quant, mla) or 5 (long, memory); default: "
                                     "all. env, deps, package, models always run")
     ap.add_argument("--budget-s", type=float, default=570.0, help="time this call may take (default 570)")
     ap.add_argument("--engine-models", default=",".join(ENGINE_MODELS),
                     help=f"the engine step's models (default {','.join(ENGINE_MODELS)})")
     ap.add_argument("--decode-models", default=ENGINE_MODELS[0],
                     help=f"the decode step's models, of {','.join(ENGINE_MODELS)} (default {ENGINE_MODELS[0]})")
+    ap.add_argument("--decoders", default="auto",
+                    help="the decode and profile steps' --decoder values, comma-separated (default auto; e.g. "
+                         "auto,ours,modules times each side by side)")
+    ap.add_argument("--graphs", default="auto,off",
+                    help="the decode and profile steps' cuda_graphs values (default auto,off: with graphs and without)")
     args = ap.parse_args(argv)
     chk = Check(args.out, args.dry_run, args.budget_s)
     wanted = PARTS.get(args.steps or "", None) or (FIRST + (args.steps.split(",") if args.steps else GPU_STEPS))
+    bad = sorted(set(args.decoders.split(",")) - {"auto", "ours", "modules"})
+    if bad:
+        print(f"gpu_check: unknown decoder(s) {', '.join(bad)}; decoders: auto, ours, modules", file=sys.stderr)
+        return 2
     models = set(args.engine_models.split(",")) | set(args.decode_models.split(","))
     if not models <= set(ENGINE_MODELS):
         print(f"gpu_check: unknown model(s) {', '.join(sorted(models - set(ENGINE_MODELS)))}; models: "
@@ -407,6 +416,8 @@ def main(argv=None) -> int:
         plan.append(("run", probe + ["run", str(m)], 45, _probe_json))
     if "kernels" in wanted:
         plan.append(("kernels", [py, "benchmarks/bench_kernels.py", "--device", "cuda"], 60, _last_json))
+    if "fused" in wanted:  # the decoder's small ops in Triton against their torch references, eager and graphed
+        plan.append(("fused", [py, "benchmarks/bench_fused.py", "--json"], 60, _last_json))
     wl = ["--questions", "4", "--initial-tokens", "128", "--debate-tokens", "64"]
     if "engine" in wanted:
         for model in args.engine_models.split(","):
@@ -420,15 +431,18 @@ def main(argv=None) -> int:
                          _last_json))
     for model in args.decode_models.split(","):
         tag = "" if model == ENGINE_MODELS[0] else f"-{model}"  # the default's decode step names as before
-        for graphs in ("auto", "off"):
-            base = [py, "benchmarks/bench_decode.py", "--model", str(m / model), "--random-weights",
-                    "--dtype", "bf16", "--engine", f"cuda_graphs={graphs}"]
-            if "decode" in wanted:
-                plan.append((f"decode{tag}-graphs-{graphs}", base + ["--batches", "1,8,32"], 90, _last_json))
-                plan.append((f"host-ops{tag}-graphs-{graphs}", base + ["--host-ops", "--json"], 20, _last_json))
-            if "profile" in wanted:  # where a decode step's time goes: the host, the device, which kernels
-                plan.append((f"profile-{model}-graphs-{graphs}", base + ["--profile", "1", "--new-tokens", "32"], 40,
-                             _last_json))
+        for decoder in args.decoders.split(","):
+            dtag = "" if decoder == "auto" else f"-decoder-{decoder}"
+            for graphs in args.graphs.split(","):
+                base = [py, "benchmarks/bench_decode.py", "--model", str(m / model), "--random-weights",
+                        "--dtype", "bf16", "--engine", f"cuda_graphs={graphs},decoder={decoder}"]
+                if "decode" in wanted:
+                    plan.append((f"decode{tag}{dtag}-graphs-{graphs}", base + ["--batches", "1,8,32"], 90, _last_json))
+                    plan.append((f"host-ops{tag}{dtag}-graphs-{graphs}", base + ["--host-ops", "--json"], 20,
+                                 _last_json))
+                if "profile" in wanted:  # where a decode step's time goes: the host, the device, which kernels
+                    plan.append((f"profile-{model}{dtag}-graphs-{graphs}",
+                                 base + ["--profile", "1", "--new-tokens", "32"], 40, _last_json))
     # the packed GEMMs and absorbed MLA at the paper's shapes against the device's read rate, and the paper's
     # main model at long contexts: decode at 1k and 16k, and the memory a 16k run holds at the default budget
     if "quant" in wanted:
