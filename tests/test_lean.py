@@ -45,7 +45,7 @@ def test_rope_and_cache_writes_are_bitwise_transformers_rope():
     assert not kc[untouched].any() and not vc[untouched].any()
     with pytest.raises(RuntimeError, match="slot 12 outside the cache's 12 rows"):
         cpu_ops.rope_store(q, k, v, cos, sin, kc, vc, torch.tensor([3, 7, 1, 12, 0]))
-    with pytest.raises(RuntimeError, match="fp32 only"):
+    with pytest.raises(RuntimeError, match="fp32 or bf16 only"):
         cpu_ops.rope_store(q.double(), k, v, cos, sin, kc, vc, slots)
 
 
@@ -81,6 +81,23 @@ def test_lean_forward_is_bitwise_the_modules_forward(name):
                      for c in o.completions])
         eng.close()
     assert any(isinstance(m, FastRMSNorm) for m in model.modules())
+    assert runs[0] == runs[1], name
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_bf16_lean_forward_is_bitwise_the_modules_forward(name):
+    """In bf16 too: the fused ops round where transformers' bf16 ops round (kernels/cpu_ops.py), and the
+    lean forward's SiLU-and-multiply is F.silu(gate) * up's bits."""
+    model = make_zoo_model(name).to(torch.bfloat16)
+    prompts = [rand_prompt(n, 70 + n) for n in (3, 17, 30)]
+    params = SamplingParams(temperature=0.9, top_k=50, max_tokens=12, ignore_eos=True, seed=5, n=2)
+    runs = []
+    for decoder in ("lean", "modules"):
+        eng = engine(model, decoder=decoder, max_num_batched_tokens=16)
+        assert eng.info["decoder"].startswith("lean" if decoder == "lean" else "the model's modules")
+        runs.append([(c.token_ids, c.logprobs, c.entropies) for o in eng.generate_sync(prompts, params)
+                     for c in o.completions])
+        eng.close()
     assert runs[0] == runs[1], name
 
 
@@ -137,9 +154,9 @@ def test_bad_choices_and_other_dtypes_are_refused_in_one_line(monkeypatch):
     eng.close()
     with pytest.raises(ValueError, match="decoder must be one of auto, lean, modules, got 'fast'"):
         select_decoder(make_zoo_model("llama"), spec, "fast")
-    bf16 = engine(make_zoo_model("llama").to(torch.bfloat16), linear="aten")
-    assert "torch.bfloat16 on cpu (lean: fp32 on the CPU)" in bf16.info["decoder"]
-    bf16.close()
+    fp16 = engine(make_zoo_model("llama").to(torch.float16), linear="aten")
+    assert "torch.float16 on cpu (lean: float32, bfloat16 on the CPU)" in fp16.info["decoder"]
+    fp16.close()
     monkeypatch.setenv("SVRMAD_CPU_OPS", "0")
     off = engine(make_zoo_model("llama"))
     assert "the fused CPU ops are unavailable: SVRMAD_CPU_OPS=0" in off.info["decoder"]

@@ -37,7 +37,8 @@ class EngineConfig:
     linear: "auto" | "panels" | "onednn" | "aten", how the model's linears run (models/linear.py): "auto"
     takes, on the CPU, the backend measured fastest here for the workload (models/calibrate.py, cached per
     machine; SVRMAD_CALIBRATE=0: the panels for fp32, else oneDNN's layout, else F.linear) and says why;
-    the packing is done in place, once.
+    the packing is done in place, once. cache_dir: where the linear calibration's figures are kept (the
+    run's --cache-dir; None: $SVRMAD_CACHE, else ~/.cache/svrmad-local).
 
     decoder: "auto" | "lean" | "modules", how the layers run (engine/lean.py): "auto" takes the lean
     forward (fused norms, RoPE and cache writes; bitwise the modules' computation with those norms) for
@@ -65,6 +66,7 @@ class EngineConfig:
     score_chunk: int = 1024
     signals: SignalConfig = field(default_factory=SignalConfig)
     seed: int = 0
+    cache_dir: str | None = None
 
 
 @dataclass

@@ -22,7 +22,6 @@ info says which and why.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from svrmad_local.kernels import cpu_linear, cpu_ops
@@ -132,7 +131,7 @@ class LeanDecoder:
             x = L.o_proj(out.reshape(T, -1))
             y, res = cpu_ops.add_rms_norm(x, res, L.w_post, L.eps)
             gate, up = L.gate_up(y)
-            x = L.down(F.silu(gate) * up)
+            x = L.down(cpu_ops.silu_mul(gate, up))
         return cpu_ops.add_rms_norm(x, res, self.norm.weight, self.norm.variance_epsilon)[0]
 
 
@@ -145,8 +144,8 @@ def _why_not(model: nn.Module, spec: ModelSpec) -> str | None:
     if not names <= LAYERS:
         return f"{', '.join(sorted(names - LAYERS))} layers (lean: {', '.join(sorted(LAYERS))})"
     w = body.embed_tokens.weight
-    if w.device.type != "cpu" or spec.dtype != torch.float32:
-        return f"{spec.dtype} on {w.device.type} (lean: fp32 on the CPU)"
+    if w.device.type != "cpu" or spec.dtype not in cpu_ops.DTYPES:
+        return f"{spec.dtype} on {w.device.type} (lean: {', '.join(str(t)[6:] for t in cpu_ops.DTYPES)} on the CPU)"
     if any(type(p).__name__ == "DTensor" for p in model.parameters()):
         return "sharded (tensor-parallel) weights"
     if any(hasattr(m, "_hf_hook") or m._forward_hooks or m._forward_pre_hooks for m in model.modules()):

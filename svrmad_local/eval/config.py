@@ -275,7 +275,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--on-error", choices=["skip", "fail"], default=rc.on_error, help="malformed dataset rows")
     g = p.add_argument_group("model and engine")
     g.add_argument("--model", help="local checkpoint folder (default: the embedded SmolLM2-135M-Instruct)")
-    g.add_argument("--cache-dir", help="where the embedded default is converted (default ~/.cache/svrmad-local)")
+    g.add_argument("--cache-dir", help="where the embedded default is converted and the linear calibration kept "
+                                       "(default $SVRMAD_CACHE, else ~/.cache/svrmad-local)")
     g.add_argument("--device", help="cpu | cuda | cuda:N (default: cuda if available; under torchrun cuda:LOCAL_RANK)")
     g.add_argument("--device-map", help="accelerate device map, e.g. auto (a model larger than one GPU)")
     g.add_argument("--dtype", help="fp32 | bf16 | fp16 (default: fp32 on CPU, bf16 on GPU)")
@@ -347,7 +348,8 @@ def from_args(args: argparse.Namespace) -> RunConfig:
                                    top_p=pick("top_p", sp.top_p), top_k=pick("top_k", sp.top_k))
     engine = EngineConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                           max_num_seqs=args.max_num_seqs, seed=args.seed, cascade=args.cascade,
-                          linear=args.linear, decoder=args.decoder, cuda_graphs=args.cuda_graphs)
+                          linear=args.linear, decoder=args.decoder, cuda_graphs=args.cuda_graphs,
+                          cache_dir=args.cache_dir)
     params = method_options(args)
     methods = parse_methods(args.methods)
     for k in ("S", "C"):  # the preset's S/C go to the methods that take them, explicit flags win

@@ -57,24 +57,53 @@ def unavailable_reason() -> str | None:
     return choose("auto", "cpu", NAME).why
 
 
+DTYPES = (torch.float32, torch.bfloat16)  # the weight dtypes the kernel packs
+PAIRS_TILE = 16  # bf16: k-pairs a panel holds a multiple of (an AMX B tile's rows)
+
+
 def pack(w: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> panels [ceil(N / 16), K, 16] (a new tensor; the caller drops the dense one)."""
+    """[N, K] -> panels (a new tensor; the caller drops the dense one): fp32 [ceil(N / 16), K, 16]; bf16
+    [ceil(N / 16), K2p, 32], pair-row i holding k = 2i, 2i + 1 of each of the panel's 16 columns side by
+    side (K2p: ceil(K / 2) rounded up to 16, zero pairs past K). bf16 denormals (below 1.2e-38) are stored
+    as zero, as the bf16 dot-product instructions read them."""
     n, k = w.shape
     p = -(-n // NR)
+    if w.dtype == torch.bfloat16:
+        k2p = -(-k // (2 * PAIRS_TILE)) * PAIRS_TILE
+        w = torch.where(w.abs() < torch.finfo(torch.bfloat16).tiny, torch.zeros((), dtype=w.dtype), w)
+        full = w.new_zeros(p * NR, 2 * k2p)
+        full[:n, :k] = w
+        return full.reshape(p, NR, k2p, 2).permute(0, 2, 1, 3).reshape(p, k2p, 2 * NR).contiguous()
     if p * NR != n:
         w = torch.cat([w, w.new_zeros(p * NR - n, k)])
     return w.reshape(p, NR, k).transpose(1, 2).contiguous()
 
 
-def unpack(panels: torch.Tensor, n: int) -> torch.Tensor:
-    """panels -> the dense [n, K] weight (a copy)."""
-    p, k, _ = panels.shape
-    return panels.transpose(1, 2).reshape(p * NR, k)[:n].contiguous()
+def unpack(panels: torch.Tensor, n: int, k: int | None = None) -> torch.Tensor:
+    """panels -> the dense [n, K] weight (a copy). bf16 panels hold K rounded up: `k` cuts it (default: all)."""
+    p = panels.shape[0]
+    if panels.dtype == torch.bfloat16:
+        k2p = panels.shape[1]
+        dense = panels.reshape(p, k2p, NR, 2).permute(0, 2, 1, 3).reshape(p * NR, 2 * k2p)
+        return dense[:n, : 2 * k2p if k is None else k].contiguous()
+    return panels.transpose(1, 2).reshape(p * NR, panels.shape[1])[:n].contiguous()
 
 
-def rows_of(panels: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Rows `ids` of the dense weight, read from the panels (an embedding lookup): a copy of exactly those values."""
+def rows_of(panels: torch.Tensor, ids: torch.Tensor, k: int | None = None) -> torch.Tensor:
+    """Rows `ids` of the dense weight, read from the panels (an embedding lookup): a copy of exactly those values
+    (bf16: the first `k` of each row)."""
+    if panels.dtype == torch.bfloat16:
+        rows = panels.view(panels.shape[0], panels.shape[1], NR, 2)[ids // NR, :, ids % NR]
+        return rows.flatten(-2)[..., :k]
     return panels[ids // NR, :, ids % NR]
+
+
+def isa() -> str:
+    """The instructions the kernel takes on this CPU (avx2, avx512, avx512_bf16, amx), after SVRMAD_CPU_ISA."""
+    return ISA_NAMES[_KERNEL.module().isa_level()]
+
+
+ISA_NAMES = ("avx2", "avx512", "avx512_bf16", "amx")
 
 
 def linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None = None,

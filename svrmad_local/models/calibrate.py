@@ -35,6 +35,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from svrmad_local.errors import UserError
 from svrmad_local.kernels import cpu_linear
 from svrmad_local.models.default import cache_dir
 
@@ -95,19 +96,33 @@ class Calibration:
     workload: Workload
     cached: bool = False
     path: str | None = None
+    busy: float | None = None  # others' share of the machine while it was timed (None: cached, or unknown)
 
     def as_dict(self) -> dict:
         """For engine.info and run.json (plain JSON types)."""
         workload = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self.workload).items()}
         return {"choice": self.choice, "reason": self.reason, "figures": self.figures, "cost_ms_per_token": self.cost,
-                "workload": workload, "cached": self.cached, "cache_file": self.path}
+                "workload": workload, "cached": self.cached, "cache_file": self.path,
+                "busy_share": None if self.busy is None else round(self.busy, 3)}
+
+
+class CalibrationSettingError(UserError, ValueError):
+    """SVRMAD_CALIBRATE holds a value that means nothing: said in one line, before anything is timed."""
+
+
+SETTINGS = {"on": ("on", "1", "true", "yes", ""), "off": ("off", "0", "false", "no"), "again": ("again",)}
 
 
 def setting() -> str:
-    """SVRMAD_CALIBRATE: "off" (0/off/false/no: `auto` takes its fixed rule), "again" (time again and
-    overwrite this machine's cached figures), else "on"."""
+    """SVRMAD_CALIBRATE: "on" (on/1/true/yes, or unset), "off" (off/0/false/no: `auto` takes its fixed rule),
+    "again" (time again and overwrite this machine's cached figures); any other value is refused."""
     v = os.environ.get("SVRMAD_CALIBRATE", "on").strip().lower()
-    return "off" if v in ("0", "off", "false", "no") else "again" if v == "again" else "on"
+    for name, spellings in SETTINGS.items():
+        if v in spellings:
+            return name
+    raise CalibrationSettingError(
+        f"SVRMAD_CALIBRATE={os.environ['SVRMAD_CALIBRATE']!r} means nothing: use on (1, true, yes), off (0, false, "
+        "no) or again")
 
 
 def enabled() -> bool:
@@ -156,9 +171,43 @@ def cache_key(model: nn.Module, candidates: list[str], workload: Workload, fuse:
             "panel_kernel": cpu_linear.digest()}
 
 
-def cache_path(key: dict) -> Path:
+def cache_path(key: dict, cache: str | Path | None = None) -> Path:
+    """The figures' file under the cache dir: `cache` (--cache-dir), else $SVRMAD_CACHE, else ~/.cache/svrmad-local."""
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return cache_dir() / "calibration" / f"linear-{digest}.json"
+    return cache_dir(cache) / "calibration" / f"linear-{digest}.json"
+
+
+BUSY = 0.10  # others' share of the machine's CPU time over the timing above which the figures are not kept
+
+
+class OtherLoad:
+    """How much of this machine's CPU time other processes took over a window: from /proc/stat (every CPU's
+    busy time, the hypervisor's steal included) less this process's own (every thread's). Figures timed
+    while others ran are slower than the backends are, and by how much depends on which backend the
+    neighbours' bursts met; so they are used for this run but not cached (`share` is None off Linux)."""
+
+    def __init__(self):
+        self._start = self._read()
+
+    @staticmethod
+    def _read():
+        try:
+            fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+            busy = sum(int(v) for i, v in enumerate(fields[:8]) if i not in (3, 4))  # all but idle, iowait
+            hz = os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, IndexError):
+            return None
+        own = os.times()
+        return busy / hz, own.user + own.system, time.monotonic()
+
+    def share(self) -> float | None:
+        """Others' CPU seconds over the window, as a fraction of the machine's (wall x CPUs)."""
+        end = self._read()
+        if self._start is None or end is None:
+            return None
+        (busy0, own0, t0), (busy1, own1, t1) = self._start, end
+        wall = max(t1 - t0, 1e-6) * (os.cpu_count() or 1)
+        return max(0.0, ((busy1 - busy0) - (own1 - own0)) / wall)
 
 
 def l3_bytes() -> int:
@@ -273,21 +322,31 @@ def choose(figures: dict, workload: Workload) -> tuple[str, dict]:
     return best, cost
 
 
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a figure")  # json reads NaN and Infinity unless told not to
+
+
+def finite_figures(figures: dict, key: dict) -> None:
+    """Raises ValueError unless `figures` holds one finite positive number per backend, kind and step size."""
+    for kind in ("decode", "prefill"):
+        for b in key["gemms"]:
+            table = figures[kind][b]
+            if set(table) != {str(m) for m in key[f"{kind}_rows"]} or not all(
+                    isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+                    for v in table.values()):
+                raise ValueError(f"the {kind} figures of {b} are not one finite positive number a step size")
+
+
 def _read(path: Path, key: dict) -> dict | None:
     """The cached figures for `key`, or None (absent, another key); an unreadable file is said in one line."""
     if not path.exists():
         return None
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(), parse_constant=_no_constant)
         if data.get("key") != key:
             return None
         figures = data["figures"]
-        for kind in ("decode", "prefill"):
-            for b in key["gemms"]:
-                table = figures[kind][b]
-                if set(table) != {str(m) for m in key[f"{kind}_rows"]} or \
-                        not all(isinstance(v, (int, float)) and v > 0 for v in table.values()):
-                    raise ValueError(f"the {kind} figures of {b} are not one positive number a step size")
+        finite_figures(figures, key)
         return figures
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         log.warning("svrmad: ignoring the unreadable linear calibration %s (%s: %s); timing again", path,
@@ -299,38 +358,51 @@ def _write(path: Path, key: dict, figures: dict) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"key": key, "figures": figures}, indent=1, sort_keys=True))
+        tmp.write_text(json.dumps({"key": key, "figures": figures}, indent=1, sort_keys=True, allow_nan=False))
         os.replace(tmp, path)
     except OSError as e:
         log.warning("svrmad: could not save the linear calibration to %s (%s); the next engine times again", path, e)
 
 
 def calibrate(model: nn.Module, candidates: list[str], workload: Workload | None = None, fuse: bool = True,
-              budget_s: float = 3.0, timer: Callable | None = None) -> Calibration:
-    """Time `candidates` on `model`'s shapes (or read this machine's cached figures) and choose one."""
+              budget_s: float = 3.0, timer: Callable | None = None, cache: str | Path | None = None) -> Calibration:
+    """Time `candidates` on `model`'s shapes (or read this machine's cached figures under `cache`, the
+    --cache-dir, else the default cache dir) and choose one. Figures timed while other processes took more
+    than BUSY of the machine are used for this choice but not cached, and the reason says so."""
     workload = workload or Workload()
     candidates = [b for b in PREFERENCE if b in candidates]
     key = cache_key(model, candidates, workload, fuse)
-    path = cache_path(key)
+    path = cache_path(key, cache)
     figures = None if setting() == "again" else _read(path, key)
-    cached = figures is not None
+    cached, busy = figures is not None, None
     if not cached:
-        t0 = time.perf_counter()
+        t0, load = time.perf_counter(), LOAD()
         try:
             figures = measure(model, candidates, workload, fuse, budget_s, timer)
-        except RuntimeError as e:  # a backend that should run here failed: the run goes on under the fixed rule
+            finite_figures(figures, key)
+        except (RuntimeError, ValueError) as e:  # a backend that should run here failed: the fixed rule
             log.warning("svrmad: the linear calibration failed (%s); taking %s, the fixed rule", e, NAMES[candidates[0]])
             return Calibration(candidates[0], f"not measured ({e}): the fixed rule", {}, {}, workload, False, None)
+        busy = load.share()
         log.info("svrmad: linear calibration took %.1f s", time.perf_counter() - t0)
-        _write(path, key, figures)
+        if busy is not None and busy > BUSY:
+            log.warning("svrmad: the linear calibration was timed while other processes took %.0f%% of this "
+                        "machine's CPU time: its figures choose for this run only and are not cached", 100 * busy)
+        else:
+            _write(path, key, figures)
     choice, cost = choose(figures, workload)
     costs = ", ".join(f"{NAMES[b]} {cost[b]:.3g}" for b in candidates)
-    reason = (f"measured on this machine{' (cached)' if cached else ''}: ms per generated token at "
+    taken = " (cached)" if cached else f" while the machine was busy ({100 * busy:.0f}% of its CPU time went to " \
+        "other processes; not cached)" if busy is not None and busy > BUSY else ""
+    reason = (f"measured on this machine{taken}: ms per generated token at "
               f"{workload.prompt_per_generated:g} prompt tokens per generated one: {costs}")
     if choice != "panels":
         reason += ("; its tokens may differ from another machine's (and a row's from its value in another batch): "
                    "--linear panels computes the same tokens on every machine")
-    return Calibration(choice, reason, figures, cost, workload, cached, str(path))
+    return Calibration(choice, reason, figures, cost, workload, cached, str(path), busy)
+
+
+LOAD = OtherLoad  # what calibrate measures the machine's load with (tests replace it)
 
 
 def table(cal: Calibration) -> str:

@@ -73,7 +73,7 @@ class PackedLinear(nn.Module):
         return self.layout.mm(x, self.weight, self.bias, self.out_features)
 
     def dense_weight(self) -> torch.Tensor:
-        return self.layout.unpack(self.weight, self.out_features) if self.packed else self.weight
+        return self.layout.unpack(self.weight, self.out_features, self.in_features) if self.packed else self.weight
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         """state_dict() and save_pretrained() see the plain weight, so a packed model saves as usual."""
@@ -96,10 +96,10 @@ class PanelEmbedding(nn.Module):
         self.weight = head.weight  # the same Parameter: tied, counted once
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return cpu_linear.rows_of(self.weight, ids)
+        return cpu_linear.rows_of(self.weight, ids, self.embedding_dim)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
-        destination[prefix + "weight"] = cpu_linear.unpack(self.weight, self.num_embeddings)
+        destination[prefix + "weight"] = cpu_linear.unpack(self.weight, self.num_embeddings, self.embedding_dim)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, rows read from the tied LM head's panels"
@@ -142,7 +142,7 @@ class FusedGroup(nn.Module):
         return out
 
     def dense_weight(self) -> torch.Tensor:
-        return self.layout.unpack(self.weight, self.out_features)
+        return self.layout.unpack(self.weight, self.out_features, self.in_features)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         pass  # each part saves its own rows under its own name
@@ -216,8 +216,8 @@ def _why_not_onednn(model: nn.Module, device: torch.device, dtype: torch.dtype) 
 def _why_not_panels(model: nn.Module, device: torch.device, dtype: torch.dtype) -> str | None:
     if device.type != "cpu":
         return f"weights on {device.type}"
-    if dtype != torch.float32:
-        return f"{str(dtype).removeprefix('torch.')} weights (the panel kernel is fp32)"
+    if dtype not in cpu_linear.DTYPES:
+        return f"{str(dtype).removeprefix('torch.')} weights (the panel kernel takes fp32 and bf16)"
     if any(type(p).__name__ == "DTensor" for p in model.parameters()):
         return "tensor-parallel (DTensor) weights"
     if not cpu_linear.available():
@@ -226,11 +226,12 @@ def _why_not_panels(model: nn.Module, device: torch.device, dtype: torch.dtype) 
 
 
 def select_linear(model: nn.Module, choice: str = "auto", fuse: bool = True,
-                  workload: calibrate.Workload | None = None) -> Selection:
+                  workload: calibrate.Workload | None = None, cache: str | None = None) -> Selection:
     """Apply the linear backend `choice` to `model` in place, once; returns what runs (`Selection`,
     its line also logged at info level). `fuse`: sibling projections of one input become one GEMM
     (FusedGroup). "auto" on a CPU where several backends can run takes the one measured fastest for
-    `workload` (models/calibrate.py; `calibrate.recorded(model)` holds the figures)."""
+    `workload` (models/calibrate.py, its figures cached under `cache`, the --cache-dir;
+    `calibrate.recorded(model)` holds the figures)."""
     if choice not in CHOICES:
         raise ValueError(f"linear must be one of {', '.join(CHOICES)}, got {choice!r}")
     linears = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]
@@ -252,7 +253,7 @@ def select_linear(model: nn.Module, choice: str = "auto", fuse: bool = True,
     if choice == "auto" and p.device.type == "cpu" and (why_panels is None or why is None) and calibrate.enabled():
         # more than one backend can run: the measured one (models/calibrate.py) rather than a fixed rule
         cal = calibrate.calibrate(model, [b for b, w in (("panels", why_panels), ("onednn", why), ("aten", None))
-                                          if w is None], workload, fuse)
+                                          if w is None], workload, fuse, cache=cache)
         setattr(model, calibrate.RECORD, cal)
         if cal.choice == "aten":
             return _said("aten", f"aten (F.linear), {cal.reason}", packed_q)
