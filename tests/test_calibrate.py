@@ -251,3 +251,108 @@ def test_a_refused_model_is_refused_before_any_timing(cache, monkeypatch):
     name = sorted(REFUSED)[0]
     with pytest.raises(UnsupportedModel, match=REFUSED[name]):
         Engine(make_zoo_model(name), None, EngineConfig(kv_cache_memory=4 * 2**20, block_size=4))
+
+
+class Quiet:
+    """calibrate.LOAD for a machine with nothing else running."""
+
+    def share(self):
+        return 0.0
+
+
+@pytest.fixture(autouse=True)
+def quiet_machine(monkeypatch):
+    """The fake timings are a formula: what the shared test machine does meanwhile must not decide
+    whether they are cached (the tests of the load check below say otherwise)."""
+    monkeypatch.setattr(calibrate, "LOAD", Quiet)
+
+
+def test_the_cache_dir_of_the_run_holds_the_calibration(cache, tmp_path, monkeypatch):
+    """--cache-dir (EngineConfig.cache_dir) moves the calibration with the model, away from $SVRMAD_CACHE."""
+    from svrmad_local.eval.config import add_run_arguments, from_args
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    add_run_arguments(ap)
+    cfg = from_args(ap.parse_args(["--cache-dir", str(tmp_path / "elsewhere")]))
+    assert cfg.engine.cache_dir == str(tmp_path / "elsewhere")
+    monkeypatch.setattr(calibrate, "time_shape", FakeTimer())
+    if not (torch.backends.mkldnn.is_available() and cpu_linear.available()):
+        pytest.skip("needs two backends to calibrate between")
+    eng = Engine(make_zoo_model("llama"), None, EngineConfig(kv_cache_memory=4 * 2**20, block_size=4,
+                                                             cache_dir=str(tmp_path / "elsewhere")))
+    try:
+        path = eng.info["linear_calibration"]["cache_file"]
+    finally:
+        eng.close()
+    assert path.startswith(str(tmp_path / "elsewhere" / "calibration")) and (tmp_path / "elsewhere" / "calibration").is_dir()
+    assert not (cache / "calibration").exists()
+
+
+@pytest.mark.parametrize("value", ["banana", "2", "onn"])
+def test_an_unknown_calibrate_setting_is_refused_in_one_line(monkeypatch, value):
+    monkeypatch.setenv("SVRMAD_CALIBRATE", value)
+    with pytest.raises(calibrate.CalibrationSettingError, match=f"SVRMAD_CALIBRATE='{value}' means nothing: use on "
+                                                                r"\(1, true, yes\), off \(0, false, no\) or again"):
+        calibrate.setting()
+    for spelled, meant in (("ON", "on"), (" yes ", "on"), ("1", "on"), ("False", "off"), ("again", "again")):
+        monkeypatch.setenv("SVRMAD_CALIBRATE", spelled)
+        assert calibrate.setting() == meant
+
+
+@pytest.mark.parametrize("bad", ["Infinity", "NaN", "-Infinity", "1e999"])
+def test_a_cached_figure_that_is_not_finite_is_timed_again(cache, caplog, bad):
+    model, timer = make_zoo_model("llama"), FakeTimer()
+    first = calibrate.calibrate(model, ["panels", "onednn"], timer=timer)
+    path = cache / "calibration" / first.path.rpartition("/")[2]
+    text = path.read_text()
+    value = json.loads(text)["figures"]["decode"]["panels"]["1"]
+    path.write_text(text.replace(json.dumps(value), bad, 1))
+    with caplog.at_level(logging.WARNING, logger="svrmad_local"):
+        again = calibrate.calibrate(model, ["panels", "onednn"], timer=timer)
+    assert not again.cached and again.figures == first.figures and "unreadable linear calibration" in caplog.text
+    json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(f"{c} written back"))
+    json.dumps(again.as_dict(), allow_nan=False)  # what run.json stores is standard JSON
+
+
+def test_figures_that_are_not_finite_are_never_cached(cache, caplog):
+    inf = dict(PER_CALL, onednn=lambda k, n, m: float("inf"))
+    with caplog.at_level(logging.WARNING, logger="svrmad_local"):
+        cal = calibrate.calibrate(make_zoo_model("llama"), ["panels", "onednn"], timer=FakeTimer(inf))
+    assert cal.choice == "panels" and "not measured" in cal.reason and not (cache / "calibration").exists()
+
+
+def test_figures_timed_on_a_busy_machine_choose_but_are_not_cached(cache, monkeypatch, caplog):
+    class Busy:
+        def share(self):
+            return 0.5  # other processes had half the machine while it was timed
+
+    monkeypatch.setattr(calibrate, "LOAD", Busy)
+    model, timer = make_zoo_model("llama"), FakeTimer()
+    with caplog.at_level(logging.WARNING, logger="svrmad_local"):
+        cal = calibrate.calibrate(model, ["panels", "onednn"], timer=timer)
+    assert cal.figures and cal.choice == "panels" and cal.busy == 0.5 and cal.as_dict()["busy_share"] == 0.5
+    assert "busy (50% of its CPU time went to other processes; not cached)" in cal.reason
+    assert "timed while other processes took 50% of this machine's CPU time" in caplog.text
+    assert not (cache / "calibration").exists()
+    monkeypatch.setattr(calibrate, "LOAD", Quiet)
+    timed = len(timer.calls)
+    again = calibrate.calibrate(model, ["panels", "onednn"], timer=timer)  # timed again, quiet now: kept
+    assert len(timer.calls) == 2 * timed and not again.cached and again.busy == 0.0
+    assert calibrate.calibrate(model, ["panels", "onednn"], timer=timer).cached
+
+
+def test_the_load_meter_sees_another_process_burn_a_cpu():
+    """OtherLoad counts CPU time other processes took over its window (from /proc/stat, less ours)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if not Path("/proc/stat").exists():
+        pytest.skip("no /proc/stat")
+    meter = calibrate.OtherLoad()
+    burn = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 1.0: pass"])
+    burn.wait()
+    share = meter.share()
+    assert share is not None and share >= 0.4 / (os.cpu_count() or 1)

@@ -102,6 +102,22 @@ def isa(name: str):
         mod.set_isa_level(full)
 
 
+@pytest.mark.parametrize("n,k", [(200, 576), (70, 2100), (100, 37)])
+def test_fp32_16_lane_tiles_give_the_8_lane_bits(n, k):
+    """On AVX-512 a tile of rows runs 16-lane vectors (lane j: column j's FMA chain, as before): the bits of
+    the AVX2 tiles at every row count, and one row's alone."""
+    torch.manual_seed(n)
+    w, b, x = torch.randn(n, k) / k**0.5, torch.randn(n), torch.randn(203, k)
+    panels = cpu_linear.pack(w)
+    out = {}
+    for level in ("avx2", "avx512"):
+        with isa(level):
+            out[level] = cpu_linear.linear(x, panels, n, b)
+            for m in (2, 5, 12, 13, 97):
+                assert torch.equal(cpu_linear.linear(x[:m], panels, n, b), out[level][:m]), (level, m)
+    assert torch.equal(out["avx2"], out["avx512"])
+
+
 def bf16_case(n, k, m, seed):
     g = torch.Generator().manual_seed(seed)
     w = (torch.randn(n, k, generator=g) / k**0.5).bfloat16()
@@ -141,20 +157,17 @@ def test_bf16_avx2_path_gives_the_bf16_instructions_bits_and_every_row_its_own(n
     assert torch.equal(out["avx2"], out["avx512_bf16"])
 
 
-def test_bf16_amx_rows_are_batch_invariant_among_amx_calls():
-    """AMX sums in an order of its own; a row's output is the same in any call that takes the tiles."""
+def test_bf16_amx_rows_are_batch_invariant():
+    """AMX sums in an order of its own; every call takes the tiles where the CPU has them, one row too,
+    so a row's output is the same at any batch size there as well."""
     w, b, x = bf16_case(300, 576, 70, 3)
     panels = cpu_linear.pack(w)
-    mod = cpu_linear._KERNEL.module()
     with isa("amx"):
         full = cpu_linear.linear(x, panels, 300, b)
-        for lo, hi in [(0, 16), (5, 37), (40, 70), (0, 33)]:
-            assert torch.equal(cpu_linear.linear(x[lo:hi], panels, 300, b), full[lo:hi])
-        before = mod.set_amx_min_rows(1)
-        try:
-            assert torch.equal(cpu_linear.linear(x[7:8], panels, 300, b), full[7:8])
-        finally:
-            mod.set_amx_min_rows(before)
+        for lo, hi in [(0, 16), (5, 37), (40, 70), (0, 33), (7, 8), (69, 70), (3, 5)]:
+            assert torch.equal(cpu_linear.linear(x[lo:hi], panels, 300, b), full[lo:hi]), (lo, hi)
+            for width in (4, 1):
+                assert torch.equal(cpu_linear.linear(x[lo:lo + 1], panels, 300, b, row_width=width), full[lo:lo + 1])
 
 
 def test_bf16_pack_unpack_and_row_lookups_are_exact_copies():

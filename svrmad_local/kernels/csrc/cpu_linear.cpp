@@ -117,6 +117,58 @@ static void rows(int64_t R, const float* X, int64_t K, const float* panel, int64
   }
 }
 
+#ifdef SVRMAD_X86_TARGETS
+SVRMAD_TARGET_BEGIN(SVRMAD_AVX512_FEATURES)
+constexpr int MR512 = 12;  // input rows a 16-lane micro-kernel call (12 accumulators, their totals, one weight row)
+
+// micro's outputs with one 16-lane vector a row: lane j carries column j's FMA chain, the same operations
+// in the same order as micro's two 8-lane halves, so the same bits; an instruction does twice the FMAs,
+// which is what paces a step of many rows
+template <int R, int PF>
+static void micro512(const float* X, int64_t K, const float* panel, int64_t kblock, const float* bias, float* Y,
+                     int64_t N, int64_t n0, int64_t nv) {
+  __m512 tot[R];
+  for (int64_t kb = 0; kb < K; kb += kblock) {
+    const int64_t ke = std::min(K, kb + kblock);
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t k = kb; k < ke; ++k) {
+      if (PF == PF_AHEAD && R > 1) _mm_prefetch(reinterpret_cast<const char*>(panel + (k + PF_K) * NR), _MM_HINT_T0);
+      else if (PF == PF_NEXT) _mm_prefetch(reinterpret_cast<const char*>(panel + (K + k) * NR), _MM_HINT_T1);
+      const __m512 w = _mm512_loadu_ps(panel + k * NR);
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(X[r * K + k]), w, acc[r]);
+    }
+    for (int r = 0; r < R; ++r) tot[r] = kb == 0 ? acc[r] : _mm512_add_ps(tot[r], acc[r]);
+  }
+  alignas(64) float out[NR];
+  for (int r = 0; r < R; ++r) {
+    _mm512_store_ps(out, tot[r]);
+    float* y = Y + r * N + n0;
+    for (int j = 0; j < nv; ++j) y[j] = bias ? out[j] + bias[n0 + j] : out[j];
+  }
+}
+
+template <int PF>
+static void rows512(int64_t R, const float* X, int64_t K, const float* panel, int64_t kblock, const float* bias,
+                    float* Y, int64_t N, int64_t n0, int64_t nv) {
+  switch (R) {
+    case 1: micro512<1, PF>(X, K, panel, kblock, bias, Y, N, n0, nv); break;
+    case 2: micro512<2, PF>(X, K, panel, kblock, bias, Y, N, n0, nv); break;
+    case 3: micro512<3, PF>(X, K, panel, kblock, bias, Y, N, n0, nv); break;
+    case 4: micro512<4, PF>(X, K, panel, kblock, bias, Y, N, n0, nv); break;
+    case 5: micro512<5, PF>(X, K, panel, kblock, bias, Y, N, n0, nv); break;
+    case 6: micro512<6, PF>(X, K, panel, kblock, bias, Y, N, n0, nv); break;
+    case 7: micro512<7, PF>(X, K, panel, kblock, bias, Y, N, n0, nv); break;
+    case 8: micro512<8, PF>(X, K, panel, kblock, bias, Y, N, n0, nv); break;
+    case 9: micro512<9, PF>(X, K, panel, kblock, bias, Y, N, n0, nv); break;
+    case 10: micro512<10, PF>(X, K, panel, kblock, bias, Y, N, n0, nv); break;
+    case 11: micro512<11, PF>(X, K, panel, kblock, bias, Y, N, n0, nv); break;
+    default: micro512<MR512, PF>(X, K, panel, kblock, bias, Y, N, n0, nv); break;
+  }
+}
+SVRMAD_TARGET_END
+#endif
+
 // x [M, K], panels [P, K, 16] -> y [M, n]; `row_width`: panels at once where M = 1 (row_panels)
 static torch::Tensor panel_linear_f32(torch::Tensor x, torch::Tensor panels, int64_t n, c10::optional<torch::Tensor> bias,
                                       int64_t kblock, int64_t row_width) {
@@ -136,15 +188,22 @@ static torch::Tensor panel_linear_f32(torch::Tensor x, torch::Tensor panels, int
     at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) { row_panels(X, K, W, kblock, B, Y, n, p0, p1, row_width); });
     return y;
   }
+  // rows a tile, and the tiles' micro-kernels (first of a pass, middle, last): 16-lane ones where the CPU has them
+  int64_t mr = MR;
+  auto first = rows<PF_AHEAD>, middle = rows<PF_NONE>, last = rows<PF_NEXT>;
+#ifdef SVRMAD_X86_TARGETS
+  if (svrmad::isa_level() >= svrmad::ISA_AVX512) mr = MR512, first = rows512<PF_AHEAD>, middle = rows512<PF_NONE>,
+                                                 last = rows512<PF_NEXT>;
+#endif
   for (int64_t mc = 0; mc < M; mc += MC) {
     const int64_t me = std::min(M, mc + MC);
     at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
       for (int64_t p = p0; p < p1; ++p) {
         const int64_t n0 = p * NR, nv = std::min<int64_t>(NR, n - n0);
         if (nv <= 0) continue;
-        for (int64_t m = mc; m < me; m += MR) {
-          auto tile = m == mc ? rows<PF_AHEAD> : m + MR >= me ? rows<PF_NEXT> : rows<PF_NONE>;
-          tile(std::min<int64_t>(MR, me - m), X + m * K, K, W + p * K * NR, kblock, B, Y + m * n, n, n0, nv);
+        for (int64_t m = mc; m < me; m += mr) {
+          auto tile = m == mc ? first : m + mr >= me ? last : middle;
+          tile(std::min<int64_t>(mr, me - m), X + m * K, K, W + p * K * NR, kblock, B, Y + m * n, n, n0, nv);
         }
       }
     });
@@ -163,17 +222,28 @@ static torch::Tensor panel_linear_f32(torch::Tensor x, torch::Tensor panels, int
 // inputs and sums read and written as zero; then y = bf16(acc + bias). That is what vdpbf16ps computes, lane
 // by lane, and the AVX2 path computes the same with two FMAs a pair under MXCSR's DAZ and FTZ: the same
 // bits on every machine and at any batch size. AMX tiles sum their products in an order of their own
-// (measured: not the pairwise one), so the rows of a call that takes them (at least amx_min_rows rows)
-// get other bits, the same ones at any such size.
+// (measured: neither pairwise order, nor a pair or a tile summed exactly), so where the CPU has them every
+// call takes them (from amx_min_rows rows, 1 by default: one row streams the weights as fast there, and a
+// row's bits stay the same at any batch size): the bits of an AMX machine are its own.
 constexpr int64_t PAIRS_TILE = 16;  // pair-rows of a B tile
 constexpr int BF16_ROWS_DP = 8, BF16_ROWS_EMU = 4;  // rows a micro-kernel call, avx512_bf16 and AVX2
-static int64_t g_amx_min_rows = 16;                 // calls of at least this many rows take the AMX tiles
+static int64_t g_amx_min_rows = 1;                  // calls of at least this many rows take the AMX tiles
 
-// acc[r][c] (fp32, row stride `lda`) + bias -> y[r][c] in bf16, for rows < R and columns < nv
+// acc[r][c] (fp32, row stride `lda`) + bias -> y[r][c] in bf16, for rows < R and columns < nv: eight at a
+// time, rounded as float_to_bf16 rounds
 static inline void store_rows_bf16(const float* acc, int64_t lda, int64_t R, const float* bias, uint16_t* Y,
                                    int64_t ldy, int64_t nv) {
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t j = 0; j < nv; ++j) Y[r * ldy + j] = float_to_bf16(bias ? acc[r * lda + j] + bias[j] : acc[r * lda + j]);
+  for (int64_t r = 0; r < R; ++r) {
+    const float* a = acc + r * lda;
+    uint16_t* y = Y + r * ldy;
+    int64_t j = 0;
+    for (; j + 8 <= nv; j += 8) {
+      __m256 v = _mm256_loadu_ps(a + j);
+      if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + j));
+      svrmad::store_bf16x8(y + j, v);
+    }
+    for (; j < nv; ++j) y[j] = float_to_bf16(bias ? a[j] + bias[j] : a[j]);
+  }
 }
 
 // R rows of X (pairs of bf16, row stride ldx elements) against NP panels `pstride` elements apart, AVX2:
@@ -240,8 +310,11 @@ struct TileConfig {
   uint8_t rows[16];
 };
 
-// panels [q0, q1) of W (each `pstride` elements) against X [Mp, Kp] (zero-padded: Mp a multiple of 32, Kp of
-// 32): tiles 0-3 accumulate a 32 x 32 block, 4-5 hold two 16-row slices of X, 6-7 two panels' pair-rows
+// panels [q0, q1) of W (each `pstride` elements) against X [Mp, Kp] (zero-padded: Mp a multiple of 16, Kp of
+// 32). Tiles 0-3 accumulate a block of 32 rows x 32 columns (two panels), 4-5 hold two 16-row slices of X,
+// 6-7 two panels' pair-rows; a last block of 16 rows takes tiles 0, 1 and 4 only. The weights stream once
+// per block of rows (once in all at decode sizes), PF_TILES tiles ahead of the loads.
+constexpr int64_t PF_TILES = 4;
 static void amx_panels(const uint16_t* X, int64_t Mp, int64_t Kp, const uint16_t* W, int64_t pstride, int64_t q0,
                        int64_t q1, const float* bias, uint16_t* Y, int64_t M, int64_t n) {
   TileConfig cfg;
@@ -250,31 +323,43 @@ static void amx_panels(const uint16_t* X, int64_t Mp, int64_t Kp, const uint16_t
   for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
   _tile_loadconfig(&cfg);
   alignas(64) float C[32 * 32];
-  const int64_t ktiles = Kp / 32;
+  const int64_t ktiles = Kp / 32, tile = PAIRS_TILE * 32;  // a B tile: 16 pair-rows of 32 bf16 (1 KB)
   for (int64_t p = q0; p < q1; p += 2) {
     const int64_t p1 = std::min(p + 1, q1 - 1);  // an odd last panel runs twice, its copy unused
     const uint16_t *B0 = W + p * pstride, *B1 = W + p1 * pstride;
     for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
+      const bool two = m0 + 16 < Mp;  // two 16-row slices of X in this block, or one
+      const uint16_t* A = X + m0 * Kp;
       _tile_zero(0);
       _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      const uint16_t* A = X + m0 * Kp;
+      if (two) {
+        _tile_zero(2);
+        _tile_zero(3);
+      }
       for (int64_t kt = 0; kt < ktiles; ++kt) {
+        if (m0 == 0)  // the weights' first pass: from memory
+          for (int64_t o = 0; o < tile; o += 32) {
+            _mm_prefetch(reinterpret_cast<const char*>(B0 + (kt + PF_TILES) * tile + o), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(B1 + (kt + PF_TILES) * tile + o), _MM_HINT_T0);
+          }
         _tile_loadd(4, A + kt * 32, Kp * 2);
-        _tile_loadd(5, A + 16 * Kp + kt * 32, Kp * 2);
-        _tile_loadd(6, B0 + kt * PAIRS_TILE * 32, 64);
-        _tile_loadd(7, B1 + kt * PAIRS_TILE * 32, 64);
+        _tile_loadd(6, B0 + kt * tile, 64);
+        _tile_loadd(7, B1 + kt * tile, 64);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
+        if (two) {
+          _tile_loadd(5, A + 16 * Kp + kt * 32, Kp * 2);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
       }
       _tile_stored(0, C, 128);
       _tile_stored(1, C + 16, 128);
-      _tile_stored(2, C + 16 * 32, 128);
-      _tile_stored(3, C + 16 * 32 + 16, 128);
-      const int64_t rows = std::min<int64_t>(32, M - m0);
+      if (two) {
+        _tile_stored(2, C + 16 * 32, 128);
+        _tile_stored(3, C + 16 * 32 + 16, 128);
+      }
+      const int64_t rows = std::min<int64_t>(two ? 32 : 16, M - m0);
       if (rows <= 0) break;
       for (int64_t half = 0; half < (p1 > p ? 2 : 1); ++half) {
         const int64_t c0 = (p + half) * NR, nv = std::min<int64_t>(NR, n - c0);
@@ -333,10 +418,17 @@ static torch::Tensor panel_linear_bf16(torch::Tensor x, torch::Tensor panels, in
   const int level = svrmad::isa_level();
 #ifdef SVRMAD_X86_TARGETS
   if (level >= svrmad::ISA_AMX && M >= g_amx_min_rows) {
-    const int64_t Mp = (M + 31) / 32 * 32, Kp = K2p * 2;
-    auto xp = torch::zeros({Mp, Kp}, x.options());
-    xp.slice(0, 0, M).slice(1, 0, K).copy_(x);
-    const uint16_t* X = reinterpret_cast<const uint16_t*>(xp.data_ptr<at::BFloat16>());
+    const int64_t Mp = (M + 15) / 16 * 16, Kp = K2p * 2;
+    thread_local std::vector<uint16_t> padded;  // X as whole tiles, zeros around it (no torch op: ~121 calls a step)
+    padded.resize(Mp * Kp);
+    x = x.contiguous();
+    const uint16_t* x0 = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+    for (int64_t m = 0; m < Mp; ++m) {
+      uint16_t* row = padded.data() + m * Kp;
+      if (m < M) std::memcpy(row, x0 + m * K, K * sizeof(uint16_t));
+      std::memset(row + (m < M ? K : 0), 0, (m < M ? Kp - K : Kp) * sizeof(uint16_t));
+    }
+    const uint16_t* X = padded.data();
     const int64_t pairs = (Pn + 1) / 2;
     at::parallel_for(0, pairs, 1, [&](int64_t q0, int64_t q1) {
       amx_panels(X, Mp, Kp, W, pstride, 2 * q0, std::min(Pn, 2 * q1), B, Y, M, n);
