@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from svrmad_local.engine.engine import Engine, EngineConfig
+from svrmad_local.engine.params import SamplingParams
 from svrmad_local.kernels import cpu_linear
 from svrmad_local.models import calibrate
 from svrmad_local.models.calibrate import Workload, choose
@@ -356,3 +357,59 @@ def test_the_load_meter_sees_another_process_burn_a_cpu():
     burn.wait()
     share = meter.share()
     assert share is not None and share >= 0.4 / (os.cpu_count() or 1)
+
+
+def test_a_step_costs_what_the_figures_say_between_and_beyond_the_sizes_timed():
+    f = figures(decode={"panels": {1: 10.0, 8: 24.0, 64: 136.0}}, prefill={"panels": {64: 128.0, 512: 896.0}})
+    assert calibrate.step_ms(f, "panels", "decode", 1) == 10.0
+    assert calibrate.step_ms(f, "panels", "decode", 4) == pytest.approx(10 + 14 * 3 / 7)
+    assert calibrate.step_ms(f, "panels", "decode", 128) == pytest.approx(272.0)  # the largest's cost a row
+    assert calibrate.step_ms(f, "panels", "prefill", 16) == 128.0  # fewer rows cost no less
+    assert calibrate.step_ms(f, "panels", "prefill", 288) == pytest.approx(512.0)
+
+
+def test_the_runs_own_steps_overturn_the_fixed_mix_at_a_recheck():
+    """INTEL's figures: at the Workload's 5 prompt tokens a generated one oneDNN wins; a run of decode
+    steps (the paper's long debates) wants the panels, and says so at the first recheck, not before."""
+    cal = calibrate.Calibration("onednn", "test", INTEL, {}, Workload())
+    mix = calibrate.RunMix(cal, "onednn")
+    mix.add(0, 0)  # a step that ran nothing (every request rejected) is no step
+    for step in range(1, calibrate.RECHECK[0] + 1):
+        mix.add(0, 1 if step % 2 else 8)
+        assert mix.better() == ("panels" if step == calibrate.RECHECK[0] else None), step
+    record = mix.as_dict()
+    assert record["steps"] == record["decode_steps"] == 32 and record["decode_rows"] == 16 * 9
+    assert record["cost_ms"]["panels"] == pytest.approx(16 * 25 + 16 * 40)
+    prefill_heavy = calibrate.RunMix(cal, "onednn")
+    for _ in range(calibrate.RECHECK[0]):
+        prefill_heavy.add(512, 0)
+    assert prefill_heavy.better() is None  # the run agrees with the choice: nothing moves
+
+
+@needs_both
+def test_the_engine_moves_its_linears_when_its_steps_want_another_backend(cache, monkeypatch):
+    """oneDNN chosen at build (prefill-heavy guess), a decode-heavy run: after the first recheck the engine
+    repacks into panels between two steps, rebuilds the lean forward, and stays token-exact against the
+    cache-free reference on the same (now panel) linears."""
+    from .model_zoo import loop_greedy, rand_prompt
+
+    decode_cheap_on_panels = dict(PER_CALL, panels=lambda k, n, m: 0.2 + 0.1 * m, onednn=lambda k, n, m: 1.0 + 0.001 * m)
+    monkeypatch.setattr(calibrate, "time_shape", FakeTimer(decode_cheap_on_panels))
+    model = make_zoo_model("llama")
+    eng = Engine(model, None, EngineConfig(kv_cache_memory=4 * 2**20, block_size=4, max_num_seqs=8,
+                                           max_num_batched_tokens=64))
+    try:
+        assert eng.info["linear"].startswith("oneDNN packed")
+        params = SamplingParams(temperature=0, max_tokens=calibrate.RECHECK[0] + 4, ignore_eos=True)
+        eng.generate_sync([rand_prompt(5, 1)], params)
+        run = eng.info["linear_calibration"]["run"]
+        assert [s["to"] for s in run["switches"]] == ["panels"] and run["switches"][0]["after_steps"] == 32
+        assert next(m for m in model.modules() if isinstance(m, PackedLinear)).layout is PANELS
+        assert eng.runner.lean is not None and eng.runner.lm_head is model.get_output_embeddings()
+        prompts = [rand_prompt(n, 7 + n) for n in (3, 11)]
+        out = eng.generate_sync(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        for p, o in zip(prompts, out):
+            assert o.completions[0].token_ids == loop_greedy(model, p, 8)
+        json.dumps(eng.info, allow_nan=False)
+    finally:
+        eng.close()

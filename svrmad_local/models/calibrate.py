@@ -97,13 +97,15 @@ class Calibration:
     cached: bool = False
     path: str | None = None
     busy: float | None = None  # others' share of the machine while it was timed (None: cached, or unknown)
+    run: "RunMix | None" = None  # the engine's own steps since, weighed against these figures
 
     def as_dict(self) -> dict:
         """For engine.info and run.json (plain JSON types)."""
         workload = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self.workload).items()}
         return {"choice": self.choice, "reason": self.reason, "figures": self.figures, "cost_ms_per_token": self.cost,
                 "workload": workload, "cached": self.cached, "cache_file": self.path,
-                "busy_share": None if self.busy is None else round(self.busy, 3)}
+                "busy_share": None if self.busy is None else round(self.busy, 3),
+                "run": self.run.as_dict() if self.run is not None else None}
 
 
 class CalibrationSettingError(UserError, ValueError):
@@ -322,6 +324,65 @@ def choose(figures: dict, workload: Workload) -> tuple[str, dict]:
     return best, cost
 
 
+def step_ms(figures: dict, backend: str, kind: str, rows: int) -> float:
+    """ms of one step of `rows` rows on `backend`, from the figures of `kind` ("decode": every linear at that
+    many rows; "prefill": the body at that many rows, the head at one): linear between the sizes measured,
+    the largest size's cost a row beyond it, the smallest's figure below it (fewer rows cost no less)."""
+    table = sorted((int(m), v) for m, v in figures[kind][backend].items())
+    if rows <= table[0][0]:
+        return table[0][1]
+    for (m0, v0), (m1, v1) in zip(table, table[1:]):
+        if rows <= m1:
+            return v0 + (v1 - v0) * (rows - m0) / (m1 - m0)
+    m, v = table[-1]
+    return v * rows / m
+
+
+RECHECK = (32, 128, 512, 2048, 8192)  # steps after which the run's own mix is weighed again
+
+
+class RunMix:
+    """The run's own steps, to weigh the figures by: how many steps of each kind and row count the engine
+    ran (a step with prompt rows is a prefill step: its linears run the body on all rows, the head on
+    the few that sample). At the steps of RECHECK, `better` says which backend the mix so far wants, where
+    it is not the one in place: the choice made at build from the Workload's fixed mix holds for the
+    run at hand only as long as the run's own steps agree with it."""
+
+    def __init__(self, cal: Calibration, current: str, margin: float | None = None):
+        self.cal, self.current = cal, current
+        self.margin = cal.workload.margin if margin is None else margin
+        self.counts: Counter = Counter()
+        self.steps = 0
+        self.switches: list[dict] = []
+
+    def add(self, prompt_rows: int, decode_rows: int) -> None:
+        rows = prompt_rows + decode_rows
+        if rows > 0:
+            self.counts["prefill" if prompt_rows else "decode", rows] += 1
+            self.steps += 1
+
+    def cost(self) -> dict[str, float]:
+        """ms of linears the run's steps so far took, or would have, on each backend timed."""
+        return {b: round(sum(n * step_ms(self.cal.figures, b, kind, rows) for (kind, rows), n in self.counts.items()), 3)
+                for b in self.cal.figures["decode"]}
+
+    def better(self) -> str | None:
+        """At a RECHECK step: the backend the run's mix wants if it is not the current one and is faster by more
+        than the margin over the steps so far; else None."""
+        if self.steps not in RECHECK or not self.cal.figures:
+            return None
+        cost = self.cost()
+        best = min(cost, key=lambda b: (cost[b], PREFERENCE.index(b)))
+        return best if best != self.current and cost[best] < cost[self.current] * (1 - self.margin) else None
+
+    def as_dict(self) -> dict:
+        kinds = {k: sum(n for (kind, _), n in self.counts.items() if kind == k) for k in ("decode", "prefill")}
+        rows = {k: sum(n * r for (kind, r), n in self.counts.items() if kind == k) for k in ("decode", "prefill")}
+        return {"steps": self.steps, "decode_steps": kinds["decode"], "prefill_steps": kinds["prefill"],
+                "decode_rows": rows["decode"], "prefill_rows": rows["prefill"],
+                "cost_ms": self.cost() if self.cal.figures else {}, "switches": self.switches}
+
+
 def _no_constant(name: str):
     raise ValueError(f"{name} is not a figure")  # json reads NaN and Infinity unless told not to
 
@@ -395,7 +456,8 @@ def calibrate(model: nn.Module, candidates: list[str], workload: Workload | None
     taken = " (cached)" if cached else f" while the machine was busy ({100 * busy:.0f}% of its CPU time went to " \
         "other processes; not cached)" if busy is not None and busy > BUSY else ""
     reason = (f"measured on this machine{taken}: ms per generated token at "
-              f"{workload.prompt_per_generated:g} prompt tokens per generated one: {costs}")
+              f"{workload.prompt_per_generated:g} prompt tokens per generated one: {costs} (the run's own steps "
+              f"weigh it again after {', '.join(map(str, RECHECK[:3]))}... steps)")
     if choice != "panels":
         reason += ("; its tokens may differ from another machine's (and a row's from its value in another batch): "
                    "--linear panels computes the same tokens on every machine")

@@ -302,6 +302,56 @@ def select_linear(model: nn.Module, choice: str = "auto", fuse: bool = True,
                               f"{measured}", packed_q)
 
 
+def unpack_all(model: nn.Module) -> None:
+    """Plain nn.Linear modules again (and a plain nn.Embedding where it read a tied head's panels), in place,
+    each from its packed weight (exact copies): what select_linear started from, for another layout."""
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    groups: dict[int, torch.Tensor] = {}
+
+    def plain(m: nn.Module, weight: nn.Parameter, bias: torch.Tensor | None) -> nn.Linear:
+        lin = nn.Linear(m.in_features, m.out_features, bias=bias is not None, device="meta")
+        lin.weight = weight
+        if bias is not None:
+            lin.bias = nn.Parameter(bias, requires_grad=False)
+        return lin
+
+    def put(name: str, module: nn.Module) -> None:
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, leaf, module)
+
+    shared = None  # the dense matrix a tied head and its embedding share again
+    if isinstance(emb, PanelEmbedding):
+        shared = nn.Parameter(cpu_linear.unpack(emb.weight, emb.num_embeddings, emb.embedding_dim), requires_grad=False)
+        plain_emb = nn.Embedding(emb.num_embeddings, emb.embedding_dim, emb.padding_idx, device="meta")
+        plain_emb.weight = shared
+        put(next(n for n, mod in model.named_modules() if mod is emb), plain_emb)
+    for name, m in list(model.named_modules()):
+        if isinstance(m, FusedPart):
+            g = m.group
+            if id(g) not in groups:
+                groups[id(g)] = g.dense_weight()
+            lo, hi = g.bounds[m.i]
+            bias = g.bias.detach()[lo:hi].clone() if m.has_bias else None
+            put(name, plain(m, nn.Parameter(groups[id(g)][lo:hi].clone(), requires_grad=False), bias))
+            if m.i == len(g.bounds) - 1:  # the group's last part (siblings come in order): its dense copy goes
+                del groups[id(g)]
+        elif isinstance(m, PackedLinear):
+            if shared is not None and m.packed and m.layout is PANELS and m.weight.data_ptr() == emb.weight.data_ptr():
+                weight = shared  # the tied head: the embedding's dense matrix, one Parameter as before
+            elif m.packed:
+                weight = nn.Parameter(m.dense_weight(), requires_grad=False)
+            else:
+                weight = m.weight  # a tied head on its shared dense weight
+            put(name, plain(m, weight, None if m.bias is None else m.bias.detach()))
+
+
+def relayout(model: nn.Module, choice: str) -> Selection:
+    """The model's linears moved, in place, to the backend `choice` ("panels", "onednn", "aten") from the
+    layout they are in: every weight unpacked (an exact copy) and packed again, one module at a time."""
+    unpack_all(model)
+    return select_linear(model, choice)
+
+
 def _said(value: str, what: str, packed_q: int, fell_back: bool = False) -> Selection:
     if packed_q:
         what += f"; {packed_q} packed quantized modules compute with their own kernels"
