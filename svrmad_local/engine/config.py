@@ -36,13 +36,13 @@ class EngineConfig:
     "torch" forces the references. cascade: "auto" (off: measured slower, see runner._cascade_enabled) | "on" | "off".
     linear: "auto" | "panels" | "onednn" | "aten", how the model's linears run (models/linear.py): "auto"
     takes, on the CPU, the backend measured fastest here for the workload (models/calibrate.py, cached per
-    machine; SVRMAD_CALIBRATE=0: the panels for fp32, else oneDNN's layout, else F.linear) and says why;
-    the packing is done in place, once. cache_dir: where the linear calibration's figures are kept (the
+    machine; weighed again by the run's own steps, engine/relinear.py; SVRMAD_CALIBRATE=0: the panels,
+    else oneDNN's layout, else F.linear) and says why; the packing is done in place. cache_dir: where the linear calibration's figures are kept (the
     run's --cache-dir; None: $SVRMAD_CACHE, else ~/.cache/svrmad-local).
 
     decoder: "auto" | "lean" | "modules", how the layers run (engine/lean.py): "auto" takes the lean
     forward (fused norms, RoPE and cache writes; bitwise the modules' computation with those norms) for
-    fp32 Llama/Mistral/Qwen2/Qwen3 on the CPU, else the model's own modules, saying why.
+    fp32 and bf16 Llama/Mistral/Qwen2/Qwen3 on the CPU, else the model's own modules, saying why.
 
     mla: "absorbed" (decode rows of multi-head latent attention read the cached latent, engine/mla.py) |
     "expanded" (transformers' own expansion of the whole context at every step, the reference).

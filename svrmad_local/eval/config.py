@@ -279,7 +279,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                                        "(default $SVRMAD_CACHE, else ~/.cache/svrmad-local)")
     g.add_argument("--device", help="cpu | cuda | cuda:N (default: cuda if available; under torchrun cuda:LOCAL_RANK)")
     g.add_argument("--device-map", help="accelerate device map, e.g. auto (a model larger than one GPU)")
-    g.add_argument("--dtype", help="fp32 | bf16 | fp16 (default: fp32 on CPU, bf16 on GPU)")
+    g.add_argument("--dtype", help="auto | fp32 | bf16 | fp16 (default auto: bf16 on a GPU and on a CPU with bf16 "
+                                   "arithmetic, avx512_bf16 or AMX; fp32 on other CPUs. --dtype fp32 --linear panels "
+                                   "computes the same tokens on every machine; docs/engine.md)")
     g.add_argument("--tp", type=int, default=rc.tp, help="tensor-parallel ranks (launch with torchrun)")
     g.add_argument("--quantization", choices=["auto", "native", "dequantize"], default=rc.quantization,
                    help="MXFP4 / FP8 checkpoints: keep the weights packed (native) or expand them into --dtype; "
@@ -292,11 +294,12 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                         "as measured (docs/engine.md); exact either way")
     g.add_argument("--linear", choices=["auto", "panels", "onednn", "aten"], default=ec.linear,
                    help="how linears run on the CPU: auto takes the backend measured fastest on this machine "
-                        "(a few seconds once, cached; SVRMAD_CALIBRATE=0: the panels for fp32, else oneDNN); "
-                        "panels computes the same tokens on every machine; docs/engine.md")
+                        "(a few seconds once, cached under --cache-dir; the run's own steps weigh it again; "
+                        "SVRMAD_CALIBRATE=0: the panels); panels in fp32 computes the same tokens on every "
+                        "machine; docs/engine.md")
     g.add_argument("--decoder", choices=["auto", "lean", "modules"], default=ec.decoder,
                    help="how layers run: auto takes the lean forward (fused norms, RoPE and cache writes) for fp32 "
-                        "Llama/Mistral/Qwen2/Qwen3 on the CPU, else transformers' modules (docs/engine.md)")
+                        "and bf16 Llama/Mistral/Qwen2/Qwen3 on the CPU, else transformers' modules (docs/engine.md)")
     g.add_argument("--cuda-graphs", choices=["auto", "on", "static", "off"], default=ec.cuda_graphs,
                    help="decode steps at fixed batch sizes replayed from CUDA graphs: auto takes them on a GPU "
                         "where nothing rules them out, and the run's engine info says why not (docs/engine.md)")

@@ -1,4 +1,4 @@
-"""fp32 linears on the CPU from weights kept in 16-column panels: one read of the weights a step.
+"""fp32 and bf16 linears on the CPU from weights kept in 16-column panels: one read of the weights a step.
 
 Why: at decode a step multiplies 1-32 rows by every weight of the model, so its linears are a
 stream of the weights through memory. oneDNN on its packed layout streamed them at ~14 GB/s on a
@@ -17,14 +17,26 @@ step of linears went from ~30 to ~35 GB/s (docs/kernels.md, "Batch-1 decode").
 
 The layout: weight W [N, K] as panels [ceil(N / 16), K, 16], panel p holding columns 16p..16p+15 of
 W^T (zero-padded past N): each panel is one contiguous run, read once per block of input rows. The
-kernel (csrc/cpu_linear.cpp) keeps 6 rows x 16 columns of outputs in AVX2 registers and walks k in order.
+kernel (csrc/cpu_linear.cpp) keeps 6 rows x 16 columns of outputs in AVX2 registers (12 rows in 16-lane
+vectors where the CPU has AVX-512) and walks k in order.
 
 Its arithmetic is fixed: each output is one FMA chain over k, restarted every KBLOCK = 1024 k's, the
-chains summed in order, then the bias added. Nothing depends on how many rows are in the call or
-where a row sits, so a row's output is bitwise the same at any batch size (a decode step equals the
-full-sequence reference). That order is also the one oneDNN's fp32 AVX2 GEMM used on the machine we
-measured (bitwise equal at every shape we tried), though no test relies on it: oneDNN is another
-library, free to change its blocking by machine and version.
+chains summed in order, then the bias added. Nothing depends on how many rows are in the call, where a
+row sits or the vector width (a 16-lane lane does what an 8-lane one did), so a row's output is bitwise
+the same at any batch size (a decode step equals the full-sequence reference) and on every x86 CPU.
+That order is also the one oneDNN's fp32 AVX2 GEMM used on the machine we measured (bitwise equal at
+every shape we tried), though no test relies on it: oneDNN is another library, free to change its
+blocking by machine and version.
+
+bf16 (half the bytes to stream): panels [ceil(N / 16), K2p, 32], each pair-row holding k = 2i, 2i + 1 of
+the panel's 16 columns side by side, which is the operand layout of avx512_bf16's dot product and of an
+AMX bf16 tile, so the same bytes serve three paths, chosen at run time by what the CPU has
+(`isa()`; SVRMAD_CPU_ISA caps it): AMX tiles (every call; prefill chunks at tile speed), vdpbf16ps, or
+AVX2 with two FMAs a pair. Each output is fp32: the exact products summed pair by pair (the odd k, then
+the even one, each sum rounded), denormals read and written as zero, then the bias, then one rounding to
+bf16. vdpbf16ps and the AVX2 path compute exactly that, the same bits at any batch size; AMX sums a
+tile's products in an order of its own, so an AMX machine's bits are its own, still the same at any
+batch size. csrc/cpu_linear.cpp has the details.
 """
 
 from __future__ import annotations

@@ -1,30 +1,30 @@
-"""How a linear runs: one place decides it, once, when the engine is built.
+"""How a linear runs: one place decides it, once, when the engine is built (and again if the run's
+own steps want another backend: engine/relinear.py).
 
 - "aten": each module's own forward (`F.linear`: MKL sgemm on the CPU, cuBLAS on a GPU).
-- "panels": CPU, fp32, AVX2. Every `nn.Linear` weight is re-laid once into 16-column panels and
-  multiplied by our kernel (kernels/cpu_linear.py), which streams the weights at close to the
-  machine's read bandwidth: faster than oneDNN's packed GEMM at decode sizes and about the same at
-  prefill sizes (the figures, with the machines: docs/engine.md, "CPU linears"). Its arithmetic does not depend on the batch, so
-  a row's output is bitwise the same at any batch size. A tied LM head and its embedding share one
-  panel matrix: the embedding reads its rows from the panels (an exact copy).
+- "panels": CPU, fp32 and bf16, AVX2 and up. Every `nn.Linear` weight is re-laid once into 16-column
+  panels and multiplied by our kernel (kernels/cpu_linear.py), which streams the weights at close to the
+  machine's read bandwidth; bf16 runs AMX tiles or avx512_bf16 where the CPU has them, two FMAs a pair
+  elsewhere (the figures, with the machines: docs/engine.md, "CPU linears"). Its arithmetic does not
+  depend on the batch, so a row's output is bitwise the same at any batch size. A tied LM head and its
+  embedding share one panel matrix: the embedding reads its rows from the panels (an exact copy).
 - "onednn": CPU, fp32 or bf16. Every weight is reordered once into oneDNN's blocked layout and the
   module computes with `mkldnn._linear_pointwise` (the pair that inductor's freezing pass uses, and
   what vLLM's CPU backend does): at M = 1-64 MKL's fp32 GEMM runs several times slower than that, on
   AVX2 and AVX-512 alike (benchmarks/bench_linear.py prints the ratio). A tied LM head runs through oneDNN on the dense
   matrix it shares with the embedding (no second copy).
 - "auto": where more than one backend can run on the CPU, the one measured fastest on this machine
-  for the expected workload (models/calibrate.py: a few seconds once per machine, cached); with
-  SVRMAD_CALIBRATE=0, panels for fp32 where the kernel builds, else oneDNN (bf16 with a oneDNN bf16
-  path); else F.linear, saying why.
+  for the expected workload (models/calibrate.py: a few seconds once per machine, cached), weighed
+  again by the run's own steps; with SVRMAD_CALIBRATE=0, the panels where the kernel builds, else
+  oneDNN (bf16 with a oneDNN bf16 path); else F.linear, saying why.
 - Packed quantized modules (models/quant: MXFP4 experts, FP8 linears) are not `nn.Linear`s: they
   own their matmul and are left alone here.
 
-Either layout *replaces* the dense weight (same bytes). bf16 weights are packed only where oneDNN has
-a bf16 path on this CPU (avx512_bf16 / AMX / avx_ne_convert); without one a bf16 GEMM is slower than
-fp32, and the engine says so instead of silently changing the dtype (bf16 changes the token
-statistics; choose it with --dtype). Numerics move at fp32 rounding level against F.linear (another
-summation order), so exactness is stated against a reference that runs the same backend; see
-docs/engine.md, "CPU linears".
+Either layout *replaces* the dense weight (same bytes; `relayout` moves a model from one to another,
+exact copies). oneDNN packs bf16 only where it has a bf16 path on this CPU (avx512_bf16 / AMX /
+avx_ne_convert); the panels pack bf16 on any AVX2 CPU. Numerics move at fp32 rounding level against
+F.linear (another summation order), so exactness is stated against a reference that runs the same
+backend; see docs/engine.md, "CPU linears".
 """
 
 from __future__ import annotations
