@@ -3,6 +3,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
@@ -23,6 +24,16 @@ constexpr int64_t MC = 96;  // input rows a pass over the weights (their rows st
 // cache, pulls the next panel into L2 meanwhile, so the memory does not idle through it.
 constexpr int PF_NONE = 0, PF_AHEAD = 1, PF_NEXT = 2;
 constexpr int64_t PF_K = 64;
+
+// f(std::integral_constant<int, r>) for a run-time r in [1, MAX] (clamped): the micro-kernels take their
+// row count as a template argument, so that their accumulators live in registers
+template <int MAX, typename F>
+static inline void with_rows(int64_t r, F&& f) {
+  if constexpr (MAX > 1) {
+    if (r < MAX) return with_rows<MAX - 1>(r, f);
+  }
+  f(std::integral_constant<int, MAX>{});
+}
 
 // a K-block's two accumulators into an output's running totals: the first block's as they are, each
 // later block's added in order (the fixed order of the kernel's arithmetic)
@@ -107,14 +118,7 @@ static void row_panels(const float* X, int64_t K, const float* W, int64_t kblock
 template <int PF>
 static void rows(int64_t R, const float* X, int64_t K, const float* panel, int64_t kblock, const float* bias,
                  float* Y, int64_t N, int64_t n0, int64_t nv) {
-  switch (R) {
-    case 1: micro<1, PF>(X, K, panel, kblock, bias, Y, N, n0, nv); break;
-    case 2: micro<2, PF>(X, K, panel, kblock, bias, Y, N, n0, nv); break;
-    case 3: micro<3, PF>(X, K, panel, kblock, bias, Y, N, n0, nv); break;
-    case 4: micro<4, PF>(X, K, panel, kblock, bias, Y, N, n0, nv); break;
-    case 5: micro<5, PF>(X, K, panel, kblock, bias, Y, N, n0, nv); break;
-    default: micro<MR, PF>(X, K, panel, kblock, bias, Y, N, n0, nv); break;
-  }
+  with_rows<MR>(R, [&](auto r) { micro<decltype(r)::value, PF>(X, K, panel, kblock, bias, Y, N, n0, nv); });
 }
 
 #ifdef SVRMAD_X86_TARGETS
@@ -151,20 +155,7 @@ static void micro512(const float* X, int64_t K, const float* panel, int64_t kblo
 template <int PF>
 static void rows512(int64_t R, const float* X, int64_t K, const float* panel, int64_t kblock, const float* bias,
                     float* Y, int64_t N, int64_t n0, int64_t nv) {
-  switch (R) {
-    case 1: micro512<1, PF>(X, K, panel, kblock, bias, Y, N, n0, nv); break;
-    case 2: micro512<2, PF>(X, K, panel, kblock, bias, Y, N, n0, nv); break;
-    case 3: micro512<3, PF>(X, K, panel, kblock, bias, Y, N, n0, nv); break;
-    case 4: micro512<4, PF>(X, K, panel, kblock, bias, Y, N, n0, nv); break;
-    case 5: micro512<5, PF>(X, K, panel, kblock, bias, Y, N, n0, nv); break;
-    case 6: micro512<6, PF>(X, K, panel, kblock, bias, Y, N, n0, nv); break;
-    case 7: micro512<7, PF>(X, K, panel, kblock, bias, Y, N, n0, nv); break;
-    case 8: micro512<8, PF>(X, K, panel, kblock, bias, Y, N, n0, nv); break;
-    case 9: micro512<9, PF>(X, K, panel, kblock, bias, Y, N, n0, nv); break;
-    case 10: micro512<10, PF>(X, K, panel, kblock, bias, Y, N, n0, nv); break;
-    case 11: micro512<11, PF>(X, K, panel, kblock, bias, Y, N, n0, nv); break;
-    default: micro512<MR512, PF>(X, K, panel, kblock, bias, Y, N, n0, nv); break;
-  }
+  with_rows<MR512>(R, [&](auto r) { micro512<decltype(r)::value, PF>(X, K, panel, kblock, bias, Y, N, n0, nv); });
 }
 SVRMAD_TARGET_END
 #endif
@@ -385,16 +376,7 @@ static void bf16_tile(int level, const uint16_t* X, int64_t ldx, int64_t K2, con
 template <int NP>
 static void bf16_rows(int level, int64_t R, const uint16_t* X, int64_t ldx, int64_t K2, const uint16_t* W,
                       int64_t pstride, float* out) {
-  switch (R) {
-    case 1: return bf16_tile<1, NP>(level, X, ldx, K2, W, pstride, out);
-    case 2: return bf16_tile<2, NP>(level, X, ldx, K2, W, pstride, out);
-    case 3: return bf16_tile<3, NP>(level, X, ldx, K2, W, pstride, out);
-    case 4: return bf16_tile<4, NP>(level, X, ldx, K2, W, pstride, out);
-    case 5: return bf16_tile<5, NP>(level, X, ldx, K2, W, pstride, out);
-    case 6: return bf16_tile<6, NP>(level, X, ldx, K2, W, pstride, out);
-    case 7: return bf16_tile<7, NP>(level, X, ldx, K2, W, pstride, out);
-    default: return bf16_tile<8, NP>(level, X, ldx, K2, W, pstride, out);
-  }
+  with_rows<BF16_ROWS_DP>(R, [&](auto r) { bf16_tile<decltype(r)::value, NP>(level, X, ldx, K2, W, pstride, out); });
 }
 
 // x [M, K] bf16, panels [P, K2p, 32] bf16 -> y [M, n] bf16 (see above)
