@@ -93,7 +93,7 @@ def test_the_start_line_names_a_missing_compiler(monkeypatch):
     assert ex.decode.value == "gather" and ex.decode.fell_back
     assert ex.decoder.value == "the model's modules" and ex.decoder.fell_back
     line = ex.line()
-    assert line.startswith("engine: cpu fp32 · ") and "\n" not in line
+    assert line.startswith("engine: cpu fp32 (") and "\n" not in line
     assert "decode gather: the compiled CPU decode kernel is unavailable: no C++ compiler (c++ is not on PATH)" in line
     assert "decoder the model's modules: the fused CPU ops are unavailable: SVRMAD_CPU_OPS=0" in line
     assert eng.info["execution"]["decode"]["fell_back"] is True

@@ -15,7 +15,7 @@ import torch
 from svrmad_local.models import calibrate
 from svrmad_local import kernels
 from svrmad_local.models.linear import select_linear, weight_bytes
-from svrmad_local.models.loader import dtype_reason
+from svrmad_local.models.loader import describe_dtype
 
 from . import graphs, tp
 from .attention import Attachment
@@ -105,8 +105,9 @@ def build(eng, model, cfg: EngineConfig) -> None:
         else:
             eng.cache.replay = True
     dtype = SHORT_DTYPES.get(spec.dtype, str(spec.dtype).removeprefix("torch."))
+    note, dtype_why = describe_dtype(spec.dtype, device)  # the default dtype of this machine, or as asked
     eng.execution = Execution(
-        device=Choice("device", f"{device.type} {dtype}", dtype_reason(spec.dtype, device)),
+        device=Choice("device", f"{device.type} {dtype}" + (f" ({note})" if note else ""), dtype_why),
         quantization=quantization_choice(model), linear=linear, decoder=decoder, **attention, graphs=graphs_choice,
         tp=Choice("tp", f"{eng.tp_group.size} ranks" if eng.sharded else "off",
                   "the weights are split over the group (engine/tp.py)" if eng.sharded else "one process holds the model"),

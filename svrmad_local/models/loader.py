@@ -75,13 +75,20 @@ def default_dtype_and_why(device: str | None) -> tuple[torch.dtype, str]:
     return torch.float32, "--dtype auto: fp32 on a CPU without bf16 arithmetic (no avx512_bf16 or AMX)"
 
 
-def dtype_reason(dtype: torch.dtype, device: torch.device | str) -> str:
-    """Why the weights are in `dtype` on `device`: the machine's default and its reason, or that it was asked for."""
+def describe_dtype(dtype: torch.dtype, device: torch.device | str) -> tuple[str, str]:
+    """(a short note for the engine's start line, the reason) of weights in `dtype` on `device`: on a CPU,
+    the machine's default and why (what --dtype auto takes) or that another dtype was asked for."""
     device = torch.device(device)
     if device.type not in ("cpu", "cuda"):
-        return "where the weights are"
+        return "", "where the weights are"
     auto, why = default_dtype_and_why(str(device))
-    return why if dtype == auto else f"as asked (--dtype auto would take {str(auto).removeprefix('torch.')} here)"
+    if dtype != auto:
+        return ("as asked" if device.type == "cpu" else ""), \
+            f"as asked (--dtype auto would take {str(auto).removeprefix('torch.')} here)"
+    if device.type != "cpu":
+        return "", why
+    has = native_bf16()
+    return f"auto: {', '.join(has)}" if has else "auto: no bf16 arithmetic here", why
 
 
 def parse_dtype(dtype: str | torch.dtype | None, device: str | None) -> torch.dtype:
