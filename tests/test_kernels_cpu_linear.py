@@ -182,8 +182,12 @@ def test_bf16_pack_unpack_and_row_lookups_are_exact_copies():
     assert torch.equal(cpu_linear.rows_of(panels, ids, 11), flushed[ids])
 
 
-def test_the_isa_cap_is_read_from_the_environment():
+def test_the_isa_cap_is_read_from_the_environment(monkeypatch):
     code = "from svrmad_local.kernels import cpu_linear; print(cpu_linear.isa())"
     env = {**os.environ, "SVRMAD_CPU_ISA": "avx2"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "avx2"
+    monkeypatch.setenv("SVRMAD_CPU_ISA", "avx3")
+    with pytest.raises(cpu_linear.IsaSettingError, match="SVRMAD_CPU_ISA='avx3' names no instruction level: use one "
+                                                         "of avx2, avx512, avx512_bf16, amx"):
+        cpu_linear.available()

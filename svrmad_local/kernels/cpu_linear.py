@@ -41,7 +41,11 @@ batch size. csrc/cpu_linear.cpp has the details.
 
 from __future__ import annotations
 
+import os
+
 import torch
+
+from svrmad_local.errors import UserError
 
 from ._backend import choose
 from ._cpu_build import Kernel
@@ -61,6 +65,7 @@ def digest() -> str:
 
 def available() -> bool:
     """Compiles on first call (seconds; cached across processes). SVRMAD_CPU_LINEAR=0 turns it off."""
+    isa_cap()
     return choose("auto", "cpu", NAME).impl == "cpp"
 
 
@@ -110,12 +115,26 @@ def rows_of(panels: torch.Tensor, ids: torch.Tensor, k: int | None = None) -> to
     return panels[ids // NR, :, ids % NR]
 
 
+ISA_NAMES = ("avx2", "avx512", "avx512_bf16", "amx")
+
+
+class IsaSettingError(UserError, ValueError):
+    """SVRMAD_CPU_ISA names no instruction level."""
+
+
+def isa_cap() -> str | None:
+    """SVRMAD_CPU_ISA: the highest instructions the CPU kernels may take (each kernel reads it when it
+    loads; csrc/simd.h), or None; any other value is refused in one line."""
+    v = os.environ.get("SVRMAD_CPU_ISA", "")
+    if v and v not in ISA_NAMES:
+        raise IsaSettingError(f"SVRMAD_CPU_ISA={v!r} names no instruction level: use one of {', '.join(ISA_NAMES)}")
+    return v or None
+
+
 def isa() -> str:
     """The instructions the kernel takes on this CPU (avx2, avx512, avx512_bf16, amx), after SVRMAD_CPU_ISA."""
+    isa_cap()
     return ISA_NAMES[_KERNEL.module().isa_level()]
-
-
-ISA_NAMES = ("avx2", "avx512", "avx512_bf16", "amx")
 
 
 def linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None = None,
