@@ -18,8 +18,9 @@
 // Code above AVX2 (AVX-512, avx512_bf16, AMX) is compiled in sections of its own, for those features
 // only, whatever the build's flags (SVRMAD_TARGET_BEGIN ... SVRMAD_TARGET_END), and runs only where the
 // CPU has them (isa_level()): one build serves every x86 machine, and a compiler too old for the
-// sections (GCC < 11, clang < 12) builds the AVX2 code alone.
-#if defined(SVRMAD_AVX2) && defined(__x86_64__) && \
+// sections (GCC < 11, clang < 12) builds the AVX2 code alone (-DSVRMAD_NO_X86_TARGETS builds that too: the
+// compile-only check of tests/test_kernels_csrc.py).
+#if defined(SVRMAD_AVX2) && defined(__x86_64__) && !defined(SVRMAD_NO_X86_TARGETS) && \
     ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
 #define SVRMAD_X86_TARGETS 1
 #include <sys/syscall.h>
