@@ -301,10 +301,11 @@ struct TileConfig {
   uint8_t rows[16];
 };
 
-// panels [q0, q1) of W (each `pstride` elements) against X [Mp, Kp] (zero-padded: Mp a multiple of 16, Kp of
-// 32). Tiles 0-3 accumulate a block of 32 rows x 32 columns (two panels), 4-5 hold two 16-row slices of X,
-// 6-7 two panels' pair-rows; a last block of 16 rows takes tiles 0, 1 and 4 only. The weights stream once
-// per block of rows (once in all at decode sizes), PF_TILES tiles ahead of the loads.
+// panels [q0, q1) of W (each `pstride` elements) against X [Mp, Kp] (Kp a multiple of 32, zeros past K; Mp
+// a multiple of 16 with zero rows past M, or M itself below 16: the tiles then hold M rows). Tiles 0-3
+// accumulate a block of 32 rows x 32 columns (two panels), 4-5 hold two 16-row slices of X, 6-7 two panels'
+// pair-rows; a last block of 16 rows or fewer takes tiles 0, 1 and 4 only. The weights stream once per
+// block of rows (once in all at decode sizes), PF_TILES tiles ahead of the loads.
 constexpr int64_t PF_TILES = 4;
 static void amx_panels(const uint16_t* X, int64_t Mp, int64_t Kp, const uint16_t* W, int64_t pstride, int64_t q0,
                        int64_t q1, const float* bias, uint16_t* Y, int64_t M, int64_t n) {
@@ -312,6 +313,7 @@ static void amx_panels(const uint16_t* X, int64_t Mp, int64_t Kp, const uint16_t
   std::memset(&cfg, 0, sizeof cfg);
   cfg.palette = 1;
   for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+  cfg.rows[0] = cfg.rows[1] = cfg.rows[4] = static_cast<uint8_t>(std::min<int64_t>(16, Mp));  // a decode step's rows
   _tile_loadconfig(&cfg);
   alignas(64) float C[32 * 32];
   const int64_t ktiles = Kp / 32, tile = PAIRS_TILE * 32;  // a B tile: 16 pair-rows of 32 bf16 (1 KB)
@@ -400,17 +402,19 @@ static torch::Tensor panel_linear_bf16(torch::Tensor x, torch::Tensor panels, in
   const int level = svrmad::isa_level();
 #ifdef SVRMAD_X86_TARGETS
   if (level >= svrmad::ISA_AMX && M >= g_amx_min_rows) {
-    const int64_t Mp = (M + 15) / 16 * 16, Kp = K2p * 2;
-    thread_local std::vector<uint16_t> padded;  // X as whole tiles, zeros around it (no torch op: ~121 calls a step)
-    padded.resize(Mp * Kp);
+    const int64_t Mp = M < 16 ? M : (M + 15) / 16 * 16, Kp = K2p * 2;
     x = x.contiguous();
-    const uint16_t* x0 = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-    for (int64_t m = 0; m < Mp; ++m) {
-      uint16_t* row = padded.data() + m * Kp;
-      if (m < M) std::memcpy(row, x0 + m * K, K * sizeof(uint16_t));
-      std::memset(row + (m < M ? K : 0), 0, (m < M ? Kp - K : Kp) * sizeof(uint16_t));
+    const uint16_t* X = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+    if (Mp != M || Kp != K) {  // X as whole tiles, zeros around it (no torch op: ~121 calls a step)
+      thread_local std::vector<uint16_t> padded;
+      padded.resize(Mp * Kp);
+      for (int64_t m = 0; m < Mp; ++m) {
+        uint16_t* row = padded.data() + m * Kp;
+        if (m < M) std::memcpy(row, X + m * K, K * sizeof(uint16_t));
+        std::memset(row + (m < M ? K : 0), 0, (m < M ? Kp - K : Kp) * sizeof(uint16_t));
+      }
+      X = padded.data();
     }
-    const uint16_t* X = padded.data();
     const int64_t pairs = (Pn + 1) / 2;
     at::parallel_for(0, pairs, 1, [&](int64_t q0, int64_t q1) {
       amx_panels(X, Mp, Kp, W, pstride, 2 * q0, std::min(Pn, 2 * q1), B, Y, M, n);
