@@ -126,16 +126,18 @@ static inline void prefetch_rows(const void* base, int64_t rows, int64_t stride,
 }
 
 // rows [r0, r1) of a block (each `stride` elements apart, `width` of them read from each) as floats: in place
-// where T is float (*ld = stride), else widened into buf, packed (*ld = width). The same floats either way,
-// so a bf16 cache gives the bits of its fp32 copy.
+// where T is float (rows `stride` apart), else widened into buf (rows `width` apart: row_stride<T>). The same
+// floats either way, so a bf16 cache gives the bits of its fp32 copy.
+template <typename T>
+static constexpr int64_t row_stride(int64_t stride, int64_t width) {
+  return std::is_same<T, float>::value ? stride : width;
+}
 template <typename T>
 static inline const float* rows_as_float(const T* base, int64_t r0, int64_t r1, int64_t stride, int64_t width,
-                                         float* buf, int64_t* ld) {
+                                         float* buf) {
   if constexpr (std::is_same<T, float>::value) {
-    *ld = stride;
     return base + r0 * stride;
   } else {
-    *ld = width;
     for (int64_t r = r0; r < r1; ++r) {
       const T* row = base + r * stride;
       float* out = buf + (r - r0) * width;
@@ -207,8 +209,8 @@ static void run(const T* q, const T* k, const T* v, const int64_t* table, const 
       for (int64_t p0 = s - s % bs; p0 < e; p0 += bs) {
         const int64_t p1 = std::max(p0, s), pe = std::min(p0 + bs, e);
         const T* kb = k + (table[b * maxb + p0 / bs] * bs * KVH + g0) * D;
-        int64_t ld;  // the rows [p1, pe) of this item's heads as floats, `ld` apart
-        const float* krows = rows_as_float(kb, p1 - p0, pe - p0, KVH * D, per * D, kbuf.data(), &ld);
+        const int64_t ld = row_stride<T>(KVH * D, per * D);  // the rows [p1, pe) of this item's heads as floats
+        const float* krows = rows_as_float(kb, p1 - p0, pe - p0, KVH * D, per * D, kbuf.data());
         for (int64_t p = p1; p < pe; p += 8) {  // eight tokens a reduction
           const int64_t cnt = std::min<int64_t>(8, pe - p), t = p - s;
           const float* rows = krows + (p - p1) * ld;
@@ -245,8 +247,8 @@ static void run(const T* q, const T* k, const T* v, const int64_t* table, const 
       for (int64_t p0 = s - s % bs; p0 < e; p0 += bs) {
         const T* vb = v + (table[b * maxb + p0 / bs] * bs * KVH + g0) * Dv;
         const int64_t p1 = std::max(p0, s), pe = std::min(p0 + bs, e);
-        int64_t ld;
-        const float* vrows = rows_as_float(vb, p1 - p0, pe - p0, KVH * Dv, per * Dv, vbuf.data(), &ld);
+        const int64_t ld = row_stride<T>(KVH * Dv, per * Dv);
+        const float* vrows = rows_as_float(vb, p1 - p0, pe - p0, KVH * Dv, per * Dv, vbuf.data());
 #ifdef SVRMAD_AVX2
         if (Dv % 32 == 0) {  // the heads of a KV group share each row; accumulators in registers
           for (int64_t h = 0; h < NH;) {
