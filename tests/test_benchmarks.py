@@ -344,7 +344,8 @@ def test_step_profile_logs_every_engine_step_of_a_run(tmp_path, tiny_tokenizer, 
     execute = ModelRunner.execute
     assert step_profile.main(["--log", str(log), "--", "run", "--model", str(ck), "--dataset", str(data),
                               "--out", str(out), "--max-tokens", "8", "--block-size", "4", "--device", "cpu",
-                              "--methods", "svr-mad,group-debate", "--kv-cache-memory", "4MiB"]) == 0
+                              "--methods", "svr-mad,group-debate", "--kv-cache-memory", "4MiB",
+                                  "--dtype", "fp32"]) == 0
     assert ModelRunner.execute is execute  # the runner is left as it was
     engine = json.loads((out / "run.json").read_text())["totals"]["engine"]
     rows = [json.loads(line) for line in log.read_text().splitlines()]

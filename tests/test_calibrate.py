@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from svrmad_local.engine.engine import Engine, EngineConfig
+from svrmad_local.engine.params import SamplingParams
 from svrmad_local.kernels import cpu_linear
 from svrmad_local.models import calibrate
 from svrmad_local.models.calibrate import Workload, choose
@@ -251,3 +252,164 @@ def test_a_refused_model_is_refused_before_any_timing(cache, monkeypatch):
     name = sorted(REFUSED)[0]
     with pytest.raises(UnsupportedModel, match=REFUSED[name]):
         Engine(make_zoo_model(name), None, EngineConfig(kv_cache_memory=4 * 2**20, block_size=4))
+
+
+class Quiet:
+    """calibrate.LOAD for a machine with nothing else running."""
+
+    def share(self):
+        return 0.0
+
+
+@pytest.fixture(autouse=True)
+def quiet_machine(monkeypatch):
+    """The fake timings are a formula: what the shared test machine does meanwhile must not decide
+    whether they are cached (the tests of the load check below say otherwise)."""
+    monkeypatch.setattr(calibrate, "LOAD", Quiet)
+
+
+def test_the_cache_dir_of_the_run_holds_the_calibration(cache, tmp_path, monkeypatch):
+    """--cache-dir (EngineConfig.cache_dir) moves the calibration with the model, away from $SVRMAD_CACHE."""
+    from svrmad_local.eval.config import add_run_arguments, from_args
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    add_run_arguments(ap)
+    cfg = from_args(ap.parse_args(["--cache-dir", str(tmp_path / "elsewhere")]))
+    assert cfg.engine.cache_dir == str(tmp_path / "elsewhere")
+    monkeypatch.setattr(calibrate, "time_shape", FakeTimer())
+    if not (torch.backends.mkldnn.is_available() and cpu_linear.available()):
+        pytest.skip("needs two backends to calibrate between")
+    eng = Engine(make_zoo_model("llama"), None, EngineConfig(kv_cache_memory=4 * 2**20, block_size=4,
+                                                             cache_dir=str(tmp_path / "elsewhere")))
+    try:
+        path = eng.info["linear_calibration"]["cache_file"]
+    finally:
+        eng.close()
+    assert path.startswith(str(tmp_path / "elsewhere" / "calibration")) and (tmp_path / "elsewhere" / "calibration").is_dir()
+    assert not (cache / "calibration").exists()
+
+
+@pytest.mark.parametrize("value", ["banana", "2", "onn"])
+def test_an_unknown_calibrate_setting_is_refused_in_one_line(monkeypatch, value):
+    monkeypatch.setenv("SVRMAD_CALIBRATE", value)
+    with pytest.raises(calibrate.CalibrationSettingError, match=f"SVRMAD_CALIBRATE='{value}' means nothing: use on "
+                                                                r"\(1, true, yes\), off \(0, false, no\) or again"):
+        calibrate.setting()
+    for spelled, meant in (("ON", "on"), (" yes ", "on"), ("1", "on"), ("False", "off"), ("again", "again")):
+        monkeypatch.setenv("SVRMAD_CALIBRATE", spelled)
+        assert calibrate.setting() == meant
+
+
+@pytest.mark.parametrize("bad", ["Infinity", "NaN", "-Infinity", "1e999"])
+def test_a_cached_figure_that_is_not_finite_is_timed_again(cache, caplog, bad):
+    model, timer = make_zoo_model("llama"), FakeTimer()
+    first = calibrate.calibrate(model, ["panels", "onednn"], timer=timer)
+    path = cache / "calibration" / first.path.rpartition("/")[2]
+    text = path.read_text()
+    value = json.loads(text)["figures"]["decode"]["panels"]["1"]
+    path.write_text(text.replace(json.dumps(value), bad, 1))
+    with caplog.at_level(logging.WARNING, logger="svrmad_local"):
+        again = calibrate.calibrate(model, ["panels", "onednn"], timer=timer)
+    assert not again.cached and again.figures == first.figures and "unreadable linear calibration" in caplog.text
+    json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(f"{c} written back"))
+    json.dumps(again.as_dict(), allow_nan=False)  # what run.json stores is standard JSON
+
+
+def test_figures_that_are_not_finite_are_never_cached(cache, caplog):
+    inf = dict(PER_CALL, onednn=lambda k, n, m: float("inf"))
+    with caplog.at_level(logging.WARNING, logger="svrmad_local"):
+        cal = calibrate.calibrate(make_zoo_model("llama"), ["panels", "onednn"], timer=FakeTimer(inf))
+    assert cal.choice == "panels" and "not measured" in cal.reason and not (cache / "calibration").exists()
+
+
+def test_figures_timed_on_a_busy_machine_choose_but_are_not_cached(cache, monkeypatch, caplog):
+    class Busy:
+        def share(self):
+            return 0.5  # other processes had half the machine while it was timed
+
+    monkeypatch.setattr(calibrate, "LOAD", Busy)
+    model, timer = make_zoo_model("llama"), FakeTimer()
+    with caplog.at_level(logging.WARNING, logger="svrmad_local"):
+        cal = calibrate.calibrate(model, ["panels", "onednn"], timer=timer)
+    assert cal.figures and cal.choice == "panels" and cal.busy == 0.5 and cal.as_dict()["busy_share"] == 0.5
+    assert "busy (50% of its CPU time went to other processes; not cached)" in cal.reason
+    assert "timed while other processes took 50% of this machine's CPU time" in caplog.text
+    assert not (cache / "calibration").exists()
+    monkeypatch.setattr(calibrate, "LOAD", Quiet)
+    timed = len(timer.calls)
+    again = calibrate.calibrate(model, ["panels", "onednn"], timer=timer)  # timed again, quiet now: kept
+    assert len(timer.calls) == 2 * timed and not again.cached and again.busy == 0.0
+    assert calibrate.calibrate(model, ["panels", "onednn"], timer=timer).cached
+
+
+def test_the_load_meter_sees_another_process_burn_a_cpu():
+    """OtherLoad counts CPU time other processes took over its window (from /proc/stat, less ours)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if not Path("/proc/stat").exists():
+        pytest.skip("no /proc/stat")
+    meter = calibrate.OtherLoad()
+    burn = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 1.0: pass"])
+    burn.wait()
+    share = meter.share()
+    assert share is not None and share >= 0.4 / (os.cpu_count() or 1)
+
+
+def test_a_step_costs_what_the_figures_say_between_and_beyond_the_sizes_timed():
+    f = figures(decode={"panels": {1: 10.0, 8: 24.0, 64: 136.0}}, prefill={"panels": {64: 128.0, 512: 896.0}})
+    assert calibrate.step_ms(f, "panels", "decode", 1) == 10.0
+    assert calibrate.step_ms(f, "panels", "decode", 4) == pytest.approx(10 + 14 * 3 / 7)
+    assert calibrate.step_ms(f, "panels", "decode", 128) == pytest.approx(272.0)  # the largest's cost a row
+    assert calibrate.step_ms(f, "panels", "prefill", 16) == 128.0  # fewer rows cost no less
+    assert calibrate.step_ms(f, "panels", "prefill", 288) == pytest.approx(512.0)
+
+
+def test_the_runs_own_steps_overturn_the_fixed_mix_at_a_recheck():
+    """INTEL's figures: at the Workload's 5 prompt tokens a generated one oneDNN wins; a run of decode
+    steps (the paper's long debates) wants the panels, and says so at the first recheck, not before."""
+    cal = calibrate.Calibration("onednn", "test", INTEL, {}, Workload())
+    mix = calibrate.RunMix(cal, "onednn")
+    mix.add(0, 0)  # a step that ran nothing (every request rejected) is no step
+    for step in range(1, calibrate.RECHECK[0] + 1):
+        mix.add(0, 1 if step % 2 else 8)
+        assert mix.better() == ("panels" if step == calibrate.RECHECK[0] else None), step
+    record = mix.as_dict()
+    assert record["steps"] == record["decode_steps"] == 32 and record["decode_rows"] == 16 * 9
+    assert record["cost_ms"]["panels"] == pytest.approx(16 * 25 + 16 * 40)
+    prefill_heavy = calibrate.RunMix(cal, "onednn")
+    for _ in range(calibrate.RECHECK[0]):
+        prefill_heavy.add(512, 0)
+    assert prefill_heavy.better() is None  # the run agrees with the choice: nothing moves
+
+
+@needs_both
+def test_the_engine_moves_its_linears_when_its_steps_want_another_backend(cache, monkeypatch):
+    """oneDNN chosen at build (prefill-heavy guess), a decode-heavy run: after the first recheck the engine
+    repacks into panels between two steps, rebuilds our decoder forward, and stays token-exact against the
+    cache-free reference on the same (now panel) linears."""
+    from .model_zoo import loop_greedy, rand_prompt
+
+    decode_cheap_on_panels = dict(PER_CALL, panels=lambda k, n, m: 0.2 + 0.1 * m, onednn=lambda k, n, m: 1.0 + 0.001 * m)
+    monkeypatch.setattr(calibrate, "time_shape", FakeTimer(decode_cheap_on_panels))
+    model = make_zoo_model("llama")
+    eng = Engine(model, None, EngineConfig(kv_cache_memory=4 * 2**20, block_size=4, max_num_seqs=8,
+                                           max_num_batched_tokens=64))
+    try:
+        assert eng.info["linear"].startswith("oneDNN packed")
+        params = SamplingParams(temperature=0, max_tokens=calibrate.RECHECK[0] + 4, ignore_eos=True)
+        eng.generate_sync([rand_prompt(5, 1)], params)
+        run = eng.info["linear_calibration"]["run"]
+        assert [s["to"] for s in run["switches"]] == ["panels"] and run["switches"][0]["after_steps"] == 32
+        assert next(m for m in model.modules() if isinstance(m, PackedLinear)).layout is PANELS
+        assert eng.runner.decoder is not None and eng.runner.lm_head is model.get_output_embeddings()
+        prompts = [rand_prompt(n, 7 + n) for n in (3, 11)]
+        out = eng.generate_sync(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        for p, o in zip(prompts, out):
+            assert o.completions[0].token_ids == loop_greedy(model, p, 8)
+        json.dumps(eng.info, allow_nan=False)
+    finally:
+        eng.close()

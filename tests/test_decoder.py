@@ -42,11 +42,13 @@ def outputs(model, prompts, params=SAMPLED, **kw):
 PROMPTS = [rand_prompt(n, 70 + n) for n in (3, 17, 2 * WINDOW + 7)]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", EXACT)
-def test_our_forward_is_bitwise_the_modules_forward(name):
+def test_our_forward_is_bitwise_the_modules_forward(name, dtype):
     """Two engines on one model (the first swaps in the fused norms): our decoder and transformers' modules
-    give the same tokens, log-probs and entropies, bit for bit, over prefill chunks, decode and forks."""
-    model = make_zoo_model(name)
+    give the same tokens, log-probs and entropies, bit for bit, over prefill chunks, decode and forks; in
+    bf16 too, where the compiled ops round wherever transformers' bf16 ops round (kernels/cpu_ops.py)."""
+    model = make_zoo_model(name).to(dtype)
     ours, choice = outputs(model, PROMPTS, decoder="ours")
     assert choice.value == "ours" and "engine/decoder.py" in choice.reason
     assert any(isinstance(m, FastRMSNorm) for m in model.modules())
@@ -58,12 +60,10 @@ def test_our_forward_is_bitwise_the_modules_forward(name):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", EXACT)
 def test_on_the_torch_references_it_is_the_unswapped_modules_bit_for_bit(name, dtype):
-    """Where the fused ops run their torch references (a GPU without Triton, bf16 on this CPU, or
-    kernel_impl='torch'), our decoder equals transformers' own forward with its own norms: the references
+    """Where the fused ops run their torch references (a GPU without Triton, a dtype the compiled ops do not
+    take, or kernel_impl='torch'), our decoder equals transformers' own forward with its own norms: the references
     are its formulas, op for op."""
-    kw = {"kernel_impl": "torch"} if dtype == torch.float32 else {"linear": "aten"}
-    if dtype == torch.bfloat16 and torch.bfloat16 in cpu_ops.DTYPES and cpu_ops.available():
-        pytest.skip("bf16 runs the compiled ops here: test_bf16_stays_as_close_to_fp32_as_transformers_bf16 holds it")
+    kw = {"kernel_impl": "torch"} if dtype == torch.float32 else {"kernel_impl": "torch", "linear": "aten"}
     ours, choice = outputs(make_zoo_model(name).to(dtype), PROMPTS, decoder="ours", **kw)
     assert "torch reference" in choice.reason
     modules, _ = outputs(make_zoo_model(name).to(dtype), PROMPTS, decoder="modules", **kw)

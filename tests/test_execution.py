@@ -94,7 +94,7 @@ def test_the_start_line_names_a_missing_compiler(monkeypatch):
     assert ex.decode.value == "gather" and ex.decode.fell_back
     assert ex.decoder.value == "ours" and ex.decoder.fell_back
     line = ex.line()
-    assert line.startswith("engine: cpu fp32 · ") and "\n" not in line
+    assert line.startswith("engine: cpu fp32 (") and "\n" not in line
     assert "decode gather: the compiled CPU decode kernel is unavailable: no C++ compiler (c++ is not on PATH)" in line
     assert "decoder ours: llama, engine/decoder.py; fused ops: torch reference (the fused CPU ops are unavailable: " \
            "SVRMAD_CPU_OPS=0)" in line

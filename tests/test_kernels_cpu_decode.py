@@ -162,6 +162,21 @@ def test_the_triton_decode_path_is_token_exact_under_the_interpreter(name):
     assert [o.completions[0].token_ids for o in got] == [loop_greedy(model, p, 6) for p in prompts], name
 
 
+@pytest.mark.parametrize("heads,kv_heads,window", [(9, 3, None), (6, 2, 5), (4, 4, None)])
+def test_a_bf16_cache_gives_the_bits_of_its_fp32_copy(heads, kv_heads, window):
+    """bf16 K/V rows are widened to fp32 once and take the fp32 path (eight keys a reduction, the heads of
+    a KV group sharing each row): the output is the fp32 kernel's on the widened cache, rounded to bf16."""
+    g = torch.Generator().manual_seed(heads)
+    bs, nblocks, D = 16, 60, 64
+    lens = torch.tensor([1, 37, 300, 129])
+    table = torch.stack([torch.randperm(nblocks, generator=g)[:19] for _ in lens])
+    k, v = (torch.randn(nblocks * bs, kv_heads, D, generator=g).bfloat16() for _ in range(2))
+    q = torch.randn(len(lens), heads, D, generator=g).bfloat16()
+    out = cpu_decode.paged_decode_cpu(q, k, v, table, lens, bs, 0.125, window)
+    wide = cpu_decode.paged_decode_cpu(q.float(), k.float(), v.float(), table, lens, bs, 0.125, window)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, wide.bfloat16())
+
+
 def test_slots_no_token_wrote_never_reach_the_output():
     g = torch.Generator().manual_seed(3)
     bs, lens = 4, torch.tensor([2, 7])

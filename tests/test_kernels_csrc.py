@@ -33,6 +33,17 @@ def test_each_source_compiles_with_the_builders_flags(name):
 
 
 @NO_CXX
+@pytest.mark.parametrize("name", sorted(KERNELS))
+def test_each_source_compiles_without_the_sections_above_avx2(name):
+    """What a compiler without target pragmas (GCC < 11, clang < 12) builds: the AVX2 code alone."""
+    kernel = KERNELS[name]
+    if _cpu_build.isa() not in ("avx2", "avx512"):
+        pytest.skip(f"the builder's flags here have no AVX2 (torch sees {_cpu_build.isa()})")
+    error = _cpu_build.check_syntax(kernel.source, (*kernel.extra_cflags, "-DSVRMAD_NO_X86_TARGETS"))
+    assert error is None, error
+
+
+@NO_CXX
 def test_the_compile_only_check_names_the_file_and_line(tmp_path):
     bad = tmp_path / "bad.cpp"
     bad.write_text(BAD)

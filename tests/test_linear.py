@@ -13,7 +13,7 @@ from svrmad_local.engine.engine import Engine, EngineConfig
 from svrmad_local.engine.params import SamplingParams
 from svrmad_local.kernels import cpu_linear
 from svrmad_local.models import layouts
-from svrmad_local.models.linear import FusedPart, PackedLinear, select_linear, weight_bytes
+from svrmad_local.models.linear import FusedPart, PackedLinear, PanelEmbedding, relayout, select_linear, weight_bytes
 
 from .model_zoo import EXACT, full_logprobs, loop_greedy, make_zoo_model, rand_prompt
 
@@ -160,9 +160,14 @@ def test_fallbacks_say_why_and_bad_choices_are_refused(monkeypatch):
         select_linear(half, "onednn")
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
     bf16 = make_zoo_model("llama").to(torch.bfloat16)
-    assert "no avx512_bf16/AMX" in select_linear(bf16, "auto").line
-    with pytest.raises(ValueError, match="linear='panels' cannot run here: bfloat16 weights"):
-        select_linear(make_zoo_model("llama").to(torch.bfloat16), "panels")
+    if cpu_linear.available():  # bf16 panels run on any AVX2 CPU: oneDNN without its bf16 path is not needed
+        assert select_linear(bf16, "auto").line.startswith("panels (22 linears, bfloat16)")
+    else:
+        assert "no avx512_bf16/AMX" in select_linear(bf16, "auto").line
+    with pytest.raises(ValueError, match="linear='onednn' cannot run here: bf16 weights on a CPU without a oneDNN bf16"):
+        select_linear(make_zoo_model("llama").to(torch.bfloat16), "onednn")
+    with pytest.raises(ValueError, match="linear='panels' cannot run here: float16 weights"):
+        select_linear(make_zoo_model("llama").half(), "panels")
     monkeypatch.setenv("SVRMAD_CPU_LINEAR", "0")  # no kernel: auto takes oneDNN where it can
     if ONEDNN:
         assert select_linear(make_zoo_model("llama"), "auto").line.startswith("oneDNN packed")
@@ -199,7 +204,7 @@ def test_token_statistics_of_the_default_checkpoint_on_packed_linears(backend):
     from svrmad_local.models.loader import load_model
 
     path = ensure_default_model()
-    lm, plain = load_model(path, device="cpu"), load_model(path, device="cpu")
+    lm, plain = load_model(path, device="cpu", dtype="fp32"), load_model(path, device="cpu", dtype="fp32")
     eng = Engine(lm.model, lm.tokenizer, EngineConfig(kv_cache_memory=64 * 2**20, linear=backend))
     assert "tied LM head" in eng.info["linear"] and isinstance(lm.model.lm_head, PackedLinear)
     seen = []
@@ -223,5 +228,32 @@ def test_a_packed_model_saves_and_reloads_as_a_plain_checkpoint(tmp_path, backen
     want = {k: v.clone() for k, v in model.state_dict().items()}
     select_linear(model, backend)
     model.save_pretrained(tmp_path)
-    again = load_model(tmp_path, device="cpu").model
+    again = load_model(tmp_path, device="cpu", dtype="fp32").model
     assert all(torch.equal(again.state_dict()[k], v) for k, v in want.items())
+
+
+@pytest.mark.skipif(not (ONEDNN and cpu_linear.available()), reason="needs oneDNN and the panel kernel")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_relayout_moves_every_weight_exactly_and_keeps_the_tie(dtype):
+    """panels -> oneDNN -> F.linear -> panels on a model with a tied head: the same weights (state_dict) at
+    each stop, the head and embedding one matrix again, and the same outputs as a model packed so directly."""
+    model = make_zoo_model("llama").to(dtype)
+    model.config.tie_word_embeddings = True
+    model.lm_head.weight = model.model.embed_tokens.weight
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = torch.tensor([[5, 17, 3, 90, 41]])
+    select_linear(model, "panels")
+    assert isinstance(model.model.embed_tokens, PanelEmbedding)
+    for choice in ("onednn", "aten", "panels"):
+        sel = relayout(model, choice)
+        assert sel.value == {"onednn": "oneDNN packed", "aten": "aten", "panels": "panels"}[choice]
+        got = model.state_dict()
+        assert set(got) == set(want) and all(torch.equal(got[k], v) for k, v in want.items()), choice
+        head, emb = model.get_output_embeddings(), model.get_input_embeddings()
+        assert choice != "aten" or head.weight is emb.weight
+        twin = make_zoo_model("llama").to(dtype)
+        twin.load_state_dict(want)
+        twin.lm_head.weight = twin.model.embed_tokens.weight
+        select_linear(twin, choice)
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, twin(ids).logits), choice

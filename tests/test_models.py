@@ -24,13 +24,53 @@ def checkpoint(tmp_path, tiny_tokenizer):
 def test_load_sharded_checkpoint_and_generate(checkpoint):
     path, ref = checkpoint
     assert len(list(path.glob("*.safetensors"))) > 1
-    lm = load_model(path, device="cpu")
+    lm = load_model(path, device="cpu", dtype="fp32")
     assert lm.model.dtype == torch.float32 and lm.tokenizer is not None
     for a, b in zip(lm.model.state_dict().values(), ref.state_dict().values()):
         assert torch.equal(a, b)
     eng = Engine(lm.model, lm.tokenizer, EngineConfig(kv_cache_memory=2**20))
     out = eng.generate_sync([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     assert len(out[0].completions[0].token_ids) == 3
+
+
+@pytest.mark.parametrize("flags", [["avx512_bf16", "amx_bf16"], ["avx512_bf16"], []])
+def test_auto_dtype_is_bf16_where_the_cpu_has_bf16_arithmetic_and_the_start_line_says_why(checkpoint, monkeypatch, flags):
+    """--dtype auto: bf16 on a CPU with avx512_bf16 or AMX (as on a GPU), fp32 elsewhere; the engine's
+    record names the dtype, its note and reason say why, and an explicit dtype reads "as asked"."""
+    from svrmad_local.models import loader
+
+    monkeypatch.setattr(loader, "native_bf16", lambda: flags)
+    want = torch.bfloat16 if flags else torch.float32
+    assert loader.default_dtype("cpu") == loader.parse_dtype("auto", "cpu") == loader.parse_dtype(None, "cpu") == want
+    assert loader.default_dtype("cuda") == torch.bfloat16  # a GPU: bf16 whatever the CPU
+    lm = load_model(checkpoint[0], device="cpu")
+    assert lm.model.dtype == want
+    eng = Engine(lm.model, lm.tokenizer, EngineConfig(kv_cache_memory=2**20))
+    device = eng.info["execution"]["device"]
+    eng.close()
+    if flags:
+        assert device["value"] == f"cpu bf16 (auto: {', '.join(flags)})"
+        assert device["reason"].startswith(f"--dtype auto: bf16 on a CPU with bf16 arithmetic ({', '.join(flags)})")
+        assert "--dtype fp32 --linear panels computes the same tokens on every machine" in device["reason"]
+    else:
+        assert device == {"value": "cpu fp32 (auto: no bf16 arithmetic here)", "fell_back": False,
+                          "reason": "--dtype auto: fp32 on a CPU without bf16 arithmetic (no avx512_bf16 or AMX)"}
+    other = load_model(checkpoint[0], device="cpu", dtype="fp32" if flags else "bf16")
+    eng = Engine(other.model, other.tokenizer, EngineConfig(kv_cache_memory=2**20))
+    assert eng.execution.line().startswith(f"engine: cpu {'fp32' if flags else 'bf16'} (as asked) · ")
+    assert eng.info["execution"]["device"]["reason"] == f"as asked (--dtype auto would take {str(want)[6:]} here)"
+    eng.close()
+
+
+def test_native_bf16_reads_the_cpus_flags():
+    from pathlib import Path
+
+    from svrmad_local.models import loader
+
+    if not Path("/proc/cpuinfo").exists():
+        pytest.skip("no /proc/cpuinfo")
+    flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")).split()
+    assert loader.native_bf16() == [f for f in ("avx512_bf16", "amx_bf16") if f in flags]
 
 
 def test_dtype_choice(checkpoint):

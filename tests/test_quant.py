@@ -99,7 +99,7 @@ def folders(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def refs(folders):
-    return {k: load_model(ref, device="cpu").model for k, (_, ref) in folders.items()}
+    return {k: load_model(ref, device="cpu", dtype="fp32").model for k, (_, ref) in folders.items()}
 
 
 PACKED = {"gpt-oss": Mxfp4Experts, "deepseek": Fp8Experts, "deepseek-fused": Fp8Experts}
@@ -110,7 +110,7 @@ PACKED = {"gpt-oss": Mxfp4Experts, "deepseek": Fp8Experts, "deepseek-fused": Fp8
 def test_engine_on_quantized_folder_matches_the_fp32_reference(folders, refs, name, mode):
     qdir, _ = folders[name]
     ref = refs[name]
-    eng = Engine.from_pretrained(qdir, quantization=mode, device="cpu", kv_cache_memory=4 * 2**20, block_size=4)
+    eng = Engine.from_pretrained(qdir, quantization=mode, device="cpu", dtype="fp32", kv_cache_memory=4 * 2**20, block_size=4)
     try:
         packed = [m for m in eng.model.modules() if isinstance(m, PACKED[name])]
         assert bool(packed) == (mode == "native")
@@ -143,8 +143,8 @@ def test_dequantize_gives_every_weight_the_dtype_a_plain_checkpoint_gets(folders
 
 
 def test_native_keeps_the_bytes_packed(folders):
-    native = load_model(folders["gpt-oss"][0], device="cpu", quantization="native").model
-    dense = load_model(folders["gpt-oss"][0], device="cpu", quantization="dequantize").model
+    native = load_model(folders["gpt-oss"][0], device="cpu", dtype="fp32", quantization="native").model
+    dense = load_model(folders["gpt-oss"][0], device="cpu", dtype="fp32", quantization="dequantize").model
     experts = [m for m in native.modules() if isinstance(m, Mxfp4Experts)]
     for m in experts:
         params = m.num_experts * 3 * m.hidden_size * m.intermediate_size  # gate, up and down
@@ -153,21 +153,21 @@ def test_native_keeps_the_bytes_packed(folders):
     saved = sum(m.num_experts * 3 * m.hidden_size * m.intermediate_size * (4 - 4.25 / 8) for m in experts)
     assert weight_bytes(dense) - weight_bytes(native) == saved  # fp32 dense vs packed, biases equal
 
-    ds = load_model(folders["deepseek"][0], device="cpu", quantization="native").model
+    ds = load_model(folders["deepseek"][0], device="cpu", dtype="fp32", quantization="native").model
     lin = ds.model.layers[0].self_attn.kv_a_proj_with_mqa
     assert lin.weight.dtype == torch.float8_e4m3fn and lin.weight_scale_inv.shape == (2, 5)  # 24x72 in 16x16
     assert lin.packed_bytes() == 24 * 72 + 2 * 5 * 4
 
 
 def test_dense_weight_and_dtype_casts(folders, refs):
-    native = load_model(folders["deepseek"][0], device="cpu", quantization="native").model
+    native = load_model(folders["deepseek"][0], device="cpu", dtype="fp32", quantization="native").model
     ref = refs["deepseek"]
     lin = native.model.layers[0].self_attn.kv_b_proj
     assert torch.equal(lin.dense_weight(), ref.model.layers[0].self_attn.kv_b_proj.weight)
     ex, ref_ex = native.model.layers[1].mlp.experts, ref.model.layers[1].mlp.experts
     assert torch.equal(ex.dense_weight("gate_up_proj"), ref_ex.gate_up_proj)
     assert torch.equal(ex.dense_weight("down_proj", 2), ref_ex.down_proj[2])
-    gpt = load_model(folders["gpt-oss"][0], device="cpu", quantization="native").model
+    gpt = load_model(folders["gpt-oss"][0], device="cpu", dtype="fp32", quantization="native").model
     g_ex, g_ref = gpt.model.layers[0].mlp.experts, refs["gpt-oss"].model.layers[0].mlp.experts
     assert torch.equal(g_ex.dense_weight("down_proj", 1).T, g_ref.down_proj[1])
     native.to(torch.bfloat16)  # a cast must not touch e4m3 codes or fp32 block scales
@@ -180,7 +180,7 @@ def test_engine_reports_packed_weight_bytes(folders):
     try:
         assert any(isinstance(m, Fp8Linear) for m in eng.model.modules())  # auto on the CPU: native
         assert eng.info["weight_bytes"] == weight_bytes(eng.model)
-        assert eng.info["weight_bytes"] < weight_bytes(load_model(folders["deepseek"][1], device="cpu").model)
+        assert eng.info["weight_bytes"] < weight_bytes(load_model(folders["deepseek"][1], device="cpu", dtype="fp32").model)
     finally:
         eng.close()
 
@@ -277,7 +277,7 @@ def test_device_maps_keep_packed_modules_whole(folders, refs, tmp_path):
     prompt = rand_prompt(2 * WINDOW + 1, 5)
     want = loop_greedy(refs["gpt-oss"], prompt, NEW)
     for device_map in ("auto", {"model": "cpu", "lm_head": "cpu"}):
-        model = load_model(qdir, device_map=device_map, quantization="native").model
+        model = load_model(qdir, device_map=device_map, dtype="fp32", quantization="native").model
         assert any(isinstance(m, Mxfp4Experts) for m in model.modules())
         assert loop_greedy(model, prompt, NEW) == want
     cut = {"": "cpu", "model.layers.1.mlp.experts.down_proj_blocks": "cpu"}

@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from svrmad_local import cli
 from svrmad_local.eval import run as run_mod
 from svrmad_local.eval.metrics import read_jsonl
+from svrmad_local.models.loader import default_dtype
 
 from .conftest import make_model
 
@@ -48,7 +50,8 @@ def test_run_writes_trace_results_and_accounting_adds_up(setup, capsys):
     assert len(trace) + len(skipped) == 3 and trace, "a random model should disagree with itself"
     assert {r["method"] for r in results} == {"svr-mad", "self-consistency", "all-to-all"}
     eng = json.loads((out / "run.json").read_text())["totals"]["engine"]
-    assert eng["execution"]["device"]["value"] == "cpu fp32" and eng["fallbacks"] == []
+    auto = {torch.float32: "fp32", torch.bfloat16: "bf16"}[default_dtype("cpu")]  # no --dtype: this machine's
+    assert eng["execution"]["device"]["value"].startswith(f"cpu {auto} (auto: ") and eng["fallbacks"] == []
     assert all(c["value"] and c["reason"] for c in eng["execution"].values())  # the record, with its reasons
     said = next(line for line in printed.splitlines() if " steps (" in line)  # how full the steps ran
     assert said.startswith(f"engine: {eng['steps']} steps (") and f"{eng['evictions']} cached blocks evicted" in said

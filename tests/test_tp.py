@@ -76,7 +76,7 @@ def two_ranks(checkpoints, tmp_path_factory):
 @pytest.mark.parametrize("name", ["llama", "qwen3-moe", "gpt-oss", "deepseek"])
 def test_tensor_parallel_matches_one_process(name, checkpoints, two_ranks):
     tp = two_ranks[str(checkpoints[name])]
-    lm = load_model(checkpoints[name], device="cpu")
+    lm = load_model(checkpoints[name], device="cpu", dtype="fp32")
     one = workload(Engine(lm.model, None, EngineConfig(**CONFIG)))
     assert tp["world"] == 2 and tp["decoder"].startswith("ours")  # our decoder, its all-reduces written in its loop
     assert tp["greedy"] == one["greedy"] and tp["forks"] == one["forks"]
@@ -117,7 +117,8 @@ def test_four_ranks_one_kv_head_and_one_expert_each(tmp_path):
     model.save_pretrained(tmp_path / "qwen3-moe-4")
     out = tmp_path / "tp4.json"
     tp = run_worker(out, str(out), str(tmp_path / "qwen3-moe-4"), nproc=4)[str(tmp_path / "qwen3-moe-4")]
-    one = workload(Engine(load_model(tmp_path / "qwen3-moe-4", device="cpu").model, None, EngineConfig(**CONFIG)))
+    one = workload(Engine(load_model(tmp_path / "qwen3-moe-4", device="cpu", dtype="fp32").model, None,
+                          EngineConfig(**CONFIG)))
     assert tp["world"] == 4 and tp["kv_shape_here"][0] == 1
     assert tp["greedy"] == one["greedy"] and tp["forks"] == one["forks"]
     for a, b in zip(tp["greedy_logprobs"], one["greedy_logprobs"]):

@@ -42,7 +42,7 @@ def follower_quits(out: str, path: str) -> None:
     from svrmad_local.dist import GroupLost
 
     dist.init_process_group("gloo")
-    engine = Engine(load_model(path, device="cpu", tp=True).model, None, EngineConfig(**CONFIG))
+    engine = Engine(load_model(path, device="cpu", dtype="fp32", tp=True).model, None, EngineConfig(**CONFIG))
     if dist.get_rank() == 1:
         for _ in range(3):
             engine.runner.execute(engine._channel.recv())

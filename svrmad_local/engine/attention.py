@@ -198,7 +198,7 @@ class StepContext:
 
     def decode_path(self, kind: str) -> str | None:
         """How this step's decode rows attend in a layer of `kind` ("kv" or "latent"), decided here only
-        (paged_attention follows it; the lean loop calls the CPU kernel itself where it says "cpu"):
+        (paged_attention follows it; our decoder loop calls the CPU kernel itself where it says "cpu"):
         "flash" (flash-attn over the whole step), "cascade" (shared prefixes once), "cpu" / "triton" (the
         paged kernel through the block tables), "absorbed" (MLA from the latent cache), "padded" (SDPA
         over a gather); None where the step has no decode rows."""

@@ -15,6 +15,7 @@ import torch
 from svrmad_local.models import calibrate
 from svrmad_local import kernels
 from svrmad_local.models.linear import select_linear, weight_bytes
+from svrmad_local.models.loader import describe_dtype
 
 from . import graphs, tp
 from .attention import Attachment
@@ -48,7 +49,7 @@ def build(eng, model, cfg: EngineConfig) -> None:
     attached = Attachment(model)
     eng.spec = spec = inspect_model(model, attached)  # raises UnsupportedModel, naming the feature (before any timing)
     sel = select_linear(model, cfg.linear, workload=calibrate.Workload.for_engine(
-        cfg.max_num_seqs, cfg.max_num_batched_tokens))
+        cfg.max_num_seqs, cfg.max_num_batched_tokens), cache=cfg.cache_dir)
     eng.linear_calibration = calibrate.recorded(model)  # None where `auto` measured nothing
     linear = Choice("linear", sel.value, sel.line, fell_back=sel.fell_back)
     eng.weight_bytes = weight_bytes(model)
@@ -126,8 +127,9 @@ def build(eng, model, cfg: EngineConfig) -> None:
         else:
             eng.cache.replay = True
     dtype = SHORT_DTYPES.get(spec.dtype, str(spec.dtype).removeprefix("torch."))
+    note, dtype_why = describe_dtype(spec.dtype, device)  # the default dtype of this machine, or as asked
     eng.execution = Execution(
-        device=Choice("device", f"{device.type} {dtype}", "where the weights are"),
+        device=Choice("device", f"{device.type} {dtype}" + (f" ({note})" if note else ""), dtype_why),
         quantization=quantization_choice(model), linear=linear, decoder=decoder, **attention, graphs=graphs_choice,
         tp=Choice("tp", f"{eng.tp_group.size} ranks" if eng.sharded else "off",
                   "the weights are split over the group (engine/tp.py)" if eng.sharded else "one process holds the model"),

@@ -87,8 +87,10 @@ class EngineConfig:
     "torch" forces the references. cascade: "auto" (off: measured slower, see runner._cascade_enabled) | "on" | "off".
     linear: "auto" | "panels" | "onednn" | "aten", how the model's linears run (models/linear.py): "auto"
     takes, on the CPU, the backend measured fastest here for the workload (models/calibrate.py, cached per
-    machine; SVRMAD_CALIBRATE=0: the panels for fp32, else oneDNN's layout, else F.linear) and says why;
-    the packing is done in place, once.
+    machine; weighed again by the run's own steps, engine/relinear.py; SVRMAD_CALIBRATE=0: the panels,
+    else oneDNN's layout, else F.linear) and says why; the packing is done in place. cache_dir: where the
+    linear calibration's figures are kept (the run's --cache-dir; None: $SVRMAD_CACHE, else
+    ~/.cache/svrmad-local).
 
     decoder: "auto" | "ours" | "modules", how the layers run: "ours" is the engine's own forward
     (engine/decoder.py: fused norms, RoPE and cache writes; bitwise the modules' computation with those
@@ -118,6 +120,7 @@ class EngineConfig:
     score_chunk: int = 1024
     signals: SignalConfig = field(default_factory=SignalConfig)
     seed: int = 0
+    cache_dir: str | None = None
 
     def __post_init__(self) -> None:
         checks = {name: _integer(getattr(self, name), 1)

@@ -25,6 +25,7 @@ from svrmad_local.errors import UserError
 from . import build
 from .config import EngineConfig, SamplingParams  # noqa: F401  (EngineConfig: public here too)
 from .execution import runtime_fallbacks
+from .relinear import RunLinears
 from .memory import parse_memory  # noqa: F401  (public here too)
 from .scheduler import RequestTooLarge, Scheduler  # noqa: F401  (RequestTooLarge: public)
 from .sequence import Request, RequestOutput, ScoreOutput, Sequence
@@ -80,6 +81,9 @@ class Engine:
         self.stepper = Step(self.scheduler, self.runner, self.totals, block_bytes=self.block_bytes, eos_ids=self.eos_ids,
                             tokenizer=tokenizer, max_model_len=self.max_model_len, kernel_impl=cfg.kernel_impl,
                             score_chunk=cfg.score_chunk, watch=self._watch)
+        # the run's own steps weigh the linear backend again (engine/relinear.py), where `auto` timed them
+        cal = self.linear_calibration
+        self._linears = RunLinears(self) if cal is not None and cal.figures and cal.choice in cal.figures["decode"] else None
         self._rng = random.Random(cfg.seed)
         self._next_id = 0
         self._loop_task: asyncio.Task | None = None
@@ -305,5 +309,8 @@ class Engine:
         self._live.clear()
 
     def _step(self) -> list[Request]:
-        """One step on the worker thread (engine/step.py)."""
-        return self.stepper.run()
+        """One step on the worker thread (engine/step.py); then the run's own mix of steps weighs the linears."""
+        done = self.stepper.run()
+        if self._linears is not None:
+            self._linears.after_step()
+        return done

@@ -270,10 +270,13 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--on-error", choices=["skip", "fail"], default=rc.on_error, help="malformed dataset rows")
     g = p.add_argument_group("model and engine")
     g.add_argument("--model", help="local checkpoint folder (default: the embedded SmolLM2-135M-Instruct)")
-    g.add_argument("--cache-dir", help="where the embedded default is converted (default ~/.cache/svrmad-local)")
+    g.add_argument("--cache-dir", help="where the embedded default is converted and the linear calibration kept "
+                                       "(default $SVRMAD_CACHE, else ~/.cache/svrmad-local)")
     g.add_argument("--device", help="cpu | cuda | cuda:N (default: cuda if available; under torchrun cuda:LOCAL_RANK)")
     g.add_argument("--device-map", help="accelerate device map, e.g. auto (a model larger than one GPU)")
-    g.add_argument("--dtype", help="fp32 | bf16 | fp16 (default: fp32 on CPU, bf16 on GPU)")
+    g.add_argument("--dtype", help="auto | fp32 | bf16 | fp16 (default auto: bf16 on a GPU and on a CPU with bf16 "
+                                   "arithmetic, avx512_bf16 or AMX; fp32 on other CPUs. --dtype fp32 --linear panels "
+                                   "computes the same tokens on every machine; docs/engine.md)")
     g.add_argument("--tp", type=int, default=rc.tp, help="tensor-parallel ranks (launch with torchrun)")
     g.add_argument("--quantization", choices=["auto", "native", "dequantize"], default=rc.quantization,
                    help="MXFP4 / FP8 checkpoints: keep the weights packed (native) or expand them into --dtype; "
@@ -286,8 +289,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                         "as measured (docs/engine.md); exact either way")
     g.add_argument("--linear", choices=["auto", "panels", "onednn", "aten"], default=ec.linear,
                    help="how linears run on the CPU: auto takes the backend measured fastest on this machine "
-                        "(a few seconds once, cached; SVRMAD_CALIBRATE=0: the panels for fp32, else oneDNN); "
-                        "panels computes the same tokens on every machine; docs/engine.md")
+                        "(a few seconds once, cached under --cache-dir; the run's own steps weigh it again; "
+                        "SVRMAD_CALIBRATE=0: the panels); panels in fp32 computes the same tokens on every "
+                        "machine; docs/engine.md")
     g.add_argument("--decoder", choices=["auto", "ours", "modules", "lean"], default=ec.decoder,
                    help="how layers run: ours is the engine's own forward (engine/decoder.py: fused norms, RoPE and "
                         "cache writes) for every family it claims, modules transformers' own; auto takes ours on the "
@@ -344,7 +348,8 @@ def from_args(args: argparse.Namespace) -> RunConfig:
                                        top_p=pick("top_p", sp.top_p), top_k=pick("top_k", sp.top_k))
         engine = EngineConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                               max_num_seqs=args.max_num_seqs, seed=args.seed, cascade=args.cascade,
-                              linear=args.linear, decoder=args.decoder, cuda_graphs=args.cuda_graphs)
+                              linear=args.linear, decoder=args.decoder, cuda_graphs=args.cuda_graphs,
+                              cache_dir=args.cache_dir)
     except SettingsError as exc:
         raise ValueError(exc.line(FLAGS)) from None
     params = method_options(args)

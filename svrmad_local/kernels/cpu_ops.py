@@ -1,19 +1,28 @@
-"""The small fused ops of a Llama-shaped decoder layer on the CPU, fp32: RMSNorm (with the residual
-add before it) and RoPE with the new K/V written to their cache slots.
+"""The small fused ops of a Llama-shaped decoder layer on the CPU, fp32 and bf16: RMSNorm (with the
+residual add before it), RoPE with the new K/V written to their cache slots, and SiLU-and-multiply.
 
 Why: at decode these are ~20 tiny torch ops a layer, each ~5-20 us of dispatch on a 2-core EPYC for
 a few hundred floats of work: transformers' RMSNorm alone took 86 us a call (8 ops) against ~3 us
 here, 61 calls a step of the default.
 
 Numerics:
+- Every value is computed in fp32. In bf16, a value is rounded to bf16 wherever transformers' bf16
+  modules round it (each of their torch ops returns bf16): the ops compute the modules' bits, not a
+  more exact result.
 - RoPE and the K/V copies are elementwise IEEE operations (x*cos, -x*sin, their sum; built with
   -ffp-contract=off, so no FMA fuses them): bitwise what transformers' `apply_rotary_pos_emb`
-  computes. The residual add is one IEEE add: bitwise too.
+  computes, in fp32 and in bf16. The residual add is one IEEE add: bitwise too.
+- SiLU-and-multiply (`silu_mul`): g / (1 + e^-g) with the exponential torch's own vectorised SiLU calls
+  (Sleef's, exported by libtorch), then the product: bitwise F.silu(gate) * up, in fp32 and bf16 (in
+  bf16 the SiLU rounded to bf16 first, as F.silu returns it). torch computes the last I % v elements
+  of a row (v: its vector's elements, 16 fp32 or 32 bf16 under AVX-512) with std::exp; so does this.
 - RMSNorm sums the squares in an order of its own (8 lanes, then the lanes in order, then the tail),
   so it differs from transformers' `pow(2).mean()` at fp32 rounding. That is why the engine swaps the
   model's norm modules for `engine.families.FastRMSNorm`, which calls this: the engine and any reference
-  that runs the same model then compute the same bits. A row's result never depends on the other
-  rows (batch-invariant).
+  that runs the same model then compute the same bits. In bf16 the sum and the scale are fp32 as in
+  transformers (`hidden_states.to(torch.float32)`), the normalised row is rounded to bf16 and then
+  multiplied by the bf16 weight (rounded again): transformers' own steps, only the sum's order differs.
+  A row's result never depends on the other rows (batch-invariant).
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ from ._backend import choose
 from ._cpu_build import Kernel
 
 NAME = "cpu_ops"  # its name for _backend.choose
-DTYPES = (torch.float32,)  # the activation dtypes the compiled ops take; callers run a torch reference for others
+DTYPES = (torch.float32, torch.bfloat16)  # the activation dtypes the compiled ops take; callers run a torch reference for others
 _KERNEL = Kernel(NAME, "cpu_ops.cpp", "SVRMAD_CPU_OPS", "fused CPU decoder ops", needs_avx2=True,
                  extra_cflags=("-ffp-contract=off",))
 
@@ -53,3 +62,18 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 def rope_store(q, k, v, cos, sin, k_cache, v_cache, slots) -> torch.Tensor:
     """The rotated q [T, H, D]; the rotated k and v written to rows `slots` of the caches. See csrc/cpu_ops.cpp."""
     return _KERNEL.module().rope_store(q, k, v, cos, sin, k_cache, v_cache, slots)
+
+
+def torch_vector_bytes() -> int:
+    """Bytes of torch's own CPU vectors here (its kernels' vector loop; the rest of a row runs scalar)."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    return 64 if cap.startswith("AVX512") else 32 if cap.startswith("AVX2") else 1
+
+
+_VEC = {t: max(1, torch_vector_bytes() // torch.empty((), dtype=t).element_size()) for t in DTYPES}
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """F.silu(gate) * up for [rows, I] tensors with contiguous rows (the halves of a fused gate/up output),
+    bit for bit, in one call."""
+    return _KERNEL.module().silu_mul(gate, up, _VEC[gate.dtype])

@@ -9,11 +9,11 @@ interface, chosen per device and dtype among three implementations.
 
 Implementations (`Ops(device, dtype)` picks them once, for a loop that calls them ~4 times a layer; the
 module-level functions pick per call):
-- "cpp": kernels/cpu_ops.py's compiled ops, on the CPU for a dtype in `cpu_ops.DTYPES` (fp32 today). Its
+- "cpp": kernels/cpu_ops.py's compiled ops, on the CPU for a dtype in `cpu_ops.DTYPES` (fp32 and bf16). Its
   RMSNorm sums in an order of its own, so the engine swaps the model's norm modules for ones that call
   this interface (engine/families.FastRMSNorm): the decoder and the modules then compute the same bits.
-  RoPE and the cache write are transformers' elementwise operations (bitwise). act_mul has no C++ op: the
-  torch reference runs it.
+  RoPE, the cache write and SiLU-and-multiply are transformers' elementwise operations, rounded where its
+  bf16 ops round (bitwise); GELU-tanh has no C++ op and runs its reference.
 - "triton": kernels/fused_triton.py where Triton runs (a CUDA device, or kernel_impl="triton" under its
   interpreter): one program per row, fp32 arithmetic, bitwise the reference where it only adds and
   multiplies (RoPE, the cache write), within rounding where it sums (RMSNorm) or takes exp/tanh.
@@ -117,6 +117,12 @@ def _cpp_rope_store(q, k, v, cos, sin, k_cache, v_cache, slots, q_norm=None, k_n
     return cpu_ops.rope_store(q, k, v, cos, sin, k_cache, v_cache, slots)
 
 
+def _cpp_act_mul(gate, up, act: str = "silu"):
+    if act != "silu" or gate.dim() != 2 or gate.stride(-1) != 1 or up.stride(-1) != 1:
+        return reference_act_mul(gate, up, act)
+    return cpu_ops.silu_mul(gate, up)
+
+
 # ------------------------------------------------------------------------------ the choice
 
 
@@ -133,6 +139,7 @@ class Ops:
         self.rope_store, self.act_mul = reference_rope_store, reference_act_mul
         if self.impl == "cpp":
             self.rms_norm, self.add_rms_norm, self.rope_store = _cpp_rms_norm, _cpp_add_rms_norm, _cpp_rope_store
+            self.act_mul = _cpp_act_mul
         elif self.impl == "triton":
             from . import fused_triton as t
 
@@ -143,7 +150,7 @@ class Ops:
     def describe(self) -> str:
         """One phrase for the record: which implementation runs, and why the reference where it does."""
         if self.impl == "cpp":
-            return "compiled CPU ops (kernels/cpu_ops.py; act_mul: torch)"
+            return "compiled CPU ops (kernels/cpu_ops.py; GELU-tanh: torch)"
         if self.impl == "triton":
             return "Triton (kernels/fused_triton.py)"
         return f"torch reference ({self.why})"

@@ -35,6 +35,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from svrmad_local.errors import UserError
 from svrmad_local.kernels import cpu_linear
 from svrmad_local.models.default import cache_dir
 
@@ -95,19 +96,35 @@ class Calibration:
     workload: Workload
     cached: bool = False
     path: str | None = None
+    busy: float | None = None  # others' share of the machine while it was timed (None: cached, or unknown)
+    run: "RunMix | None" = None  # the engine's own steps since, weighed against these figures
 
     def as_dict(self) -> dict:
         """For engine.info and run.json (plain JSON types)."""
         workload = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self.workload).items()}
         return {"choice": self.choice, "reason": self.reason, "figures": self.figures, "cost_ms_per_token": self.cost,
-                "workload": workload, "cached": self.cached, "cache_file": self.path}
+                "workload": workload, "cached": self.cached, "cache_file": self.path,
+                "busy_share": None if self.busy is None else round(self.busy, 3),
+                "run": self.run.as_dict() if self.run is not None else None}
+
+
+class CalibrationSettingError(UserError, ValueError):
+    """SVRMAD_CALIBRATE holds a value that means nothing: said in one line, before anything is timed."""
+
+
+SETTINGS = {"on": ("on", "1", "true", "yes", ""), "off": ("off", "0", "false", "no"), "again": ("again",)}
 
 
 def setting() -> str:
-    """SVRMAD_CALIBRATE: "off" (0/off/false/no: `auto` takes its fixed rule), "again" (time again and
-    overwrite this machine's cached figures), else "on"."""
+    """SVRMAD_CALIBRATE: "on" (on/1/true/yes, or unset), "off" (off/0/false/no: `auto` takes its fixed rule),
+    "again" (time again and overwrite this machine's cached figures); any other value is refused."""
     v = os.environ.get("SVRMAD_CALIBRATE", "on").strip().lower()
-    return "off" if v in ("0", "off", "false", "no") else "again" if v == "again" else "on"
+    for name, spellings in SETTINGS.items():
+        if v in spellings:
+            return name
+    raise CalibrationSettingError(
+        f"SVRMAD_CALIBRATE={os.environ['SVRMAD_CALIBRATE']!r} means nothing: use on (1, true, yes), off (0, false, "
+        "no) or again")
 
 
 def enabled() -> bool:
@@ -156,9 +173,43 @@ def cache_key(model: nn.Module, candidates: list[str], workload: Workload, fuse:
             "panel_kernel": cpu_linear.digest()}
 
 
-def cache_path(key: dict) -> Path:
+def cache_path(key: dict, cache: str | Path | None = None) -> Path:
+    """The figures' file under the cache dir: `cache` (--cache-dir), else $SVRMAD_CACHE, else ~/.cache/svrmad-local."""
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return cache_dir() / "calibration" / f"linear-{digest}.json"
+    return cache_dir(cache) / "calibration" / f"linear-{digest}.json"
+
+
+BUSY = 0.10  # others' share of the machine's CPU time over the timing above which the figures are not kept
+
+
+class OtherLoad:
+    """How much of this machine's CPU time other processes took over a window: from /proc/stat (every CPU's
+    busy time, the hypervisor's steal included) less this process's own (every thread's). Figures timed
+    while others ran are slower than the backends are, and by how much depends on which backend the
+    neighbours' bursts met; so they are used for this run but not cached (`share` is None off Linux)."""
+
+    def __init__(self):
+        self._start = self._read()
+
+    @staticmethod
+    def _read():
+        try:
+            fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+            busy = sum(int(v) for i, v in enumerate(fields[:8]) if i not in (3, 4))  # all but idle, iowait
+            hz = os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, IndexError):
+            return None
+        own = os.times()
+        return busy / hz, own.user + own.system, time.monotonic()
+
+    def share(self) -> float | None:
+        """Others' CPU seconds over the window, as a fraction of the machine's (wall x CPUs)."""
+        end = self._read()
+        if self._start is None or end is None:
+            return None
+        (busy0, own0, t0), (busy1, own1, t1) = self._start, end
+        wall = max(t1 - t0, 1e-6) * (os.cpu_count() or 1)
+        return max(0.0, ((busy1 - busy0) - (own1 - own0)) / wall)
 
 
 def l3_bytes() -> int:
@@ -273,21 +324,90 @@ def choose(figures: dict, workload: Workload) -> tuple[str, dict]:
     return best, cost
 
 
+def step_ms(figures: dict, backend: str, kind: str, rows: int) -> float:
+    """ms of one step of `rows` rows on `backend`, from the figures of `kind` ("decode": every linear at that
+    many rows; "prefill": the body at that many rows, the head at one): linear between the sizes measured,
+    the largest size's cost a row beyond it, the smallest's figure below it (fewer rows cost no less)."""
+    table = sorted((int(m), v) for m, v in figures[kind][backend].items())
+    if rows <= table[0][0]:
+        return table[0][1]
+    for (m0, v0), (m1, v1) in zip(table, table[1:]):
+        if rows <= m1:
+            return v0 + (v1 - v0) * (rows - m0) / (m1 - m0)
+    m, v = table[-1]
+    return v * rows / m
+
+
+RECHECK = (32, 128, 512, 2048, 8192)  # steps after which the run's own mix is weighed again
+
+
+class RunMix:
+    """The run's own steps, to weigh the figures by: how many steps of each kind and row count the engine
+    ran (a step with prompt rows is a prefill step: its linears run the body on all rows, the head on
+    the few that sample). At the steps of RECHECK, `better` says which backend the mix so far wants, where
+    it is not the one in place: the choice made at build from the Workload's fixed mix holds for the
+    run at hand only as long as the run's own steps agree with it."""
+
+    def __init__(self, cal: Calibration, current: str, margin: float | None = None):
+        self.cal, self.current = cal, current
+        self.margin = cal.workload.margin if margin is None else margin
+        self.counts: Counter = Counter()
+        self.steps = 0
+        self.switches: list[dict] = []
+
+    def add(self, prompt_rows: int, decode_rows: int) -> None:
+        rows = prompt_rows + decode_rows
+        if rows > 0:
+            self.counts["prefill" if prompt_rows else "decode", rows] += 1
+            self.steps += 1
+
+    def cost(self) -> dict[str, float]:
+        """ms of linears the run's steps so far took, or would have, on each backend timed."""
+        return {b: round(sum(n * step_ms(self.cal.figures, b, kind, rows) for (kind, rows), n in self.counts.items()), 3)
+                for b in self.cal.figures["decode"]}
+
+    def better(self) -> str | None:
+        """At a RECHECK step: the backend the run's mix wants if it is not the current one and is faster by more
+        than the margin over the steps so far; else None."""
+        if self.steps not in RECHECK or not self.cal.figures:
+            return None
+        cost = self.cost()
+        best = min(cost, key=lambda b: (cost[b], PREFERENCE.index(b)))
+        return best if best != self.current and cost[best] < cost[self.current] * (1 - self.margin) else None
+
+    def as_dict(self) -> dict:
+        kinds = {k: sum(n for (kind, _), n in self.counts.items() if kind == k) for k in ("decode", "prefill")}
+        rows = {k: sum(n * r for (kind, r), n in self.counts.items() if kind == k) for k in ("decode", "prefill")}
+        return {"steps": self.steps, "decode_steps": kinds["decode"], "prefill_steps": kinds["prefill"],
+                "decode_rows": rows["decode"], "prefill_rows": rows["prefill"],
+                "cost_ms": self.cost() if self.cal.figures else {}, "switches": self.switches}
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a figure")  # json reads NaN and Infinity unless told not to
+
+
+def finite_figures(figures: dict, key: dict) -> None:
+    """Raises ValueError unless `figures` holds one finite positive number per backend, kind and step size."""
+    for kind in ("decode", "prefill"):
+        for b in key["gemms"]:
+            table = figures[kind][b]
+            if set(table) != {str(m) for m in key[f"{kind}_rows"]} or not all(
+                    isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+                    for v in table.values()):
+                raise ValueError(f"the {kind} figures of {b} are not one finite positive number a step size")
+
+
 def _read(path: Path, key: dict) -> dict | None:
     """The cached figures for `key`, or None (absent, another key); an unreadable file is said in one line."""
     if not path.exists():
         return None
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(), parse_constant=_no_constant)
         if data.get("key") != key:
             return None
         figures = data["figures"]
-        for kind in ("decode", "prefill"):
-            for b in key["gemms"]:
-                table = figures[kind][b]
-                if set(table) != {str(m) for m in key[f"{kind}_rows"]} or \
-                        not all(isinstance(v, (int, float)) and v > 0 for v in table.values()):
-                    raise ValueError(f"the {kind} figures of {b} are not one positive number a step size")
+        finite_figures(figures, key)
         return figures
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         log.warning("svrmad: ignoring the unreadable linear calibration %s (%s: %s); timing again", path,
@@ -299,38 +419,52 @@ def _write(path: Path, key: dict, figures: dict) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"key": key, "figures": figures}, indent=1, sort_keys=True))
+        tmp.write_text(json.dumps({"key": key, "figures": figures}, indent=1, sort_keys=True, allow_nan=False))
         os.replace(tmp, path)
     except OSError as e:
         log.warning("svrmad: could not save the linear calibration to %s (%s); the next engine times again", path, e)
 
 
 def calibrate(model: nn.Module, candidates: list[str], workload: Workload | None = None, fuse: bool = True,
-              budget_s: float = 3.0, timer: Callable | None = None) -> Calibration:
-    """Time `candidates` on `model`'s shapes (or read this machine's cached figures) and choose one."""
+              budget_s: float = 3.0, timer: Callable | None = None, cache: str | Path | None = None) -> Calibration:
+    """Time `candidates` on `model`'s shapes (or read this machine's cached figures under `cache`, the
+    --cache-dir, else the default cache dir) and choose one. Figures timed while other processes took more
+    than BUSY of the machine are used for this choice but not cached, and the reason says so."""
     workload = workload or Workload()
     candidates = [b for b in PREFERENCE if b in candidates]
     key = cache_key(model, candidates, workload, fuse)
-    path = cache_path(key)
+    path = cache_path(key, cache)
     figures = None if setting() == "again" else _read(path, key)
-    cached = figures is not None
+    cached, busy = figures is not None, None
     if not cached:
-        t0 = time.perf_counter()
+        t0, load = time.perf_counter(), LOAD()
         try:
             figures = measure(model, candidates, workload, fuse, budget_s, timer)
-        except RuntimeError as e:  # a backend that should run here failed: the run goes on under the fixed rule
+            finite_figures(figures, key)
+        except (RuntimeError, ValueError) as e:  # a backend that should run here failed: the fixed rule
             log.warning("svrmad: the linear calibration failed (%s); taking %s, the fixed rule", e, NAMES[candidates[0]])
             return Calibration(candidates[0], f"not measured ({e}): the fixed rule", {}, {}, workload, False, None)
+        busy = load.share()
         log.info("svrmad: linear calibration took %.1f s", time.perf_counter() - t0)
-        _write(path, key, figures)
+        if busy is not None and busy > BUSY:
+            log.warning("svrmad: the linear calibration was timed while other processes took %.0f%% of this "
+                        "machine's CPU time: its figures choose for this run only and are not cached", 100 * busy)
+        else:
+            _write(path, key, figures)
     choice, cost = choose(figures, workload)
     costs = ", ".join(f"{NAMES[b]} {cost[b]:.3g}" for b in candidates)
-    reason = (f"measured on this machine{' (cached)' if cached else ''}: ms per generated token at "
-              f"{workload.prompt_per_generated:g} prompt tokens per generated one: {costs}")
+    taken = " (cached)" if cached else f" while the machine was busy ({100 * busy:.0f}% of its CPU time went to " \
+        "other processes; not cached)" if busy is not None and busy > BUSY else ""
+    reason = (f"measured on this machine{taken}: ms per generated token at "
+              f"{workload.prompt_per_generated:g} prompt tokens per generated one: {costs} (the run's own steps "
+              f"weigh it again after {', '.join(map(str, RECHECK[:3]))}... steps)")
     if choice != "panels":
         reason += ("; its tokens may differ from another machine's (and a row's from its value in another batch): "
                    "--linear panels computes the same tokens on every machine")
-    return Calibration(choice, reason, figures, cost, workload, cached, str(path))
+    return Calibration(choice, reason, figures, cost, workload, cached, str(path), busy)
+
+
+LOAD = OtherLoad  # what calibrate measures the machine's load with (tests replace it)
 
 
 def table(cal: Calibration) -> str:

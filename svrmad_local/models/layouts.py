@@ -19,7 +19,7 @@ _reorder = torch.ops.mkldnn._reorder_linear_weight  # a module attribute, so a t
 @dataclass(frozen=True)
 class Layout:
     """A packed weight's layout: how a dense [N, K] weight becomes it (`pack`), how it multiplies
-    (`mm(x, packed, bias, N)`) and how it comes back dense (`unpack(packed, N)`)."""
+    (`mm(x, packed, bias, N)`) and how it comes back dense (`unpack(packed, N, K)`)."""
 
     name: str
     choice: str  # its EngineConfig.linear value
@@ -32,7 +32,7 @@ def _onednn_mm(x, w, bias, n):
     return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
 
 
-ONEDNN = Layout("oneDNN packed", "onednn", lambda w: _reorder(w, BATCH_HINT), _onednn_mm, lambda w, n: w.to_dense())
+ONEDNN = Layout("oneDNN packed", "onednn", lambda w: _reorder(w, BATCH_HINT), _onednn_mm, lambda w, n, k: w.to_dense())
 PANELS = Layout("panels", "panels", lambda w: cpu_linear.pack(w), lambda x, w, bias, n: cpu_linear.linear(x, w, n, bias),
                 cpu_linear.unpack)
 

@@ -1,30 +1,30 @@
-"""How a linear runs: one place decides it, once, when the engine is built.
+"""How a linear runs: one place decides it, once, when the engine is built (and again if the run's
+own steps want another backend: engine/relinear.py).
 
 - "aten": each module's own forward (`F.linear`: MKL sgemm on the CPU, cuBLAS on a GPU).
-- "panels": CPU, fp32, AVX2. Every `nn.Linear` weight is re-laid once into 16-column panels and
-  multiplied by our kernel (kernels/cpu_linear.py), which streams the weights at close to the
-  machine's read bandwidth: faster than oneDNN's packed GEMM at decode sizes and about the same at
-  prefill sizes (the figures, with the machines: docs/engine.md, "CPU linears"). Its arithmetic does not depend on the batch, so
-  a row's output is bitwise the same at any batch size. A tied LM head and its embedding share one
-  panel matrix: the embedding reads its rows from the panels (an exact copy).
+- "panels": CPU, fp32 and bf16, AVX2 and up. Every `nn.Linear` weight is re-laid once into 16-column
+  panels and multiplied by our kernel (kernels/cpu_linear.py), which streams the weights at close to the
+  machine's read bandwidth; bf16 runs AMX tiles or avx512_bf16 where the CPU has them, two FMAs a pair
+  elsewhere (the figures, with the machines: docs/engine.md, "CPU linears"). Its arithmetic does not
+  depend on the batch, so a row's output is bitwise the same at any batch size. A tied LM head and its
+  embedding share one panel matrix: the embedding reads its rows from the panels (an exact copy).
 - "onednn": CPU, fp32 or bf16. Every weight is reordered once into oneDNN's blocked layout and the
   module computes with `mkldnn._linear_pointwise` (the pair that inductor's freezing pass uses, and
   what vLLM's CPU backend does): at M = 1-64 MKL's fp32 GEMM runs several times slower than that, on
   AVX2 and AVX-512 alike (benchmarks/bench_linear.py prints the ratio). A tied LM head runs through oneDNN on the dense
   matrix it shares with the embedding (no second copy).
 - "auto": where more than one backend can run on the CPU, the one measured fastest on this machine
-  for the expected workload (models/calibrate.py: a few seconds once per machine, cached); with
-  SVRMAD_CALIBRATE=0, panels for fp32 where the kernel builds, else oneDNN (bf16 with a oneDNN bf16
-  path); else F.linear, saying why.
+  for the expected workload (models/calibrate.py: a few seconds once per machine, cached), weighed
+  again by the run's own steps; with SVRMAD_CALIBRATE=0, the panels where the kernel builds, else
+  oneDNN (bf16 with a oneDNN bf16 path); else F.linear, saying why.
 - Packed quantized modules (models/quant: MXFP4 experts, FP8 linears) are not `nn.Linear`s: they
   own their matmul and are left alone here.
 
-Either layout *replaces* the dense weight (same bytes). bf16 weights are packed only where oneDNN has
-a bf16 path on this CPU (avx512_bf16 / AMX / avx_ne_convert); without one a bf16 GEMM is slower than
-fp32, and the engine says so instead of silently changing the dtype (bf16 changes the token
-statistics; choose it with --dtype). Numerics move at fp32 rounding level against F.linear (another
-summation order), so exactness is stated against a reference that runs the same backend; see
-docs/engine.md, "CPU linears".
+Either layout *replaces* the dense weight (same bytes; `relayout` moves a model from one to another,
+exact copies). oneDNN packs bf16 only where it has a bf16 path on this CPU (avx512_bf16 / AMX /
+avx_ne_convert); the panels pack bf16 on any AVX2 CPU. Numerics move at fp32 rounding level against
+F.linear (another summation order), so exactness is stated against a reference that runs the same
+backend; see docs/engine.md, "CPU linears".
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ class PackedLinear(nn.Module):
         return self.layout.mm(x, self.weight, self.bias, self.out_features)
 
     def dense_weight(self) -> torch.Tensor:
-        return self.layout.unpack(self.weight, self.out_features) if self.packed else self.weight
+        return self.layout.unpack(self.weight, self.out_features, self.in_features) if self.packed else self.weight
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         """state_dict() and save_pretrained() see the plain weight, so a packed model saves as usual."""
@@ -96,10 +96,10 @@ class PanelEmbedding(nn.Module):
         self.weight = head.weight  # the same Parameter: tied, counted once
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return cpu_linear.rows_of(self.weight, ids)
+        return cpu_linear.rows_of(self.weight, ids, self.embedding_dim)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
-        destination[prefix + "weight"] = cpu_linear.unpack(self.weight, self.num_embeddings)
+        destination[prefix + "weight"] = cpu_linear.unpack(self.weight, self.num_embeddings, self.embedding_dim)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, rows read from the tied LM head's panels"
@@ -142,7 +142,7 @@ class FusedGroup(nn.Module):
         return out
 
     def dense_weight(self) -> torch.Tensor:
-        return self.layout.unpack(self.weight, self.out_features)
+        return self.layout.unpack(self.weight, self.out_features, self.in_features)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         pass  # each part saves its own rows under its own name
@@ -216,8 +216,8 @@ def _why_not_onednn(model: nn.Module, device: torch.device, dtype: torch.dtype) 
 def _why_not_panels(model: nn.Module, device: torch.device, dtype: torch.dtype) -> str | None:
     if device.type != "cpu":
         return f"weights on {device.type}"
-    if dtype != torch.float32:
-        return f"{str(dtype).removeprefix('torch.')} weights (the panel kernel is fp32)"
+    if dtype not in cpu_linear.DTYPES:
+        return f"{str(dtype).removeprefix('torch.')} weights (the panel kernel takes fp32 and bf16)"
     if any(type(p).__name__ == "DTensor" for p in model.parameters()):
         return "tensor-parallel (DTensor) weights"
     if not cpu_linear.available():
@@ -226,11 +226,12 @@ def _why_not_panels(model: nn.Module, device: torch.device, dtype: torch.dtype) 
 
 
 def select_linear(model: nn.Module, choice: str = "auto", fuse: bool = True,
-                  workload: calibrate.Workload | None = None) -> Selection:
+                  workload: calibrate.Workload | None = None, cache: str | None = None) -> Selection:
     """Apply the linear backend `choice` to `model` in place, once; returns what runs (`Selection`,
     its line also logged at info level). `fuse`: sibling projections of one input become one GEMM
     (FusedGroup). "auto" on a CPU where several backends can run takes the one measured fastest for
-    `workload` (models/calibrate.py; `calibrate.recorded(model)` holds the figures)."""
+    `workload` (models/calibrate.py, its figures cached under `cache`, the --cache-dir;
+    `calibrate.recorded(model)` holds the figures)."""
     if choice not in CHOICES:
         raise ValueError(f"linear must be one of {', '.join(CHOICES)}, got {choice!r}")
     linears = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]
@@ -252,7 +253,7 @@ def select_linear(model: nn.Module, choice: str = "auto", fuse: bool = True,
     if choice == "auto" and p.device.type == "cpu" and (why_panels is None or why is None) and calibrate.enabled():
         # more than one backend can run: the measured one (models/calibrate.py) rather than a fixed rule
         cal = calibrate.calibrate(model, [b for b, w in (("panels", why_panels), ("onednn", why), ("aten", None))
-                                          if w is None], workload, fuse)
+                                          if w is None], workload, fuse, cache=cache)
         setattr(model, calibrate.RECORD, cal)
         if cal.choice == "aten":
             return _said("aten", f"aten (F.linear), {cal.reason}", packed_q)
@@ -299,6 +300,56 @@ def select_linear(model: nn.Module, choice: str = "auto", fuse: bool = True,
     note = (f", as {len(linears) - len(fused) + len(groups)} GEMMs (q/k/v and gate/up fused)" if groups else "") + note
     return _said(layout.name, f"{layout.name} ({len(linears)} linears, {str(p.dtype).removeprefix('torch.')}){note}"
                               f"{measured}", packed_q)
+
+
+def unpack_all(model: nn.Module) -> None:
+    """Plain nn.Linear modules again (and a plain nn.Embedding where it read a tied head's panels), in place,
+    each from its packed weight (exact copies): what select_linear started from, for another layout."""
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    groups: dict[int, torch.Tensor] = {}
+
+    def plain(m: nn.Module, weight: nn.Parameter, bias: torch.Tensor | None) -> nn.Linear:
+        lin = nn.Linear(m.in_features, m.out_features, bias=bias is not None, device="meta")
+        lin.weight = weight
+        if bias is not None:
+            lin.bias = nn.Parameter(bias, requires_grad=False)
+        return lin
+
+    def put(name: str, module: nn.Module) -> None:
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, leaf, module)
+
+    shared = None  # the dense matrix a tied head and its embedding share again
+    if isinstance(emb, PanelEmbedding):
+        shared = nn.Parameter(cpu_linear.unpack(emb.weight, emb.num_embeddings, emb.embedding_dim), requires_grad=False)
+        plain_emb = nn.Embedding(emb.num_embeddings, emb.embedding_dim, emb.padding_idx, device="meta")
+        plain_emb.weight = shared
+        put(next(n for n, mod in model.named_modules() if mod is emb), plain_emb)
+    for name, m in list(model.named_modules()):
+        if isinstance(m, FusedPart):
+            g = m.group
+            if id(g) not in groups:
+                groups[id(g)] = g.dense_weight()
+            lo, hi = g.bounds[m.i]
+            bias = g.bias.detach()[lo:hi].clone() if m.has_bias else None
+            put(name, plain(m, nn.Parameter(groups[id(g)][lo:hi].clone(), requires_grad=False), bias))
+            if m.i == len(g.bounds) - 1:  # the group's last part (siblings come in order): its dense copy goes
+                del groups[id(g)]
+        elif isinstance(m, PackedLinear):
+            if shared is not None and m.packed and m.layout is PANELS and m.weight.data_ptr() == emb.weight.data_ptr():
+                weight = shared  # the tied head: the embedding's dense matrix, one Parameter as before
+            elif m.packed:
+                weight = nn.Parameter(m.dense_weight(), requires_grad=False)
+            else:
+                weight = m.weight  # a tied head on its shared dense weight
+            put(name, plain(m, weight, None if m.bias is None else m.bias.detach()))
+
+
+def relayout(model: nn.Module, choice: str) -> Selection:
+    """The model's linears moved, in place, to the backend `choice` ("panels", "onednn", "aten") from the
+    layout they are in: every weight unpacked (an exact copy) and packed again, one module at a time."""
+    unpack_all(model)
+    return select_linear(model, choice)
 
 
 def _said(value: str, what: str, packed_q: int, fell_back: bool = False) -> Selection:

@@ -40,11 +40,55 @@ class LoadedModel:
     path: Path
 
 
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo's names of the CPU's own bf16 arithmetic
+
+
+def native_bf16() -> list[str]:
+    """The bf16 instructions this CPU has (avx512_bf16, AMX's bf16 tiles), as /proc/cpuinfo names them."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        flags = []
+    if not flags:  # no /proc (not Linux): what torch's own dispatch reads
+        cpu = getattr(torch, "cpu", None)
+        has = getattr(cpu, "_is_avx512_bf16_supported", None)
+        flags = ["avx512_bf16"] if has is not None and has() else []
+    return [f for f in BF16_FLAGS if f in flags]
+
+
 def default_dtype(device: str | None) -> torch.dtype:
-    """fp32 on the CPU (bf16 matmuls are slow there and change the statistics), bf16 on a GPU."""
+    """bf16 on a GPU and on a CPU with its own bf16 arithmetic (avx512_bf16 or AMX), fp32 on other CPUs
+    (bf16 there is converted on the fly and changes the statistics for nothing). docs/engine.md, "The
+    default dtype"."""
+    return default_dtype_and_why(device)[0]
+
+
+def default_dtype_and_why(device: str | None) -> tuple[torch.dtype, str]:
+    """`--dtype auto` here, and why, in words the engine's start line uses."""
     if device and device.startswith("cuda") or (device in (None, "auto") and torch.cuda.is_available()):
-        return torch.bfloat16
-    return torch.float32
+        return torch.bfloat16, "--dtype auto: bf16 on a GPU"
+    has = native_bf16()
+    if has:
+        return torch.bfloat16, (f"--dtype auto: bf16 on a CPU with bf16 arithmetic ({', '.join(has)}); --dtype fp32 "
+                                "--linear panels computes the same tokens on every machine")
+    return torch.float32, "--dtype auto: fp32 on a CPU without bf16 arithmetic (no avx512_bf16 or AMX)"
+
+
+def describe_dtype(dtype: torch.dtype, device: torch.device | str) -> tuple[str, str]:
+    """(a short note for the engine's start line, the reason) of weights in `dtype` on `device`: on a CPU,
+    the machine's default and why (what --dtype auto takes) or that another dtype was asked for."""
+    device = torch.device(device)
+    if device.type not in ("cpu", "cuda"):
+        return "", "where the weights are"
+    auto, why = default_dtype_and_why(str(device))
+    if dtype != auto:
+        return ("as asked" if device.type == "cpu" else ""), \
+            f"as asked (--dtype auto would take {str(auto).removeprefix('torch.')} here)"
+    if device.type != "cpu":
+        return "", why
+    has = native_bf16()
+    return f"auto: {', '.join(has)}" if has else "auto: no bf16 arithmetic here", why
 
 
 def parse_dtype(dtype: str | torch.dtype | None, device: str | None) -> torch.dtype:

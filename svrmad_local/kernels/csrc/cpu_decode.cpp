@@ -125,14 +125,32 @@ static inline void prefetch_rows(const void* base, int64_t rows, int64_t stride,
     for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, 2);
 }
 
-// a row as floats: itself when T is float, else converted into `buf`
+// rows [r0, r1) of a block (each `stride` elements apart, `width` of them read from each) as floats: in place
+// where T is float (rows `stride` apart), else widened into buf (rows `width` apart: row_stride<T>). The same
+// floats either way, so a bf16 cache gives the bits of its fp32 copy.
 template <typename T>
-static inline const float* as_float(const T* row, float* buf, int64_t D) {
-  for (int64_t d = 0; d < D; ++d) buf[d] = static_cast<float>(row[d]);
-  return buf;
+static constexpr int64_t row_stride(int64_t stride, int64_t width) {
+  return std::is_same<T, float>::value ? stride : width;
 }
-template <>
-inline const float* as_float<float>(const float* row, float*, int64_t) { return row; }
+template <typename T>
+static inline const float* rows_as_float(const T* base, int64_t r0, int64_t r1, int64_t stride, int64_t width,
+                                         float* buf) {
+  if constexpr (std::is_same<T, float>::value) {
+    return base + r0 * stride;
+  } else {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* row = base + r * stride;
+      float* out = buf + (r - r0) * width;
+      int64_t d = 0;
+#ifdef SVRMAD_AVX2
+      if constexpr (std::is_same<T, c10::BFloat16>::value)
+        for (; d + 8 <= width; d += 8) _mm256_storeu_ps(out + d, load_bf16x8(reinterpret_cast<const uint16_t*>(row) + d));
+#endif
+      for (; d < width; ++d) out[d] = static_cast<float>(row[d]);
+    }
+    return buf;
+  }
+}
 
 // keys one work item attends to, rounded to whole blocks: a constant, not a share of the threads, so a
 // sequence's output is the same bits whatever the thread count, and one long sequence still keeps
@@ -181,7 +199,7 @@ static void run(const T* q, const T* k, const T* v, const int64_t* table, const 
       return std::lower_bound(cum.begin(), cum.end() - 1, (cum.back() * t + NT - 1) / NT) - cum.begin();
     };
     const int64_t i0 = at_share(tlo), i1 = at_share(thi);
-    std::vector<float> qf(per * G * D), scores(per * G * C), kbuf(KVH * D), vbuf(KVH * Dv);
+    std::vector<float> qf(per * G * D), scores(per * G * C), kbuf(bs * per * D), vbuf(bs * per * Dv);
     for (int64_t i = i0; i < i1; ++i) {
       const Item& it = items[i];
       const int64_t b = it.b, g0 = it.g0, s = it.lo, e = it.hi, n = e - s, L = lens[b];
@@ -189,38 +207,33 @@ static void run(const T* q, const T* k, const T* v, const int64_t* table, const 
       for (int64_t h = 0; h < NH; ++h)
         for (int64_t d = 0; d < D; ++d) qf[h * D + d] = static_cast<float>(q[(b * H + h0 + h) * D + d]);
       for (int64_t p0 = s - s % bs; p0 < e; p0 += bs) {
-        const T* kb = k + table[b * maxb + p0 / bs] * bs * KVH * D;
-        if constexpr (std::is_same<T, float>::value) {  // rows read in place, eight tokens a reduction
-          for (int64_t p = std::max(p0, s), pe = std::min(p0 + bs, e); p < pe; p += 8) {
-            const int64_t cnt = std::min<int64_t>(8, pe - p), t = p - s;
-            const float* rows = kb + ((p - p0) * KVH + g0) * D;
-            if (p0 + PF_AHEAD * bs < L)
-              prefetch_rows(k + ((table[b * maxb + p0 / bs + PF_AHEAD] * bs + (p - p0)) * KVH + g0) * D, cnt,
-                            KVH * D * sizeof(float), per * D * sizeof(float));
+        const int64_t p1 = std::max(p0, s), pe = std::min(p0 + bs, e);
+        const T* kb = k + (table[b * maxb + p0 / bs] * bs * KVH + g0) * D;
+        const int64_t ld = row_stride<T>(KVH * D, per * D);  // the rows [p1, pe) of this item's heads as floats
+        const float* krows = rows_as_float(kb, p1 - p0, pe - p0, KVH * D, per * D, kbuf.data());
+        for (int64_t p = p1; p < pe; p += 8) {  // eight tokens a reduction
+          const int64_t cnt = std::min<int64_t>(8, pe - p), t = p - s;
+          const float* rows = krows + (p - p1) * ld;
+          if (p0 + PF_AHEAD * bs < L)  // these rows of the block PF_AHEAD on, towards L2, spread over the block
+            prefetch_rows(k + ((table[b * maxb + p0 / bs + PF_AHEAD] * bs + (p - p0)) * KVH + g0) * D, cnt,
+                          KVH * D * sizeof(T), per * D * sizeof(T));
 #ifdef SVRMAD_AVX2
-            if (cnt == 8 && D % 8 == 0) {  // the heads of each KV group share the row loads
-              for (int64_t h = 0; h < NH;) {
-                const int64_t take = std::min<int64_t>(3, G - h % G);
-                const float* qh = qf.data() + h * D;
-                const float* rh = rows + (h / G) * D;
-                float* oh = scores.data() + h * C + t;
-                if (take == 3) dots8_heads<3>(qh, rh, KVH * D, D, scale, oh, C);
-                else if (take == 2) dots8_heads<2>(qh, rh, KVH * D, D, scale, oh, C);
-                else dots8_heads<1>(qh, rh, KVH * D, D, scale, oh, C);
-                h += take;
-              }
-              continue;
+          if (cnt == 8 && D % 8 == 0) {  // the heads of each KV group share the row loads
+            for (int64_t h = 0; h < NH;) {
+              const int64_t take = std::min<int64_t>(3, G - h % G);
+              const float* qh = qf.data() + h * D;
+              const float* rh = rows + (h / G) * D;
+              float* oh = scores.data() + h * C + t;
+              if (take == 3) dots8_heads<3>(qh, rh, ld, D, scale, oh, C);
+              else if (take == 2) dots8_heads<2>(qh, rh, ld, D, scale, oh, C);
+              else dots8_heads<1>(qh, rh, ld, D, scale, oh, C);
+              h += take;
             }
-#endif
-            for (int64_t h = 0; h < NH; ++h)
-              dots8(qf.data() + h * D, rows + (h / G) * D, KVH * D, cnt, D, scale, scores.data() + h * C + t);
+            continue;
           }
-          continue;
-        }
-        for (int64_t p = std::max(p0, s), pe = std::min(p0 + bs, e); p < pe; ++p) {
-          const float* kp = as_float(kb + ((p - p0) * KVH + g0) * D, kbuf.data(), per * D);
-          const int64_t t = p - s;
-          for (int64_t h = 0; h < NH; ++h) scores[h * C + t] = dotf(qf.data() + h * D, kp + (h / G) * D, D) * scale;
+#endif
+          for (int64_t h = 0; h < NH; ++h)
+            dots8(qf.data() + h * D, rows + (h / G) * D, ld, cnt, D, scale, scores.data() + h * C + t);
         }
       }
       for (int64_t h = 0; h < NH; ++h) {  // the sink joins every chunk's max, so one chunk needs no rescaling
@@ -232,31 +245,31 @@ static void run(const T* q, const T* k, const T* v, const int64_t* table, const 
       float* acc = part_acc.data() + (it.chunk * H + h0) * Dv;
       std::fill(acc, acc + NH * Dv, 0.f);
       for (int64_t p0 = s - s % bs; p0 < e; p0 += bs) {
-        const T* vb = v + table[b * maxb + p0 / bs] * bs * KVH * Dv;
+        const T* vb = v + (table[b * maxb + p0 / bs] * bs * KVH + g0) * Dv;
         const int64_t p1 = std::max(p0, s), pe = std::min(p0 + bs, e);
+        const int64_t ld = row_stride<T>(KVH * Dv, per * Dv);
+        const float* vrows = rows_as_float(vb, p1 - p0, pe - p0, KVH * Dv, per * Dv, vbuf.data());
 #ifdef SVRMAD_AVX2
-        if constexpr (std::is_same<T, float>::value) {
-          if (Dv % 32 == 0) {  // the heads of a KV group share each row; accumulators in registers
-            for (int64_t h = 0; h < NH;) {
-              const int64_t take = std::min<int64_t>(3, G - h % G), kv = g0 + h / G;
-              if (h % G == 0 && p0 + PF_AHEAD * bs < L)
-                prefetch_rows(v + ((table[b * maxb + p0 / bs + PF_AHEAD] * bs + (p1 - p0)) * KVH + kv) * Dv,
-                              pe - p1, KVH * Dv * sizeof(float), Dv * sizeof(float));
-              const float* w[3];
-              for (int64_t j = 0; j < take; ++j) w[j] = scores.data() + (h + j) * C + (p1 - s);
-              const float* row = vb + ((p1 - p0) * KVH + kv) * Dv;
-              float* a = acc + h * Dv;
-              if (take == 3) axpy_heads<3>(w, row, KVH * Dv, pe - p1, Dv, a, Dv);
-              else if (take == 2) axpy_heads<2>(w, row, KVH * Dv, pe - p1, Dv, a, Dv);
-              else axpy_heads<1>(w, row, KVH * Dv, pe - p1, Dv, a, Dv);
-              h += take;
-            }
-            continue;
+        if (Dv % 32 == 0) {  // the heads of a KV group share each row; accumulators in registers
+          for (int64_t h = 0; h < NH;) {
+            const int64_t take = std::min<int64_t>(3, G - h % G);
+            if (h % G == 0 && p0 + PF_AHEAD * bs < L)
+              prefetch_rows(v + ((table[b * maxb + p0 / bs + PF_AHEAD] * bs + (p1 - p0)) * KVH + g0 + h / G) * Dv,
+                            pe - p1, KVH * Dv * sizeof(T), Dv * sizeof(T));
+            const float* w[3];
+            for (int64_t j = 0; j < take; ++j) w[j] = scores.data() + (h + j) * C + (p1 - s);
+            const float* row = vrows + (h / G) * Dv;
+            float* a = acc + h * Dv;
+            if (take == 3) axpy_heads<3>(w, row, ld, pe - p1, Dv, a, Dv);
+            else if (take == 2) axpy_heads<2>(w, row, ld, pe - p1, Dv, a, Dv);
+            else axpy_heads<1>(w, row, ld, pe - p1, Dv, a, Dv);
+            h += take;
           }
+          continue;
         }
 #endif
         for (int64_t p = p1; p < pe; ++p) {
-          const float* vp = as_float(vb + ((p - p0) * KVH + g0) * Dv, vbuf.data(), per * Dv);
+          const float* vp = vrows + (p - p1) * ld;
           const int64_t t = p - s;
           for (int64_t h = 0; h < NH; ++h) axpyf(scores[h * C + t], vp + (h / G) * Dv, acc + h * Dv, Dv);
         }

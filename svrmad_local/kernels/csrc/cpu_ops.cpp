@@ -1,9 +1,12 @@
-// The fused ops of a Llama-shaped decoder layer, fp32 (RMSNorm with the residual add, RoPE with the K/V
-// cache write): built by _cpu_build.py with -ffp-contract=off, called from cpu_ops.py (its numerics).
+// The fused ops of a Llama-shaped decoder layer, fp32 and bf16 (RMSNorm with the residual add, RoPE with
+// the K/V cache write, SiLU-and-multiply): built by _cpu_build.py with -ffp-contract=off, called from
+// cpu_ops.py (its numerics). Every value is computed in fp32; a bf16 tensor is rounded where transformers'
+// bf16 modules round (each of their ops returns bf16), so the ops compute the modules' bits.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include "simd.h"
 
@@ -11,41 +14,77 @@
 #error "the fused decoder ops need AVX2 and FMA (-mavx2 -mfma)"
 #endif
 
+#include <sleef.h>  // torch's own exponential (libtorch_cpu exports it): SiLU computes torch's bits
+
 using namespace svrmad;
 
-// one row: y = w * (x * (1 / sqrt(mean(x^2) + eps)))
-static inline void norm_row(const float* x, const float* w, float* y, int64_t h, float eps) {
+// an element of T as fp32, and fp32 back to T (bf16: rounded to nearest even, as torch rounds)
+template <typename T> static inline float to_f(T v);
+template <> inline float to_f<float>(float v) { return v; }
+template <> inline float to_f<uint16_t>(uint16_t v) { return bf16_to_float(v); }
+template <typename T> static inline T from_f(float v);
+template <> inline float from_f<float>(float v) { return v; }
+template <> inline uint16_t from_f<uint16_t>(float v) { return float_to_bf16(v); }
+// what an op of transformers returns in T, read back as fp32: itself in fp32, rounded to bf16 in bf16
+template <typename T> static inline float round_as(float v) { return to_f<T>(from_f<T>(v)); }
+
+template <typename T> static inline __m256 load8(const T* p);
+template <> inline __m256 load8<float>(const float* p) { return _mm256_loadu_ps(p); }
+template <> inline __m256 load8<uint16_t>(const uint16_t* p) { return load_bf16x8(p); }
+
+// one row: y = w * (x * (1 / sqrt(mean(x^2) + eps))); in bf16 the normalised x is rounded to bf16 before
+// the weight multiplies it (transformers' `weight * hidden_states.to(input_dtype)`)
+template <typename T>
+static inline void norm_row(const T* x, const T* w, T* y, int64_t h, float eps) {
   __m256 acc = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 8 <= h; i += 8) {
-    __m256 v = _mm256_loadu_ps(x + i);
+    __m256 v = load8<T>(x + i);
     acc = _mm256_add_ps(acc, _mm256_mul_ps(v, v));
   }
   float s = sum_lanes_in_order(acc);
-  for (; i < h; ++i) s += x[i] * x[i];
+  for (; i < h; ++i) s += to_f<T>(x[i]) * to_f<T>(x[i]);
   const float r = 1.0f / std::sqrt(s / static_cast<float>(h) + eps);
-  for (int64_t j = 0; j < h; ++j) y[j] = w[j] * (x[j] * r);
+  for (int64_t j = 0; j < h; ++j) y[j] = from_f<T>(to_f<T>(w[j]) * round_as<T>(to_f<T>(x[j]) * r));
 }
 
 static void check_rows(const torch::Tensor& x, const torch::Tensor& w, const char* what) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && w.dtype() == torch::kFloat32, what, ": fp32 only");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, what, ": fp32 or bf16 only");
+  TORCH_CHECK(w.scalar_type() == x.scalar_type(), what, ": the weight's dtype must be x's");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), what, ": x must be a contiguous [rows, hidden] tensor");
   TORCH_CHECK(w.dim() == 1 && w.is_contiguous() && w.size(0) == x.size(1), what, ": weight must be [hidden]");
 }
+
+// the data of an fp32 tensor as float, of a bf16 one as its raw bits
+template <typename T> static inline T* data(const torch::Tensor& t) {
+  if constexpr (std::is_same<T, float>::value) return t.data_ptr<float>();
+  else return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>());
+}
+
+#define SVRMAD_DISPATCH(t, ...)                         \
+  if ((t).scalar_type() == at::kFloat) {                \
+    using T = float;                                    \
+    __VA_ARGS__                                         \
+  } else {                                              \
+    using T = uint16_t;                                 \
+    __VA_ARGS__                                         \
+  }
 
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   check_rows(x, w, "rms_norm");
   const int64_t R = x.size(0), H = x.size(1);
   auto y = torch::empty_like(x);
-  const float *X = x.data_ptr<float>(), *W = w.data_ptr<float>();
-  float* Y = y.data_ptr<float>();
-  at::parallel_for(0, R, 64, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) norm_row(X + r * H, W, Y + r * H, H, (float)eps);
-  });
+  SVRMAD_DISPATCH(x, {
+    const T *X = data<T>(x), *W = data<T>(w);
+    T* Y = data<T>(y);
+    at::parallel_for(0, R, 64, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) norm_row<T>(X + r * H, W, Y + r * H, H, (float)eps);
+    });
+  })
   return y;
 }
 
-// s = residual + x (the layer's skip connection), y = rms_norm(s): returns (y, s)
+// s = residual + x (the layer's skip connection, rounded to x's dtype), y = rms_norm(s): returns (y, s)
 std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps) {
   check_rows(x, w, "add_rms_norm");
   TORCH_CHECK(residual.sizes() == x.sizes() && residual.is_contiguous() && residual.dtype() == x.dtype(),
@@ -53,70 +92,119 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual,
   const int64_t R = x.size(0), H = x.size(1);
   auto y = torch::empty_like(x);
   auto s = torch::empty_like(x);
-  const float *X = x.data_ptr<float>(), *Res = residual.data_ptr<float>(), *W = w.data_ptr<float>();
-  float *Y = y.data_ptr<float>(), *S = s.data_ptr<float>();
-  at::parallel_for(0, R, 64, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      for (int64_t j = 0; j < H; ++j) S[r * H + j] = Res[r * H + j] + X[r * H + j];
-      norm_row(S + r * H, W, Y + r * H, H, (float)eps);
-    }
-  });
+  SVRMAD_DISPATCH(x, {
+    const T *X = data<T>(x), *Res = data<T>(residual), *W = data<T>(w);
+    T *Y = data<T>(y), *S = data<T>(s);
+    at::parallel_for(0, R, 64, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        for (int64_t j = 0; j < H; ++j) S[r * H + j] = from_f<T>(to_f<T>(Res[r * H + j]) + to_f<T>(X[r * H + j]));
+        norm_row<T>(S + r * H, W, Y + r * H, H, (float)eps);
+      }
+    });
+  })
   return {y, s};
 }
 
-// out[j] = x[j] * cos[j] + rot(x)[j] * sin[j], rot(x) = (-x[D/2:], x[:D/2]): transformers' rotate_half
-static inline void rope_head(const float* x, const float* c, const float* s, float* out, int64_t d) {
+// out[j] = x[j] * cos[j] + rot(x)[j] * sin[j], rot(x) = (-x[D/2:], x[:D/2]): transformers' rotate_half;
+// in bf16 each product and the sum rounded to bf16, as its three bf16 ops round them
+template <typename T>
+static inline void rope_head(const T* x, const T* c, const T* s, T* out, int64_t d) {
   const int64_t h = d / 2;
   for (int64_t j = 0; j < h; ++j) {
-    const float a = x[j] * c[j];
-    const float b = (-x[j + h]) * s[j];
-    out[j] = a + b;
+    const float a = round_as<T>(to_f<T>(x[j]) * to_f<T>(c[j]));
+    const float b = round_as<T>((-to_f<T>(x[j + h])) * to_f<T>(s[j]));
+    out[j] = from_f<T>(a + b);
   }
   for (int64_t j = h; j < d; ++j) {
-    const float a = x[j] * c[j];
-    const float b = x[j - h] * s[j];
-    out[j] = a + b;
+    const float a = round_as<T>(to_f<T>(x[j]) * to_f<T>(c[j]));
+    const float b = round_as<T>(to_f<T>(x[j - h]) * to_f<T>(s[j]));
+    out[j] = from_f<T>(a + b);
   }
 }
 
 // q [T, H, D], k [T, KVH, D], v [T, KVH, Dv] (any row and head strides, unit stride within a head);
-// cos/sin [T, D]; caches kc [S, KVH, D], vc [S, KVH, Dv] contiguous; slots [T].
+// cos/sin [T, D]; caches kc [S, KVH, D], vc [S, KVH, Dv] contiguous; slots [T]; one dtype throughout.
 // Returns the rotated q [T, H, D]; the rotated k and v go to rows slots[t] of the caches.
 torch::Tensor rope_store(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos, torch::Tensor sin,
                          torch::Tensor kc, torch::Tensor vc, torch::Tensor slots) {
-  for (auto* t : {&q, &k, &v, &cos, &sin, &kc, &vc})
-    TORCH_CHECK(t->dtype() == torch::kFloat32, "rope_store: fp32 only");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "rope_store: fp32 or bf16 only");
+  for (auto* t : {&k, &v, &cos, &sin, &kc, &vc})
+    TORCH_CHECK(t->scalar_type() == q.scalar_type(), "rope_store: q, k, v, cos, sin and the caches in one dtype");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "rope_store: q, k, v must be [T, heads, dim]");
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "rope_store: a head must be contiguous");
-  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(1), Dv = v.size(2);
-  TORCH_CHECK(D % 2 == 0 && k.size(2) == D && k.size(0) == T && v.size(0) == T && v.size(1) == KVH,
+  const int64_t T_ = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(1), Dv = v.size(2);
+  TORCH_CHECK(D % 2 == 0 && k.size(2) == D && k.size(0) == T_ && v.size(0) == T_ && v.size(1) == KVH,
               "rope_store: q, k, v shapes disagree");
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(0) == T && cos.size(1) == D &&
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(0) == T_ && cos.size(1) == D &&
               sin.sizes() == cos.sizes(), "rope_store: cos/sin must be contiguous [T, head_dim]");
   TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.size(1) == KVH && kc.size(2) == D &&
               vc.size(1) == KVH && vc.size(2) == Dv, "rope_store: cache shapes disagree with k/v");
-  TORCH_CHECK(slots.dtype() == torch::kInt64 && slots.is_contiguous() && slots.numel() == T,
+  TORCH_CHECK(slots.dtype() == torch::kInt64 && slots.is_contiguous() && slots.numel() == T_,
               "rope_store: slots must be [T] int64");
-  auto out = torch::empty({T, H, D}, q.options());
-  const float *Q = q.data_ptr<float>(), *K = k.data_ptr<float>(), *V = v.data_ptr<float>();
-  const float *C = cos.data_ptr<float>(), *Sn = sin.data_ptr<float>();
-  float *O = out.data_ptr<float>(), *KC = kc.data_ptr<float>(), *VC = vc.data_ptr<float>();
+  auto out = torch::empty({T_, H, D}, q.options());
   const int64_t* SL = slots.data_ptr<int64_t>();
   const int64_t S = kc.size(0);
-  for (int64_t t = 0; t < T; ++t)
+  for (int64_t t = 0; t < T_; ++t)
     TORCH_CHECK(SL[t] >= 0 && SL[t] < S, "rope_store: slot ", SL[t], " outside the cache's ", S, " rows");
-  at::parallel_for(0, T, 32, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const float *c = C + t * D, *s = Sn + t * D;
-      for (int64_t h = 0; h < H; ++h)
-        rope_head(Q + t * q.stride(0) + h * q.stride(1), c, s, O + (t * H + h) * D, D);
-      for (int64_t h = 0; h < KVH; ++h) {
-        rope_head(K + t * k.stride(0) + h * k.stride(1), c, s, KC + (SL[t] * KVH + h) * D, D);
-        const float* vs = V + t * v.stride(0) + h * v.stride(1);
-        std::copy(vs, vs + Dv, VC + (SL[t] * KVH + h) * Dv);
+  SVRMAD_DISPATCH(q, {
+    const T *Q = data<T>(q), *K = data<T>(k), *V = data<T>(v), *C = data<T>(cos), *Sn = data<T>(sin);
+    T *O = data<T>(out), *KC = data<T>(kc), *VC = data<T>(vc);
+    at::parallel_for(0, T_, 32, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const T *c = C + t * D, *s = Sn + t * D;
+        for (int64_t h = 0; h < H; ++h)
+          rope_head<T>(Q + t * q.stride(0) + h * q.stride(1), c, s, O + (t * H + h) * D, D);
+        for (int64_t h = 0; h < KVH; ++h) {
+          rope_head<T>(K + t * k.stride(0) + h * k.stride(1), c, s, KC + (SL[t] * KVH + h) * D, D);
+          const T* vs = V + t * v.stride(0) + h * v.stride(1);
+          std::copy(vs, vs + Dv, VC + (SL[t] * KVH + h) * Dv);
+        }
       }
-    }
-  });
+    });
+  })
+  return out;
+}
+
+// SiLU(g) = g / (1 + e^-g) with the exponential torch's vectorised SiLU takes (Sleef's, 1 ulp; the same bits
+// at 8 and 16 lanes), eight at a time
+static inline __m256 silu8(__m256 g) {
+  const __m256 e = Sleef_expf8_u10avx2(_mm256_sub_ps(_mm256_setzero_ps(), g));
+  return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e));
+}
+
+// out = silu(gate) * up, rows of I: gate [R, I] and up [R, I] with any row stride (the two halves of one
+// fused gate/up output), out contiguous. `vec`: the elements torch's vectorised loop takes at once on this
+// machine; the last I % vec of a row it computes with std::exp instead, and so does this. In bf16 the SiLU
+// is rounded to bf16 before the product, as F.silu's output is.
+torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up, int64_t vec) {
+  TORCH_CHECK(gate.scalar_type() == at::kFloat || gate.scalar_type() == at::kBFloat16, "silu_mul: fp32 or bf16 only");
+  TORCH_CHECK(up.scalar_type() == gate.scalar_type(), "silu_mul: gate and up in one dtype");
+  TORCH_CHECK(gate.dim() == 2 && up.sizes() == gate.sizes() && gate.stride(1) == 1 && up.stride(1) == 1,
+              "silu_mul: gate and up must be [rows, I] with contiguous rows");
+  TORCH_CHECK(vec >= 1, "silu_mul: vec must be positive");
+  const int64_t R = gate.size(0), I = gate.size(1), full = I - I % vec;
+  auto out = torch::empty({R, I}, gate.options());
+  SVRMAD_DISPATCH(gate, {
+    const T *G = data<T>(gate), *U = data<T>(up);
+    T* O = data<T>(out);
+    const int64_t gs = gate.stride(0), us = up.stride(0);
+    at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
+      alignas(32) float lanes[8];
+      for (int64_t r = r0; r < r1; ++r) {
+        const T *g = G + r * gs, *u = U + r * us;
+        T* o = O + r * I;
+        int64_t j = 0;
+        for (; j + 8 <= full; j += 8) {
+          _mm256_store_ps(lanes, silu8(load8<T>(g + j)));
+          for (int l = 0; l < 8; ++l) o[j + l] = from_f<T>(round_as<T>(lanes[l]) * to_f<T>(u[j + l]));
+        }
+        for (; j < I; ++j) {
+          const float x = to_f<T>(g[j]);
+          o[j] = from_f<T>(round_as<T>(x / (1.0f + std::exp(-x))) * to_f<T>(u[j]));
+        }
+      }
+    });
+  })
   return out;
 }
 
@@ -124,4 +212,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", torch::wrap_pybind_function(rms_norm), "rms_norm");
   m.def("add_rms_norm", torch::wrap_pybind_function(add_rms_norm), "add_rms_norm");
   m.def("rope_store", torch::wrap_pybind_function(rope_store), "rope_store");
+  m.def("silu_mul", torch::wrap_pybind_function(silu_mul), "silu_mul");
 }

@@ -7,13 +7,96 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #define SVRMAD_AVX2 1
 #include <immintrin.h>
 #endif
 
+// Code above AVX2 (AVX-512, avx512_bf16, AMX) is compiled in sections of its own, for those features
+// only, whatever the build's flags (SVRMAD_TARGET_BEGIN ... SVRMAD_TARGET_END), and runs only where the
+// CPU has them (isa_level()): one build serves every x86 machine, and a compiler too old for the
+// sections (GCC < 11, clang < 12) builds the AVX2 code alone (-DSVRMAD_NO_X86_TARGETS builds that too: the
+// compile-only check of tests/test_kernels_csrc.py).
+#if defined(SVRMAD_AVX2) && defined(__x86_64__) && !defined(SVRMAD_NO_X86_TARGETS) && \
+    ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
+#define SVRMAD_X86_TARGETS 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+#if defined(SVRMAD_X86_TARGETS) && defined(__clang__)
+#define SVRMAD_TARGET_BEGIN(features) _Pragma("clang attribute push(__attribute__((target(\"" features "\"))), apply_to = function)")
+#define SVRMAD_TARGET_END _Pragma("clang attribute pop")
+#elif defined(SVRMAD_X86_TARGETS)
+#define SVRMAD_PRAGMA(x) _Pragma(#x)
+#define SVRMAD_TARGET_BEGIN(features) _Pragma("GCC push_options") SVRMAD_PRAGMA(GCC target(features))
+#define SVRMAD_TARGET_END _Pragma("GCC pop_options")
+#endif
+#define SVRMAD_AVX512_FEATURES "avx2,fma,avx512f,avx512bw,avx512vl,avx512dq"
+#define SVRMAD_BF16_FEATURES SVRMAD_AVX512_FEATURES ",avx512bf16"
+#define SVRMAD_AMX_FEATURES SVRMAD_BF16_FEATURES ",amx-tile,amx-bf16"
+
 namespace svrmad {
+
+// ---- the run-time ISA level: what this CPU offers above AVX2, capped by SVRMAD_CPU_ISA ----
+// 0 AVX2 (the code every machine runs), 1 AVX-512, 2 avx512_bf16, 3 AMX (bf16 tiles). SVRMAD_CPU_ISA=avx2 |
+// avx512 | avx512_bf16 | amx caps it (the tests run the lower paths on a machine that has the higher);
+// cpu_linear.py checks its value. Each kernel module holds its own level; set_isa_level changes it.
+enum IsaLevel : int { ISA_AVX2 = 0, ISA_AVX512 = 1, ISA_AVX512_BF16 = 2, ISA_AMX = 3 };
+static const char* const ISA_NAMES[] = {"avx2", "avx512", "avx512_bf16", "amx"};
+
+static inline int detect_isa_level() {
+  int level = ISA_AVX2;
+#ifdef SVRMAD_X86_TARGETS
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
+    level = ISA_AVX512;
+    if (__builtin_cpu_supports("avx512bf16")) {
+      level = ISA_AVX512_BF16;
+      // the tiles' registers are given to a process only when it asks Linux for them
+      constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+      if (__builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") &&
+          syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0)
+        level = ISA_AMX;
+    }
+  }
+#endif
+  const char* cap = std::getenv("SVRMAD_CPU_ISA");
+  if (cap != nullptr)
+    for (int l = 0; l < 4; ++l)
+      if (std::strcmp(cap, ISA_NAMES[l]) == 0 && l < level) level = l;
+  return level;
+}
+
+static inline int& isa_level_ref() {
+  static int level = detect_isa_level();
+  return level;
+}
+static inline int isa_level() { return isa_level_ref(); }
+// caps the level at `level` (never above what the CPU has); returns the one before
+static inline int set_isa_level(int level) {
+  const int before = isa_level_ref();
+  const int most = detect_isa_level();
+  isa_level_ref() = level < most ? (level < 0 ? 0 : level) : most;
+  return before;
+}
+
+// ---- bf16 as torch stores it: the high half of an fp32; rounded to nearest even, NaN kept quiet ----
+static inline float bf16_to_float(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+static inline uint16_t float_to_bf16(float f) {  // c10::BFloat16's round_to_nearest_even, bit for bit
+  if (f != f) return 0x7FC0;
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
 
 #ifdef SVRMAD_AVX2
 // the sum of a vector's eight lanes, as a tree: (0+4, 1+5, 2+6, 3+7), then pairs, then the last two
@@ -58,6 +141,23 @@ static inline __m256 exp_neg8(__m256 x) {
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+
+#ifdef SVRMAD_AVX2
+// eight bf16 (16 bytes) as eight floats (exact)
+static inline __m256 load_bf16x8(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+// eight floats rounded to bf16 as float_to_bf16 does (nearest even, NaN -> 0x7FC0), into p[0..8)
+static inline void store_bf16x8(uint16_t* p, __m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
 }
 #endif
 

@@ -1,0 +1,86 @@
+"""The fused CPU ops (kernels/cpu_ops.py) in bf16 and SiLU-and-multiply: each computes what transformers'
+bf16 modules compute, bit for bit (their ops round to bf16 where the kernel rounds), except RMSNorm's sum
+of squares, whose order is the kernel's own."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+from svrmad_local.kernels import cpu_ops
+
+pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason=f"no fused CPU ops: {cpu_ops.unavailable_reason()}")
+
+
+def test_bf16_is_listed_where_the_ops_take_it():
+    assert cpu_ops.DTYPES == (torch.float32, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("inter", [1536, 1000, 37])  # whole vectors of torch's loop; and a scalar tail in each row
+def test_silu_mul_is_bitwise_silu_times_up(dtype, inter):
+    torch.manual_seed(inter)
+    gate_up = (torch.randn(6, 2 * inter) * 4).to(dtype)  # the two halves of a fused gate/up output, as our decoder has them
+    gate, up = gate_up[:, :inter], gate_up[:, inter:]
+    assert torch.equal(cpu_ops.silu_mul(gate, up), F.silu(gate) * up)
+    assert torch.equal(cpu_ops.silu_mul(gate[:1], up[:1]), (F.silu(gate) * up)[:1])
+    with pytest.raises(RuntimeError, match="gate and up in one dtype"):
+        cpu_ops.silu_mul(gate, up.double())
+
+
+def kernel_order_norm(x, w, eps):
+    """transformers' bf16 RMSNorm steps on the kernel's sum of squares (csrc/cpu_ops.cpp, norm_row): eight
+    lanes each summing every eighth square in order, the lanes added in order, then the tail."""
+    xf, h = x.float(), x.shape[-1]
+    lanes = torch.zeros(x.shape[0], 8)
+    for i in range(0, h - h % 8, 8):
+        lanes = lanes + xf[:, i : i + 8] * xf[:, i : i + 8]
+    s = lanes[:, 0]
+    for lane in range(1, 8):
+        s = s + lanes[:, lane]
+    for i in range(h - h % 8, h):
+        s = s + xf[:, i] * xf[:, i]
+    r = 1 / torch.sqrt(s / h + eps)
+    return (w.float() * (xf * r[:, None]).bfloat16().float()).bfloat16()
+
+
+@pytest.mark.parametrize("hidden", [576, 64, 13])
+def test_bf16_rms_norm_takes_transformers_steps(hidden):
+    """fp32 sum and scale, the normalised row rounded to bf16, times the bf16 weight, rounded: the same bits
+    as transformers' bf16 RMSNorm but where the fp32 sum of squares (summed in another order) rounds to
+    another bf16 scale; within one bf16 step of it, and each row alone."""
+    torch.manual_seed(hidden)
+    norm = LlamaRMSNorm(hidden, 1e-5)
+    norm.weight.data = torch.randn(hidden) * 0.3 + 1
+    norm = norm.to(torch.bfloat16)
+    x, res = (torch.randn(9, hidden) * 3).bfloat16(), torch.randn(9, hidden).bfloat16()
+    ours, theirs = cpu_ops.rms_norm(x, norm.weight, 1e-5), norm(x)
+    assert ours.dtype == torch.bfloat16
+    assert ((ours.float() - theirs.float()).abs() <= 2**-7 * theirs.float().abs()).all()
+    assert (ours == theirs).float().mean() > 0.99
+    assert torch.equal(ours, kernel_order_norm(x, norm.weight, 1e-5))
+    for i in range(9):
+        assert torch.equal(cpu_ops.rms_norm(x[i : i + 1], norm.weight, 1e-5), ours[i : i + 1])
+    y, s = cpu_ops.add_rms_norm(x, res, norm.weight, 1e-5)
+    assert torch.equal(s, res + x) and torch.equal(y, cpu_ops.rms_norm(res + x, norm.weight, 1e-5))
+    with pytest.raises(RuntimeError, match="the weight's dtype must be x's"):
+        cpu_ops.rms_norm(x, norm.weight.float(), 1e-5)
+
+
+def test_bf16_rope_and_cache_writes_are_bitwise_transformers_rope():
+    torch.manual_seed(0)
+    T, H, KVH, D = 5, 6, 2, 16
+    qkv = (torch.randn(T, (H + 2 * KVH) * D) * 4).bfloat16()
+    q, k, v = (qkv[:, a:b].view(T, -1, D) for a, b in ((0, H * D), (H * D, (H + KVH) * D), ((H + KVH) * D, None)))
+    half = torch.randn(T, D // 2) * 30
+    cos, sin = (torch.cat([half, half], -1).cos().bfloat16(), torch.cat([half, half], -1).sin().bfloat16())
+    kc, vc = torch.zeros(12, KVH, D, dtype=torch.bfloat16), torch.zeros(12, KVH, D, dtype=torch.bfloat16)
+    slots = torch.tensor([3, 7, 1, 11, 0])
+    q_out = cpu_ops.rope_store(q, k, v, cos, sin, kc, vc, slots)
+    q_ref, k_ref = apply_rotary_pos_emb(q[None].transpose(1, 2), k[None].transpose(1, 2), cos[None], sin[None])
+    assert torch.equal(q_out, q_ref[0].transpose(0, 1))
+    assert torch.equal(kc[slots], k_ref[0].transpose(0, 1)) and torch.equal(vc[slots], v)
+    with pytest.raises(RuntimeError, match="in one dtype"):
+        cpu_ops.rope_store(q, k, v, cos.float(), sin, kc, vc, slots)
