@@ -94,9 +94,8 @@ class EngineConfig:
 
     decoder: "auto" | "ours" | "modules", how the layers run: "ours" is the engine's own forward
     (engine/decoder.py: fused norms, RoPE and cache writes; bitwise the modules' computation with those
-    norms) for every family it claims, "modules" transformers' own; "auto" takes ours on the CPU and the
-    modules on a GPU (our fused ops are not yet validated there) or for an architecture not ported,
-    saying why. "lean" is the old name of "ours", still accepted.
+    norms) for every family it claims, "modules" transformers' own; "auto" takes ours (the compiled ops on
+    the CPU, Triton on a GPU) and the modules for an architecture not ported, saying why. "lean" is the old name of "ours", still accepted.
 
     mla: "absorbed" (decode rows of multi-head latent attention read the cached latent, engine/mla.py) |
     "expanded" (transformers' own expansion of the whole context at every step, the reference).

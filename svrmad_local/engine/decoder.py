@@ -189,9 +189,9 @@ def why_not(model: nn.Module, spec: ModelSpec) -> str | None:
 def select_decoder(model: nn.Module, spec: ModelSpec, choice: str = "auto",
                    kernel_impl: str = "auto") -> tuple[Decoder | None, Choice]:
     """Our decoder where it applies (swapping the model's RMSNorms for FastRMSNorm, in place), else None;
-    and the record's decoder choice, saying which and why. "auto" takes ours on the CPU for every ported
-    architecture (the compiled ops where they take the dtype, else the torch reference) and the modules on
-    a GPU: the fused ops' Triton kernels are tested in Triton's interpreter only, not yet on a GPU."""
+    and the record's decoder choice, saying which and why. "auto" takes ours for every ported architecture,
+    over the compiled ops on the CPU (where they take the dtype) and Triton on CUDA, else the torch
+    references."""
     choice = ALIASES.get(choice, choice)
     if choice not in CHOICES:
         raise ValueError(f"decoder must be one of {', '.join(CHOICES)} (or 'lean', the old name of 'ours'), "
@@ -203,14 +203,12 @@ def select_decoder(model: nn.Module, spec: ModelSpec, choice: str = "auto",
     if why is not None:
         if choice == "ours":
             raise ValueError(f"decoder='ours' cannot run this model: {why}")
-        return None, Choice("decoder", "the model's modules", why, fell_back=device.type == "cpu")
-    if choice == "auto" and device.type != "cpu":  # not a fallback: a GPU runs the modules (and graphs) for now
-        return None, Choice("decoder", "the model's modules",
-                            f"on {device.type}: our decoder's fused ops are not yet validated on a GPU "
-                            "(decoder='ours' runs it there)")
+        return None, Choice("decoder", "the model's modules", why, fell_back=device.type in ("cpu", "cuda"))
     ops = Ops(device, spec.dtype, kernel_impl)
     swap_norms(model, ops)
     decoder = Decoder(model, spec, ops)
-    wanted = device.type == "cpu" and kernel_impl == "auto" and ops.impl == "torch" and spec.dtype in cpu_ops.DTYPES
+    # a fallback where a faster implementation was meant to run: the compiled CPU ops for their dtypes, Triton on CUDA
+    wanted = kernel_impl == "auto" and ops.impl == "torch" and (
+        (device.type == "cpu" and spec.dtype in cpu_ops.DTYPES) or device.type == "cuda")
     return decoder, Choice("decoder", "ours", f"{decoder.family}, engine/decoder.py; fused ops: {ops.describe()}",
                            fell_back=wanted and choice == "auto")

@@ -294,8 +294,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                         "machine; docs/engine.md")
     g.add_argument("--decoder", choices=["auto", "ours", "modules", "lean"], default=ec.decoder,
                    help="how layers run: ours is the engine's own forward (engine/decoder.py: fused norms, RoPE and "
-                        "cache writes) for every family it claims, modules transformers' own; auto takes ours on the "
-                        "CPU and the modules on a GPU for now; lean is the old name of ours (docs/engine.md)")
+                        "cache writes) for every family it claims, modules transformers' own; auto takes ours where "
+                        "the family is ported; lean is the old name of ours (docs/engine.md)")
     g.add_argument("--cuda-graphs", choices=["auto", "on", "static", "off"], default=ec.cuda_graphs,
                    help="decode steps at fixed batch sizes replayed from CUDA graphs: auto takes them on a GPU "
                         "where nothing rules them out, and the run's engine info says why not (docs/engine.md)")
