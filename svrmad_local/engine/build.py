@@ -25,7 +25,7 @@ from .lean import select_decoder
 from .memory import keep_freed_memory, kv_budget, workload_cap
 from .runner import ModelRunner, choose_attention
 from .spec import inspect_model
-from .threads import BarrierSleepWatch
+from .threads import StepWatch, threads_choice
 
 log = logging.getLogger("svrmad_local")
 SHORT_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -68,7 +68,7 @@ def build(eng, model, cfg: EngineConfig) -> None:
     eng._watch = None
     if devices[0].type == "cpu":
         keep_freed_memory()
-        eng._watch = BarrierSleepWatch()  # warns once if another thread's torch work slows the steps
+        eng._watch = StepWatch(cfg.adapt_threads)  # the team sized to the cores it gets; warns on barrier sleeps
     # graphs to capture: the cache is sized after their memory is measured over a provisional one
     measure = cfg.cuda_graphs in ("auto", "on") and graphs.can_capture(devices[0]) and not eng.sharded
     eng.cache = KVCache(graphs.PROVISIONAL_BLOCKS if measure else num_blocks, cfg.block_size, spec.layers,
@@ -109,7 +109,7 @@ def build(eng, model, cfg: EngineConfig) -> None:
         quantization=quantization_choice(model), linear=linear, decoder=decoder, **attention, graphs=graphs_choice,
         tp=Choice("tp", f"{eng.tp_group.size} ranks" if eng.sharded else "off",
                   "the weights are split over the group (engine/tp.py)" if eng.sharded else "one process holds the model"),
-        stats=stats_choice(cfg.kernel_impl, head), attention_paths=paths)
+        stats=stats_choice(cfg.kernel_impl, head), threads=threads_choice(eng._watch), attention_paths=paths)
     log.info("svrmad: %s", eng.execution.line())
 
 

@@ -127,6 +127,7 @@ class Engine:
             **self.totals.as_dict(),
             "execution": ex.as_dict(),  # every choice made at build, with its reason (engine/execution.py)
             "fallbacks": runtime_fallbacks(),  # kernels that fell back to their torch reference since
+            "threads": self._watch.team.info() if self._watch is not None else None,  # the CPU team now
         }
 
     @classmethod
