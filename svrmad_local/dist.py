@@ -18,15 +18,24 @@ processes do without --tp. The other ranks of a group only follow their leader's
 The run's start message: rank 0 publishes the RunConfig and the questions to run (or the one-line
 error that stops everyone) under "start"; at the end each worker publishes what it did under
 "rank/i" and rank 0 waits for all of them.
+
+The end of a process: `close()` (`shutdown()` where no Dist was made) destroys every process group and
+waits for gloo's threads to end while the interpreter still runs. A group left to the interpreter's
+exit ends its threads during finalization, where one that still holds the last collective's tensor
+must take the interpreter's lock to free it: the process aborts inside gloo ("terminate called
+without an active exception") or hangs. The replica that finishes first met that at its exit, early
+in a run (the idle replica of a short run); under load the window is wide.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import time
+import traceback
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -84,6 +93,8 @@ def lost_rank(group: Group, what: str = "a rank of the tensor-parallel group sto
     try:
         yield
     except (RuntimeError, dist.DistBackendError) as exc:
+        # the failed collective's frames hold its group: let it go, so shutdown() can end the group's threads
+        traceback.clear_frames(exc.__traceback__)
         raise GroupLost(f"rank {dist.get_rank()} (tensor-parallel group {list(group.ranks)}): {what} "
                         f"({' '.join(str(exc).split())[:160]})") from None
 
@@ -108,6 +119,7 @@ class Dist:
     local_rank: int = 0
     store: Any = None  # a torch.distributed Store (None in a single process)
     gpu: int = 0  # this rank's GPU: LOCAL_RANK, or LOCAL_RANK modulo the GPUs where gloo lets ranks share one
+    groups: list[Group] = field(default_factory=list, repr=False)  # the tensor-parallel groups split() made
 
     @property
     def enabled(self) -> bool:
@@ -166,6 +178,7 @@ class Dist:
             pg = dist.new_group(list(ranks))
             if self.rank in ranks:
                 mine = Group(ranks, self.rank - first, pg)
+                self.groups.append(mine)
         replicas = self.world_size // tp
         view = Dist(self.rank // tp, replicas, self.local_rank, self.store) if replicas > 1 else Dist()
         return mine, view
@@ -240,8 +253,21 @@ class Dist:
             time.sleep(poll_s)
 
     def close(self) -> None:
+        """Every process group destroyed and its threads ended (see the module's docstring); a Group that
+        split() made has no process group left afterwards."""
         if self.enabled:
-            import torch.distributed as dist
+            shutdown(self.groups)
+        self.groups.clear()
 
-            if dist.is_initialized():
-                dist.destroy_process_group()
+
+def shutdown(groups: list[Group] = ()) -> None:
+    """Destroy every process group and end gloo's threads now, while the interpreter runs: torch's own
+    references go with destroy_process_group, ours with `groups`' (a Group held by a model or an engine
+    keeps its ranks, not its process group); a group's threads end when its last reference does."""
+    import torch.distributed as dist
+
+    for g in groups:
+        object.__setattr__(g, "pg", None)  # frozen: a Group is shared by the model, the engine and its channel
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()  # a cycle may hold the last reference

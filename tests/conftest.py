@@ -10,6 +10,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # `--linear auto` keeps its fixed rule (the panels) in tests: tests that rely on the panels' batch-invariant
 # arithmetic must not depend on what this machine measures; tests/test_calibrate.py turns it on.
 os.environ.setdefault("SVRMAD_CALIBRATE", "0")
+# The engine keeps torch's thread count in tests (EngineConfig.adapt_threads): a test that compares two runs
+# bit for bit must not see a thread count the machine's load chose; tests/test_threads.py turns it on.
+os.environ.setdefault("SVRMAD_ADAPT_THREADS", "0")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -1,13 +1,19 @@
 """Run by tests/test_tp.py under torchrun: one tensor-parallel engine over each given checkpoint in turn
 (one launch for them all: starting the processes is the slow part). The leader writes, per checkpoint,
-what it generated (greedy, seeded forks, teacher-forced log-probs) and every rank's resident bytes."""
+what it generated (greedy, seeded forks, teacher-forced log-probs) and every rank's resident bytes.
+Every mode ends the way the product does (svrmad_local.dist.shutdown) and says how many of the threads
+that making its process groups started are still there (gloo's: none, or the exit can abort)."""
 
 import json
+import os
 import sys
 from contextlib import contextmanager
+from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
+from svrmad_local import dist as svrmad_dist
 from svrmad_local.engine.engine import Engine, EngineConfig
 from svrmad_local.engine.params import SamplingParams
 from svrmad_local.models.loader import load_model
@@ -34,14 +40,27 @@ def resident_bytes(model) -> int:
     return sum(t.numel() * t.element_size() for t in seen.values())
 
 
+def tasks() -> set[str]:
+    return set(os.listdir("/proc/self/task"))
+
+
+@contextmanager
+def started_threads(box: set):
+    """The threads started inside the block (gloo's, when it makes process groups) go into `box`."""
+    before = tasks()
+    yield
+    box.update(tasks() - before)
+
+
 def follower_quits(out: str, path: str) -> None:
     """The follower runs 3 steps and exits cleanly (torchrun sees no failure and stops nobody): the
-    leader's next collective must end its request with GroupLost, one line, instead of hanging."""
-    import os
-
+    leader's next collective must end its request with GroupLost, one line, instead of hanging; then
+    the leader ends as the product does, and its interpreter exits normally (no abort, no hang)."""
     from svrmad_local.dist import GroupLost
 
-    dist.init_process_group("gloo")
+    gloo: set = set()
+    with started_threads(gloo):
+        dist.init_process_group("gloo")
     engine = Engine(load_model(path, device="cpu", dtype="fp32", tp=True).model, None, EngineConfig(**CONFIG))
     if dist.get_rank() == 1:
         for _ in range(3):
@@ -53,13 +72,42 @@ def follower_quits(out: str, path: str) -> None:
     except GroupLost as exc:
         said = str(exc)
     engine.close()
+    svrmad_dist.shutdown()
     with open(out, "w") as f:
-        json.dump({"said": said}, f)
-    # Leave without tearing down the gloo group whose peer is gone: its destructor at interpreter exit
-    # sometimes aborts inside gloo ("terminate called without an active exception", 2 of 14 runs on a
-    # 2-core machine), which is torchrun's business, not what this test checks (the leader's one line).
-    os._exit(0)
+        json.dump({"said": said, "gloo_threads_left": len(gloo & tasks()), "gloo_threads": len(gloo)}, f)
 
+
+def replicas(out: str, steps: int, lose: bool) -> None:
+    """Replicas of TP-2 groups made as `svrmad run --tp 2` makes them (svrmad_local.dist): the first replica's
+    leader sends `steps` steps (each with an all-reduce, as a forward has), the other replica none, so it
+    ends while the first still works; with `lose`, the first replica's follower quits after 3 steps.
+    Each rank ends with Dist.close() and writes how many gloo threads are left."""
+    from svrmad_local.dist import Dist, GroupLost
+    from svrmad_local.engine.tp import StepChannel
+
+    gloo: set = set()
+    with started_threads(gloo):
+        d = Dist.from_env()
+        group, view = d.split(2)
+    channel, said = StepChannel(group), None
+    try:
+        if group.rank == 0:
+            for i in range(steps if view.rank == 0 else 0):
+                channel.send({"step": i, "ids": list(range(64))})
+                dist.all_reduce(torch.ones(256), group=group.pg)
+            channel.send(None)
+        else:
+            n = 0
+            while channel.recv() is not None:
+                dist.all_reduce(torch.ones(256), group=group.pg)
+                n += 1
+                if lose and view.rank == 0 and n == 3:
+                    os._exit(0)  # the lost rank (cleanly: torchrun stops nobody)
+    except GroupLost as exc:
+        said = str(exc)
+    d.close()
+    Path(f"{out}.{d.rank}").write_text(json.dumps({"said": said, "gloo_threads_left": len(gloo & tasks()),
+                                                   "gloo_threads": len(gloo), "pg_left": group.pg is not None}))
 
 @contextmanager
 def counting(engine):
@@ -104,12 +152,14 @@ def main(out: str, paths: list[str], device: str = "cpu") -> None:
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(results, f)
-    dist.destroy_process_group()
+    svrmad_dist.shutdown()
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "--follower-quits":
         follower_quits(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "--replicas":
+        replicas(sys.argv[2], int(sys.argv[3]), sys.argv[4] == "lose")
     elif sys.argv[1] == "--device":
         main(sys.argv[3], sys.argv[4:], device=sys.argv[2])
     else:

@@ -28,7 +28,7 @@ from .memory import (available_memory, empty_cache, fraction, keep_freed_memory,
                      workload_cap)
 from .runner import ModelRunner, StepInput, choose_attention
 from .spec import inspect_model
-from .threads import BarrierSleepWatch
+from .threads import StepWatch, threads_choice
 
 log = logging.getLogger("svrmad_local")
 SHORT_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -66,7 +66,7 @@ def build(eng, model, cfg: EngineConfig) -> None:
     eng._watch = None
     if devices[0].type == "cpu":
         keep_freed_memory()
-        eng._watch = BarrierSleepWatch()  # warns once if another thread's torch work slows the steps
+        eng._watch = StepWatch(cfg.adapt_threads)  # the team sized to the cores it gets; warns on barrier sleeps
     head = model.get_output_embeddings().weight
     device = model.base_model.get_input_embeddings().weight.device
     paths, attention = choose_attention(cfg.attention, cfg.cascade, cfg.kernel_impl, cfg.mla, device, head.dtype, spec,
@@ -133,7 +133,7 @@ def build(eng, model, cfg: EngineConfig) -> None:
         quantization=quantization_choice(model), linear=linear, decoder=decoder, **attention, graphs=graphs_choice,
         tp=Choice("tp", f"{eng.tp_group.size} ranks" if eng.sharded else "off",
                   "the weights are split over the group (engine/tp.py)" if eng.sharded else "one process holds the model"),
-        stats=stats_choice(cfg.kernel_impl, head), attention_paths=paths)
+        stats=stats_choice(cfg.kernel_impl, head), threads=threads_choice(eng._watch), attention_paths=paths)
     log.info("svrmad: %s", eng.execution.line())
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from dataclasses import dataclass, field
 
 from svrmad_local.errors import UserError
@@ -103,7 +104,11 @@ class EngineConfig:
     cuda_graphs: "auto" | "on" | "static" | "off" (engine/graphs.py): decode-only steps at fixed batch
     sizes over static buffers, captured in CUDA graphs and replayed; "auto" takes them on a CUDA device
     when nothing rules them out and says why not in `info["cuda_graphs"]`, "on" makes a reason an
-    error, "static" runs the same fixed-shape path eagerly on any device (what a graph would record)."""
+    error, "static" runs the same fixed-shape path eagerly on any device (what a graph would record).
+
+    adapt_threads: on the CPU, run the steps on fewer of torch's threads while other processes take
+    cores, and take them back when the cores are free (engine/threads.py); False keeps torch's count, so
+    the log-probs' last bits never depend on the machine's load (default: SVRMAD_ADAPT_THREADS, else on)."""
 
     block_size: int = 16  # 256 (a flash-attn page) lets flash-attn read the cache in place
     kv_cache_memory: int | float | str | None = None
@@ -116,6 +121,7 @@ class EngineConfig:
     decoder: str = "auto"
     mla: str = "absorbed"
     cuda_graphs: str = "auto"
+    adapt_threads: bool = field(default_factory=lambda: os.environ.get("SVRMAD_ADAPT_THREADS", "1") != "0")
     score_chunk: int = 1024
     signals: SignalConfig = field(default_factory=SignalConfig)
     seed: int = 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from typing import Union
 
 from svrmad_local.dist import GroupLost
 from svrmad_local.errors import UserError
+from svrmad_local.kernels import _cpu_build
 
 from . import build
 from .config import EngineConfig, SamplingParams  # noqa: F401  (EngineConfig: public here too)
@@ -68,9 +70,10 @@ class Engine:
         # (docs/engine.md, "One worker thread").
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="svrmad-engine")
         try:
+            self._worker = self._executor.submit(threading.current_thread).result()
             self._executor.submit(build.build, self, model, cfg).result()
-        except BaseException:
-            self._executor.shutdown(wait=False)
+        except BaseException:  # Ctrl-C during a kernel build: stop it, or the interpreter waits for it at exit
+            self._release_worker()
             raise
         # The caller's own idle team (from loading the model, say) counts too: hand it back, here and
         # on each request (cheap when there is none; docs/engine.md has the measured cost).
@@ -139,6 +142,7 @@ class Engine:
             **self.totals.as_dict(),
             "execution": ex.as_dict(),  # every choice made at build, with its reason (engine/execution.py)
             "fallbacks": runtime_fallbacks(),  # kernels that fell back to their torch reference since
+            "threads": self._watch.team.info() if self._watch is not None else None,  # the CPU team now
         }
 
     @classmethod
@@ -240,6 +244,14 @@ class Engine:
                 channel.send(None)
             except GroupLost:  # a follower is gone: nobody is left to tell
                 pass
+        self._release_worker()
+
+    def _release_worker(self) -> None:
+        """Let the worker thread go: a kernel build it runs is stopped (the interpreter waits for the thread
+        at exit), and it ends once its queue is empty."""
+        worker = getattr(self, "_worker", None)
+        if worker is not None:
+            _cpu_build.cancel(worker)
         self._executor.shutdown(wait=False)
 
     # -- plumbing ---------------------------------------------------------------------------

@@ -76,6 +76,7 @@ class Execution:
     graphs: Choice
     tp: Choice
     stats: Choice
+    threads: Choice
     attention_paths: AttentionPaths
 
     def choices(self) -> list[Choice]:
