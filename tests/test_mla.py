@@ -288,3 +288,22 @@ def test_prefill_chunks_on_cuda_take_the_memory_efficient_kernel_and_match_fp32(
     ref_out, ref_lse = mla._attend_torch(q.cpu(), k.cpu(), v.cpu(), 0.07, causal)
     torch.testing.assert_close(out.cpu(), ref_out, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse.cpu(), ref_lse, atol=2e-2, rtol=1e-3)
+
+
+def test_a_deep_copy_of_an_engines_model_runs_its_own_weights():
+    """The stand-in `expand_kv` an engine installs is bound to its module, so a deep copy (the fp32 truth a
+    bf16 check makes from the model) expands through the copy's kv_b_proj, not the original's: in another
+    dtype the original's weights would not even multiply."""
+    import copy
+
+    model = make_zoo_model("deepseek-v3")
+    engine(model, decoder="modules", linear="aten").close()  # (the weights and norms as they were)
+    twin = copy.deepcopy(model).to(torch.bfloat16)
+    attn = twin.model.layers[0].self_attn
+    assert attn.expand_kv.__self__ is attn
+    ids = torch.tensor([rand_prompt(9, 1)])
+    with torch.no_grad():
+        got = twin(ids, use_cache=False).logits
+    fresh = make_zoo_model("deepseek-v3").to(torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(got, fresh(ids, use_cache=False).logits)

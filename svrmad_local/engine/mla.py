@@ -22,6 +22,7 @@ reference: the whole context expanded in one call).
 from __future__ import annotations
 
 import logging
+import types
 import weakref
 
 import torch
@@ -130,22 +131,21 @@ def chunk_slots(module, heads: int, dtype: torch.dtype, block_size: int, budget:
 def install(model) -> None:
     """Each latent layer's `expand_kv` returns stand-ins (no computation, no memory) while an engine step
     whose latent layers attend here (MLA absorbed) runs; elsewhere (transformers' own forwards, the spec
-    probe, mla="expanded") it is the module's own. Once per module."""
+    probe, mla="expanded") it is the module's own. Once per module. A bound method, not a closure: a deep
+    copy of the model (an fp32 truth made from it, say) then calls its own weights, not this module's."""
     for m in latent_modules(model):
         if "expand_kv" not in vars(m) and hasattr(m, "expand_kv"):
-            m.expand_kv = _stand_in(m)
+            m.expand_kv = types.MethodType(_stand_in, m)
 
 
-def _stand_in(module):
-    def expand_kv(kv_nope, k_rot):
-        paths = getattr(get_context(), "paths", None)
-        if paths is None or not paths.mla_absorbed:
-            return type(module).expand_kv(module, kv_nope, k_rot)
-        b, _, n, _ = kv_nope.shape  # one head: the attention reads only the value width from it
-        zero = kv_nope.new_zeros(())
-        return (zero.expand(b, 1, n, module.qk_nope_head_dim + module.qk_rope_head_dim),
-                zero.expand(b, 1, n, module.v_head_dim))
-    return expand_kv
+def _stand_in(module, kv_nope, k_rot):
+    paths = getattr(get_context(), "paths", None)
+    if paths is None or not paths.mla_absorbed:
+        return type(module).expand_kv(module, kv_nope, k_rot)
+    b, _, n, _ = kv_nope.shape  # one head: the attention reads only the value width from it
+    zero = kv_nope.new_zeros(())
+    return (zero.expand(b, 1, n, module.qk_nope_head_dim + module.qk_rope_head_dim),
+            zero.expand(b, 1, n, module.v_head_dim))
 
 
 def prepare(model) -> None:
