@@ -11,8 +11,8 @@ from pathlib import Path
 from svrmad_local import cli
 from svrmad_local.debate.scripted import ScriptedBackend
 from svrmad_local.debate.trace import read_jsonl
-from svrmad_local.eval import preflight as preflight_mod
-from svrmad_local.eval import run as run_mod
+from svrmad_local.job import preflight as preflight_mod
+from svrmad_local.job import run as run_mod
 
 # id -> (initial answers of 4 agents, {(sender, receiver): new answer}, gold)
 SCRIPT = {

@@ -9,10 +9,10 @@ import pytest
 
 from svrmad_local.engine.engine import EngineConfig
 from svrmad_local.engine.params import SamplingParams
-from svrmad_local.eval import config as C
-from svrmad_local.eval import options as O
-from svrmad_local.eval import replay as replay_cli
-from svrmad_local.eval import run as run_cli
+from svrmad_local.analysis import run_config as C
+from svrmad_local.analysis import options as O
+from svrmad_local.analysis import replay as replay_cli
+from svrmad_local.job import run as run_cli
 from svrmad_local.methods import svr_mad
 
 

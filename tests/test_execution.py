@@ -14,7 +14,7 @@ from svrmad_local.engine import attention, build, lean
 from svrmad_local.engine.engine import Engine, EngineConfig
 from svrmad_local.engine.execution import Choice, Execution
 from svrmad_local.engine.params import SamplingParams
-from svrmad_local.eval import run as run_mod
+from svrmad_local.job import run as run_mod
 from svrmad_local.kernels import _backend, cpu_decode
 
 from .model_zoo import loop_greedy, make_zoo_model, rand_prompt

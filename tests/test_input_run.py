@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from svrmad_local import cli
-from svrmad_local.eval import run as run_mod
+from svrmad_local.job import run as run_mod
 from svrmad_local.models.loader import ModelLoadError, check_device, check_folder
 
 from .runharness import PerQuestion, state, write_dataset

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from svrmad_local.eval.metrics import (agents_frame, best_cells, format_table, load_run, method_name,
+from svrmad_local.analysis.metrics import (agents_frame, best_cells, format_table, load_run, method_name,
                                        read_jsonl, results_frame, summary, summary_table_text, table1)
 
 # Five agents per question: per agent (correct, min_ll, ppl, self_conf); SVR-MAD's final scores.

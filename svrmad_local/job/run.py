@@ -32,12 +32,12 @@ from svrmad_local.grading import equivalent, set_grader
 from svrmad_local.debate.trace import RecordingBackend
 from svrmad_local.debate.types import Question, Response
 from svrmad_local.dist import Dist, GroupLost
-from svrmad_local.eval.config import RunConfig, add_run_arguments, from_args
-from svrmad_local.eval.preflight import check_settings, model_path, preflight, shard  # noqa: F401 (shard: tests)
-from svrmad_local.eval import token_stats
-from svrmad_local.eval.folder import RunFolder, note, write_json
-from svrmad_local.eval.folder import rows as run_rows
-from svrmad_local.eval.posthoc import finalize, rebuild_results, recorded_methods
+from svrmad_local.analysis.run_config import RunConfig, add_run_arguments, from_args
+from svrmad_local.job.preflight import check_settings, model_path, preflight, shard  # noqa: F401 (shard: tests)
+from svrmad_local.analysis import token_files
+from svrmad_local.analysis.folder import RunFolder, note, write_json
+from svrmad_local.analysis.folder import rows as run_rows
+from svrmad_local.analysis.posthoc import finalize, rebuild_results, recorded_methods
 from svrmad_local.methods import run_method
 from svrmad_local.methods.svr_mad import possible_debates
 from svrmad_local.signals import prior_score
@@ -97,7 +97,7 @@ async def run_question(q: Question, backend: RecordingBackend, cfg: RunConfig, f
     priors = [prior_score(r.signals, cfg.prior) for r in initial]
     rows = [r.to_row(q) for r in results if r.method in cfg.methods]
     if cfg.save_token_stats:  # before the commit record: a committed question always has its file
-        token_stats.write(cfg.out_dir, q.id, backend.recorded(q.id))
+        token_files.write(cfg.out_dir, q.id, backend.recorded(q.id))
     folder.commit_debated(backend.trace_row(q, priors), rows)
     return rows
 
@@ -344,7 +344,7 @@ def tally(folder: RunFolder, ids: set[str] | None = None) -> tuple[dict, list[di
 
 def print_summary(folder: RunFolder, totals: dict, rows: list[dict], failed: dict[str, dict], wall: float | None,
                   engine_info: dict, world_size: int = 1) -> None:
-    from svrmad_local.eval.metrics import summary_table_text
+    from svrmad_local.analysis.metrics import summary_table_text
 
     print(f"\n{totals['questions']} questions: {totals['skipped_unanimous']} skipped as unanimous before debate, "
           f"{totals['debated']} debated, {totals['failed']} failed." + (f" Wall time {wall:.1f} s." if wall else ""))

@@ -14,8 +14,8 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from svrmad_local.eval.figures import TINY, _save, say
-from svrmad_local.eval.signals_study import SIGNALS
+from svrmad_local.analysis.figures import TINY, _save, say
+from svrmad_local.analysis.signals_study import SIGNALS
 
 
 def _panels(n: int, width: float = 4.2, height: float = 3.6):

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from svrmad_local.engine.config import EngineConfig, SamplingParams, SettingsError
-from svrmad_local.eval.options import (METHODS, add_method_arguments, check_method_options, method_default,
+from svrmad_local.analysis.options import (METHODS, add_method_arguments, check_method_options, method_default,
                                        method_flag, method_options, parse_methods, stray_options)
 from svrmad_local.methods import accepted_params
 from svrmad_local.models.reasoning import EFFORTS
