@@ -32,7 +32,8 @@ from svrmad_local.grading import equivalent, set_grader
 from svrmad_local.debate.trace import RecordingBackend
 from svrmad_local.debate.types import Question, Response
 from svrmad_local.dist import Dist, GroupLost
-from svrmad_local.analysis.run_config import RunConfig, add_run_arguments, from_args
+from svrmad_local.analysis.run_config import RunConfig
+from svrmad_local.job.flags import add_run_arguments, from_args
 from svrmad_local.job.preflight import check_settings, model_path, preflight, shard  # noqa: F401 (shard: tests)
 from svrmad_local.analysis import token_files
 from svrmad_local.analysis.folder import RunFolder, note, write_json
