@@ -53,7 +53,7 @@ class WithStats(PerQuestion):
 def use_model(monkeypatch, value: float) -> None:
     from svrmad_local.job import preflight
 
-    monkeypatch.setattr(run_mod, "make_backend", lambda cfg, device, path, group=None: (WithStats(value), dict, lambda: None))
+    monkeypatch.setattr(run_mod, "make_backend", lambda job: (WithStats(value), dict, lambda: None))
     monkeypatch.setattr(preflight, "check_model", lambda cfg, path: None)
 
 
@@ -132,7 +132,7 @@ def test_merge_takes_the_shards_token_stats(tmp_path, monkeypatch, capsys):
     for k, d in enumerate(shards):
         assert run(tmp_path, d, "--shard", f"{k}/2", "--save-token-stats") == 0
     # a stray: a file whose question never reached shard 1's trace (a kill) is not taken
-    stray = token_files.write(shards[1], "q0", [])
+    stray = token_files.write(shards[1], "q0", [], json.loads((shards[1] / "run.json").read_text())["fingerprint"])
     merged = tmp_path / "merged"
     assert cli.main(["merge", *map(str, shards), "--out", str(merged)]) == 0
     got = token_files.read(merged)

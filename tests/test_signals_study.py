@@ -154,7 +154,7 @@ class _R:
 
 def test_token_stats_round_trip_and_page(tmp_path):
     run = write_run(tmp_path / "run")
-    token_files.write(run, "q1", [_R("0", [-0.1, -2.5, -0.3]), _R("1", [-1.0]), _R("2", [])])
+    token_files.write(run, "q1", [_R("0", [-0.1, -2.5, -0.3]), _R("1", [-1.0]), _R("2", [])], None)
     got = token_files.read(run)
     assert got["q1", "0"][0].tolist() == pytest.approx([-0.1, -2.5, -0.3])
     assert got["q1", "1"][1].tolist() == [0.5] and len(got["q1", "2"][0]) == 0
