@@ -1,4 +1,4 @@
-"""Per-method numbers of eval/metrics.py against hand-computed values of a small synthetic run.
+"""Per-method numbers of analysis/metrics.py against hand-computed values of a small synthetic run.
 
 `write_run` builds that run folder; tests/test_report.py uses it too.
 """

@@ -1,6 +1,6 @@
 """What a run folder derives from its trace without a model, and when to derive it again.
 
-- results rows a crash left out (the commit rule of eval/folder.py): replayed from the trace;
+- results rows a crash left out (the commit rule of analysis/folder.py): replayed from the trace;
 - SID-ET, which needs every question's initial responses: its skip rate is tuned (Algorithm 2,
   against SVR-MAD) over the folder's whole trace, so a folder merged from shards or ranks is tuned
   once, on all of its questions;

@@ -1,4 +1,4 @@
-"""The signals study's figures (PNG, matplotlib's Figure API as in eval/figures.py).
+"""The signals study's figures (PNG, matplotlib's Figure API as in analysis/figures.py).
 
 Every figure states its n (responses, questions or bins) on the figure itself, and a panel with
 nothing to show says why in words (`figures.say`) instead of staying blank. Several runs share one

@@ -2,9 +2,9 @@
 started by a scheduler without torch.distributed, e.g. a SLURM array) into one run folder.
 
 The folders must share their settings fingerprint. Questions are taken once each under the commit
-rule (eval/folder.py), so merging again, or after new shards finish, adds only what is new. SID-ET's
+rule (analysis/folder.py), so merging again, or after new shards finish, adds only what is new. SID-ET's
 rows are not taken: each shard tuned its skip rate on its own questions, and the merged folder
-tunes it once on all of them (with the ablation sweeps, eval/posthoc.py). The sources' token
+tunes it once on all of them (with the ablation sweeps, analysis/posthoc.py). The sources' token
 statistics (`--save-token-stats`) that belong to their runs come along with their questions.
 Sources are only read, under a shared lock (they may be read-only); a merge refused before it
 writes leaves no --out behind.
