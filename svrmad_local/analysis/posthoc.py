@@ -16,10 +16,10 @@ import asyncio
 import hashlib
 from typing import TYPE_CHECKING
 
-from svrmad_local.debate.replay_backend import MissingDebate
-from svrmad_local.debate.trace import read_trace, row_question
 from svrmad_local.analysis.folder import FolderBusy, RunFolder, note
 from svrmad_local.analysis.folder import rows as run_rows
+from svrmad_local.debate.replay_backend import MissingDebate
+from svrmad_local.debate.trace import read_trace, row_question
 
 if TYPE_CHECKING:
     from svrmad_local.analysis.run_config import RunConfig

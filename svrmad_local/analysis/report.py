@@ -18,7 +18,7 @@ import pandas as pd
 from svrmad_local import grading
 from svrmad_local.analysis import figures
 from svrmad_local.analysis.metrics import (TABLE1_COLUMNS, Run, best_cells, format_table, grader_agreement,
-                                       load_run, markdown, method_name, read_jsonl, summary, table1)
+                                           load_run, markdown, method_name, read_jsonl, summary, table1)
 
 
 def _num(value, fmt: str = "{:.1f}") -> str:

@@ -16,12 +16,12 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from svrmad_local.errors import UserError
 from svrmad_local.analysis import signals_figures as draw
 from svrmad_local.analysis import signals_study as study
 from svrmad_local.analysis import token_files
 from svrmad_local.analysis.folder import RunFolder, note
 from svrmad_local.analysis.metrics import markdown
+from svrmad_local.errors import UserError
 
 # What the page writes into --out: the outputs of an earlier study there are replaced as a whole.
 OUTPUTS = ("signals.md", "signals_*.csv", "signals_*.png", "token_track.png")

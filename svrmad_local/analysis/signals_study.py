@@ -24,8 +24,8 @@ from scipy.stats import kendalltau
 from sklearn.calibration import calibration_curve
 from sklearn.metrics import roc_auc_score
 
-from svrmad_local.debate.trace import read_trace
 from svrmad_local.analysis.metrics import read_jsonl, results_frame
+from svrmad_local.debate.trace import read_trace
 from svrmad_local.methods.base import majority
 
 

@@ -38,8 +38,8 @@ from typing import Iterable
 
 import numpy as np
 
-from svrmad_local.analysis.run_config import diff_fingerprints
 from svrmad_local.analysis.folder import TRACE, RunFolder, naming, rows
+from svrmad_local.analysis.run_config import diff_fingerprints
 
 FOLDER = "token_stats"
 COLUMNS = ("qid", "rids", "offsets", "logprob", "entropy")

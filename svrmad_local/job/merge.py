@@ -16,10 +16,10 @@ import argparse
 import shutil
 from pathlib import Path
 
-from svrmad_local.analysis.run_config import RunConfig, diff_fingerprints
 from svrmad_local.analysis import token_files
 from svrmad_local.analysis.folder import LOCK, RUN_JSON, RunFolder, note
 from svrmad_local.analysis.posthoc import POST_HOC, finalize
+from svrmad_local.analysis.run_config import RunConfig, diff_fingerprints
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

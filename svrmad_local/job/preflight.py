@@ -14,14 +14,14 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+from svrmad_local.analysis.folder import RunFolder, note
+from svrmad_local.analysis.posthoc import recorded_methods
+from svrmad_local.analysis.run_config import RunConfig, diff_fingerprints, parse_shard
 from svrmad_local.debate.trace import TornLineWarning
 from svrmad_local.debate.types import Question
 from svrmad_local.dist import Dist
 from svrmad_local.errors import UserError
-from svrmad_local.analysis.run_config import RunConfig, diff_fingerprints, parse_shard
 from svrmad_local.job.datasets import DatasetError, load_dataset
-from svrmad_local.analysis.folder import RunFolder, note
-from svrmad_local.analysis.posthoc import recorded_methods
 
 # The methods that announce the debates they may ask for next (run-ahead starts those): SVR-MAD and
 # its ablation variants. The others debate in rounds or ask as they go, so --run-ahead has nothing to start.
