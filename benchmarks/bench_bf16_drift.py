@@ -27,7 +27,7 @@ import torch
 from bench_engine import DebateWorkload
 from svrmad_local.engine.engine import Engine, EngineConfig
 from svrmad_local.engine.config import SamplingParams
-from svrmad_local.eval.datasets import load_dataset
+from svrmad_local.job.datasets import load_dataset
 from svrmad_local.models.chat import ChatFormat
 from svrmad_local.models.default import ensure_default_model
 from svrmad_local.models.loader import load_model

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from svrmad_local.engine.engine import Engine, EngineConfig  # noqa: E402
 from svrmad_local.engine.config import SamplingParams  # noqa: E402
-from svrmad_local.eval.datasets import load_dataset  # noqa: E402
+from svrmad_local.job.datasets import load_dataset  # noqa: E402
 from svrmad_local.models.chat import ChatFormat  # noqa: E402
 from svrmad_local.models.default import ensure_default_model  # noqa: E402
 from svrmad_local.models.loader import LoadedModel, load_model, load_tokenizer, parse_dtype  # noqa: E402

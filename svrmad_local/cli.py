@@ -16,12 +16,12 @@ import warnings
 from svrmad_local.errors import UserError
 
 SUBCOMMANDS = {
-    "run": ("svrmad_local.eval.run", "run SVR-MAD (and other methods) over a dataset on a local model"),
-    "replay": ("svrmad_local.eval.replay", "re-run a method's controller against a recorded trace, no model"),
-    "report": ("svrmad_local.eval.report", "rebuild tables and figures of a run folder, no model"),
-    "signals": ("svrmad_local.eval.signals_page", "study the prior signals of run folders (AUROC, calibration, "
+    "run": ("svrmad_local.job.run", "run SVR-MAD (and other methods) over a dataset on a local model"),
+    "replay": ("svrmad_local.analysis.replay", "re-run a method's controller against a recorded trace, no model"),
+    "report": ("svrmad_local.analysis.report", "rebuild tables and figures of a run folder, no model"),
+    "signals": ("svrmad_local.analysis.signals_page", "study the prior signals of run folders (AUROC, calibration, "
                 "filtered voting, correlations), no model"),
-    "merge": ("svrmad_local.eval.merge", "join the folders of one run split with --shard into one, no model"),
+    "merge": ("svrmad_local.job.merge", "join the folders of one run split with --shard into one, no model"),
     "prepare": ("svrmad_local.models.default", "fetch and convert the embedded default model"),
     "plan": ("svrmad_local.models.plan", "what a checkpoint needs on given GPUs, from its config and headers, no model"),
 }

@@ -1,6 +1,6 @@
 """Byte sizes as a person writes them ("2GiB", "500MB", 4096, or a fraction such as 0.9 of what is
 available): one parser for the KV budget (engine), the GPUs of `svrmad plan` (models) and the
-command line's checks (eval). It imports nothing, so every layer may use it.
+command line's checks (job/). It imports nothing, so every layer may use it.
 """
 
 from __future__ import annotations

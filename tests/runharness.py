@@ -11,8 +11,8 @@ from pathlib import Path
 from svrmad_local import cli
 from svrmad_local.debate.scripted import ScriptedBackend
 from svrmad_local.debate.trace import read_jsonl
-from svrmad_local.eval import preflight as preflight_mod
-from svrmad_local.eval import run as run_mod
+from svrmad_local.job import preflight as preflight_mod
+from svrmad_local.job import run as run_mod
 
 # id -> (initial answers of 4 agents, {(sender, receiver): new answer}, gold)
 SCRIPT = {
@@ -57,7 +57,7 @@ def write_dataset(path: Path, ids=SCRIPT) -> Path:
 
 def use_script(monkeypatch, fail: dict[str, str] | None = None) -> None:
     """Scripted agents instead of a model: no backend built, no checkpoint folder checked."""
-    monkeypatch.setattr(run_mod, "make_backend", lambda cfg, device, path, group=None: (PerQuestion(fail), dict, lambda: None))
+    monkeypatch.setattr(run_mod, "make_backend", lambda job: (PerQuestion(fail), dict, lambda: None))
     monkeypatch.setattr(preflight_mod, "check_model", lambda cfg, path: None)
 
 
@@ -87,6 +87,6 @@ def state(out: Path) -> dict:
 if __name__ == "__main__":
     # python -m tests.runharness HANG_ID svrmad-args...: `svrmad run` in this process over the script,
     # the debates of question HANG_ID never returning (for a real Ctrl-C)
-    run_mod.make_backend = lambda cfg, device, path, group=None: (PerQuestion({sys.argv[1]: "hang"}), dict, lambda: None)
+    run_mod.make_backend = lambda job: (PerQuestion({sys.argv[1]: "hang"}), dict, lambda: None)
     preflight_mod.check_model = lambda cfg, path: None
     sys.exit(cli.main(sys.argv[2:]))

@@ -270,7 +270,7 @@ def quiet_machine(monkeypatch):
 
 def test_the_cache_dir_of_the_run_holds_the_calibration(cache, tmp_path, monkeypatch):
     """--cache-dir (EngineConfig.cache_dir) moves the calibration with the model, away from $SVRMAD_CACHE."""
-    from svrmad_local.eval.config import add_run_arguments, from_args
+    from svrmad_local.job.flags import add_run_arguments, from_args
     import argparse
 
     ap = argparse.ArgumentParser()

@@ -9,10 +9,11 @@ import pytest
 
 from svrmad_local.engine.engine import EngineConfig
 from svrmad_local.engine.params import SamplingParams
-from svrmad_local.eval import config as C
-from svrmad_local.eval import options as O
-from svrmad_local.eval import replay as replay_cli
-from svrmad_local.eval import run as run_cli
+from svrmad_local.analysis import run_config as C
+from svrmad_local.analysis import options as O
+from svrmad_local.analysis import replay as replay_cli
+from svrmad_local.job import flags as F
+from svrmad_local.job import run as run_cli
 from svrmad_local.methods import svr_mad
 
 
@@ -29,7 +30,7 @@ def parser_flags(add) -> dict[str, argparse.Action]:
 
 
 def test_defaults_come_from_their_owners():
-    cfg = C.from_args(run_args())
+    cfg = F.from_args(run_args())
     sp, ec = SamplingParams(), EngineConfig()
     assert (cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.top_k) == (sp.temperature, sp.top_p, sp.top_k)
     assert cfg.sampling.max_tokens == C.RUN_MAX_TOKENS == 256
@@ -50,7 +51,7 @@ def test_max_tokens_is_labelled_honestly():
 
 @pytest.mark.parametrize("preset, sc", [("gpt-oss", 2), ("deepseek", 3)])
 def test_paper_settings_preset(preset, sc):
-    cfg = C.from_args(run_args("--paper-settings", preset))
+    cfg = F.from_args(run_args("--paper-settings", preset))
     assert cfg.sampling.max_tokens == 16384 and cfg.reasoning_effort == "medium"
     assert (cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.top_k) == (1.0, 0.95, 40)
     assert cfg.params_for("svr-mad") == {"S": sc, "C": sc}
@@ -58,18 +59,18 @@ def test_paper_settings_preset(preset, sc):
 
 
 def test_explicit_flags_override_a_preset():
-    cfg = C.from_args(run_args("--paper-settings", "deepseek", "--max-tokens", "512", "--C", "2",
+    cfg = F.from_args(run_args("--paper-settings", "deepseek", "--max-tokens", "512", "--C", "2",
                                "--reasoning-effort", "low", "--temperature", "0.7"))
     assert cfg.sampling.max_tokens == 512 and cfg.reasoning_effort == "low" and cfg.sampling.temperature == 0.7
     assert cfg.params_for("svr-mad") == {"S": 3, "C": 2}
     # a preset's S/C do not reach a run without a method that takes them (no stray-option error)
-    cfg = C.from_args(run_args("--paper-settings", "gpt-oss", "--methods", "self-consistency"))
+    cfg = F.from_args(run_args("--paper-settings", "gpt-oss", "--methods", "self-consistency"))
     assert cfg.method_params == {}
     cfg.validate()
 
 
 def test_round_trip_through_run_json():
-    cfg = C.from_args(run_args("--methods", "svr-mad,group-debate", "--S", "3", "--kv-cache-memory", "4MiB",
+    cfg = F.from_args(run_args("--methods", "svr-mad,group-debate", "--S", "3", "--kv-cache-memory", "4MiB",
                                "--paper-settings", "gpt-oss", "--no-confidence"))
     again = C.RunConfig.from_dict(cfg.to_dict())
     assert again == cfg and isinstance(again.engine, EngineConfig) and isinstance(again.sampling, SamplingParams)
@@ -88,20 +89,20 @@ def test_run_and_replay_share_the_method_options():
 
 
 def test_method_options_reach_only_the_methods_that_take_them():
-    cfg = C.from_args(run_args("--methods", "svr-mad,group-debate", "--S", "3", "--groups", "2-2-2"))
+    cfg = F.from_args(run_args("--methods", "svr-mad,group-debate", "--S", "3", "--groups", "2-2-2"))
     assert cfg.params_for("svr-mad") == {"S": 3}
     assert cfg.params_for("group-debate") == {"groups": "2-2-2", "seed": 0}
     with pytest.raises(ValueError, match="--S given, but none of the methods"):
-        C.from_args(run_args("--methods", "self-consistency", "--S", "3")).validate()
+        F.from_args(run_args("--methods", "self-consistency", "--S", "3")).validate()
 
 
 def test_fingerprint_fills_defaults_and_names_flags():
-    a = C.from_args(run_args())
-    b = C.from_args(run_args("--S", str(svr_mad.run.__kwdefaults__["S"]), "--concurrency", "3"))
+    a = F.from_args(run_args())
+    b = F.from_args(run_args("--S", str(svr_mad.run.__kwdefaults__["S"]), "--concurrency", "3"))
     assert a.fingerprint() == b.fingerprint()  # a default given explicitly, or a non-result setting
-    assert C.from_args(run_args("--cascade", "on")).engine.cascade == "on"
-    assert C.from_args(run_args("--cascade", "on")).fingerprint() == a.fingerprint()  # exact either way
-    c = C.from_args(run_args("--agents", "3", "--max-tokens", "12", "--C", "3"))
+    assert F.from_args(run_args("--cascade", "on")).engine.cascade == "on"
+    assert F.from_args(run_args("--cascade", "on")).fingerprint() == a.fingerprint()  # exact either way
+    c = F.from_args(run_args("--agents", "3", "--max-tokens", "12", "--C", "3"))
     diff = C.diff_fingerprints(a.fingerprint(), c.fingerprint())
     assert any(d.startswith("--agents 6 in the folder, 3 now") for d in diff)
     assert any(d.startswith("--max-tokens 256") for d in diff)
@@ -112,11 +113,11 @@ def test_fingerprint_fills_defaults_and_names_flags():
 def test_a_settings_difference_names_what_the_user_changed(tmp_path):
     """Changing --methods names --methods, not every parameter of the method left out; one model folder
     spelled two ways is the same folder; an unset setting shows as the default, not None."""
-    a = C.from_args(run_args("--methods", "svr-mad", "--model", str(tmp_path)))
-    b = C.from_args(run_args("--methods", "self-consistency", "--model", str(tmp_path / ".." / tmp_path.name)))
+    a = F.from_args(run_args("--methods", "svr-mad", "--model", str(tmp_path)))
+    b = F.from_args(run_args("--methods", "self-consistency", "--model", str(tmp_path / ".." / tmp_path.name)))
     assert C.diff_fingerprints(a.fingerprint(), b.fingerprint()) == [
         "--methods svr-mad in the folder, self-consistency now"]
-    c = C.from_args(run_args("--methods", "svr-mad", "--model", str(tmp_path), "--dtype", "bf16"))
+    c = F.from_args(run_args("--methods", "svr-mad", "--model", str(tmp_path), "--dtype", "bf16"))
     assert C.diff_fingerprints(a.fingerprint(), c.fingerprint()) == ["--dtype the default in the folder, bf16 now"]
-    d = C.from_args(run_args("--methods", "svr-mad", "--model", str(tmp_path / "other")))
+    d = F.from_args(run_args("--methods", "svr-mad", "--model", str(tmp_path / "other")))
     assert [x.split(" ")[0] for x in C.diff_fingerprints(a.fingerprint(), d.fingerprint())] == ["--model"]

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from svrmad_local.eval import datasets
-from svrmad_local.eval.datasets import DatasetError, DatasetWarning, load_dataset
+from svrmad_local.job import datasets
+from svrmad_local.job.datasets import DatasetError, DatasetWarning, load_dataset
 
 FIXTURES = Path(__file__).parent / "fixtures"
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"

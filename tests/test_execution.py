@@ -14,7 +14,7 @@ from svrmad_local.engine import attention, build, decoder
 from svrmad_local.engine.engine import Engine, EngineConfig
 from svrmad_local.engine.execution import Choice, Execution
 from svrmad_local.engine.params import SamplingParams
-from svrmad_local.eval import run as run_mod
+from svrmad_local.job import run as run_mod
 from svrmad_local.kernels import _backend, cpu_decode
 
 from .model_zoo import loop_greedy, make_zoo_model, rand_prompt
@@ -43,7 +43,7 @@ def test_the_record_is_frozen_and_every_aspect_has_a_value_and_a_reason():
     assert eng.runner.paths is ex.attention_paths  # the runner reads the record's switches
     info = eng.info
     assert info["execution"] == ex.as_dict() and set(info["execution"]) == set(names)
-    # the keys older readers take (eval/run.py, benchmarks, the tests) are the record's, said as before
+    # the keys older readers take (job/run.py, benchmarks, the tests) are the record's, said as before
     assert info["attention"] == ex.attention_paths.summary and info["linear"] == ex.linear.reason
     assert info["decoder"] == str(ex.decoder) and info["cuda_graphs"] == f"off: {ex.graphs.reason}"
     eng.close()

@@ -64,7 +64,7 @@ def test_the_engine_side_never_loads_the_studys_openmp():
     """scikit-learn ships an OpenMP runtime of its own; a process that runs the engine must keep torch's
     alone (a second one keeps a second set of threads on the same cores), so only `svrmad signals`
     imports it."""
-    probe = ("import sys, svrmad_local.cli, svrmad_local.eval.run, svrmad_local.eval.report, svrmad_local.engine.engine\n"
+    probe = ("import sys, svrmad_local.cli, svrmad_local.job.run, svrmad_local.analysis.report, svrmad_local.engine.engine\n"
              "from pathlib import Path\n"
              "print(sorted(m for m in sys.modules if m.split('.')[0] == 'sklearn'))\n"
              "print(len({l.split()[-1] for l in Path('/proc/self/maps').read_text().splitlines() if 'libgomp' in l}))\n")

@@ -319,7 +319,7 @@ def test_every_imo_gold_is_equivalent_to_itself_and_parses_fast():
 
 @pytest.mark.skipif(not (SHARED / "gsm8k").is_dir(), reason="shared data not present")
 def test_gsm8k_reference_solutions_grade_correct():
-    from svrmad_local.eval.datasets import load_dataset
+    from svrmad_local.job.datasets import load_dataset
 
     rows = [json.loads(line) for line in open(SHARED / "gsm8k" / "test.jsonl")]
     questions = load_dataset(SHARED / "gsm8k" / "test.jsonl")

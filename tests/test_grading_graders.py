@@ -8,7 +8,8 @@ import pytest
 
 from svrmad_local import grading
 from svrmad_local.debate.types import Question
-from svrmad_local.eval import report, run as run_mod
+from svrmad_local.analysis import report
+from svrmad_local.job import run as run_mod
 from svrmad_local.grading import mathverify
 from svrmad_local.methods.base import finish
 from tests.test_metrics import write_run

@@ -1,5 +1,5 @@
 """`svrmad run` checks everything that reads no weight before it
-loads, writes or takes the lock (eval/preflight.py), and a start that fails later leaves a folder
+loads, writes or takes the lock (job/preflight.py), and a start that fails later leaves a folder
 the next valid command takes over. Tiny checkpoints written here; the agents are scripted, so
 `make_backend` (the model load) is the seam: a test that must stop before it makes it raise."""
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from svrmad_local import cli
-from svrmad_local.eval import run as run_mod
+from svrmad_local.job import run as run_mod
 from svrmad_local.models.loader import ModelLoadError, check_device, check_folder
 
 from .runharness import PerQuestion, state, write_dataset
@@ -25,7 +25,7 @@ def loads(monkeypatch):
     class Seam:
         calls, fail = 0, None
 
-    def make(cfg, device, path, group=None):
+    def make(job):
         Seam.calls += 1
         if Seam.fail is not None:
             raise Seam.fail

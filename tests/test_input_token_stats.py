@@ -18,9 +18,9 @@ import pytest
 
 from svrmad_local import cli
 from svrmad_local.debate.trace import read_jsonl
-from svrmad_local.eval import folder as folder_mod
-from svrmad_local.eval import run as run_mod
-from svrmad_local.eval import signals_page, token_stats
+from svrmad_local.analysis import folder as folder_mod
+from svrmad_local.job import run as run_mod
+from svrmad_local.analysis import signals_page, token_files
 
 from .runharness import PerQuestion, run, write_dataset
 
@@ -51,9 +51,9 @@ class WithStats(PerQuestion):
 
 
 def use_model(monkeypatch, value: float) -> None:
-    from svrmad_local.eval import preflight
+    from svrmad_local.job import preflight
 
-    monkeypatch.setattr(run_mod, "make_backend", lambda cfg, device, path, group=None: (WithStats(value), dict, lambda: None))
+    monkeypatch.setattr(run_mod, "make_backend", lambda job: (WithStats(value), dict, lambda: None))
     monkeypatch.setattr(preflight, "check_model", lambda cfg, path: None)
 
 
@@ -88,18 +88,18 @@ def test_a_file_written_before_a_kill_is_not_counted(tmp_path, monkeypatch, caps
         crash_at_trace_line(m, 2)  # the second debated question dies between its file and its trace line
         with pytest.raises(Crash):
             run(tmp_path, out, "--save-token-stats")
-    files = list((out / token_stats.FOLDER).glob("*.npz"))
+    files = list((out / token_files.FOLDER).glob("*.npz"))
     assert len(files) == 2 and len(committed(out)) == 1
-    saved = token_stats.read(out)
+    saved = token_files.read(out)
     assert {qid for qid, _ in saved} == committed(out)
-    assert token_stats.bytes_per_token(out)[1] == trace_tokens(out)
+    assert token_files.bytes_per_token(out)[1] == trace_tokens(out)
     capsys.readouterr()
     signals_page.write_study([out], out / "signals", n_boot=0)
     err = capsys.readouterr().err
     assert "left out 1 file(s)" in err and "is not committed in trace.jsonl" in err
     assert run(tmp_path, out, "--save-token-stats") == 0  # resumed: the question runs again, its file counts
-    assert {qid for qid, _ in token_stats.read(out)} == committed(out) == {"q1", "q3"}
-    assert token_stats.bytes_per_token(out)[1] == trace_tokens(out)
+    assert {qid for qid, _ in token_files.read(out)} == committed(out) == {"q1", "q3"}
+    assert token_files.bytes_per_token(out)[1] == trace_tokens(out)
 
 
 def test_a_takeover_does_not_show_the_run_befores_statistics(tmp_path, monkeypatch, capsys):
@@ -113,12 +113,12 @@ def test_a_takeover_does_not_show_the_run_befores_statistics(tmp_path, monkeypat
         crash_at_trace_line(m, 1)
         with pytest.raises(Crash):
             run(tmp_path, out, "--save-token-stats")
-    assert not committed(out) and list((out / token_stats.FOLDER).glob("*.npz"))
+    assert not committed(out) and list((out / token_files.FOLDER).glob("*.npz"))
     use_model(monkeypatch, -1.0)
     assert run(tmp_path, out, "--model", str(model_b)) == 0  # other settings, nothing saved: taken over
     assert committed(out) == set(DEBATED)
-    assert token_stats.read(out) == {}  # model A's tokens are not shown under model B's name
-    kept, left = token_stats.belonging(out)
+    assert token_files.read(out) == {}  # model A's tokens are not shown under model B's name
+    kept, left = token_files.belonging(out)
     assert not kept and left and all("written under other settings than run.json's (--model" in line for line in left)
     page = signals_page.write_study([out], out / "signals", n_boot=0).read_text()
     assert "No run here saved its token statistics" in page
@@ -132,16 +132,16 @@ def test_merge_takes_the_shards_token_stats(tmp_path, monkeypatch, capsys):
     for k, d in enumerate(shards):
         assert run(tmp_path, d, "--shard", f"{k}/2", "--save-token-stats") == 0
     # a stray: a file whose question never reached shard 1's trace (a kill) is not taken
-    stray = token_stats.write(shards[1], "q0", [])
+    stray = token_files.write(shards[1], "q0", [], json.loads((shards[1] / "run.json").read_text())["fingerprint"])
     merged = tmp_path / "merged"
     assert cli.main(["merge", *map(str, shards), "--out", str(merged)]) == 0
-    got = token_stats.read(merged)
-    assert got.keys() == token_stats.read(shards[0]).keys() | token_stats.read(shards[1]).keys()
+    got = token_files.read(merged)
+    assert got.keys() == token_files.read(shards[0]).keys() | token_files.read(shards[1]).keys()
     assert {qid for qid, _ in got} == set(DEBATED)
-    assert not (merged / token_stats.FOLDER / stray.name).exists()
+    assert not (merged / token_files.FOLDER / stray.name).exists()
     assert f"left out {stray}" in capsys.readouterr().err
     assert cli.main(["merge", *map(str, shards), "--out", str(merged)]) == 0  # again: nothing new
-    assert token_stats.read(merged).keys() == got.keys()
+    assert token_files.read(merged).keys() == got.keys()
 
 
 # ---------------------------------------------------------------- damaged files
@@ -165,13 +165,13 @@ def test_a_damaged_file_is_named_and_left_out(tmp_path, monkeypatch, capsys, dam
     use_model(monkeypatch, -1.0)
     out = tmp_path / "out"
     assert run(tmp_path, out, "--save-token-stats") == 0
-    victim = out / token_stats.FOLDER / token_stats.file_name("q1")
+    victim = out / token_files.FOLDER / token_files.file_name("q1")
     damage(victim)
     capsys.readouterr()
     assert cli.main(["signals", str(out), "--bootstrap", "0"]) == 0
     err = capsys.readouterr().err
     assert f"{victim}: " in err and says in err and "Traceback" not in err
-    kept, left = token_stats.belonging(out)
+    kept, left = token_files.belonging(out)
     assert set(kept) == {"q3", "q4"} and len(left) == 1 and left[0].startswith(f"{victim}: ") and says in left[0]
 
 
@@ -226,7 +226,7 @@ def test_a_new_study_replaces_the_old_one_whole(studied, capsys):
     and the old track does not stay beside the new page."""
     out, before = studied
     assert "token_track.png" in before
-    for f in (out / token_stats.FOLDER).iterdir():
+    for f in (out / token_files.FOLDER).iterdir():
         f.unlink()
     assert cli.main(["signals", str(out), "--bootstrap", "0"]) == 0
     names = {p.name for p in (out / "signals").iterdir()}
@@ -257,7 +257,7 @@ def test_merge_from_read_only_sources(tmp_path, monkeypatch, capsys):
     merged = tmp_path / "merged"
     assert cli.main(["merge", *map(str, shards), "--out", str(merged)]) == 0
     monkeypatch.setattr(builtins, "open", real_open)
-    assert committed(merged) == set(DEBATED) and {qid for qid, _ in token_stats.read(merged)} == set(DEBATED)
+    assert committed(merged) == set(DEBATED) and {qid for qid, _ in token_files.read(merged)} == set(DEBATED)
     assert {p: p.read_bytes() for d in shards for p in d.rglob("*") if p.is_file()} == before
 
 
@@ -294,12 +294,12 @@ def test_a_full_disk_mid_run_is_one_line_naming_the_file_and_resumes(tmp_path, m
     /dev/full): one line naming it, exit 2; the next run completes every question once."""
     use_model(monkeypatch, -1.0)
     out = tmp_path / "out"
-    (out / token_stats.FOLDER).mkdir(parents=True)
-    full = out / token_stats.FOLDER / (token_stats.file_name("q3") + ".tmp")
+    (out / token_files.FOLDER).mkdir(parents=True)
+    full = out / token_files.FOLDER / (token_files.file_name("q3") + ".tmp")
     full.symlink_to("/dev/full")
     assert run(tmp_path, out, "--save-token-stats") == 2
     refused(capsys, f"No space left on device: '{full}'")
     full.unlink()
     assert run(tmp_path, out, "--save-token-stats") == 0
-    assert committed(out) == set(DEBATED) and {qid for qid, _ in token_stats.read(out)} == set(DEBATED)
+    assert committed(out) == set(DEBATED) and {qid for qid, _ in token_files.read(out)} == set(DEBATED)
     assert json.loads((out / "run.json").read_text())["totals"]["failed"] == 0

@@ -123,3 +123,15 @@ def test_the_walk_sees_the_arrows_it_guards():
     table = layers()
     assert layer_of("svrmad_local.models.loader", table) > layer_of("svrmad_local.engine.engine", table)
     assert layer_of("svrmad_local.kernels.paged_decode", table) > layer_of("svrmad_local.models.linear", table)
+
+
+def test_every_module_name_is_used_once():
+    """One name per concept: two modules of one file name (an engine's config.py beside a run's,
+    a replay backend's replay.py beside the replay command's) leave a reader asking which is meant.
+    docs/architecture.md's "Names that sound alike" says which is which where names are near."""
+    by_name: dict[str, list[str]] = {}
+    for name, path in modules().items():
+        if path.name != "__init__.py":
+            by_name.setdefault(path.name, []).append(name)
+    twice = {n: sorted(ms) for n, ms in by_name.items() if len(ms) > 1}
+    assert not twice, f"module names used more than once: {twice}"

@@ -1,4 +1,4 @@
-"""Per-method numbers of eval/metrics.py against hand-computed values of a small synthetic run.
+"""Per-method numbers of analysis/metrics.py against hand-computed values of a small synthetic run.
 
 `write_run` builds that run folder; tests/test_report.py uses it too.
 """
@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from svrmad_local.eval.metrics import (agents_frame, best_cells, format_table, load_run, method_name,
+from svrmad_local.analysis.metrics import (agents_frame, best_cells, format_table, load_run, method_name,
                                        read_jsonl, results_frame, summary, summary_table_text, table1)
 
 # Five agents per question: per agent (correct, min_ll, ppl, self_conf); SVR-MAD's final scores.

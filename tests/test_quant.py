@@ -289,7 +289,7 @@ def test_run_option_and_the_one_info_line(folders, caplog):
     import argparse
     import logging
 
-    from svrmad_local.eval.config import add_run_arguments, from_args
+    from svrmad_local.job.flags import add_run_arguments, from_args
 
     parser = argparse.ArgumentParser()
     add_run_arguments(parser)

@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-from svrmad_local.debate.replay import MissingDebate, ReplayBackend
+from svrmad_local.debate.replay_backend import MissingDebate, ReplayBackend
 from svrmad_local.debate.scripted import ScriptedBackend
 from svrmad_local.debate.trace import RecordingBackend, row_initial, write_trace
 from svrmad_local.debate.types import Question
-from svrmad_local.eval import replay as replay_cli
+from svrmad_local.analysis import replay as replay_cli
 from svrmad_local.methods import METHODS, run_method, svr_mad
 
 QUESTIONS = {

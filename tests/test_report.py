@@ -4,8 +4,8 @@ import argparse
 
 import pytest
 
-from svrmad_local.eval import figures, report
-from svrmad_local.eval.metrics import load_run
+from svrmad_local.analysis import figures, report
+from svrmad_local.analysis.metrics import load_run
 from tests.test_metrics import FIG1, write_run
 
 

@@ -11,7 +11,7 @@ import random
 from svrmad_local.debate.scripted import ScriptedBackend
 from svrmad_local.debate.trace import RecordingBackend
 from svrmad_local.debate.types import Question
-from svrmad_local.eval.config import RunConfig
+from svrmad_local.analysis.run_config import RunConfig
 from svrmad_local.methods import svr_mad
 
 from . import runharness as h

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from svrmad_local import cli
-from svrmad_local.eval import run as run_mod
-from svrmad_local.eval.metrics import read_jsonl
+from svrmad_local.job import run as run_mod
+from svrmad_local.analysis.metrics import read_jsonl
 from svrmad_local.models.loader import default_dtype
 
 from .conftest import make_model
@@ -155,7 +155,7 @@ def test_a_debate_that_outgrows_the_context_gets_no_answer(tiny_model, tiny_toke
     import asyncio
 
     from svrmad_local.debate.engine_backend import EngineBackend
-    from svrmad_local.debate.replay import ReplayBackend
+    from svrmad_local.debate.replay_backend import ReplayBackend
     from svrmad_local.debate.trace import RecordingBackend, row_initial
     from svrmad_local.debate.types import Question
     from svrmad_local.engine.engine import Engine, EngineConfig

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from svrmad_local.debate.trace import read_jsonl
-from svrmad_local.eval import folder as folder_mod
+from svrmad_local.analysis import folder as folder_mod
 
 from .runharness import SCRIPT, run, state, use_script
 
@@ -150,7 +150,7 @@ def test_a_second_run_on_the_same_folder_is_refused(tmp_path, monkeypatch, capsy
     out = tmp_path / "out"
     out.mkdir()
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from svrmad_local.eval.folder import RunFolder; "
+        [sys.executable, "-c", "import sys, time; from svrmad_local.analysis.folder import RunFolder; "
          "f = RunFolder(sys.argv[1]); f.lock(); print('locked', flush=True); time.sleep(60)", str(out)],
         stdout=subprocess.PIPE, text=True, cwd=str(__import__("pathlib").Path(__file__).parents[1]))
     try:

@@ -9,7 +9,7 @@ import pytest
 
 from svrmad_local import cli
 from svrmad_local.engine.engine import parse_memory
-from svrmad_local.eval import run as run_mod
+from svrmad_local.job import run as run_mod
 
 from .runharness import run, write_dataset
 
@@ -106,7 +106,7 @@ def test_non_utf8_bytes_name_file_and_line(tmp_path, no_model, capsys, monkeypat
 
 
 def test_non_utf8_csv(tmp_path):
-    from svrmad_local.eval.datasets import DatasetError, load_dataset
+    from svrmad_local.job.datasets import DatasetError, load_dataset
 
     path = tmp_path / "math.csv"
     path.write_bytes(b"idx,Question,Answer\n0,What is 1+1?,2\n1,What is \xff?,3\n2,What is 2+2?,4\n")

@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 
 from svrmad_local import cli
-from svrmad_local.eval import signals_page, signals_study as study, token_stats
-from svrmad_local.eval import figures
-from svrmad_local.eval.figures import count_label
-from svrmad_local.eval.metrics import load_run, read_jsonl
+from svrmad_local.analysis import signals_page, signals_study as study, token_files
+from svrmad_local.analysis import figures
+from svrmad_local.analysis.figures import count_label
+from svrmad_local.analysis.metrics import load_run, read_jsonl
 from tests.test_run_e2e import run as run_e2e, setup  # noqa: F401  (a fixture)
 
 AGENTS = {
@@ -154,11 +154,11 @@ class _R:
 
 def test_token_stats_round_trip_and_page(tmp_path):
     run = write_run(tmp_path / "run")
-    token_stats.write(run, "q1", [_R("0", [-0.1, -2.5, -0.3]), _R("1", [-1.0]), _R("2", [])])
-    got = token_stats.read(run)
+    token_files.write(run, "q1", [_R("0", [-0.1, -2.5, -0.3]), _R("1", [-1.0]), _R("2", [])], None)
+    got = token_files.read(run)
     assert got["q1", "0"][0].tolist() == pytest.approx([-0.1, -2.5, -0.3])
     assert got["q1", "1"][1].tolist() == [0.5] and len(got["q1", "2"][0]) == 0
-    size, tokens = token_stats.bytes_per_token(run)
+    size, tokens = token_files.bytes_per_token(run)
     assert tokens == 4 and size > 0
     page = signals_page.write_study([run], tmp_path / "out", n_boot=20, track="q1:0").read_text()
     assert "response `0`" in page and (tmp_path / "out" / "token_track.png").exists()
@@ -200,8 +200,8 @@ def test_run_saves_token_stats_that_match_the_trace(setup):
     assert run_e2e(ck, data, out, "--limit", "2", "--methods", "svr-mad", "--save-token-stats") == 0
     trace = read_jsonl(out / "trace.jsonl")
     assert trace, "a random model should disagree with itself"
-    saved = token_stats.read(out)
-    assert len(list((out / token_stats.FOLDER).glob("*.npz"))) == len(trace)
+    saved = token_files.read(out)
+    assert len(list((out / token_files.FOLDER).glob("*.npz"))) == len(trace)
     for row in trace:
         for r in row["agents"] + row["debates"]:
             lp, ent = saved[row["id"], r["id"]]
@@ -209,9 +209,9 @@ def test_run_saves_token_stats_that_match_the_trace(setup):
             if r in row["agents"]:
                 assert float(lp.min()) == pytest.approx(r["signals"]["min_ll"], abs=1e-5)
                 assert float(ent.mean()) == pytest.approx(r["signals"]["mean_entropy"], abs=1e-5)
-    size, tokens = token_stats.bytes_per_token(out)
+    size, tokens = token_files.bytes_per_token(out)
     assert tokens == sum(r["completion_tokens"] for row in trace for r in row["agents"] + row["debates"])
     page = signals_page.write_study([out], out / "signals", n_boot=10).read_text()
     assert "bytes per token on disk" in page and (out / "signals" / "token_track.png").exists()
     assert run_e2e(ck, data, tmp := out.with_name("plain"), "--limit", "1", "--methods", "svr-mad") == 0
-    assert not (tmp / token_stats.FOLDER).exists()
+    assert not (tmp / token_files.FOLDER).exists()

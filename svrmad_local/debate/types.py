@@ -2,7 +2,7 @@
 
 A method never touches tensors: it sees `Question`s and `Response`s and talks to a `Backend`.
 Three things implement the backend: the real engine (`debate.engine_backend`), a replay of
-recorded outcomes (`debate.replay`) and scripted agents for tests (`debate.scripted`).
+recorded outcomes (`debate.replay_backend`) and scripted agents for tests (`debate.scripted`).
 
 Response ids are deterministic and compositional, so a replay can find a recorded response from
 the structure of the call alone:
@@ -79,7 +79,7 @@ class Response:
     # response's context in a later round). Never serialised.
     context: Any = field(default=None, repr=False, compare=False)
     # (log-probs, entropies) per completion token, kept only when the run saves them
-    # (`svrmad run --save-token-stats`, eval/token_stats.py); never in the trace.
+    # (`svrmad run --save-token-stats`, analysis/token_files.py); never in the trace.
     token_stats: Any = field(default=None, repr=False, compare=False)
 
     @property

@@ -2,8 +2,8 @@
 
 `EngineConfig` (how the engine is built), `SamplingParams` (what one request asks for) and
 `SignalConfig` (the confidence windows of the per-sequence signals) are plain dataclasses with no
-torch in sight, so that eval/config.py and the commands that never load a model (`svrmad replay`,
-`svrmad merge`, `svrmad report`) can read and write them without importing the engine.
+torch in sight, so that analysis/run_config.py, job/flags.py and the commands that never load a model
+(`svrmad replay`, `svrmad merge`, `svrmad report`) can read and write them without importing the engine.
 
 SamplingParams' defaults follow the paper's Appendix A (temperature 1.0, top-p 0.95, top-k 40). A
 request with a seed draws from its own random stream, so its tokens do not depend on what else

@@ -144,7 +144,7 @@ def check_folder(path: str | Path, *, dtype: str | torch.dtype | None = None, de
     """Every check of a checkpoint folder that reads no weight: the folder, config.json and its
     fields, the architecture, the weight files against their headers (sizes, the index's shards),
     the quantization and its tensors' dtypes, the tokenizer files, the device. `svrmad run` calls it
-    before it writes anything (eval/preflight.py); `load_model` calls it first too."""
+    before it writes anything (job/preflight.py); `load_model` calls it first too."""
     from svrmad_local.models import files, quant
     from svrmad_local.models.plan import PlanError, check_config_fields
 

@@ -16,12 +16,12 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from svrmad_local.analysis import signals_figures as draw
+from svrmad_local.analysis import signals_study as study
+from svrmad_local.analysis import token_files
+from svrmad_local.analysis.folder import RunFolder, note
+from svrmad_local.analysis.metrics import markdown
 from svrmad_local.errors import UserError
-from svrmad_local.eval import signals_figures as draw
-from svrmad_local.eval import signals_study as study
-from svrmad_local.eval import token_stats
-from svrmad_local.eval.folder import RunFolder, note
-from svrmad_local.eval.metrics import markdown
 
 # What the page writes into --out: the outputs of an earlier study there are replaced as a whole.
 OUTPUTS = ("signals.md", "signals_*.csv", "signals_*.png", "token_track.png")
@@ -80,14 +80,14 @@ def parse_track(track: str) -> tuple[str, str]:
     return qid, rid
 
 
-def saved_stats(runs: dict[str, Path]) -> dict[str, dict[str, token_stats.Saved]]:
+def saved_stats(runs: dict[str, Path]) -> dict[str, dict[str, token_files.Saved]]:
     """Each run's token-stats files that belong to it; the files left out are named on stderr."""
     saved = {}
     for label, d in runs.items():
-        saved[label], left = token_stats.belonging(d)
+        saved[label], left = token_files.belonging(d)
         if left:
             more = f"; and {len(left) - 3} more" if len(left) > 3 else ""
-            note(f"left out {len(left)} file(s) of {d / token_stats.FOLDER} that are not its run's own: "
+            note(f"left out {len(left)} file(s) of {d / token_files.FOLDER} that are not its run's own: "
                  + "; ".join(left[:3]) + more)
     return saved
 
@@ -101,7 +101,7 @@ def pick_track(runs: dict[str, Path], saved: dict, track: str | None) -> tuple[s
     qid, rid = parse_track(track)
     found = next((label for label, files in saved.items() if qid in files and rid in files[qid].rids), None)
     if found is None:
-        where = ", ".join(str(runs[label] / token_stats.FOLDER) for label in saved)
+        where = ", ".join(str(runs[label] / token_files.FOLDER) for label in saved)
         raise UserError(f"--track {track}: no response {rid!r} of question {qid!r} in {where}")
     return found, (qid, rid)
 
@@ -121,7 +121,7 @@ def _tokens_section(runs: dict[str, Path], saved: dict, chosen, out: Path) -> li
                         "figure is empty and there is no token track.\n"]
     rows = []
     for label in runs:
-        size, tokens = token_stats.footprint(saved[label].values())
+        size, tokens = token_files.footprint(saved[label].values())
         g = positions[positions["run"] == label]
         if tokens:
             rows.append([label, len(g), tokens, f"{size / tokens:.2f}", _f(g["relative"].median(), "{:.2f}")])

@@ -13,7 +13,7 @@ from pathlib import Path
 import pandas as pd
 from matplotlib.figure import Figure
 
-from svrmad_local.eval.metrics import Run, is_ablation, method_name, method_order, read_jsonl, summary
+from svrmad_local.analysis.metrics import Run, is_ablation, method_name, method_order, read_jsonl, summary
 
 # Prior signals of Figure 1: trace key, label, higher is better.
 PRIOR_SIGNALS = [("min_ll", "min-LL", True), ("ppl", "PPL", False), ("self_conf", "conf", True)]

@@ -14,10 +14,10 @@ import json
 import sys
 from typing import Any
 
-from svrmad_local.debate.replay import MissingDebate, ReplayBackend
+from svrmad_local.analysis.options import add_method_arguments, check_method_options, method_options, stray_options
+from svrmad_local.debate.replay_backend import MissingDebate, ReplayBackend
 from svrmad_local.debate.trace import read_trace, row_initial, row_priors, row_question
 from svrmad_local.methods import METHODS, MethodResult, accepted_params, run_method
-from svrmad_local.eval.options import add_method_arguments, check_method_options, method_options, stray_options
 from svrmad_local.methods.sid_et import threshold_for_skip_rate, tune_skip_rate
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -9,8 +9,8 @@ per debated question (the questions of trace.jsonl), columnar and compressed:
     offsets   int64 [R + 1]: response r's tokens are rows offsets[r]:offsets[r + 1]
     logprob   float32 [T]: log p of each generated token under the raw distribution
     entropy   float32 [T]: entropy of that distribution (nats)
-    settings  the settings fingerprint of run.json when the file was written (JSON text; absent in
-              files written before it was kept)
+    settings  the settings fingerprint of the run that wrote it, as run.json records it (JSON text;
+              absent in files written before it was kept)
 
 8 bytes a token before compression (two float32 columns); `svrmad signals` reports what the run's
 files actually take. A question's file is written (aside, then renamed) before its trace line, so a
@@ -38,8 +38,8 @@ from typing import Iterable
 
 import numpy as np
 
-from svrmad_local.eval.config import diff_fingerprints
-from svrmad_local.eval.folder import TRACE, RunFolder, naming, rows
+from svrmad_local.analysis.folder import TRACE, RunFolder, naming, rows
+from svrmad_local.analysis.run_config import diff_fingerprints
 
 FOLDER = "token_stats"
 COLUMNS = ("qid", "rids", "offsets", "logprob", "entropy")
@@ -57,9 +57,11 @@ def _settings(run_dir: Path) -> dict | None:
     return fingerprint if isinstance(fingerprint, dict) else None
 
 
-def write(run_dir, qid: str, responses: Iterable) -> Path:
+def write(run_dir, qid: str, responses: Iterable, settings: dict | None) -> Path:
     """Write question `qid`'s file from responses carrying `token_stats` = (logprobs, entropies);
-    a response without them (a debate not sent: its prompt outgrew the context) has no tokens."""
+    a response without them (a debate not sent: its prompt outgrew the context) has no tokens.
+    `settings`: the writing run's fingerprint (`RunConfig.fingerprint`, which the run also wrote
+    into run.json), given by the run rather than read back from run.json for every question."""
     rids, lps, ents = [], [], []
     for r in responses:
         lp, ent = r.token_stats if r.token_stats is not None else ((), ())
@@ -68,7 +70,6 @@ def write(run_dir, qid: str, responses: Iterable) -> Path:
         ents.append(np.asarray(ent, dtype=np.float32))
     folder = Path(run_dir) / FOLDER
     folder.mkdir(parents=True, exist_ok=True)
-    settings = _settings(Path(run_dir))
     extra = {"settings": np.array(json.dumps(settings, sort_keys=True))} if settings is not None else {}
     path = folder / file_name(qid)
     tmp = path.with_name(path.name + ".tmp")

@@ -5,7 +5,7 @@ The commit rule: a question is done exactly when its line is complete in trace.j
 in skipped.jsonl (unanimous). That line is a single write of a single line, flushed and fsynced
 before anything else about the question is written, so it is the one record that decides. The
 question's results.jsonl rows are written after it and are derived data: rows a crash left out
-are rebuilt from the trace by replay, without a model (`eval.posthoc.rebuild_results`). A torn
+are rebuilt from the trace by replay, without a model (`analysis.posthoc.rebuild_results`). A torn
 last line (a crash in the middle of a write) is cut when the folder is opened; its question is
 then simply not done and runs again.
 """

@@ -5,7 +5,7 @@ the quantization, the tokenizer and its chat template) and what the methods need
 
 So a run that is refused leaves the folder as it found it, and a refusal comes in seconds, not
 after minutes of loading a large checkpoint. The run repeats the folder check under the lock
-(eval/run.py `_prepare`): another process may have written between the two.
+(job/run.py `_prepare`): another process may have written between the two.
 """
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+from svrmad_local.analysis.folder import RunFolder, note
+from svrmad_local.analysis.posthoc import recorded_methods
+from svrmad_local.analysis.run_config import RunConfig, diff_fingerprints, parse_shard
 from svrmad_local.debate.trace import TornLineWarning
 from svrmad_local.debate.types import Question
 from svrmad_local.dist import Dist
 from svrmad_local.errors import UserError
-from svrmad_local.eval.config import RunConfig, diff_fingerprints, parse_shard
-from svrmad_local.eval.datasets import DatasetError, load_dataset
-from svrmad_local.eval.folder import RunFolder, note
-from svrmad_local.eval.posthoc import recorded_methods
+from svrmad_local.job.datasets import DatasetError, load_dataset
 
 # The methods that announce the debates they may ask for next (run-ahead starts those): SVR-MAD and
 # its ablation variants. The others debate in rounds or ask as they go, so --run-ahead has nothing to start.
@@ -38,15 +38,15 @@ class Checked:
     model: str | None  # the checkpoint folder, None when the folder has nothing left to run
 
 
-def preflight(cfg: RunConfig, world_size: int = 1) -> Checked:
+def preflight(cfg: RunConfig, d: Dist) -> Checked:
     """Raise one line naming what is wrong, or return what the run needs; writes nothing (the
     embedded default model is fetched and converted into its cache the first time)."""
     from svrmad_local.grading import set_grader
 
     cfg.validate()
     set_grader(cfg.grader)  # math-verify missing: one line, before the model loads
-    Dist(world_size=world_size).check_tp(cfg.tp)  # whole tensor-parallel groups (the one rule dist.py owns)
-    if world_size > 1 and cfg.device_map:
+    d.check_tp(cfg.tp)  # whole tensor-parallel groups (the one rule dist.py owns)
+    if d.world_size > 1 and cfg.device_map:
         raise PreflightError("--device-map with several processes would spread every process over every GPU; "
                              "run one process, or data parallel without --device-map")
     questions = load_questions(cfg)

@@ -16,9 +16,9 @@ from pathlib import Path
 import pandas as pd
 
 from svrmad_local import grading
-from svrmad_local.eval import figures
-from svrmad_local.eval.metrics import (TABLE1_COLUMNS, Run, best_cells, format_table, grader_agreement,
-                                       load_run, markdown, method_name, read_jsonl, summary, table1)
+from svrmad_local.analysis import figures
+from svrmad_local.analysis.metrics import (TABLE1_COLUMNS, Run, best_cells, format_table, grader_agreement,
+                                           load_run, markdown, method_name, read_jsonl, summary, table1)
 
 
 def _num(value, fmt: str = "{:.1f}") -> str:
@@ -177,7 +177,7 @@ def add_arguments(parser) -> None:
 
 
 def main(args) -> int:
-    from svrmad_local.eval.posthoc import refresh
+    from svrmad_local.analysis.posthoc import refresh
 
     try:
         if (args.run_dir / "run.json").is_file():

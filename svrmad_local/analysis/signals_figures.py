@@ -1,4 +1,4 @@
-"""The signals study's figures (PNG, matplotlib's Figure API as in eval/figures.py).
+"""The signals study's figures (PNG, matplotlib's Figure API as in analysis/figures.py).
 
 Every figure states its n (responses, questions or bins) on the figure itself, and a panel with
 nothing to show says why in words (`figures.say`) instead of staying blank. Several runs share one
@@ -14,8 +14,8 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from svrmad_local.eval.figures import TINY, _save, say
-from svrmad_local.eval.signals_study import SIGNALS
+from svrmad_local.analysis.figures import TINY, _save, say
+from svrmad_local.analysis.signals_study import SIGNALS
 
 
 def _panels(n: int, width: float = 4.2, height: float = 3.6):

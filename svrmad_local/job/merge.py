@@ -2,9 +2,9 @@
 started by a scheduler without torch.distributed, e.g. a SLURM array) into one run folder.
 
 The folders must share their settings fingerprint. Questions are taken once each under the commit
-rule (eval/folder.py), so merging again, or after new shards finish, adds only what is new. SID-ET's
+rule (analysis/folder.py), so merging again, or after new shards finish, adds only what is new. SID-ET's
 rows are not taken: each shard tuned its skip rate on its own questions, and the merged folder
-tunes it once on all of them (with the ablation sweeps, eval/posthoc.py). The sources' token
+tunes it once on all of them (with the ablation sweeps, analysis/posthoc.py). The sources' token
 statistics (`--save-token-stats`) that belong to their runs come along with their questions.
 Sources are only read, under a shared lock (they may be read-only); a merge refused before it
 writes leaves no --out behind.
@@ -16,10 +16,10 @@ import argparse
 import shutil
 from pathlib import Path
 
-from svrmad_local.eval.config import RunConfig, diff_fingerprints
-from svrmad_local.eval import token_stats
-from svrmad_local.eval.folder import LOCK, RUN_JSON, RunFolder, note
-from svrmad_local.eval.posthoc import POST_HOC, finalize
+from svrmad_local.analysis import token_files
+from svrmad_local.analysis.folder import LOCK, RUN_JSON, RunFolder, note
+from svrmad_local.analysis.posthoc import POST_HOC, finalize
+from svrmad_local.analysis.run_config import RunConfig, diff_fingerprints
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -80,13 +80,13 @@ def _merge(sources: list[RunFolder], out: RunFolder) -> None:
                merged_from=sorted({*own.get("merged_from", []), *(str(s.out) for s in sources)}))
     out.write_meta(own)
     for src in sources:  # after the trace lines: a file is taken for a question the merged folder holds
-        copied, left = token_stats.merge(src.out, out.out)
+        copied, left = token_files.merge(src.out, out.out)
         if copied:
             note(f"{src.out}: took {copied} token-stats files")
         for line in left:
             note(f"left out {line}")
     finalize(out, cfg)
-    from svrmad_local.eval.run import print_summary, tally
+    from svrmad_local.job.run import print_summary, tally
 
     totals, rows, failed = tally(out)
     meta = out.read_meta()

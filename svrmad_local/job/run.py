@@ -3,10 +3,13 @@
 Questions run concurrently (one coroutine each, awaiting the one engine, which batches them).
 Per question: the N initial responses (computed once, shared by every method); unanimous questions
 are skipped as in the paper; otherwise every live method runs over a RecordingBackend, so a debate
-two methods ask for is computed once. The question is then committed (eval/folder.py: its trace
+two methods ask for is computed once. The question is then committed (analysis/folder.py: its trace
 line first, then its results rows). A question that fails is written to errors.jsonl and the run
 goes on; a rerun with the same --out retries it and skips the committed ones. After the live
-phase the model-free parts run from the trace (eval/posthoc.py).
+phase the model-free parts run from the trace (analysis/posthoc.py).
+
+Once the start message is in, what this process is (its settings, device, checkpoint, group and the
+folder it commits into) is settled in one `Job`, which every step reads.
 
 Under torchrun or `accelerate launch` every process runs one engine (svrmad_local/dist.py): rank 0
 checks the folder and publishes the RunConfig and the questions to run, each rank takes the next
@@ -24,23 +27,28 @@ import os
 import socket
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
-from svrmad_local.grading import equivalent, set_grader
+from svrmad_local.analysis import token_files
+from svrmad_local.analysis.folder import RunFolder, note, write_json
+from svrmad_local.analysis.folder import rows as run_rows
+from svrmad_local.analysis.posthoc import finalize, rebuild_results, recorded_methods
+from svrmad_local.analysis.run_config import RunConfig
 from svrmad_local.debate.trace import RecordingBackend
 from svrmad_local.debate.types import Question, Response
 from svrmad_local.dist import Dist, GroupLost
-from svrmad_local.eval.config import RunConfig, add_run_arguments, from_args
-from svrmad_local.eval.preflight import check_settings, model_path, preflight, shard  # noqa: F401 (shard: tests)
-from svrmad_local.eval import token_stats
-from svrmad_local.eval.folder import RunFolder, note, write_json
-from svrmad_local.eval.folder import rows as run_rows
-from svrmad_local.eval.posthoc import finalize, rebuild_results, recorded_methods
+from svrmad_local.grading import equivalent, set_grader
+from svrmad_local.job.flags import add_run_arguments, from_args
+from svrmad_local.job.preflight import check_settings, model_path, preflight, shard  # noqa: F401 (shard: tests)
 from svrmad_local.methods import run_method
 from svrmad_local.methods.svr_mad import possible_debates
 from svrmad_local.signals import prior_score
+
+if TYPE_CHECKING:
+    from svrmad_local.dist import Group
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -50,6 +58,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def unanimous(initial: list[Response], answer_type: str) -> bool:
     a0 = initial[0].answer
     return a0 is not None and all(equivalent(r.answer, a0, answer_type) for r in initial[1:])
+
+
+@dataclass(frozen=True)
+class Job:
+    """This process's part of the run, settled once after the start message. The steps read it whole
+    rather than each being handed the pieces it needs (the device and checkpoint down to the model
+    load, the folder and the launch down to each question)."""
+
+    cfg: RunConfig
+    d: Dist  # this process in the launch; with --tp, the data-parallel view of the groups' leaders
+    group: Group | None  # this rank's tensor-parallel group (None without --tp)
+    device: str | None
+    model: str | None  # the checkpoint folder; None when nothing is left to run
+    writer: RunFolder | None  # where this process commits: the run folder, or its part under data parallel
+    methods: tuple[str, ...]  # what a live question runs: those asked for and what the post-hoc parts replay
+    settings: dict  # the settings fingerprint (run.json's), stamped on the token-stats files
+
+    @property
+    def follower(self) -> bool:
+        """A tensor-parallel rank other than its group's first: it only follows its leader's steps."""
+        return self.group is not None and self.group.rank != 0
 
 
 # ---------------------------------------------------------------- one question
@@ -80,15 +109,16 @@ async def _all(aws) -> list:
     return outs
 
 
-async def run_question(q: Question, backend: RecordingBackend, cfg: RunConfig, folder: RunFolder) -> list[dict]:
+async def run_question(q: Question, backend: RecordingBackend, job: Job) -> list[dict]:
+    cfg, folder = job.cfg, job.writer
     initial = await _stage("initial", backend.initial(q, cfg.agents))
     if unanimous(initial, q.answer_type):
         folder.commit_skipped({"id": q.id, "gold": q.gold, "answer": initial[0].answer,
                                "answers": [r.answer for r in initial], "tokens": sum(r.tokens_total for r in initial),
                                "computed_tokens": sum(r.computed_tokens for r in initial)})
         return []
-    live = recorded_methods(cfg)  # with what SID-ET replays afterwards (eval/posthoc.py)
-    results = await _all(_stage(f"method {m}", run_method(m, q, initial, backend, **cfg.params_for(m))) for m in live)
+    results = await _all(_stage(f"method {m}", run_method(m, q, initial, backend, **cfg.params_for(m)))
+                         for m in job.methods)
     if cfg.ablations:  # every debate an SVR-MAD variant may ask for, so any (posterior, tau) replays
         svr = cfg.params_for("svr-mad")
         wanted = possible_debates([r.answer for r in initial], q.answer_type,
@@ -97,7 +127,7 @@ async def run_question(q: Question, backend: RecordingBackend, cfg: RunConfig, f
     priors = [prior_score(r.signals, cfg.prior) for r in initial]
     rows = [r.to_row(q) for r in results if r.method in cfg.methods]
     if cfg.save_token_stats:  # before the commit record: a committed question always has its file
-        token_stats.write(cfg.out_dir, q.id, backend.recorded(q.id))
+        token_files.write(cfg.out_dir, q.id, backend.recorded(q.id), job.settings)
     folder.commit_debated(backend.trace_row(q, priors), rows)
     return rows
 
@@ -168,10 +198,10 @@ class Progress:
             self.bar.close()
 
 
-async def work(todo: list[Question], backend: RecordingBackend, cfg: RunConfig, folder: RunFolder, d: Dist,
-               progress: Progress) -> dict[str, int]:
+async def work(job: Job, todo: list[Question], backend: RecordingBackend, progress: Progress) -> dict[str, int]:
     """Run questions until the shared queue is empty: each of `concurrency` slots takes the next
     question index (across all ranks) when it frees up. Returns counts of done / failed."""
+    d = job.d
     local = itertools.count()
     take = (lambda: d.take("next")) if d.enabled else (lambda: next(local))
     counts = {"done": 0, "failed": 0}
@@ -180,12 +210,12 @@ async def work(todo: list[Question], backend: RecordingBackend, cfg: RunConfig, 
         while (i := take()) < len(todo):
             q = todo[i]
             try:
-                await run_question(q, backend, cfg, folder)
+                await run_question(q, backend, job)
                 counts["done"] += 1
             except QuestionFailed as exc:
                 if GroupLost.behind(exc):  # not the question's failure: the run stops
                     raise GroupLost.behind(exc) from None
-                folder.record_error(q.id, exc.stage, exc.message, rank=d.rank)
+                job.writer.record_error(q.id, exc.stage, exc.message, rank=d.rank)
                 counts["failed"] += 1
             finally:
                 backend.forget(q.id)
@@ -198,35 +228,36 @@ async def work(todo: list[Question], backend: RecordingBackend, cfg: RunConfig, 
 
     ticker = asyncio.create_task(refresher()) if d.is_main else None
     try:
-        await asyncio.gather(*(slot() for _ in range(max(1, min(cfg.concurrency, len(todo))))))
+        await asyncio.gather(*(slot() for _ in range(max(1, min(job.cfg.concurrency, len(todo))))))
     finally:
         if ticker:
             ticker.cancel()
     return counts
 
 
-def build_engine(cfg: RunConfig, device: str | None, model_path: str, group=None):
-    """The engine over the loaded model; with --tp > 1 every rank of `group` calls this (the model is
-    split over the group)."""
+def build_engine(job: Job):
+    """The engine over the loaded model; with --tp > 1 every rank of the job's group calls this (the
+    model is split over the group)."""
     from svrmad_local.engine.engine import Engine
     from svrmad_local.models.loader import load_model
 
-    lm = load_model(model_path, dtype=cfg.dtype, device=device, device_map=cfg.device_map, tp=group or False,
+    cfg = job.cfg
+    lm = load_model(job.model, dtype=cfg.dtype, device=job.device, device_map=cfg.device_map, tp=job.group or False,
                     quantization=cfg.quantization)
     quant = getattr(lm.model, "svrmad_quantization", None)
     if quant:
         print(f"svrmad run: {quant['summary']}", file=sys.stderr)
     engine = Engine(lm.model, lm.tokenizer, cfg.engine)
-    if group is None or group.rank == 0:  # what runs, and why anything fell back (engine/execution.py)
+    if not job.follower:  # what runs, and why anything fell back (engine/execution.py)
         print(f"svrmad run: {engine.execution.line()}", file=sys.stderr)
     return engine
 
 
-def make_backend(cfg: RunConfig, device: str | None, model_path: str, group=None):
+def make_backend(job: Job):
     """The live backend, a callable giving the engine's counters, and one releasing the engine."""
     from svrmad_local.debate.engine_backend import EngineBackend
 
-    engine = build_engine(cfg, device, model_path, group)
+    engine, cfg = build_engine(job), job.cfg
     try:
         backend = EngineBackend(engine, cfg.sampling, elicit_confidence=cfg.elicit_confidence, seed=cfg.seed,
                                 reasoning_effort=cfg.reasoning_effort, keep_token_stats=cfg.save_token_stats)
@@ -254,7 +285,7 @@ def _main(args, d: Dist, held: list) -> int:
     def start() -> dict:  # rank 0: the run's settings and work, checked before any write, for every rank
         nonlocal folder, questions, cfg, todo
         cfg = from_args(args)
-        checked = preflight(cfg, d.world_size)  # everything that reads no weight, before any write
+        checked = preflight(cfg, d)  # everything that reads no weight, before any write
         questions = checked.questions
         folder, todo = _prepare(cfg, questions, held)
         model = checked.model or (model_path(cfg) if todo else None)
@@ -269,28 +300,26 @@ def _main(args, d: Dist, held: list) -> int:
     if not d.is_main:
         cfg, todo = RunConfig.from_dict(message["config"]), [Question(**q) for q in message["todo"]]
         set_grader(cfg.grader)
-    path = message["model"]
-    device = d.device(cfg.device)
-    group, d = d.split(cfg.tp)  # with --tp: this rank's group, and the replicas' data-parallel view
-    if group is not None and group.rank != 0:  # a follower: its leader runs the questions
-        if path:
-            build_engine(cfg, device, path, group).follow()
+    job = settle(cfg, d, message["model"], folder)
+    d = job.d
+    if job.follower:  # its leader runs the questions
+        if job.model:
+            build_engine(job).follow()
         return 0
-    writer = RunFolder(cfg.out_dir, part=f"rank-{d.rank}") if d.enabled else folder
-    rank_info = {"rank": d.rank, "host": socket.gethostname(), "pid": os.getpid(), "device": device}
+    rank_info = {"rank": d.rank, "host": socket.gethostname(), "pid": os.getpid(), "device": job.device}
     if d.enabled:
-        write_json(writer.dir / "rank.json", rank_info)  # who writes this part (and whose pid to signal)
+        write_json(job.writer.dir / "rank.json", rank_info)  # who writes this part (and whose pid to signal)
     counts, engine_info = {"done": 0, "failed": 0}, {}
     try:
         if todo:
-            inner, engine_counters, release = make_backend(cfg, device, path, group)
+            inner, engine_counters, release = make_backend(job)
             try:
                 backend = RecordingBackend(inner, run_ahead=cfg.run_ahead)
                 if d.enabled:  # nobody takes work before every engine is up, so early ranks do not take it all
                     d.barrier("ready")
                 progress = Progress(len(todo), d, engine_counters)
                 try:
-                    counts = asyncio.run(work(todo, backend, cfg, writer, d, progress))
+                    counts = asyncio.run(work(job, todo, backend, progress))
                 finally:
                     progress.close()
                 engine_info = engine_counters()
@@ -312,7 +341,18 @@ def _main(args, d: Dist, held: list) -> int:
         folder.merge_parts()
     else:
         ranks = [rank_info]
-    return _finish(folder, cfg, questions, ranks, time.perf_counter() - t0, d.world_size)
+    return _finish(job, folder, questions, ranks, time.perf_counter() - t0)
+
+
+def settle(cfg: RunConfig, d: Dist, model: str | None, folder: RunFolder | None) -> Job:
+    """This process's Job: its device, its tensor-parallel group (every rank takes part in making the
+    groups), and, unless it only follows its group's leader, the folder it commits into."""
+    device = d.device(cfg.device)
+    group, d = d.split(cfg.tp)  # with --tp: this rank's group, and the replicas' data-parallel view
+    job = Job(cfg, d, group, device, model, None, tuple(recorded_methods(cfg)), cfg.fingerprint())
+    if job.follower:
+        return job
+    return replace(job, writer=RunFolder(cfg.out_dir, part=f"rank-{d.rank}") if d.enabled else folder)
 
 
 def _sum_engines(ranks: list[dict]) -> dict:
@@ -344,7 +384,7 @@ def tally(folder: RunFolder, ids: set[str] | None = None) -> tuple[dict, list[di
 
 def print_summary(folder: RunFolder, totals: dict, rows: list[dict], failed: dict[str, dict], wall: float | None,
                   engine_info: dict, world_size: int = 1) -> None:
-    from svrmad_local.eval.metrics import summary_table_text
+    from svrmad_local.analysis.metrics import summary_table_text
 
     print(f"\n{totals['questions']} questions: {totals['skipped_unanimous']} skipped as unanimous before debate, "
           f"{totals['debated']} debated, {totals['failed']} failed." + (f" Wall time {wall:.1f} s." if wall else ""))
@@ -371,8 +411,9 @@ def print_summary(folder: RunFolder, totals: dict, rows: list[dict], failed: dic
           f"signals: svrmad signals {folder.out}")
 
 
-def _finish(folder: RunFolder, cfg: RunConfig, questions: list[Question], ranks: list[dict], wall: float,
-            world_size: int) -> int:
+def _finish(job: Job, folder: RunFolder, questions: list[Question], ranks: list[dict], wall: float) -> int:
+    """Rank 0, after every rank is done: the post-hoc parts, run.json's totals, the summary."""
+    cfg, world_size = job.cfg, job.d.world_size
     finalize(folder, cfg)
     totals, rows, failed = tally(folder, {q.id for q in questions})
     engine_info = _sum_engines(ranks)

@@ -5,7 +5,7 @@ signals (min-LL, PPL, mean log-prob, mean entropy, the DeepConf confidences, sel
 confidence), the prior SVR-MAD started from, and the posterior (the agent's final SVR score in the
 question's `svr-mad` results row). Unanimous questions are not in the trace, so they are not here
 (docs/signals.md says what that biases). Every function returns a DataFrame with a `run` column, so
-several runs sit side by side; `svrmad signals` (eval/signals_page.py) draws and writes them.
+several runs sit side by side; `svrmad signals` (analysis/signals_page.py) draws and writes them.
 
 The statistics are scikit-learn's (roc_auc_score, calibration_curve) and pandas'/scipy's (Spearman,
 Kendall); only the bootstrap loop and filtered voting are ours.
@@ -24,8 +24,8 @@ from scipy.stats import kendalltau
 from sklearn.calibration import calibration_curve
 from sklearn.metrics import roc_auc_score
 
+from svrmad_local.analysis.metrics import read_jsonl, results_frame
 from svrmad_local.debate.trace import read_trace
-from svrmad_local.eval.metrics import read_jsonl, results_frame
 from svrmad_local.methods.base import majority
 
 

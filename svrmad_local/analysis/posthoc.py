@@ -1,6 +1,6 @@
 """What a run folder derives from its trace without a model, and when to derive it again.
 
-- results rows a crash left out (the commit rule of eval/folder.py): replayed from the trace;
+- results rows a crash left out (the commit rule of analysis/folder.py): replayed from the trace;
 - SID-ET, which needs every question's initial responses: its skip rate is tuned (Algorithm 2,
   against SVR-MAD) over the folder's whole trace, so a folder merged from shards or ranks is tuned
   once, on all of its questions;
@@ -16,13 +16,13 @@ import asyncio
 import hashlib
 from typing import TYPE_CHECKING
 
-from svrmad_local.debate.replay import MissingDebate
+from svrmad_local.analysis.folder import FolderBusy, RunFolder, note
+from svrmad_local.analysis.folder import rows as run_rows
+from svrmad_local.debate.replay_backend import MissingDebate
 from svrmad_local.debate.trace import read_trace, row_question
-from svrmad_local.eval.folder import FolderBusy, RunFolder, note
-from svrmad_local.eval.folder import rows as run_rows
 
 if TYPE_CHECKING:
-    from svrmad_local.eval.config import RunConfig
+    from svrmad_local.analysis.run_config import RunConfig
 
 POST_HOC = {"sid-et"}  # needs every question's initial responses: runs from the trace afterwards
 
@@ -49,7 +49,7 @@ def recorded_methods(cfg: RunConfig) -> list[str]:
 
 def rebuild_results(folder: RunFolder, cfg: RunConfig, trace: list[dict] | None = None) -> int:
     """Replay the live methods' rows missing for questions committed in the trace; returns how many."""
-    from svrmad_local.eval.replay import replay_all
+    from svrmad_local.analysis.replay import replay_all
 
     if trace is None:
         trace = read_trace(folder.trace) if folder.trace.exists() else []
@@ -80,7 +80,7 @@ def post_hoc(folder: RunFolder, cfg: RunConfig, trace: list[dict] | None = None)
     if "sid-et" in cfg.methods and trace:
         entry["sid_et"] = _sid_et(folder, cfg, trace)
     if cfg.ablations and trace:
-        from svrmad_local.eval.ablations import sweep
+        from svrmad_local.analysis.ablations import sweep
 
         folder.replace_file("ablations.jsonl", sweep(trace, cfg.params_for("svr-mad")))
     return entry
@@ -90,7 +90,7 @@ def _sid_et(folder: RunFolder, cfg: RunConfig, trace: list[dict]) -> dict:
     """Append SID-ET's rows over the whole trace; its tuning as run.json records it. A trace that
     lacks the SVR-MAD debates the tuning replays (a folder written before they were recorded) gets
     no SID-ET rows and one line saying how to get them; everything else is kept."""
-    from svrmad_local.eval.replay import sid_et
+    from svrmad_local.analysis.replay import sid_et
 
     try:
         res, rate, thr = sid_et(trace, cfg.params_for("sid-et"), cfg.params_for("svr-mad"), cfg.skip_rate)
@@ -142,7 +142,7 @@ def refresh(out) -> None:
         note(f"a run is using {folder.out}: the report shows what it has saved so far")
         return
     try:
-        from svrmad_local.eval.config import RunConfig
+        from svrmad_local.analysis.run_config import RunConfig
 
         cfg = RunConfig.from_dict(meta["config"], where=folder.run_json)
         folder.cut_torn_tails()

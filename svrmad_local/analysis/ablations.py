@@ -28,7 +28,7 @@ def candidate_taus(trace: list[dict], signal: str, points: int = 11) -> list[flo
 
 def sweep(trace: list[dict], params: dict, signals=POSTERIOR_SIGNALS) -> list[dict]:
     """One point per (signal, tau): acceptance rate, mean tokens and accuracy over the trace."""
-    from svrmad_local.eval.replay import replay_all, totals
+    from svrmad_local.analysis.replay import replay_all, totals
 
     out = []
     for sig in signals:

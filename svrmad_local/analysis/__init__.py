@@ -1,0 +1,2 @@
+"""Run folders without a model: their format, what a run derives from its trace, replay, the report, the
+signals study."""
