@@ -27,6 +27,7 @@ nats from fp32 on the zoo model, where our Triton kernels (fp32 softmax) stay wi
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 from pathlib import Path
@@ -56,7 +57,7 @@ def build_models(root: Path) -> dict:
     from transformers import CONFIG_MAPPING
 
     from tests.conftest import build_tokenizer
-    from tests.quant_zoo import write_deepseek, write_gpt_oss
+    from tests.quant_zoo import deepseek_config, write_deepseek, write_gpt_oss
 
     root.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer("chatml")
@@ -68,8 +69,9 @@ def build_models(root: Path) -> dict:
         made[name] = str(folder)
     q, _ = write_gpt_oss(root / "zoo")
     build_tokenizer("harmony").save_pretrained(q)
-    d, _ = write_deepseek(root / "zoo")
-    build_tokenizer("deepseek_v3.1").save_pretrained(d)
+    ds_tok = build_tokenizer("deepseek_v3.1")  # its think tags are added tokens: the vocabulary must hold them
+    d, _ = write_deepseek(root / "zoo", config=deepseek_config(vocab_size=len(ds_tok)))
+    ds_tok.save_pretrained(d)
     for name, src in (("gpt-oss-mxfp4", q), ("deepseek-fp8", d)):
         if (root / name).exists() or (root / name).is_symlink():
             (root / name).unlink()
@@ -157,16 +159,14 @@ def probe_graphs(root: Path, device: str, models: list[str] | None = None) -> di
     return {**figures, "failures": failures}
 
 
-def _greedy_vs_reference(model, eng, ps, new: int):
+def _greedy_vs_reference(model, truth, eng, ps, new: int):
     """(positions, mismatches off near ties, max |log-prob - bf16 reference|, max |log-prob - fp32 truth|,
     max |bf16 reference - fp32 truth|, positions where the engine strays from the truth by more than the
     bf16 reference does, plus TOL) of the engine's greedy tokens against one cache-free forward of the
-    model over prompt + those tokens, in its own dtype and in fp32 (the same weights, upcast)."""
-    import copy
-
+    model over prompt + those tokens, in its own dtype and in `truth`, an fp32 copy of the model taken
+    before the engine was built over it (the engine may repack its linears for this CPU)."""
     from svrmad_local.engine.params import SamplingParams
 
-    truth = copy.deepcopy(model).float()
     outs = eng.generate_sync(ps, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))
     n = bad = strays = 0
     worst = worst32 = ref32 = 0.0
@@ -185,7 +185,6 @@ def _greedy_vs_reference(model, eng, ps, new: int):
             err, ref_err = abs(lps[i] - float(r32[i, t])), abs(float(ref[i, t] - r32[i, t]))
             worst32, ref32 = max(worst32, err), max(ref32, ref_err)
             strays += err > ref_err + TOL
-    del truth
     return n, bad, worst, worst32, ref32, strays
 
 
@@ -200,9 +199,10 @@ def probe_bf16(root: Path, device: str, models: list[str] | None = None) -> dict
         if models and name not in models:
             continue
         model, tok = make()
+        truth = copy.deepcopy(model).float()  # the same weights, upcast, before the engine repacks them
         eng = Engine(model, tok, EngineConfig(kv_cache_memory=KV, max_num_seqs=8))
         n, bad, worst, worst32, ref32, strays = _greedy_vs_reference(
-            model, eng, prompts(eng.runner.lm_head.out_features, 4), 16)
+            model, truth, eng, prompts(eng.runner.lm_head.out_features, 4), 16)
         figures[name] = {"positions": n, "off_tie_mismatches": bad, "max_logprob_diff": round(worst, 4),
                          "max_diff_vs_fp32": round(worst32, 4), "reference_diff_vs_fp32": round(ref32, 4),
                          "cuda_graphs": eng.info["cuda_graphs"], "attention": eng.info["attention"]}
@@ -230,6 +230,7 @@ def probe_flash(root: Path, device: str, models: list[str] | None = None) -> dic
     failures = []
     for name in models or ("llama", "gpt-oss", "mistral-sliding"):  # plain, sinks (its LSE layout), a window
         model = make_zoo_model(name).to(device=device, dtype=torch.bfloat16)
+        truth = copy.deepcopy(model).float()
         for block in (16, 256):  # 256: the paged call (block_table); 16: over a gather
             try:
                 eng = Engine(model, None, EngineConfig(kv_cache_memory=KV // 4, block_size=block, attention="flash"))
@@ -237,7 +238,7 @@ def probe_flash(root: Path, device: str, models: list[str] | None = None) -> dic
                 failures.append(f"{name}: attention='flash', block {block}: {type(e).__name__}: {e}")
                 continue
             try:
-                n, bad, worst = _greedy_vs_reference(model, eng, prompts(400, 4), 12)
+                n, bad, worst, *_ = _greedy_vs_reference(model, truth, eng, prompts(400, 4), 12)
             except Exception as e:  # noqa: BLE001 - e.g. a flash-attn without block_table: the call fails
                 failures.append(f"{name}: flash-attn, block {block}: {type(e).__name__}: {str(e)[:300]}")
                 continue
