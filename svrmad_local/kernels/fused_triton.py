@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from ._backend import HAS_TRITON, cdiv, interpreting, next_pow2, tl, triton
-from .fused import ACTS, PLAIN, NormStyle
+from .norms import ACTS, PLAIN, NormStyle
 
 if not HAS_TRITON:  # kernels/fused.py's choice catches this and runs the reference
     raise ImportError("triton is not importable")
