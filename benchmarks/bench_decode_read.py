@@ -84,14 +84,17 @@ def main():
     print(f"{platform.processor() or platform.machine()}, torch {torch.__version__}; GB/s of K/V read, "
           f"{args.layers} layers' caches, best of {args.repeat}")
     g = torch.Generator().manual_seed(0)
-    rows = []
-    for threads in (int(t) for t in args.threads.split(",")):
-        torch.set_num_threads(threads)
-        for label, lens in CASES.items():
-            row = {"threads": threads, "case": label, **case(lens, args.layers, args.repeat, kernels, g)}
-            rows.append(row)
-            line = "  ".join(f"{n} {row[n]:5.1f} ({row[n] / row['sum']:4.0%})" for n in kernels)
-            print(f"{threads} thread(s), {label:>15}: {line}  sum {row['sum']:5.1f}", flush=True)
+    rows, before = [], torch.get_num_threads()
+    try:
+        for threads in (int(t) for t in args.threads.split(",")):
+            torch.set_num_threads(threads)
+            for label, lens in CASES.items():
+                row = {"threads": threads, "case": label, **case(lens, args.layers, args.repeat, kernels, g)}
+                rows.append(row)
+                line = "  ".join(f"{n} {row[n]:5.1f} ({row[n] / row['sum']:4.0%})" for n in kernels)
+                print(f"{threads} thread(s), {label:>15}: {line}  sum {row['sum']:5.1f}", flush=True)
+    finally:  # a caller in the same process (the tests) keeps its thread count
+        torch.set_num_threads(before)
     print(json.dumps({"shape": {"heads": HEADS, "kv_heads": KV_HEADS, "dim": DIM, "block": BLOCK},
                       "layers": args.layers, "against": args.against, "rows": rows}))
 

@@ -386,7 +386,9 @@ def test_bench_decode_read_times_the_kernel_against_a_plain_read_and_another_rev
     same.write_text((Path(cpu_decode.__file__).parent / "csrc" / "cpu_decode.cpp").read_text())
     monkeypatch.setattr(sys, "argv", ["bench_decode_read.py", "--threads", "1", "--repeat", "1", "--layers", "2",
                                       "--against", str(same)])
+    threads = torch.get_num_threads()
     bench_decode_read.main()
+    assert torch.get_num_threads() == threads  # the tests after it keep theirs
     rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
     assert [(r["threads"], r["case"]) for r in rows] == [(1, "two")]
     assert all(rows[0][k] > 0 for k in ("kernel", "against", "sum"))

@@ -73,6 +73,11 @@ def torch_vector_bytes() -> int:
 _VEC = {t: max(1, torch_vector_bytes() // torch.empty((), dtype=t).element_size()) for t in DTYPES}
 
 
+def vector_elements(dtype: torch.dtype) -> int:
+    """Elements of `dtype` in torch's own CPU vector here (a row's last I % this run scalar)."""
+    return _VEC[dtype]
+
+
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """F.silu(gate) * up for [rows, I] tensors with contiguous rows (the halves of a fused gate/up output),
     bit for bit, in one call."""
