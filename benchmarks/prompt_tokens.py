@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from svrmad_local.engine.config import SamplingParams  # noqa: E402
-from svrmad_local.engine.kv_cache import BlockManager  # noqa: E402
+from svrmad_local.engine.block_manager import BlockManager  # noqa: E402
 from svrmad_local.engine.scheduler import Scheduler  # noqa: E402
 from svrmad_local.engine.sequence import Request, Sequence  # noqa: E402
 

@@ -19,9 +19,10 @@ from svrmad_local.models.loader import describe_dtype
 
 from . import graphs, tp
 from .attention import Attachment
+from .block_manager import BlockManager
 from .config import EngineConfig
 from .execution import Choice, Execution
-from .kv_cache import BlockManager, KVCache
+from .kv_cache import KVCache
 from .decoder import select_decoder
 from . import mla
 from .memory import (available_memory, empty_cache, fraction, keep_freed_memory, kv_pool, measurable, measure,

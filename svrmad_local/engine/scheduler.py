@@ -16,7 +16,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from .kv_cache import BlockManager, CacheFull, KVCache, common_prefix
+from .block_manager import BlockManager, CacheFull, common_prefix
+from .kv_cache import KVCache
 from .sequence import Sequence
 
 
