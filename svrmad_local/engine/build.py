@@ -125,8 +125,6 @@ def build(eng, model, cfg: EngineConfig) -> None:
         eng._channel = tp.StepChannel(eng.tp_group)
         if eng.rank == 0:
             eng.runner.tp = eng._channel
-        else:
-            eng.cache.replay = True
     dtype = SHORT_DTYPES.get(spec.dtype, str(spec.dtype).removeprefix("torch."))
     note, dtype_why = describe_dtype(spec.dtype, device)  # the default dtype of this machine, or as asked
     eng.execution = Execution(

@@ -31,8 +31,6 @@ class KVCache:
         self.k = [new(slots, *s.k_shape, dtype=dtype, device=d) for s, d in zip(specs, layer_devices)]
         self.v = [new(slots, *s.v_shape, dtype=dtype, device=d) for s, d in zip(specs, layer_devices)]
         self._scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._copies: list[tuple[int, int, int]] = []
-        self.replay = False  # a tensor-parallel follower: copies arrive with the steps
 
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V rows of `slots` (any shape) as [*slots.shape, heads, dim], written into scratch
@@ -55,28 +53,16 @@ class KVCache:
     def bytes_per_block(specs: list, block_size: int, dtype: torch.dtype) -> int:
         return block_size * sum(s.bytes_per_token(dtype) for s in specs)
 
-    def copy_rows(self, src: int, dst: int, rows: int) -> None:
-        """Copy the first `rows` token rows of block `src` into block `dst`, in every layer. Done at
-        once, and remembered until the next step is prepared (`take_copies`), so that tensor-parallel
-        ranks, whose caches only the steps change, replay it in the same order."""
-        self._apply(src, dst, rows)
-        self._copies.append((src, dst, rows))
-
-    def _apply(self, src: int, dst: int, rows: int) -> None:
-        s, d = src * self.block_size, dst * self.block_size
-        for k, v in zip(self.k, self.v):
-            k[d : d + rows] = k[s : s + rows]
-            v[d : d + rows] = v[s : s + rows]
-
-    def take_copies(self) -> list[tuple[int, int, int]]:
-        copies, self._copies = self._copies, []
-        return copies
-
     def apply_copies(self, copies: list[tuple[int, int, int]]) -> None:
-        """Replay copies made on another rank (a no-op for the copies this cache made itself)."""
-        if self.replay:
-            for c in copies:
-                self._apply(*c)
+        """For each (src, dst, rows) in order, the first `rows` token rows of block `src` copied into
+        block `dst`, in every layer: the copies a step carries (`StepInput.copies`, queued by the
+        scheduler), applied by every rank before the step's forward."""
+        bs = self.block_size
+        for src, dst, rows in copies:
+            s, d = src * bs, dst * bs
+            for k, v in zip(self.k, self.v):
+                k[d : d + rows] = k[s : s + rows]
+                v[d : d + rows] = v[s : s + rows]
 
 
 @dataclass
