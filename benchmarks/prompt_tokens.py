@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from svrmad_local.engine.config import SamplingParams  # noqa: E402
-from svrmad_local.engine.kv_cache import BlockManager  # noqa: E402
+from svrmad_local.engine.block_manager import BlockManager  # noqa: E402
 from svrmad_local.engine.scheduler import Scheduler  # noqa: E402
 from svrmad_local.engine.sequence import Request, Sequence  # noqa: E402
 
@@ -88,15 +88,10 @@ def bound(reqs: list[dict]) -> dict:
     return out
 
 
-class _NoTensors:
-    def copy_rows(self, src: int, dst: int, rows: int) -> None:
-        pass
-
-
 def replay(reqs: list[dict], num_blocks: int, block_size: int = 16, max_num_seqs: int = 64,
            max_num_batched_tokens: int = 2048, blocks_class=BlockManager) -> dict:
     bm = blocks_class(num_blocks, block_size)
-    sch = Scheduler(bm, _NoTensors(), max_num_seqs, max_num_batched_tokens)
+    sch = Scheduler(bm, max_num_seqs, max_num_batched_tokens)
     pending = sorted(reqs, key=lambda r: (r["s0"], r["id"]))[::-1]
     outs, step, computed, requests = {}, 0, 0, []
     while pending or sch.has_work():

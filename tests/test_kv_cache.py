@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from svrmad_local.engine.kv_cache import BlockManager, CacheFull
+from svrmad_local.engine.block_manager import BlockManager, CacheFull
 
 
 def fill(bm, tokens, parent=None):

@@ -19,9 +19,10 @@ from svrmad_local.models.loader import describe_dtype
 
 from . import graphs, tp
 from .attention import Attachment
+from .block_manager import BlockManager
 from .config import EngineConfig
 from .execution import Choice, Execution
-from .kv_cache import BlockManager, KVCache
+from .kv_cache import KVCache
 from .decoder import select_decoder
 from . import mla
 from .memory import (available_memory, empty_cache, fraction, keep_freed_memory, kv_pool, measurable, measure,
@@ -124,8 +125,6 @@ def build(eng, model, cfg: EngineConfig) -> None:
         eng._channel = tp.StepChannel(eng.tp_group)
         if eng.rank == 0:
             eng.runner.tp = eng._channel
-        else:
-            eng.cache.replay = True
     dtype = SHORT_DTYPES.get(spec.dtype, str(spec.dtype).removeprefix("torch."))
     note, dtype_why = describe_dtype(spec.dtype, device)  # the default dtype of this machine, or as asked
     eng.execution = Execution(

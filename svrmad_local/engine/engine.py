@@ -78,7 +78,7 @@ class Engine:
         # The caller's own idle team (from loading the model, say) counts too: hand it back, here and
         # on each request (cheap when there is none; docs/engine.md has the measured cost).
         release_team()
-        self.scheduler = Scheduler(self.blocks, self.cache, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.eos_ids = self._eos_ids()
         self.totals = EngineTotals()
         self.stepper = Step(self.scheduler, self.runner, self.totals, block_bytes=self.block_bytes, eos_ids=self.eos_ids,

@@ -1,185 +1,19 @@
-"""Paged KV-cache with a prefix tree, so identical token prefixes are computed once.
+"""The tensors of the paged KV cache: the block pool's K/V rows, and the block tables kernels read.
 
-The cache is a fixed pool of blocks (`block_size` tokens of K and V for every layer), allocated up
-front under the user's memory budget: memory can never grow past it. Blocks are ref-counted.
-
-Reuse is indexed by a tree whose nodes are blocks and whose edges are the tokens a block holds
-(SGLang's radix cache at block granularity, vLLM's chained block hash in tree form):
-- a *full* block whose whole token run (and whole prefix) matches is shared by reference;
-- where the match ends inside a block, the matching rows are *copied* into a fresh block of the
-  request (copy-on-write). So reuse is exact to the token, not rounded down to a block, which
-  matters for debates: [question + own answer] rarely ends on a block boundary.
-Unreferenced blocks stay in the tree as cache and are evicted least-recently-used first, a whole
-subtree at a time (a block is only reachable through its ancestors).
-
-`BlockTables` is the view of the cache that the kernels reading it in place take: each run's
-block ids and context length, as tensors on the step's device.
+The blocks' ids, ref counts and prefix tree live in the torch-free `block_manager.BlockManager`; this
+module holds what those ids index: per layer a flat [slots, heads, dim] K and V (`KVCache`, which also
+applies the row copies a step carries first: a prefix hit's or a fork's partial block), and
+`BlockTables`, the view that the kernels reading the cache in place take: each run's block ids and
+context length, as tensors on the step's device (`DeviceTables` keeps the decode rows' on the device).
 """
 
 from __future__ import annotations
 
-import itertools
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
 
 from svrmad_local.kernels._backend import staged
-
-
-class CacheFull(RuntimeError):
-    """No free or evictable block: the scheduler must wait or preempt."""
-
-
-@dataclass(eq=False)
-class Node:
-    block: int
-    key: tuple[int, ...]
-    parent: "Node | None"
-    children: dict[tuple[int, ...], "Node"] = field(default_factory=dict)
-
-
-class BlockManager:
-    """Ids, ref counts, the prefix tree and LRU eviction; no tensors (see `KVCache`)."""
-
-    def __init__(self, num_blocks: int, block_size: int):
-        if num_blocks < 1:
-            raise ValueError(f"the KV-cache budget holds no block (num_blocks={num_blocks})")
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.ref = [0] * num_blocks
-        self.free: list[int] = list(range(num_blocks - 1, -1, -1))
-        self.lru: OrderedDict[int, None] = OrderedDict()  # unreferenced blocks still in the tree
-        self.root = Node(-1, (), None)
-        self.node_of: dict[int, Node] = {}  # block id -> its node while it is in the tree
-        self.peak_used = 0
-        self.evictions = 0
-        self._tick = itertools.count()
-
-    # -- accounting -------------------------------------------------------------------------
-    @property
-    def num_free(self) -> int:
-        """Blocks that can be handed out now (free or evictable)."""
-        return len(self.free) + len(self.lru)
-
-    @property
-    def num_used(self) -> int:
-        return self.num_blocks - self.num_free
-
-    def _note_peak(self) -> None:
-        self.peak_used = max(self.peak_used, self.num_used)
-
-    # -- allocation -------------------------------------------------------------------------
-    def allocate(self) -> int:
-        if not self.free:
-            if not self.lru:
-                raise CacheFull("KV-cache budget exhausted")
-            self._evict(next(iter(self.lru)))
-        b = self.free.pop()
-        self.ref[b] = 1
-        self._note_peak()
-        return b
-
-    def incref(self, b: int) -> None:
-        if self.ref[b] == 0:
-            self.lru.pop(b, None)
-        self.ref[b] += 1
-        self._note_peak()
-
-    def release(self, blocks: list[int]) -> None:
-        """Drop one reference to each block; a block nobody holds stays cached if it is in the
-        tree, else goes back to the free list. Deepest first so LRU evicts leaves first."""
-        for b in reversed(blocks):
-            self.ref[b] -= 1
-            assert self.ref[b] >= 0, f"block {b} released more often than held"
-            if self.ref[b] == 0:
-                if b in self.node_of:
-                    self.lru[b] = None
-                else:
-                    self.free.append(b)
-
-    def _evict(self, b: int) -> None:
-        node = self.node_of[b]
-        assert self.ref[b] == 0, "evicting a referenced block"
-        if node.parent is not None:
-            node.parent.children.pop(node.key, None)
-        stack = [node]
-        while stack:
-            n = stack.pop()
-            stack.extend(n.children.values())
-            n.children = {}
-            del self.node_of[n.block]
-            self.lru.pop(n.block, None)
-            self.free.append(n.block)
-            self.evictions += 1
-
-    # -- the prefix tree --------------------------------------------------------------------
-    def match(self, tokens: list[int], limit: int) -> tuple[list[int], int, tuple[int, int] | None]:
-        """Longest cached prefix of `tokens[:limit]`.
-
-        Returns (shared full blocks, now referenced by the caller; number of tokens they cover;
-        `(source block, rows)` to copy into the caller's next block, or None; the source is
-        referenced too, so allocating the copy target cannot evict it: release it after copying).
-        """
-        bs = self.block_size
-        node, shared, pos = self.root, [], 0
-        while pos < limit:
-            chunk = tuple(tokens[pos : min(pos + bs, limit)])
-            child = node.children.get(chunk) if len(chunk) == bs else None
-            if child is not None:
-                shared.append(child.block)
-                node, pos = child, pos + bs
-                continue
-            best, best_len = None, 0
-            for key, c in node.children.items():
-                n = common_prefix(key, chunk)
-                if n > best_len:
-                    best, best_len = c, n
-            partial = (best.block, best_len) if best is not None else None
-            break
-        else:
-            partial = None
-        for b in shared:
-            self.incref(b)
-        if partial is not None:
-            self.incref(partial[0])  # held while its rows are copied; the caller releases it
-        return shared, pos, partial
-
-    def register(self, parent_block: int | None, block: int, key: tuple[int, ...]) -> int:
-        """Put `block` (holding `key`'s KV, after the run ending at `parent_block`) in the tree.
-
-        Returns the block the caller should hold: its own, or an identical block already cached
-        (then the caller's reference moves to that one and its own block is released).
-        """
-        parent = self.root if parent_block is None else self.node_of.get(parent_block)
-        if parent is None:
-            return block  # the chain above is not indexed (evicted or private): keep it private
-        existing = parent.children.get(key)
-        if existing is not None and existing.block != block:
-            self.incref(existing.block)
-            self.release([block])
-            return existing.block
-        if existing is None:
-            if len(key) < self.block_size:
-                # a partial block is only worth indexing if no cached sibling already covers it
-                if any(common_prefix(k, key) == len(key) for k in parent.children):
-                    return block
-            node = Node(block, key, parent)
-            parent.children[key] = node
-            self.node_of[block] = node
-        return block
-
-    def in_tree(self, block: int) -> bool:
-        return block in self.node_of
-
-
-def common_prefix(a, b, limit: int | None = None) -> int:
-    n = 0
-    for x, y in zip(a[:limit], b[:limit]) if limit is not None else zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class KVCache:
@@ -197,8 +31,6 @@ class KVCache:
         self.k = [new(slots, *s.k_shape, dtype=dtype, device=d) for s, d in zip(specs, layer_devices)]
         self.v = [new(slots, *s.v_shape, dtype=dtype, device=d) for s, d in zip(specs, layer_devices)]
         self._scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._copies: list[tuple[int, int, int]] = []
-        self.replay = False  # a tensor-parallel follower: copies arrive with the steps
 
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V rows of `slots` (any shape) as [*slots.shape, heads, dim], written into scratch
@@ -221,28 +53,16 @@ class KVCache:
     def bytes_per_block(specs: list, block_size: int, dtype: torch.dtype) -> int:
         return block_size * sum(s.bytes_per_token(dtype) for s in specs)
 
-    def copy_rows(self, src: int, dst: int, rows: int) -> None:
-        """Copy the first `rows` token rows of block `src` into block `dst`, in every layer. Done at
-        once, and remembered until the next step is prepared (`take_copies`), so that tensor-parallel
-        ranks, whose caches only the steps change, replay it in the same order."""
-        self._apply(src, dst, rows)
-        self._copies.append((src, dst, rows))
-
-    def _apply(self, src: int, dst: int, rows: int) -> None:
-        s, d = src * self.block_size, dst * self.block_size
-        for k, v in zip(self.k, self.v):
-            k[d : d + rows] = k[s : s + rows]
-            v[d : d + rows] = v[s : s + rows]
-
-    def take_copies(self) -> list[tuple[int, int, int]]:
-        copies, self._copies = self._copies, []
-        return copies
-
     def apply_copies(self, copies: list[tuple[int, int, int]]) -> None:
-        """Replay copies made on another rank (a no-op for the copies this cache made itself)."""
-        if self.replay:
-            for c in copies:
-                self._apply(*c)
+        """For each (src, dst, rows) in order, the first `rows` token rows of block `src` copied into
+        block `dst`, in every layer: the copies a step carries (`StepInput.copies`, queued by the
+        scheduler), applied by every rank before the step's forward."""
+        bs = self.block_size
+        for src, dst, rows in copies:
+            s, d = src * bs, dst * bs
+            for k, v in zip(self.k, self.v):
+                k[d : d + rows] = k[s : s + rows]
+                v[d : d + rows] = v[s : s + rows]
 
 
 @dataclass

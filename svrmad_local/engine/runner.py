@@ -69,14 +69,14 @@ class ModelRunner:
     def prepare(self, batch: Batch) -> StepInput:
         """What every rank needs to run the step, in plain numbers (the tensor-parallel followers
         receive it): new token ids and, per run, its positions and block table; the decode runs
-        first; and the cache copies (prefix and fork partial blocks) made since the last step."""
+        first; and the cache copies (prefix and fork partial blocks) the scheduler queued since the last step."""
         ids: list[int] = []
         runs = []
         for w in batch.work:
             ids.extend(w.seq.tokens[w.start : w.end])
             runs.append((w.start, w.end, w.seq.blocks[: -(-w.end // self.block_size)]))
         keys = [(w.seq.uid, w.seq.blocks_epoch) for w in batch.work]
-        return StepInput(ids, runs, len(batch.decode), self.cache.take_copies(), keys)
+        return StepInput(ids, runs, len(batch.decode), batch.copies, keys)
 
     @torch.inference_mode()
     def forward(self, batch: Batch) -> torch.Tensor:
@@ -89,6 +89,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> torch.Tensor:
+        """Runs one step on this rank (the leader's, or one a tensor-parallel follower received): its
+        queued cache copies first, then the forward."""
         self.cache.apply_copies(step.copies)
         shape = self.static.shape(step) if self.static is not None else None
         if shape is not None:

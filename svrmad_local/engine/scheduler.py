@@ -8,7 +8,10 @@ cache (indexed, so its recompute is mostly a cache hit) and it waits at the head
 Memory therefore never exceeds the budget and a full cache never crashes the engine.
 
 The scheduler owns every transition of a sequence (admit, preempt, fork, finish, abort); the engine
-only decides *when* (sampling, stop conditions) and resolves requests.
+only decides *when* (sampling, stop conditions) and resolves requests. It touches no tensor: where a
+sequence starts from rows of another block (a prefix hit's or a fork's partial block), it queues the
+copy, and the next `Batch` carries the queued copies to the runner, which applies them, in order,
+before the step's forward reads or writes the cache.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from .kv_cache import BlockManager, CacheFull, KVCache, common_prefix
+from .block_manager import BlockManager, CacheFull, common_prefix
 from .sequence import Sequence
 
 
@@ -40,11 +43,13 @@ class Work:
 @dataclass
 class Batch:
     """One step: single-token runs (decodes, batched in one attention call) and multi-token runs
-    (prefill chunks), in the row order the runner lays them out; and sequences that can never fit."""
+    (prefill chunks), in the row order the runner lays them out; sequences that can never fit; and the
+    cache row copies (src block, dst block, rows) queued since the last step, to apply first, in order."""
 
     decode: list[Work] = field(default_factory=list)
     prefill: list[Work] = field(default_factory=list)
     rejected: list[tuple[Sequence, RequestTooLarge]] = field(default_factory=list)
+    copies: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def work(self) -> list[Work]:
@@ -55,14 +60,16 @@ class Batch:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, cache: KVCache, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
         self.bm = blocks
-        self.cache = cache
         self.bs = blocks.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # row copies (src block, dst block, rows) queued for the next step that runs: a fork made after a
+        # step's forward waits here, as do copies whose step has no work (every sequence stopped)
+        self.copies: list[tuple[int, int, int]] = []
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -157,7 +164,7 @@ class Scheduler:
             if partial is not None:
                 src, rows = partial
                 self.reserve(seq, seq.num_computed + 1)
-                self.cache.copy_rows(src, seq.blocks[-1], rows)
+                self.copies.append((src, seq.blocks[-1], rows))
                 seq.num_computed += rows
             self.reserve(seq, len(seq.tokens))
         except CacheFull:
@@ -189,7 +196,7 @@ class Scheduler:
         if rows:
             try:
                 self.reserve(child, full * bs + 1)
-                self.cache.copy_rows(leader.blocks[full], child.blocks[-1], rows)
+                self.copies.append((leader.blocks[full], child.blocks[-1], rows))
                 child.num_computed += rows
             except CacheFull:
                 self.free(child)
@@ -275,6 +282,8 @@ class Scheduler:
             budget -= n
         self.waiting.extendleft(reversed(deferred))
         batch = Batch([w for w in work if w.num_tokens == 1], [w for w in work if w.num_tokens != 1])
+        if batch:  # only a step that runs applies them; the blocks they fill may be indexed already
+            batch.copies, self.copies = self.copies, []
         if not batch and self.waiting and not self.running and not deferred:
             seq = self.waiting.popleft()
             batch.rejected.append((seq, RequestTooLarge(

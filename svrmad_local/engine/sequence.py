@@ -14,8 +14,6 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from .config import SamplingParams
 
 
