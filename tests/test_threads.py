@@ -212,6 +212,9 @@ def test_the_engine_runs_fewer_threads_beside_a_busy_core_and_says_so(monkeypatc
     from svrmad_local.engine.params import SamplingParams
 
     monkeypatch.setattr(threads, "WINDOW_S", 0.2)
+    # a new thread takes torch's last set_num_threads, whichever thread called it: start from every core
+    before = torch.get_num_threads()
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
     eng = Engine(tiny_model, tiny_tokenizer, EngineConfig(adapt_threads=True))
     core = max(os.sched_getaffinity(0))
     loop = subprocess.Popen([sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{core}}})\nwhile True: pass"])
@@ -227,6 +230,7 @@ def test_the_engine_runs_fewer_threads_beside_a_busy_core_and_says_so(monkeypatc
         loop.kill()
         loop.wait()
         eng.close()
+        torch.set_num_threads(before)
     fixed = Engine(tiny_model, tiny_tokenizer, EngineConfig(adapt_threads=False))
     assert fixed.execution.threads.value == str(torch.get_num_threads()) and not fixed.info["threads"]["adapts"]
     fixed.close()
