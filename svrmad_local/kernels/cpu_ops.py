@@ -73,12 +73,16 @@ def torch_vector_bytes() -> int:
 _VEC = {t: max(1, torch_vector_bytes() // torch.empty((), dtype=t).element_size()) for t in DTYPES}
 
 
-def vector_elements(dtype: torch.dtype) -> int:
-    """Elements of `dtype` in torch's own CPU vector here (a row's last I % this run scalar)."""
-    return _VEC[dtype]
+def silu_mul_is_torchs(gate: torch.Tensor, up: torch.Tensor) -> bool:
+    """Whether `silu_mul` gives F.silu(gate) * up's bits for these tensors: [rows, I] with contiguous rows,
+    and each row's scalar tail where torch's is. torch walks a row alone when the rows are not one block
+    (the gate half of a gate/up output) or there is one row; a contiguous gate of several rows it walks as
+    one long row, whose tail is elsewhere unless I is a whole number of vectors."""
+    if gate.dim() != 2 or gate.stride(-1) != 1 or up.stride(-1) != 1:
+        return False
+    return gate.shape[0] == 1 or gate.stride(0) != gate.shape[1] or gate.shape[1] % _VEC[gate.dtype] == 0
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """F.silu(gate) * up for [rows, I] tensors with contiguous rows (the halves of a fused gate/up output),
-    bit for bit, in one call."""
+    """F.silu(gate) * up in one call, bit for bit where `silu_mul_is_torchs` says so."""
     return _KERNEL.module().silu_mul(gate, up, _VEC[gate.dtype])

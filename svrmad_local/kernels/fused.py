@@ -23,7 +23,6 @@ module-level functions pick per call):
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 
@@ -100,12 +99,7 @@ def _cpp_rope_store(q, k, v, cos, sin, k_cache, v_cache, slots, q_norm=None, k_n
 
 
 def _cpp_act_mul(gate, up, act: str = "silu"):
-    """The compiled SiLU-and-multiply computes each row's last I % v elements as torch does for a row it
-    walks alone (the gate half of a gate/up output, or one row); a contiguous gate of several rows torch
-    walks as one long row, whose tail is elsewhere, so that one (and GELU) takes the reference."""
-    if act != "silu" or gate.dim() != 2 or gate.stride(-1) != 1 or up.stride(-1) != 1:
-        return reference_act_mul(gate, up, act)
-    if gate.shape[0] > 1 and gate.stride(0) == gate.shape[1] and gate.shape[1] % cpu_ops.vector_elements(gate.dtype):
+    if act != "silu" or not cpu_ops.silu_mul_is_torchs(gate, up):  # (GELU-tanh has no C++ op)
         return reference_act_mul(gate, up, act)
     return cpu_ops.silu_mul(gate, up)
 
