@@ -30,6 +30,40 @@ def test_silu_mul_is_bitwise_silu_times_up(dtype, inter):
         cpu_ops.silu_mul(gate, up.double())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2, 4])
+@pytest.mark.parametrize("rows,inter", [(3, 11000), (7, 6013), (13, 4000), (1, 70001), (33, 1536), (9, 8960)])
+def test_silu_mul_is_torchs_where_its_rule_says_so_at_any_split_between_threads(dtype, threads, rows, inter):
+    """Tails of 16 < I % 32 fp32 elements (one vector of torch's two-vector step), and gates above torch's
+    grain, which torch cuts between threads wherever the cut falls: where the rule says the compiled op
+    gives torch's bits it does, and for the shapes whose cuts fall on whole steps it says so."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.manual_seed(rows * inter)
+        gate_up = (torch.randn(rows, 2 * inter) * 6).to(dtype)
+        for gate in (gate_up[:, :inter], gate_up[:, :inter].contiguous()):
+            up = gate_up[:, inter:]
+            if cpu_ops.silu_mul_is_torchs(gate, up):
+                assert torch.equal(cpu_ops.silu_mul(gate, up), F.silu(gate) * up)
+        if (rows, inter) in ((33, 1536), (9, 8960)):  # whole steps, cuts on steps: not sent to torch
+            assert cpu_ops.silu_mul_is_torchs(gate_up[:, :inter], gate_up[:, inter:])
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_rule_refuses_a_cut_between_threads_off_a_step():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        gate = torch.randn(1, 70001)  # one row cut in two at 35,001: off a 32-element step
+        assert not cpu_ops.silu_mul_is_torchs(gate, gate)
+        torch.set_num_threads(1)
+        assert cpu_ops.silu_mul_is_torchs(gate, gate)
+    finally:
+        torch.set_num_threads(before)
+
+
 def kernel_order_norm(x, w, eps):
     """transformers' bf16 RMSNorm steps on the kernel's sum of squares (csrc/cpu_ops.cpp, norm_row): eight
     lanes each summing every eighth square in order, the lanes added in order, then the tail."""

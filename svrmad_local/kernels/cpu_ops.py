@@ -14,8 +14,10 @@ Numerics:
   computes, in fp32 and in bf16. The residual add is one IEEE add: bitwise too.
 - SiLU-and-multiply (`silu_mul`): g / (1 + e^-g) with the exponential torch's own vectorised SiLU calls
   (Sleef's, exported by libtorch), then the product: bitwise F.silu(gate) * up, in fp32 and bf16 (in
-  bf16 the SiLU rounded to bf16 first, as F.silu returns it). torch computes the last I % v elements
-  of a row (v: its vector's elements, 16 fp32 or 32 bf16 under AVX-512) with std::exp; so does this.
+  bf16 the SiLU rounded to bf16 first, as F.silu returns it). torch's loop takes two vectors a step and
+  computes the last I % 2v elements of a row (v: its vector's elements, 16 fp32 or 32 bf16 under
+  AVX-512) with std::exp; so does this. Where torch splits a large gate between threads it restarts
+  that walk at each split: `silu_mul_is_torchs` says where the splits keep the tails in place.
 - RMSNorm sums the squares in an order of its own (8 lanes, then the lanes in order, then the tail),
   so it differs from transformers' `pow(2).mean()` at fp32 rounding. That is why the engine swaps the
   model's norm modules for `engine.families.FastRMSNorm`, which calls this: the engine and any reference
@@ -70,17 +72,35 @@ def torch_vector_bytes() -> int:
     return 64 if cap.startswith("AVX512") else 32 if cap.startswith("AVX2") else 1
 
 
-_VEC = {t: max(1, torch_vector_bytes() // torch.empty((), dtype=t).element_size()) for t in DTYPES}
+# elements of one step of torch's elementwise loop (two vectors; aten/src/ATen/native/cpu/Loops.h)
+_VEC = {t: max(1, 2 * torch_vector_bytes() // torch.empty((), dtype=t).element_size()) for t in DTYPES}
+_GRAIN = 32768  # at::internal::GRAIN_SIZE: the elements below which torch's elementwise loops stay on one thread
+
+
+def _thread_splits(numel: int) -> range:
+    """Where torch's parallel elementwise loop cuts [0, numel) between threads (at::parallel_for over
+    OpenMP: as many pieces as threads, at most one a grain, each ceil(numel / pieces) long)."""
+    if numel <= _GRAIN:
+        return range(0)
+    pieces = min(torch.get_num_threads(), -(-numel // _GRAIN))
+    chunk = -(-numel // pieces)
+    return range(chunk, numel, chunk) if pieces > 1 else range(0)
 
 
 def silu_mul_is_torchs(gate: torch.Tensor, up: torch.Tensor) -> bool:
     """Whether `silu_mul` gives F.silu(gate) * up's bits for these tensors: [rows, I] with contiguous rows,
     and each row's scalar tail where torch's is. torch walks a row alone when the rows are not one block
     (the gate half of a gate/up output) or there is one row; a contiguous gate of several rows it walks as
-    one long row, whose tail is elsewhere unless I is a whole number of vectors."""
+    one long row, whose tail is elsewhere unless I is a whole number of loop steps. A gate of more than
+    a grain torch splits between this thread's team, and each piece starts the walk afresh: every split
+    must fall on a loop step of its row (else the caller runs torch's own ops)."""
     if gate.dim() != 2 or gate.stride(-1) != 1 or up.stride(-1) != 1:
         return False
-    return gate.shape[0] == 1 or gate.stride(0) != gate.shape[1] or gate.shape[1] % _VEC[gate.dtype] == 0
+    rows, inter = gate.shape
+    vec = _VEC[gate.dtype]
+    if not (rows == 1 or gate.stride(0) != inter or inter % vec == 0):
+        return False
+    return all(cut % inter % vec == 0 for cut in _thread_splits(rows * inter))
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
