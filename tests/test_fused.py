@@ -202,3 +202,20 @@ def test_a_failing_triton_op_falls_back_to_its_reference_once(monkeypatch):
     assert "fused_rms_norm" in _backend.disabled()
     with pytest.raises(RuntimeError, match="injected"):
         fused._guarded("rms_norm", broken, fused.reference_rms_norm, "triton")(x, w, 1e-6, PLAIN)
+
+
+@cpp
+def test_gemmas_offset_weight_is_made_once_and_again_when_the_weight_is_written():
+    """The compiled norm multiplies by (1 + weight) for Gemma: made once per weight rather than every call
+    (~4 norms a layer a step), and made again if the weight changes in place (never a stale scale)."""
+    ops = Ops("cpu", torch.float32)
+    torch.manual_seed(3)
+    x, w = torch.randn(4, 64), torch.randn(64)
+    first = ops.rms_norm(x, w, 1e-6, GEMMA)
+    scale = w.svrmad_offset_scale[2]
+    assert torch.equal(ops.rms_norm(x, w, 1e-6, GEMMA), first) and w.svrmad_offset_scale[2] is scale
+    torch.testing.assert_close(first, fused.reference_rms_norm(x, w, 1e-6, GEMMA), atol=1e-6, rtol=1e-5)
+    w.mul_(2)
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-6, GEMMA), fused.reference_rms_norm(x, w, 1e-6, GEMMA),
+                               atol=1e-6, rtol=1e-5)
+    assert w.svrmad_offset_scale[2] is not scale

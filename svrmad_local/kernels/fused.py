@@ -77,17 +77,33 @@ def reference_act_mul(gate: torch.Tensor, up: torch.Tensor, act: str = "silu") -
 # ------------------------------------------------------------------------------ the compiled CPU ops
 
 
+def _scale(weight: torch.Tensor, style: NormStyle) -> torch.Tensor:
+    """The weight the compiled norm multiplies by: Gemma's (offset + weight), made once per weight (a norm
+    runs ~4 times a layer a step) and again only if the weight is written in place (its version moves).
+    In fp32, the only dtype the compiled ops take an offset in, it is the reference's (offset + weight)."""
+    if not style.offset:
+        return weight
+    try:
+        version = weight._version
+    except RuntimeError:  # an inference tensor keeps no version: it is not written in place outside inference
+        version = None
+    hit = getattr(weight, "svrmad_offset_scale", None)  # (version, offset, scale), kept on the weight itself
+    if hit is None or hit[:2] != (version, style.offset):
+        hit = (version, style.offset, weight + style.offset)
+        weight.svrmad_offset_scale = hit
+    return hit[2]
+
+
 def _cpp_rms_norm(x, weight, eps, style: NormStyle = PLAIN):
     if x.dtype != torch.float32 and style != PLAIN:  # another rounding than the kernel's: the reference
         return reference_rms_norm(x, weight, eps, style)
-    return cpu_ops.rms_norm(x, weight + style.offset if style.offset else weight, eps)
+    return cpu_ops.rms_norm(x, _scale(weight, style), eps)
 
 
 def _cpp_add_rms_norm(x, residual, weight, eps, style: NormStyle = PLAIN):
     if x.dtype != torch.float32 and style != PLAIN:
         return reference_add_rms_norm(x, residual, weight, eps, style)
-    return cpu_ops.add_rms_norm(x.contiguous(), residual.contiguous(), weight + style.offset if style.offset else weight,
-                                eps)
+    return cpu_ops.add_rms_norm(x.contiguous(), residual.contiguous(), _scale(weight, style), eps)
 
 
 def _cpp_rope_store(q, k, v, cos, sin, k_cache, v_cache, slots, q_norm=None, k_norm=None):
