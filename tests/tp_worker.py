@@ -78,11 +78,12 @@ def follower_quits(out: str, path: str) -> None:
 
 
 def replicas(out: str, steps: int, lose: bool) -> None:
-    """Replicas of TP-2 groups made as `svrmad run --tp 2` makes them (svrmad_local.dist): the first replica's
+    """Replicas of TP-2 groups made as `svrmad run --tp 2` makes them (svrmad_local/job/launch.py): the first replica's
     leader sends `steps` steps (each with an all-reduce, as a forward has), the other replica none, so it
     ends while the first still works; with `lose`, the first replica's follower quits after 3 steps.
     Each rank ends with Dist.close() and writes how many gloo threads are left."""
-    from svrmad_local.dist import Dist, GroupLost
+    from svrmad_local.dist import GroupLost
+    from svrmad_local.job.launch import Dist
     from svrmad_local.engine.tp import StepChannel
 
     gloo: set = set()
