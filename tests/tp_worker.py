@@ -64,7 +64,7 @@ def follower_quits(out: str, path: str) -> None:
     engine = Engine(load_model(path, device="cpu", dtype="fp32", tp=True).model, None, EngineConfig(**CONFIG))
     if dist.get_rank() == 1:
         for _ in range(3):
-            engine.runner.execute(engine._channel.recv())
+            engine.runner.execute(engine.built.channel.recv())
         os._exit(0)
     try:
         engine.generate_sync([[3, 4, 5, 6]], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
