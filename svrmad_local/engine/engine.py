@@ -82,9 +82,9 @@ class Engine:
         release_team()
         built = self.built
         self._max_model_len = built.max_model_len
-        self.scheduler = Scheduler(built.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.eos_ids = self._eos_ids()
         self.totals = EngineTotals()
+        self.scheduler = Scheduler(built.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.stepper = Step(self.scheduler, built.runner, self.totals, block_bytes=built.budget.block_bytes,
                             eos_ids=self.eos_ids, tokenizer=tokenizer, max_model_len=self.max_model_len,
                             kernel_impl=cfg.kernel_impl, score_chunk=cfg.score_chunk, watch=built.watch)
