@@ -218,7 +218,7 @@ def probe_bf16(root: Path, device: str, models: list[str] | None = None) -> dict
 def probe_flash(root: Path, device: str, models: list[str] | None = None) -> dict:
     from svrmad_local.engine import attention
     from svrmad_local.engine.engine import Engine, EngineConfig
-    from svrmad_local.engine.runner import flash_takes_block_table
+    from svrmad_local.engine.choices import flash_takes_block_table
     from tests.model_zoo import make_zoo_model
 
     if not attention.HAS_FLASH_ATTN:

@@ -1,4 +1,4 @@
-"""The launch's start protocol (dist.Dist.announce) between two ranks in one process, over an in-memory
+"""The launch's start protocol (job/launch.Dist.announce) between two ranks in one process, over an in-memory
 store: what rank 0 makes reaches every rank, and a failure on rank 0 stops the others without a message
 of their own. The torchrun launches of tests/test_dp.py and tests/test_tp.py run it for real."""
 
@@ -9,7 +9,7 @@ import threading
 import pytest
 from torch.distributed import HashStore
 
-from svrmad_local.dist import Dist
+from svrmad_local.job.launch import Dist
 
 
 def _two_ranks():
@@ -57,7 +57,7 @@ def test_a_single_process_runs_the_start_itself():
 def test_the_backend_is_nccl_on_gpus_gloo_on_cpus_or_as_asked(monkeypatch):
     """SVRMAD_DIST_BACKEND=gloo lets ranks share one GPU (the GPU check's tensor-parallel test); a
     backend torch.distributed would not know is one line naming the variable."""
-    from svrmad_local.dist import BACKEND_ENV, backend_for
+    from svrmad_local.job.launch import BACKEND_ENV, backend_for
 
     monkeypatch.delenv(BACKEND_ENV, raising=False)
     assert backend_for(cuda=True) == "nccl" and backend_for(cuda=False) == "gloo"

@@ -126,7 +126,7 @@ def test_accounting_adds_up(tiny_model):
     assert d.usage.peak_kv_bytes > 0 and d.usage.time_s > 0
     # distinct blocks: the 4 samples share the prompt's full blocks (21 tokens, block 4 -> 5 full)
     per_sample = -(-(21 + 9) // 4) - 5
-    assert init.usage.peak_kv_bytes <= (5 + 4 * per_sample) * eng.block_bytes <= eng.info["peak_kv_bytes"]
+    assert init.usage.peak_kv_bytes <= (5 + 4 * per_sample) * eng.built.budget.block_bytes <= eng.info["peak_kv_bytes"]
 
 
 def test_memory_budget_holds_under_a_flood(tiny_model):
@@ -138,7 +138,7 @@ def test_memory_budget_holds_under_a_flood(tiny_model):
     outs = eng.generate_sync(prompts, GREEDY)
     assert [o.completions[0].token_ids for o in outs] == [o.completions[0].token_ids for o in ref]
     assert eng.blocks.peak_used <= eng.blocks.num_blocks
-    assert eng.info["peak_kv_bytes"] <= eng.kv_budget_bytes
+    assert eng.info["peak_kv_bytes"] <= eng.built.budget.bytes
     assert eng.blocks.evictions > 0
 
 

@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from svrmad_local.engine import attention, build, decoder
+from svrmad_local.engine import attention, choices, decoder
 from svrmad_local.engine.engine import Engine, EngineConfig
 from svrmad_local.engine.execution import Choice, Execution
 from svrmad_local.engine.params import SamplingParams
@@ -66,14 +66,14 @@ def test_what_runs_is_what_the_record_says(monkeypatch):
     assert plain.generate_sync(prompt, GREEDY)[0].completions[0].token_ids == want and calls
     plain.close()
 
-    choose = build.choose_attention
+    choose = choices.choose_attention
 
     def gather_instead(*args):
-        paths, choices = choose(*args)
+        paths, made = choose(*args)
         return (dataclasses.replace(paths, decode=None),
-                {**choices, "decode": Choice("decode", "gather", "forced by the test")})
+                {**made, "decode": Choice("decode", "gather", "forced by the test")})
 
-    monkeypatch.setattr(build, "choose_attention", gather_instead)
+    monkeypatch.setattr(choices, "choose_attention", gather_instead)
     calls.clear()
     forced = engine(model)
     assert forced.execution.decode.value == "gather" and forced.execution.attention_paths.inplace_decode == "cpu"
@@ -145,7 +145,7 @@ def test_the_gpu_choices_and_their_reasons_are_decided_from_the_device(monkeypat
     Triton reads decode and prefill in place; with its decode kernel turned off under "auto" (a runtime
     fallback in an earlier engine of the process) the gather is recorded as a fallback, saying why."""
     from svrmad_local import kernels
-    from svrmad_local.engine.runner import choose_attention
+    from svrmad_local.engine.choices import choose_attention
 
     if not kernels.HAS_TRITON:
         pytest.skip("triton is not installed")
@@ -166,3 +166,72 @@ def test_the_gpu_choices_and_their_reasons_are_decided_from_the_device(monkeypat
     paths, choices = choose_attention("auto", "auto", "auto", "absorbed", cuda, torch.bfloat16, spec, 16)
     assert paths.decode is None and choices["decode"].reason == f"{_backend.FORCE_ENV}=torch"
     assert not choices["decode"].fell_back
+
+
+def test_build_returns_a_frozen_record_of_what_it_built():
+    """The engine keeps what build made as one record and reads it: nothing of it is an attribute the build
+    wrote onto the engine, and assigning to the record (or its KV budget) raises."""
+    from svrmad_local.engine.build import Built
+
+    eng = engine(make_zoo_model("llama"))
+    built = eng.built
+    assert isinstance(built, Built) and built.runner.cache is built.cache and built.execution is eng.execution
+    for obj, attr in ((built, "runner"), (built, "cache"), (built, "execution"), (built, "max_model_len"),
+                      (built.budget, "bytes"), (built.budget, "graph_reserve")):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(obj, attr, None)
+    written = {"spec", "cache", "runner", "blocks", "execution", "kv_budget_bytes", "block_bytes", "graph_reserve",
+               "tp_group", "sharded", "rank", "_channel", "_watch", "weight_bytes", "linear_calibration"}
+    assert not written & set(vars(eng)), written & set(vars(eng))
+    assert eng.runner.decoder is not None and eng.runner.static is None and eng.runner.tp is None  # from its constructor
+    eng.close()
+
+
+# every function that makes an execution choice, by the names modules call it under (today's and older ones)
+CHOOSERS = ("choose_attention", "choose_flash", "_cascade_enabled", "flash_takes_block_table", "stats_choice",
+            "quantization_choice", "graphs_choice", "static_decode", "record", "select_impl", "select_decoder",
+            "select_linear", "why_off", "threads_choice")
+
+
+def test_no_step_makes_an_execution_choice(monkeypatch):
+    """After build every choosing function raises, and the steps still run: a prefill and decode steps of
+    two samples attending through the cascade (whose plan once asked the kernel choice again in every
+    step), the token statistics of a scoring request, and Engine.info (whose statistics path once did)."""
+    import sys
+
+    model = make_zoo_model("llama")
+    prompt = rand_prompt(13, 5)
+    want = loop_greedy(model, prompt, GREEDY.max_tokens)
+    eng = engine(model, cascade="on", linear="aten")
+    assert eng.execution.attention_paths.cascade == "torch"
+
+    def chose(*args, **kwargs):
+        raise AssertionError("an execution choice was made after build")
+
+    for name, module in list(sys.modules.items()):
+        if name.startswith("svrmad_local.") and module is not None:
+            for attr in CHOOSERS:
+                if callable(getattr(module, attr, None)):
+                    monkeypatch.setattr(module, attr, chose)
+    two = dataclasses.replace(GREEDY, n=2)
+    out = eng.generate_sync(prompt, two)[0]
+    assert [c.token_ids for c in out.completions] == [want, want]
+    scored = eng.score_sync(prompt, want)
+    assert len(scored.logprobs) == len(want) and scored.logprobs == pytest.approx(out.completions[0].logprobs, abs=1e-4)
+    info = eng.info
+    assert info["stats"] == "kernels:" + eng.execution.stats.value and info["execution"] == eng.execution.as_dict()
+    eng.close()
+
+
+def test_info_reads_the_record():
+    """Engine.info says what the record holds, not what it would choose now: a record changed under the
+    engine shows in info."""
+    eng = engine(make_zoo_model("llama"))
+    ex = eng.execution
+    said = dataclasses.replace(ex, stats=Choice("stats", "recorded", "by the test"),
+                               graphs=Choice("graphs", "off", "the record says so"))
+    eng.built = dataclasses.replace(eng.built, execution=said)
+    info = eng.info
+    assert info["stats"] == "kernels:recorded" and info["cuda_graphs"] == "off: the record says so"
+    assert info["execution"]["stats"] == {"value": "recorded", "reason": "by the test", "fell_back": False}
+    eng.close()

@@ -245,7 +245,8 @@ def test_modes_and_refusals(zoo):
     with pytest.raises(ValueError, match="cascade attention plans its levels on the host"):
         engine(model, cuda_graphs="static", cascade="on")
     eng = engine(model, cuda_graphs="static")
-    assert graphs.why_off("auto", eng.runner, sharded=True).startswith("tensor parallel")
+    r = eng.runner
+    assert graphs.why_off("auto", r.device, r.paths, r.spec, [t.device for t in r.cache.k], sharded=True).startswith("tensor parallel")
     if eng.spec.has_latent:
         with pytest.raises(ValueError, match="mla='expanded'"):
             engine(model, cuda_graphs="static", mla="expanded")
@@ -254,7 +255,7 @@ def test_modes_and_refusals(zoo):
 def test_the_scratch_block_is_never_handed_out():
     model = make_zoo_model("llama")
     eng = engine(model, cuda_graphs="static", kv_cache_memory=48 * 1024)  # a small cache: sequences evict
-    cache_blocks = eng.cache.k[0].shape[0] // eng.cfg.block_size
+    cache_blocks = eng.built.cache.k[0].shape[0] // eng.cfg.block_size
     assert eng.blocks.num_blocks == cache_blocks - 1 == eng.runner.static.scratch
     owned = set()
     schedule = eng.scheduler.schedule
@@ -392,19 +393,19 @@ def test_the_graphs_memory_comes_out_of_the_kv_budget(monkeypatch):
     static = eng.runner.static
     hidden_row = model.config.hidden_size * 4  # fp32
     reserve = 123_456 + sum(p for p, _ in static.shapes[1:]) * hidden_row
-    assert eng.graph_reserve == reserve
-    blocks = (eng.kv_budget_bytes - reserve) // eng.block_bytes
-    assert eng.cache.k[0].shape[0] == blocks * eng.cfg.block_size and eng.blocks.num_blocks == blocks - 1
+    assert eng.built.budget.graph_reserve == reserve
+    blocks = (eng.built.budget.bytes - reserve) // eng.built.budget.block_bytes
+    assert eng.built.cache.k[0].shape[0] == blocks * eng.cfg.block_size and eng.blocks.num_blocks == blocks - 1
     assert eng.info["graph_bytes"] == {"reserved": reserve, "taken": 123_456 * len(static.shapes)}
-    tight = 123_456 + 2 * eng.block_bytes  # the graphs would leave at most 2 blocks: off, the budget the cache's
+    tight = 123_456 + 2 * eng.built.budget.block_bytes  # the graphs would leave at most 2 blocks: off, the budget the cache's
     small = engine(model, kv_cache_memory=tight)
-    assert small.runner.static is None and small.graph_reserve == 0, small.info["cuda_graphs"]
+    assert small.runner.static is None and small.built.budget.graph_reserve == 0, small.info["cuda_graphs"]
     assert re.match(r"off: the decode graphs take \d+ bytes, leaving less than 3 KV blocks", small.info["cuda_graphs"])
-    assert small.blocks.num_blocks == tight // small.block_bytes
+    assert small.blocks.num_blocks == tight // small.built.budget.block_bytes
     with pytest.raises(ValueError, match="cuda_graphs='on' cannot run here: the decode graphs take"):
         engine(model, kv_cache_memory=tight, cuda_graphs="on")
     plain = engine(model, cuda_graphs="static")  # nothing captured: the whole budget is the cache's
-    assert plain.graph_reserve == 0 and plain.blocks.num_blocks == plain.kv_budget_bytes // plain.block_bytes - 1
+    assert plain.built.budget.graph_reserve == 0 and plain.blocks.num_blocks == plain.built.budget.bytes // plain.built.budget.block_bytes - 1
 
 
 def test_a_kernel_failure_while_capturing_fails_the_capture_not_the_kernel(monkeypatch):

@@ -65,7 +65,7 @@ def test_a_failed_build_says_the_file_and_line(tmp_path, monkeypatch):
         assert kernel.load() is None
     assert kernel.error.startswith(f"{bad}:3:") and "error" in kernel.error, kernel.error
     assert any(f"{bad}:3:" in str(w.message) for w in said if w.category is _cpu_build.KernelBuildWarning)
-    assert _backend.choose("auto", "cpu", "test_bad") == _backend.Choice("torch", kernel.error)
+    assert _backend.choose("auto", "cpu", "test_bad") == _backend.KernelPick("torch", kernel.error)
 
 
 def test_the_build_key_follows_every_file_and_the_flags(tmp_path, monkeypatch):

@@ -133,7 +133,7 @@ def test_the_engine_prefills_in_place_token_exact_under_the_interpreter(interp, 
 
 
 def test_flash_attn_is_chosen_only_where_it_reads_in_place_or_nothing_else_can():
-    from svrmad_local.engine.runner import choose_flash
+    from svrmad_local.engine.choices import choose_flash
 
     cuda, cpu, bf16 = torch.device("cuda"), torch.device("cpu"), torch.bfloat16
     assert choose_flash("auto", True, cuda, bf16, False, 256, triton_ok=True)  # pages of 256: in place
@@ -151,7 +151,7 @@ def test_flash_attn_is_chosen_only_where_it_reads_in_place_or_nothing_else_can()
 
 
 def test_flash_attn_paging_is_read_from_the_call_it_would_make():
-    from svrmad_local.engine.runner import flash_takes_block_table
+    from svrmad_local.engine.choices import flash_takes_block_table
 
     def new(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None, causal=False,
             block_table=None):

@@ -47,9 +47,9 @@ def test_an_explicit_value_wins_over_share_and_cap(free_10gib, value, expected):
 def test_the_engine_sizes_its_pool_from_the_machine(free_10gib):
     model = make_model("llama")  # 1,024 positions
     eng = Engine(model, None, EngineConfig(block_size=16, max_num_seqs=3))
-    assert eng.kv_budget_bytes == 3 * (1024 // 16) * eng.block_bytes
+    assert eng.built.budget.bytes == 3 * (1024 // 16) * eng.built.budget.block_bytes
     assert eng.blocks.num_blocks == 3 * 64 and "max_num_seqs x max_model_len" in eng.info["kv_budget"]
-    explicit = Engine(model, None, EngineConfig(block_size=16, max_num_seqs=3, kv_cache_memory=500 * eng.block_bytes))
+    explicit = Engine(model, None, EngineConfig(block_size=16, max_num_seqs=3, kv_cache_memory=500 * eng.built.budget.block_bytes))
     assert explicit.blocks.num_blocks == 500 and explicit.info["kv_budget"].startswith("kv_cache_memory=")
 
 
@@ -146,11 +146,11 @@ def test_a_device_maps_budget_covers_each_gpu_from_its_own_memory(monkeypatch):
     held = {torch.device("cuda", 0): GiB, torch.device("cuda", 1): GiB // 2}
     eng, gpus, ran = two_gpus(monkeypatch, model, free, held, split=1)
     assert ran == [gpus]
-    layer_block = eng.block_bytes // 2  # both layers cache the same K/V shapes
+    layer_block = eng.built.budget.block_bytes // 2  # both layers cache the same K/V shapes
     blocks = eng.blocks.num_blocks
     for d in gpus:
         budget = int(0.9 * free[d]) - held[d]
-        on_d = eng.cache.k[d.index].numel() * eng.cache.k[d.index].element_size() * 2
+        on_d = eng.built.cache.k[d.index].numel() * eng.built.cache.k[d.index].element_size() * 2
         assert on_d == blocks * layer_block <= budget
         assert eng.info["kv_devices"][str(d)] == {"kv_bytes": on_d, "budget": budget}
     assert blocks == (int(0.9 * 3 * GiB) - GiB // 2) // layer_block  # the second GPU is the tight one
@@ -207,5 +207,5 @@ def test_the_budget_is_sized_after_a_forward_at_the_largest_prefill_chunk(monkey
     assert made == [0]  # the absorbed weights, before the forward: inside the measured window
     assert len(step.ids) == 48 and step.runs[0][:2] == (4, 52)  # after one cached chunk (a block of 4)
     assert eng.info["kv_held"] == {"cpu": GiB}
-    assert eng.kv_budget_bytes == int(0.5 * 10 * GiB) - GiB  # the fraction of the free memory, less it
-    assert eng.blocks.num_blocks == eng.kv_budget_bytes // eng.block_bytes
+    assert eng.built.budget.bytes == int(0.5 * 10 * GiB) - GiB  # the fraction of the free memory, less it
+    assert eng.blocks.num_blocks == eng.built.budget.bytes // eng.built.budget.block_bytes

@@ -117,7 +117,9 @@ def test_the_walk_sees_the_arrows_it_guards():
     """The walk resolves relative imports, `from svrmad_local import X` and imports inside functions."""
     found = modules()
     runner = {t for _, t in imports(found["svrmad_local.engine.runner"], "svrmad_local.engine.runner", set(found))}
-    assert {"svrmad_local.kernels", "svrmad_local.engine.mla", "svrmad_local.engine.kv_cache"} <= runner
+    assert {"svrmad_local.kernels", "svrmad_local.engine.graphs", "svrmad_local.engine.kv_cache"} <= runner
+    made = {t for _, t in imports(found["svrmad_local.engine.choices"], "svrmad_local.engine.choices", set(found))}
+    assert {"svrmad_local.engine.mla", "svrmad_local.models.linear", "svrmad_local.kernels.cpu_decode"} <= made
     engine = {t for _, t in imports(found["svrmad_local.engine.engine"], "svrmad_local.engine.engine", set(found))}
     assert "svrmad_local.models.loader" in engine  # imported inside Engine.from_pretrained
     table = layers()

@@ -84,7 +84,7 @@ def test_preemption_keeps_tokens_exact(zoo):
     refs = [loop_greedy(model, p) for p in prompts]
     probe = engine(model)
     per_seq = -(-(len(prompts[-1]) + NEW) // 4) + 1
-    eng = engine(model, kv_cache_memory=(per_seq * 2 + 1) * probe.block_bytes)  # about two sequences at a time
+    eng = engine(model, kv_cache_memory=(per_seq * 2 + 1) * probe.built.budget.block_bytes)  # about two sequences at a time
     outs = eng.generate_sync(prompts, GREEDY)
     assert [o.completions[0].token_ids for o in outs] == refs, name
     assert sum(o.usage.preemptions for o in outs) > 0, "the budget was meant to force preemption"

@@ -201,7 +201,7 @@ def test_ablations_record_what_every_variant_needs(setup, repeats):
 
 
 def test_progress_moves_inside_a_question_with_the_engine_counters():
-    from svrmad_local.dist import Dist
+    from svrmad_local.job.launch import Dist
 
     info = {"generated_tokens": 0, "in_flight": 3}
     progress = run_mod.Progress(4, Dist(), lambda: dict(info))

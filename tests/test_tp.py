@@ -19,7 +19,7 @@ import pytest
 
 from svrmad_local import cli
 from svrmad_local.debate.trace import read_jsonl
-from svrmad_local.dist import Dist
+from svrmad_local.job.launch import Dist
 from svrmad_local.engine.engine import Engine, EngineConfig
 from svrmad_local.models.loader import load_model
 from svrmad_local.models.plan import make_plan

@@ -64,7 +64,7 @@ def follower_quits(out: str, path: str) -> None:
     engine = Engine(load_model(path, device="cpu", dtype="fp32", tp=True).model, None, EngineConfig(**CONFIG))
     if dist.get_rank() == 1:
         for _ in range(3):
-            engine.runner.execute(engine._channel.recv())
+            engine.runner.execute(engine.built.channel.recv())
         os._exit(0)
     try:
         engine.generate_sync([[3, 4, 5, 6]], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
@@ -78,11 +78,12 @@ def follower_quits(out: str, path: str) -> None:
 
 
 def replicas(out: str, steps: int, lose: bool) -> None:
-    """Replicas of TP-2 groups made as `svrmad run --tp 2` makes them (svrmad_local.dist): the first replica's
+    """Replicas of TP-2 groups made as `svrmad run --tp 2` makes them (svrmad_local/job/launch.py): the first replica's
     leader sends `steps` steps (each with an all-reduce, as a forward has), the other replica none, so it
     ends while the first still works; with `lose`, the first replica's follower quits after 3 steps.
     Each rank ends with Dist.close() and writes how many gloo threads are left."""
-    from svrmad_local.dist import Dist, GroupLost
+    from svrmad_local.dist import GroupLost
+    from svrmad_local.job.launch import Dist
     from svrmad_local.engine.tp import StepChannel
 
     gloo: set = set()

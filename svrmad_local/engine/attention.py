@@ -13,7 +13,7 @@ which is why Llama, Qwen, Mistral, Gemma 3, Phi-3, GPT-OSS and DeepSeek-V3 need 
 
 Paths: in place through the block tables where a kernel can (decode rows: Triton on a GPU, the compiled
 kernel on the CPU; per-head K/V prefill runs: Triton on a GPU); flash-attn varlen (GPU, fp16/bf16, when
-installed and chosen, `runner.choose_flash`); else SDPA: decode tokens batched in one call over a padded
+installed and chosen, `choices.choose_flash`); else SDPA: decode tokens batched in one call over a padded
 gather of their context, prefill chunks one call each with a bottom-right causal mask. A sliding-window layer gathers only the keys its queries can see. Sinks are applied from the
 log-sum-exp after attention (`kernels.apply_sinks`). With cascade on, decode tokens that share prefix blocks
 attend to the shared blocks once (kernels.cascade_attention).
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from svrmad_local.kernels import apply_sinks, cascade_attention, cascade_plan, paged_decode, select_impl
+from svrmad_local.kernels import apply_sinks, cascade_attention, cascade_plan, paged_decode
 from svrmad_local.kernels._backend import staged
 from svrmad_local.kernels.cpu_decode import paged_decode_cpu
 from svrmad_local.kernels.paged_prefill import paged_prefill
@@ -188,8 +188,9 @@ class StepContext:
 
     def cascade_plan(self, window: int | None, q: torch.Tensor, k_paged: torch.Tensor):
         """The cascade kernel's bookkeeping for the decode rows, built once per step and window
-        (the same for every layer); None where the cascade runs its torch reference."""
-        if select_impl(self.paths.kernel_impl, q, "cascade_attention") != "triton":
+        (the same for every layer); None where the cascade runs its torch reference (the record's choice,
+        `paths.cascade`: read here, not made again)."""
+        if self.paths.cascade != "triton":
             return None
         key = (window, q.shape[1], k_paged.shape[2])
         if key not in self._plans:

@@ -1,38 +1,80 @@
-"""The engine's torch state, built once on its worker thread, and the execution choices made on the way.
+"""The engine's torch state, built once on its worker thread: what it built, returned as one frozen record.
 
-`build` sets the engine's KV pool (sized from `EngineConfig.kv_cache_memory`, agreed across ranks under
-tensor parallelism), its cache, runner and block manager, and gathers every execution choice (each made
-by the module that knows it) into `eng.execution`, one frozen record (engine/execution.py) that the
-runner reads, `Engine.info` reports, run.json stores, and `svrmad run` says in one line at start.
+`build(model, cfg)` returns a `Built`: the model's spec, the KV cache and its block manager, the
+runner, the KV budget (sized from `EngineConfig.kv_cache_memory`, agreed across ranks under tensor
+parallelism), the tensor-parallel state, and `execution`, the record of every execution choice
+(engine/execution.py), each made once by engine/choices.py on the way. The engine keeps the `Built`
+and reads its fields; nothing assigns onto the engine what the build made, and nothing is patched
+into the runner afterwards (it gets its decoder, static path and channel in its constructor).
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from svrmad_local.models import calibrate
-from svrmad_local import kernels
-from svrmad_local.models.linear import select_linear, weight_bytes
-from svrmad_local.models.loader import describe_dtype
+from svrmad_local.models.linear import weight_bytes
 
-from . import graphs, tp
+from . import choices, graphs, mla, tp
 from .attention import Attachment
 from .block_manager import BlockManager
 from .config import EngineConfig
-from .execution import Choice, Execution
+from .execution import Execution
 from .kv_cache import KVCache
-from .decoder import select_decoder
-from . import mla
 from .memory import (available_memory, empty_cache, fraction, keep_freed_memory, kv_pool, measurable, measure,
                      workload_cap)
-from .runner import ModelRunner, StepInput, choose_attention
-from .spec import inspect_model
-from .threads import StepWatch, threads_choice
+from .runner import ModelRunner, StepInput
+from .spec import ModelSpec, inspect_model
+from .threads import StepWatch
 
 log = logging.getLogger("svrmad_local")
-SHORT_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+@dataclass(frozen=True)
+class KVBudget:
+    """How big the KV pool is and why: `bytes` and `rule` (how they were chosen, engine/memory.py),
+    `block_bytes` (one block over every layer), `held` (per measured device, what the profiled forward
+    took), `devices` (per device, what the pool takes there and its budget there) and `graph_reserve`
+    (bytes of the budget kept for the decode graphs)."""
+
+    bytes: int
+    rule: str
+    block_bytes: int
+    held: dict[str, int]
+    devices: dict[str, dict]
+    graph_reserve: int
+
+
+@dataclass(frozen=True)
+class Built:
+    """What `build` made, read by the engine (engine.py) and never assigned to: the model's spec, the
+    cache, the runner, the block manager (over every block but the static path's scratch one), the
+    execution record, the KV budget, the block size and the model's context, the tensor-parallel state
+    (`group`, this process's `rank` in it, the `channel` the leader sends its steps on and the others
+    receive them from; None, 0 and None for a whole model), the CPU's step watch (None on an
+    accelerator), the weights' bytes and the linears' calibration (None where `auto` measured nothing)."""
+
+    spec: ModelSpec
+    cache: KVCache
+    runner: ModelRunner
+    blocks: BlockManager
+    execution: Execution
+    budget: KVBudget
+    block_size: int
+    max_model_len: int
+    group: Any  # svrmad_local.dist.Group
+    rank: int
+    channel: tp.StepChannel | None
+    watch: StepWatch | None
+    weight_bytes: int
+    linear_calibration: Any  # models.calibrate.Calibration
+
+    @property
+    def sharded(self) -> bool:
+        return self.group is not None
 
 
 def layer_device(model, layers, i: int) -> torch.device:
@@ -44,96 +86,90 @@ def layer_device(model, layers, i: int) -> torch.device:
     return model.base_model.get_input_embeddings().weight.device
 
 
-def build(eng, model, cfg: EngineConfig) -> None:
-    """The engine's torch state (worker thread): linears, probe, KV-cache, runner; and `eng.execution`,
-    the record of every choice made on the way (engine/execution.py)."""
+def build(model, cfg: EngineConfig) -> Built:
+    """The engine's torch state (worker thread): linears, probe, KV-cache, runner, and the record of every
+    choice made on the way (engine/choices.py, engine/execution.py)."""
     attached = Attachment(model)
-    eng.spec = spec = inspect_model(model, attached)  # raises UnsupportedModel, naming the feature (before any timing)
-    sel = select_linear(model, cfg.linear, workload=calibrate.Workload.for_engine(
-        cfg.max_num_seqs, cfg.max_num_batched_tokens), cache=cfg.cache_dir)
-    eng.linear_calibration = calibrate.recorded(model)  # None where `auto` measured nothing
-    linear = Choice("linear", sel.value, sel.line, fell_back=sel.fell_back)
-    eng.weight_bytes = weight_bytes(model)
+    spec = inspect_model(model, attached)  # raises UnsupportedModel, naming the feature (before any timing)
+    head = model.get_output_embeddings().weight
+    device = model.base_model.get_input_embeddings().weight.device
+    made = choices.forward_choices(model, spec, cfg, device, head.dtype)  # the linears repacked before any timing
+    paths = made.paths
     layers = model.base_model.layers if hasattr(model.base_model, "layers") else None
     devices = [layer_device(model, layers, i) for i in range(len(spec.layers))]
     layer_bytes = [KVCache.bytes_per_block([s], cfg.block_size, spec.dtype) for s in spec.layers]
     block_bytes = sum(layer_bytes)
     mc = model.config.get_text_config()
-    eng.max_model_len = getattr(mc, "max_position_embeddings", None) or 1 << 30
-    cap = workload_cap(cfg.max_num_seqs, eng.max_model_len, cfg.block_size, block_bytes)
-    eng.tp_group = tp.group_of(model)
-    eng.sharded = eng.tp_group is not None
-    eng.block_bytes = block_bytes
-    eng._watch = None
+    max_model_len = getattr(mc, "max_position_embeddings", None) or 1 << 30
+    cap = workload_cap(cfg.max_num_seqs, max_model_len, cfg.block_size, block_bytes)
+    group = tp.group_of(model)
+    watch = None
     if devices[0].type == "cpu":
         keep_freed_memory()
-        eng._watch = StepWatch(cfg.adapt_threads)  # the team sized to the cores it gets; warns on barrier sleeps
-    head = model.get_output_embeddings().weight
-    device = model.base_model.get_input_embeddings().weight.device
-    paths, attention = choose_attention(cfg.attention, cfg.cascade, cfg.kernel_impl, cfg.mla, device, head.dtype, spec,
-                                        cfg.block_size)
-    if spec.has_latent:
-        mla.install(model)  # absorbed steps hand kv_b_proj nothing to expand (engine/mla.py)
-    # Where the pool's size depends on what a forward takes (a GPU; the default or a fraction), the cache
-    # starts provisional: a forward at the largest prefill chunk is measured over it, and the decode
-    # graphs' memory too; the real cache is sized after both, from the memory free before any of it.
+        watch = StepWatch(cfg.adapt_threads)  # the team sized to the cores it gets; warns on barrier sleeps
+    # Where the pool's size depends on what a forward takes (a GPU; the default or a fraction), a
+    # provisional runner over a provisional cache measures a forward at the largest prefill chunk, and
+    # the decode graphs' memory too; the real cache and runner are made after both, from the memory
+    # free before any of it.
     free = {d: available_memory(d) for d in dict.fromkeys(devices)}
     profiling = any(measurable(d) for d in devices) and (cfg.kv_cache_memory is None
                                                           or fraction(cfg.kv_cache_memory) is not None)
-    measure_graphs = cfg.cuda_graphs in ("auto", "on") and graphs.can_capture(devices[0]) and not eng.sharded
-    tokens, context = profile_shape(cfg, eng.max_model_len, model if paths.mla_absorbed else None, spec.dtype)
+    measure_graphs = cfg.cuda_graphs in ("auto", "on") and graphs.can_capture(devices[0]) and group is None
+    tokens, context = profile_shape(cfg, max_model_len, model if paths.mla_absorbed else None, spec.dtype)
     provisional = 0
     if profiling or measure_graphs:
         provisional = max(graphs.PROVISIONAL_BLOCKS, -(-(tokens + context) // cfg.block_size) if profiling else 0)
-    eng.cache = KVCache(provisional, cfg.block_size, spec.layers, devices, spec.dtype, zeroed=True) if provisional \
+    cache = KVCache(provisional, cfg.block_size, spec.layers, devices, spec.dtype, zeroed=True) if provisional \
         else None
-    eng.runner = ModelRunner(model, attached, eng.cache, spec, cfg.block_size, paths)
-    eng.runner.decoder, decoder = select_decoder(model, spec, cfg.decoder, cfg.kernel_impl)
+    probe = ModelRunner(model, attached, cache, spec, cfg.block_size, paths, made.decoder) if provisional else None
     held = {}
     if profiling:  # every rank of a tensor-parallel group profiles (the forward's collectives pair up)
-        held = measure(devices, lambda: profile_forward(eng.runner, model, tokens, context))
+        held = measure(devices, lambda: profile_forward(probe, model, tokens, context))
     pool = kv_pool(cfg.kv_cache_memory, devices, layer_bytes, cap, held, free)
-    eng.kv_held = {str(d): n for d, n in held.items()}
-    eng.kv_budget_bytes, eng.kv_budget_rule = pool.bytes, pool.rule
     num_blocks = pool.blocks()
-    if eng.sharded:
-        num_blocks = tp.agree_on_blocks(num_blocks, devices[0], eng.tp_group)
+    if group is not None:
+        num_blocks = tp.agree_on_blocks(num_blocks, devices[0], group)
     if num_blocks < 2:
         raise ValueError(f"kv_cache_memory={cfg.kv_cache_memory!r} holds {num_blocks} blocks of {block_bytes} bytes "
                          f"({pool.rule}); need at least 2")
-    eng.graph_reserve = 0  # bytes of the KV budget kept for the decode graphs
-    unaffordable = None
+    why_off = graphs.why_off(cfg.cuda_graphs, device, paths, spec, devices, group is not None)
+    graph_reserve, found = 0, []  # bytes of the KV budget kept for the decode graphs; what keeps them off
     if measure_graphs:
-        if graphs.why_off(cfg.cuda_graphs, eng.runner, eng.sharded) is None:
-            eng.graph_reserve = graphs.graph_memory(eng.runner, cfg.max_num_seqs, max_blocks(eng, num_blocks))
-        if pool.blocks({devices[0]: eng.graph_reserve}) < 3:
-            unaffordable = (f"the decode graphs take {eng.graph_reserve} bytes, leaving less than 3 KV blocks of "
-                            f"kv_cache_memory={cfg.kv_cache_memory!r}")
-            eng.graph_reserve = 0
-        num_blocks = min(num_blocks, pool.blocks({devices[0]: eng.graph_reserve}))
+        if why_off is None:
+            graph_reserve, found = graphs.graph_memory(probe, cfg.max_num_seqs,
+                                                             max_blocks(max_model_len, cfg.block_size, num_blocks))
+        if pool.blocks({devices[0]: graph_reserve}) < 3:
+            why_off = why_off or (f"the decode graphs take {graph_reserve} bytes, leaving less than 3 KV blocks of "
+                                  f"kv_cache_memory={cfg.kv_cache_memory!r}")
+            graph_reserve = 0
+        num_blocks = min(num_blocks, pool.blocks({devices[0]: graph_reserve}))
     # the provisional cache's memory goes back before the real one is made
-    eng.cache = eng.runner.cache = None
+    del probe, cache
     empty_cache(devices)
-    eng.cache = eng.runner.cache = KVCache(num_blocks, cfg.block_size, spec.layers, devices, spec.dtype)
-    eng.kv_devices = pool.per_device(num_blocks)
-    eng.runner.static, graphs_choice = static_decode(eng, cfg, num_blocks, unaffordable)
+    cache = KVCache(num_blocks, cfg.block_size, spec.layers, devices, spec.dtype)
+    plan, graphs_made = choices.graphs_choice(cfg.cuda_graphs, why_off, num_blocks, found, device, cfg.max_num_seqs,
+                                              max_blocks(max_model_len, cfg.block_size, num_blocks))
+    rank, channel = 0, None
+    if group is not None:  # tensor parallel: the group's leader runs the engine, the others follow its steps
+        rank, channel = group.rank, tp.StepChannel(group)
+    runner = ModelRunner(model, attached, cache, spec, cfg.block_size, paths, made.decoder, plan,
+                         channel if rank == 0 else None)
+    if runner.static is not None and runner.static.capture:  # every shape at start-up, before any request
+        runner.static.capture_all()
     # the static path's padding rows write a scratch block that no sequence may own: the last one
-    eng.blocks = BlockManager(num_blocks - (eng.runner.static is not None), cfg.block_size)
-    eng.rank = 0
-    if eng.sharded:  # tensor parallel: the group's leader runs the engine, the others follow its steps
-        eng.rank = eng.tp_group.rank
-        eng._channel = tp.StepChannel(eng.tp_group)
-        if eng.rank == 0:
-            eng.runner.tp = eng._channel
-    dtype = SHORT_DTYPES.get(spec.dtype, str(spec.dtype).removeprefix("torch."))
-    note, dtype_why = describe_dtype(spec.dtype, device)  # the default dtype of this machine, or as asked
-    eng.execution = Execution(
-        device=Choice("device", f"{device.type} {dtype}" + (f" ({note})" if note else ""), dtype_why),
-        quantization=quantization_choice(model), linear=linear, decoder=decoder, **attention, graphs=graphs_choice,
-        tp=Choice("tp", f"{eng.tp_group.size} ranks" if eng.sharded else "off",
-                  "the weights are split over the group (engine/tp.py)" if eng.sharded else "one process holds the model"),
-        stats=stats_choice(cfg.kernel_impl, head), threads=threads_choice(eng._watch), attention_paths=paths)
-    log.info("svrmad: %s", eng.execution.line())
+    blocks = BlockManager(num_blocks - (plan is not None), cfg.block_size)
+    execution = choices.record(model, spec, cfg, device, head, group, watch, {
+        "linear": made.linear, "decoder": made.decoder_choice, **made.attention, "graphs": graphs_made}, paths)
+    log.info("svrmad: %s", execution.line())
+    budget = KVBudget(pool.bytes, pool.rule, block_bytes, {str(d): n for d, n in held.items()},
+                      pool.per_device(num_blocks), graph_reserve)
+    return Built(spec, cache, runner, blocks, execution, budget, cfg.block_size, max_model_len, group, rank, channel,
+                 watch, weight_bytes(model), made.calibration)
+
+
+def max_blocks(max_model_len: int, block_size: int, num_blocks: int) -> int:
+    """The static path's widest block table: the model's context, or the cache less its scratch block."""
+    return max(1, min(-(-max_model_len // block_size), num_blocks - 1))
 
 
 def profile_shape(cfg: EngineConfig, max_model_len: int, latent_model, dtype) -> tuple[int, int]:
@@ -161,63 +197,3 @@ def profile_forward(runner, model, tokens: int, context: int) -> None:
     runner.logits(hidden[-1:])
 
 
-def quantization_choice(model) -> Choice:
-    """How the checkpoint's weights are held: decided when it was loaded (models/quant.choose_mode)."""
-    q = getattr(model, "svrmad_quantization", None)
-    if not q:
-        return Choice("quantization", "none", "the checkpoint is not quantized")
-    return Choice("quantization", f"{q['method']} {q['mode']}", q.get("summary", ""))
-
-
-def stats_choice(kernel_impl: str, head) -> Choice:
-    """Where the token statistics run; on a GPU without Triton under "auto", a fallback."""
-    impl = kernels.select_impl(kernel_impl, head)
-    fell = kernel_impl == "auto" and head.device.type == "cuda" and impl == "torch"
-    if kernel_impl != "auto":
-        why = f"kernel_impl={kernel_impl!r}"
-    elif impl == "triton":
-        why = "Triton on a GPU"
-    else:
-        why = "Triton is not available" if fell else "the torch reference off a GPU"
-    return Choice("stats", impl, why, fell_back=fell)
-
-
-def static_decode(eng, cfg: EngineConfig, num_blocks: int, why: str | None = None):
-    """engine/graphs.py's StaticDecode where cfg.cuda_graphs and the machine allow it (and `why` gives
-    no reason against), and the record's graphs choice ("on", "static (eager)" or "off", and why); off
-    under "auto" on a CUDA device is a fallback."""
-    why = graphs.why_off(cfg.cuda_graphs, eng.runner, eng.sharded) or why
-    if why is None and num_blocks < 3:
-        why = f"the KV budget holds {num_blocks} blocks: none to spare for the padding rows' scratch block"
-    static = None
-    if why is None:
-        static = graphs.StaticDecode(eng.runner, cfg.max_num_seqs, max_blocks(eng, num_blocks), num_blocks - 1,
-                                     capture=cfg.cuda_graphs != "static")
-        if static.found and cfg.cuda_graphs != "static":
-            why, static = "the decode step returns to the host: " + "; ".join(static.found[:3]), None
-        elif static.capture:  # every shape at start-up, before any request (engine/graphs.py)
-            static.capture_all()
-    if why is not None and cfg.cuda_graphs in ("on", "static"):
-        raise ValueError(f"cuda_graphs={cfg.cuda_graphs!r} cannot run here: {why}")
-    if why is not None:
-        return None, Choice("graphs", "off", why, fell_back=cfg.cuda_graphs == "auto" and eng.runner.device.type == "cuda")
-    if cfg.cuda_graphs == "static":
-        return static, Choice("graphs", "static (eager)", "cuda_graphs='static': the static path, not captured")
-    return static, Choice("graphs", "on", "decode-only steps replay graphs captured at start-up")
-
-def max_blocks(eng, num_blocks: int) -> int:
-    """The static path's widest block table: the model's context, or the cache less its scratch block."""
-    return max(1, min(-(-eng.max_model_len // eng.cfg.block_size), num_blocks - 1))
-
-def graphs_info(eng) -> str:
-    """Engine.info["cuda_graphs"]: the record's graphs choice, with what the captured graphs did since."""
-    static, choice = eng.runner.static, eng.execution.graphs
-    if static is None:
-        return f"off: {choice.reason}"
-    if static.capture:
-        failed = ""
-        if static.failed:
-            (p, w), why = next(iter(static.failed.items()))
-            failed = f"; {len(static.failed)} failed, run eagerly (batch {p}, width {w}: {why})"
-        return f"on ({len(static.graphs)} shapes captured, {static.replays} steps replayed{failed})"
-    return choice.value

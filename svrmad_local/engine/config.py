@@ -85,7 +85,7 @@ class EngineConfig:
     90% of free GPU memory, or half the RAM available after loading capped at what max_num_seqs x
     max_model_len can use (engine/memory.py). kernel_impl: "auto" | "torch" | "triton", the path of
     kernels/ (fused token statistics for scoring, cascade attention): "auto" takes Triton on a GPU,
-    "torch" forces the references. cascade: "auto" (off: measured slower, see runner._cascade_enabled) | "on" | "off".
+    "torch" forces the references. cascade: "auto" (off: measured slower, see choices._cascade_enabled) | "on" | "off".
     linear: "auto" | "panels" | "onednn" | "aten", how the model's linears run (models/linear.py): "auto"
     takes, on the CPU, the backend measured fastest here for the workload (models/calibrate.py, cached per
     machine; weighed again by the run's own steps, engine/relinear.py; SVRMAD_CALIBRATE=0: the panels,

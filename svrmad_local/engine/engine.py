@@ -5,7 +5,9 @@ loop gathers every pending request into one batch per step, runs the step in a w
 the event loop keeps accepting requests while the model computes) and resolves each request's
 future as it finishes. `generate_sync` wraps it for scripts.
 
-This file is the loop and the public API; the engine's torch state is built by engine/build.py, one
+This file is the loop and the public API; the engine's torch state is built by engine/build.py, which
+returns it as one frozen record (`Engine.built`: the cache, the runner, the block manager, the execution
+record, the KV budget...) that the engine reads and never assigns to; one
 step (sampling, forks, stop rules, scoring, outputs) is engine/step.py, and its settings are
 engine/config.py.
 """
@@ -24,7 +26,7 @@ from svrmad_local.dist import GroupLost
 from svrmad_local.errors import UserError
 from svrmad_local.kernels import _cpu_build
 
-from . import build
+from .build import Built, build
 from .config import EngineConfig, SamplingParams  # noqa: F401  (EngineConfig: public here too)
 from .execution import runtime_fallbacks
 from .relinear import RunLinears
@@ -71,21 +73,23 @@ class Engine:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="svrmad-engine")
         try:
             self._worker = self._executor.submit(threading.current_thread).result()
-            self._executor.submit(build.build, self, model, cfg).result()
+            self.built: Built = self._executor.submit(build, model, cfg).result()  # what build made (frozen)
         except BaseException:  # Ctrl-C during a kernel build: stop it, or the interpreter waits for it at exit
             self._release_worker()
             raise
         # The caller's own idle team (from loading the model, say) counts too: hand it back, here and
         # on each request (cheap when there is none; docs/engine.md has the measured cost).
         release_team()
-        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        built = self.built
+        self._max_model_len = built.max_model_len
         self.eos_ids = self._eos_ids()
         self.totals = EngineTotals()
-        self.stepper = Step(self.scheduler, self.runner, self.totals, block_bytes=self.block_bytes, eos_ids=self.eos_ids,
-                            tokenizer=tokenizer, max_model_len=self.max_model_len, kernel_impl=cfg.kernel_impl,
-                            score_chunk=cfg.score_chunk, watch=self._watch)
+        self.scheduler = Scheduler(built.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.stepper = Step(self.scheduler, built.runner, self.totals, block_bytes=built.budget.block_bytes,
+                            eos_ids=self.eos_ids, tokenizer=tokenizer, max_model_len=self.max_model_len,
+                            kernel_impl=cfg.kernel_impl, score_chunk=cfg.score_chunk, watch=built.watch)
         # the run's own steps weigh the linear backend again (engine/relinear.py), where `auto` timed them
-        cal = self.linear_calibration
+        cal = built.linear_calibration
         self._linears = RunLinears(self) if cal is not None and cal.figures and cal.choice in cal.figures["decode"] else None
         self._rng = random.Random(cfg.seed)
         self._next_id = 0
@@ -94,6 +98,23 @@ class Engine:
         self._live: dict[int, Request] = {}
         self._chat = None
         self.closed = False
+
+    # what the build made, by the names callers know (read-only: `built` is frozen)
+    @property
+    def runner(self):
+        return self.built.runner
+
+    @property
+    def execution(self):
+        return self.built.execution
+
+    @property
+    def spec(self):
+        return self.built.spec
+
+    @property
+    def blocks(self):
+        return self.built.blocks
 
     @property
     def max_model_len(self) -> int:
@@ -119,30 +140,30 @@ class Engine:
     def info(self) -> dict:
         """Which paths the engine took (the build's record, `execution`, and the fallbacks since), its
         memory and its totals: for run records and benchmarks."""
-        ex = self.execution
+        built, ex = self.built, self.built.execution
+        static, budget = built.runner.static, built.budget
         return {
             "attention": ex.attention_paths.summary,
             "linear": ex.linear.reason,
-            "linear_calibration": self.linear_calibration.as_dict() if self.linear_calibration else None,
+            "linear_calibration": built.linear_calibration.as_dict() if built.linear_calibration else None,
             "decoder": str(ex.decoder),
-            "cuda_graphs": build.graphs_info(self),
-            "weight_bytes": self.weight_bytes,
-            "stats": self.stepper.stats_path,
-            "block_size": self.cfg.block_size,
-            "kv_blocks": self.blocks.num_blocks,
-            "kv_budget_bytes": self.kv_budget_bytes,
-            "kv_budget": self.kv_budget_rule,
-            "kv_devices": self.kv_devices,  # per device: what the pool takes there, and its budget there
-            "kv_held": self.kv_held,  # per measured device: what the profiled forward took (engine/build.py)
-            "graph_bytes": {"reserved": self.graph_reserve,
-                            "taken": self.runner.static.pool_bytes if self.runner.static is not None else 0},
-            "peak_kv_bytes": self.blocks.peak_used * self.block_bytes,
-            "evictions": self.blocks.evictions,
+            "cuda_graphs": _graphs_info(static, ex.graphs),
+            "weight_bytes": built.weight_bytes,
+            "stats": "kernels:" + ex.stats.value,
+            "block_size": built.block_size,
+            "kv_blocks": built.blocks.num_blocks,
+            "kv_budget_bytes": budget.bytes,
+            "kv_budget": budget.rule,
+            "kv_devices": budget.devices,  # per device: what the pool takes there, and its budget there
+            "kv_held": budget.held,  # per measured device: what the profiled forward took (engine/build.py)
+            "graph_bytes": {"reserved": budget.graph_reserve, "taken": static.pool_bytes if static is not None else 0},
+            "peak_kv_bytes": built.blocks.peak_used * budget.block_bytes,
+            "evictions": built.blocks.evictions,
             "in_flight": len(self._live),
             **self.totals.as_dict(),
             "execution": ex.as_dict(),  # every choice made at build, with its reason (engine/execution.py)
             "fallbacks": runtime_fallbacks(),  # kernels that fell back to their torch reference since
-            "threads": self._watch.team.info() if self._watch is not None else None,  # the CPU team now
+            "threads": built.watch.team.info() if built.watch is not None else None,  # the CPU team now
         }
 
     @classmethod
@@ -230,15 +251,15 @@ class Engine:
 
     def follow(self) -> None:
         """Tensor-parallel ranks other than the leader: run its steps until it calls `close()`."""
-        if not self.sharded or self.rank == 0:
+        if not self.built.sharded or self.built.rank == 0:
             raise RuntimeError("follow() is for tensor-parallel ranks other than 0")
-        while (step := self._channel.recv()) is not None:
+        while (step := self.built.channel.recv()) is not None:
             self.runner.execute(step)
 
     def close(self) -> None:
         """Release the worker thread; with tensor parallelism, rank 0 also lets the followers go."""
         self.closed = True
-        if self.sharded and self.rank == 0 and self.runner.tp is not None:
+        if self.built.sharded and self.built.rank == 0 and self.runner.tp is not None:
             channel, self.runner.tp = self.runner.tp, None
             try:
                 channel.send(None)
@@ -326,3 +347,16 @@ class Engine:
         if self._linears is not None:
             self._linears.after_step()
         return done
+
+
+def _graphs_info(static, choice) -> str:
+    """Engine.info["cuda_graphs"]: the record's graphs choice, with what the captured graphs did since."""
+    if static is None:
+        return f"off: {choice.reason}"
+    if static.capture:
+        failed = ""
+        if static.failed:
+            (p, w), why = next(iter(static.failed.items()))
+            failed = f"; {len(static.failed)} failed, run eagerly (batch {p}, width {w}: {why})"
+        return f"on ({len(static.graphs)} shapes captured, {static.replays} steps replayed{failed})"
+    return choice.value

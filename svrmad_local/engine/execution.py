@@ -2,12 +2,14 @@
 
 Why one record: the choices (which attention path, which decode and prefill kernels, how the linears
 and the layers run, CUDA graphs, the weights' quantization, tensor parallelism, the statistics'
-kernels) are each made by the module that knows them (runner.choose_attention, decoder.select_decoder,
-models/linear.select_linear, graphs.why_off, models/quant.choose_mode, kernels.select_impl), but
-engine/build.py gathers their outcomes into one frozen `Execution`, and everything downstream reads it:
-the runner and the attention hooks read its `AttentionPaths` every step instead of recomputing flags,
-`Engine.info` reports it (run.json stores it), and `line()` is the one line a command prints at start,
-naming the reason of every choice that fell back from the path "auto" would have wanted.
+kernels) are all made in one room, engine/choices.py, once, while engine/build.py builds the engine
+(calling the modules that alone know a part: decoder.select_decoder, models/linear.select_linear,
+graphs.why_off, kernels.select_impl; the quantization was decided when the checkpoint loaded,
+models/quant.choose_mode), and gathered into one frozen `Execution` that everything downstream reads:
+the runner, the attention hooks and the static decode path read its `AttentionPaths` every step
+instead of recomputing flags, `Engine.info` reports it (run.json stores it), and `line()` is the one
+line a command prints at start, naming the reason of every choice that fell back from the path "auto"
+would have wanted.
 
 What happens after build is not in the frozen record: a Triton kernel that fails once under
 kernel_impl="auto" is served from its torch reference from then on (kernels._backend.fall_back);
@@ -61,7 +63,7 @@ class AttentionPaths:
 
 @dataclass(frozen=True)
 class Execution:
-    """How this engine runs, decided once at build (engine/build.py). Aspects in the order they are
+    """How this engine runs, decided once at build (engine/choices.py). Aspects in the order they are
     said; `attention_paths` is what the runner and the hooks read."""
 
     device: Choice

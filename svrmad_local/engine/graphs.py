@@ -49,6 +49,7 @@ import logging
 import threading
 import traceback
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -261,27 +262,40 @@ def _blocking_upload(name: str, args, kwargs) -> bool:
     return not (non_blocking and src.is_pinned())
 
 
-def why_off(mode: str, runner, sharded: bool) -> str | None:
-    """Why the static path (mode "static") or graphs ("auto"/"on") cannot run here, or None."""
+def why_off(mode: str, device, paths, spec, cache_devices, sharded: bool) -> str | None:
+    """Why the static path (mode "static") or graphs ("auto"/"on") cannot run here, or None: for a model
+    whose embedding sits on `device`, attending as `paths` say, its layers' KV on `cache_devices`."""
     if mode not in MODES:
         raise ValueError(f"cuda_graphs must be one of {', '.join(MODES)}, got {mode!r}")
     if mode == "off":
         return "as asked"
     if sharded:
         return "tensor parallel (the ranks' steps meet in collectives the engine sends from the host)"
-    if mode != "static" and not can_capture(runner.device):
-        return f"{runner.device.type}: CUDA graphs need a CUDA device"
-    if runner.paths.cascade:
+    if mode != "static" and not can_capture(device):
+        return f"{device.type}: CUDA graphs need a CUDA device"
+    if paths.cascade:
         return "cascade attention plans its levels on the host every step"
-    kinds = {s.kind for s in runner.spec.layers}
-    if "kv" in kinds and runner.paths.inplace_decode is None:
+    kinds = {s.kind for s in spec.layers}
+    if "kv" in kinds and paths.inplace_decode is None:
         return "decode attention gathers the context (no in-place decode kernel: attention='sdpa' or none built)"
-    if "latent" in kinds and not runner.paths.mla_absorbed:
+    if "latent" in kinds and not paths.mla_absorbed:
         return "mla='expanded' re-expands the context every step"
-    devices = {t.device for t in runner.cache.k}
+    devices = set(cache_devices)
     if len(devices) > 1:
         return "layers on several devices (a device map)"
     return None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the build's graphs choice hands the runner (engine/choices.py): the static path's largest
+    batch, its widest block table, the cache block its padding rows write (no sequence owns it), and
+    whether its shapes are captured as CUDA graphs (else run eagerly: cuda_graphs="static")."""
+
+    max_num_seqs: int
+    max_blocks: int
+    scratch: int
+    capture: bool
 
 
 class StaticDecode:
@@ -399,16 +413,17 @@ PROVISIONAL_BLOCKS = 3  # the cache the graphs' memory is measured over, before 
 
 
 @torch.inference_mode()
-def graph_memory(runner, max_num_seqs: int, max_blocks: int) -> int:
-    """Bytes to keep out of the KV budget for the decode graphs, measured before the KV cache is sized:
-    over the runner's provisional cache (PROVISIONAL_BLOCKS blocks: padding rows read and write only
-    the scratch block, whatever the table's width), the largest shape is captured and what it took
-    measured; every other shape adds its output rows, which each graph keeps (its intermediates reuse
-    the shared pool). 0 where the step cannot be captured (the probe found a host sync)."""
+def graph_memory(runner, max_num_seqs: int, max_blocks: int) -> tuple[int, list[str]]:
+    """Bytes to keep out of the KV budget for the decode graphs, measured before the KV cache is sized,
+    and what the probe step saw return to the host (`StaticDecode.found`: it keeps graphs off): over the
+    runner's provisional cache (PROVISIONAL_BLOCKS blocks: padding rows read and write only the scratch
+    block, whatever the table's width), the largest shape is captured and what it took measured; every
+    other shape adds its output rows, which each graph keeps (its intermediates reuse the shared pool).
+    0 where the step cannot be captured."""
     n = runner.cache.k[0].shape[0] // runner.block_size
     probe = StaticDecode(runner, max_num_seqs, max_blocks, n - 1, capture=True)
     if probe.found:
-        return 0
+        return 0, probe.found
     probe.capture_all(probe.shapes[:1])
     taken = probe.pool_bytes
     out = probe._forward(1, probe.widths[0])
@@ -416,7 +431,7 @@ def graph_memory(runner, max_num_seqs: int, max_blocks: int) -> int:
     del probe, out
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return max(0, taken) + rest
+    return max(0, taken) + rest, []
 
 
 def device_bytes(device) -> int:

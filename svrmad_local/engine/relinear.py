@@ -30,7 +30,8 @@ class RunLinears:
 
     def __init__(self, eng):
         self.eng = eng
-        self.mix = eng.linear_calibration.run = calibrate.RunMix(eng.linear_calibration, eng.linear_calibration.choice)
+        cal = eng.built.linear_calibration
+        self.mix = cal.run = calibrate.RunMix(cal, cal.choice)
         self._seen = (0, 0)
 
     def after_step(self) -> None:

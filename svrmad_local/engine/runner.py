@@ -6,23 +6,20 @@ decode) and, in chunks, to the rows a scoring request asks about: never to every
 
 from __future__ import annotations
 
-import inspect
 import itertools
-import os
 from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from svrmad_local import kernels
-from svrmad_local.kernels._backend import FORCE_ENV, staged
-from svrmad_local.kernels import cpu_decode
+from svrmad_local.kernels._backend import staged
 from svrmad_local.models import hf
 
-from . import mla
-from .attention import FLASH_PAGE, HAS_FLASH_ATTN, Attachment, PagedKV, Span, StepContext, flash_attn_varlen_func
+from . import graphs
+from .attention import Attachment, PagedKV, Span, StepContext
 from .context import set_context
-from .execution import AttentionPaths, Choice
+from .execution import AttentionPaths
 from .kv_cache import BlockTables, DeviceTables, KVCache
 from .scheduler import Batch
 from .spec import ModelSpec
@@ -43,8 +40,18 @@ class StepInput:
 
 
 class ModelRunner:
+    """One forward a step, over the model, the KV cache and the attention switches the build chose.
+
+    Everything it runs with comes in its constructor: our decoder (None: the model's own body), the
+    static decode path's plan (graphs.Plan, None: off) and the tensor-parallel channel it sends each
+    step on (None: it runs alone, or it is a follower). The static path is built here, over this
+    runner, from that plan: it reads the runner's cache, switches and body, and the runner replays it;
+    built by its owner, it is never patched in afterwards. The build makes a provisional runner (no
+    static path, no channel) over a provisional cache where it measures a forward or the graphs'
+    memory, then this one over the real cache."""
+
     def __init__(self, model, attached: Attachment, cache: KVCache, spec: ModelSpec, block_size: int,
-                 paths: AttentionPaths):
+                 paths: AttentionPaths, decoder=None, static: graphs.Plan | None = None, tp=None):
         self.model = model
         self.attached = attached
         self.body = model.base_model
@@ -54,17 +61,19 @@ class ModelRunner:
         self.block_size = block_size
         self.device = self.body.get_input_embeddings().weight.device
         self.softcap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
-        # the attention choices, made once (choose_attention, engine/execution.py): read, never recomputed
+        # the attention choices, made once (engine/choices.py): read, never recomputed
         self.paths = paths
         # the static decode path (engine/graphs.py) reads the cache in place even where flash-attn runs
         self.static_paths = replace(paths, decode=paths.inplace_decode, flash=False, cascade=None)
         # the Triton path reads the levels' block tables on the host (cascade_plan moves them once a step)
         self.levels_device = self.device if paths.cascade in (None, "torch") else torch.device("cpu")
-        self.static = None  # engine.graphs.StaticDecode: decode-only steps at fixed shapes (set by the engine)
         self.paged_kv = PagedKV()
-        self.decoder = None  # engine.decoder.Decoder where our forward runs (set by the engine)
-        self.tp = None  # set by engine.tp for tensor parallelism: sends each step to the other ranks
+        self.decoder = decoder  # engine.decoder.Decoder where our forward runs (engine/relinear.py may rebuild it)
+        self.tp = tp  # engine.tp.StepChannel on a tensor-parallel leader: sends each step to the other ranks
         self.tables = DeviceTables(self.device)  # the decode rows' block tables, kept between steps
+        # decode-only steps at fixed shapes (engine/graphs.py); it runs a probe step over the cache now
+        self.static = None if static is None else graphs.StaticDecode(
+            self, static.max_num_seqs, static.max_blocks, static.scratch, static.capture)
 
     def prepare(self, batch: Batch) -> StepInput:
         """What every rank needs to run the step, in plain numbers (the tensor-parallel followers
@@ -166,156 +175,6 @@ class ModelRunner:
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
-
-
-def choose_attention(attention: str, cascade: str, kernel_impl: str, mla_mode: str, device: torch.device,
-                     dtype: torch.dtype, spec: ModelSpec, block_size: int) -> tuple[AttentionPaths, dict[str, Choice]]:
-    """How the steps attend, decided once at build: the switches the runner and the hooks read
-    (AttentionPaths), and the record's attention, decode, prefill, cascade and mla choices with their
-    reasons. A path asked for by name that cannot run here is an error, naming why."""
-    if attention not in ("auto", "flash", "sdpa", "paged"):
-        raise ValueError(f"attention must be auto, flash, sdpa or paged, got {attention!r}")
-    triton_ok = kernels.select_impl(kernel_impl, device, "paged_decode") == "triton"
-    flash_paged_ok = flash_takes_block_table() if HAS_FLASH_ATTN else False
-    flash = choose_flash(attention, HAS_FLASH_ATTN, device, dtype, spec.has_latent, block_size, triton_ok, flash_paged_ok)
-    if attention == "flash" and not flash:
-        raise ValueError("attention='flash' needs flash-attn installed, a CUDA device, fp16/bf16 weights and "
-                         "no latent (MLA) layers")
-    on_cascade = _cascade_enabled(cascade, kernel_impl, device) and not flash
-    # decode rows read K/V in place through their block tables instead of gathering every sequence's
-    # context in every layer: Triton's split-K kernel (kernels/paged_decode.py) where Triton runs, the
-    # compiled C++ one (kernels/cpu_decode.py) on the CPU; "sdpa" keeps the gather path. The static
-    # decode path (engine/graphs.py) takes it even where flash-attn runs the dynamic steps.
-    inplace = None
-    if attention in ("auto", "paged", "flash"):
-        if triton_ok:
-            inplace = "triton"
-        elif device.type == "cpu" and cpu_decode.available():
-            inplace = "cpu"
-    if attention == "paged" and inplace is None:
-        raise ValueError("attention='paged' needs Triton (a GPU, or kernel_impl='triton' under its interpreter) "
-                         f"or, on the CPU, the compiled kernel: {cpu_decode.unavailable_reason() or 'not built'}")
-    decode = None if flash or on_cascade else inplace
-    # where decode runs Triton's kernel (a GPU without flash-attn), per-head K/V prefill chunks are read in
-    # place too (kernels/paged_prefill.py) instead of gathered per layer; the CPU keeps its prefill path
-    prefill_in_place = decode == "triton"
-    flash_paged = flash and flash_paged_ok and block_size % FLASH_PAGE == 0
-    mla_absorbed = mla.check_mode(mla_mode) == "absorbed" and spec.has_latent
-    mla_impl = kernels.select_impl(kernel_impl, device, "mla_decode")
-    cascade_impl = kernels.select_impl(kernel_impl, device, "cascade_attention")
-    summary = ("flash-attn" if flash else "sdpa") + (f"+paged-decode:{decode}" if decode else "") \
-        + ("+paged-prefill:triton" if prefill_in_place else "") + (" (paged)" if flash_paged else "") \
-        + (f"+mla-absorbed:{mla_impl}" if mla_absorbed else "") + (f"+cascade:{cascade_impl}" if on_cascade else "")
-    paths = AttentionPaths(kernel_impl, flash, flash_paged, decode, inplace, prefill_in_place, mla_absorbed,
-                           cascade_impl if on_cascade else None, summary)
-    no_kernel = _why_no_inplace(attention, device, kernel_impl)
-    # a fallback: the in-place decode kernel was wanted (not attention='sdpa', nor kernel_impl='torch' on a GPU)
-    missed = attention != "sdpa" and inplace is None and "kv" in {s.kind for s in spec.layers} \
-        and (device.type == "cpu" or (kernel_impl != "torch" and not _torch_forced()))
-    if flash:
-        attn = Choice("attention", "flash-attn" + (" (paged)" if flash_paged else ""), "asked for" if attention == "flash"
-                      else "it reads the cache in place" if flash_paged else "our Triton kernels cannot run here")
-    else:
-        attn = Choice("attention", "sdpa", _why_not_flash(attention, device, dtype, spec.has_latent, block_size,
-                                                          flash_paged_ok))
-    if on_cascade:
-        dec = Choice("decode", f"cascade:{cascade_impl}", "cascade='on': shared prefixes attended once")
-    elif flash:
-        dec = Choice("decode", "flash-attn", f"flash-attn runs the steps (the static path: {inplace or 'none'})")
-    elif decode:
-        dec = Choice("decode", f"in place:{decode}", "kernels/paged_decode.py" if decode == "triton"
-                     else "the compiled CPU kernel (kernels/cpu_decode.py)")
-    else:
-        dec = Choice("decode", "gather", "attention='sdpa'" if attention == "sdpa" else no_kernel, fell_back=missed)
-    if flash:
-        pre = Choice("prefill", "flash-attn", "flash-attn runs the steps")
-    elif prefill_in_place:
-        pre = Choice("prefill", "in place:triton", "kernels/paged_prefill.py")
-    else:
-        pre = Choice("prefill", "gather", "the CPU has no in-place prefill kernel" if device.type == "cpu" else
-                     "attention='sdpa'" if attention == "sdpa" else no_kernel, fell_back=missed and device.type != "cpu")
-    casc = Choice("cascade", f"on:{cascade_impl}" if on_cascade else "off",
-                  "asked for" if on_cascade else "flash-attn runs the steps" if cascade == "on"
-                  else "as asked" if cascade == "off" else "auto is off: measured slower (runner._cascade_enabled)")
-    latent = Choice("mla", f"absorbed:{mla_impl}" if mla_absorbed else "expanded" if spec.has_latent else "none",
-                    f"mla={mla_mode!r}" if spec.has_latent else "no latent (MLA) layers")
-    return paths, {c.name: c for c in (attn, dec, pre, casc, latent)}
-
-
-def _why_not_flash(attention: str, device: torch.device, dtype: torch.dtype, latent: bool, block_size: int,
-                   paged: bool) -> str:
-    """Why the steps attend through SDPA and our kernels rather than flash-attn (choose_flash said no)."""
-    if attention in ("sdpa", "paged"):
-        return f"attention={attention!r}"
-    if not HAS_FLASH_ATTN:
-        return "flash-attn is not installed"
-    if device.type != "cuda":
-        return f"flash-attn needs a CUDA device, not {device.type}"
-    if dtype not in (torch.float16, torch.bfloat16):
-        return f"flash-attn needs fp16/bf16, not {str(dtype).removeprefix('torch.')}"
-    if latent:
-        return "latent (MLA) layers"
-    why = "its varlen call takes no block table" if not paged else f"blocks of {block_size} tokens are not whole 256-token pages"
-    return f"our Triton kernels read the cache in place; flash-attn would gather it ({why})"
-
-
-def _torch_forced() -> bool:
-    """The environment forces every kernel's torch reference (kernels._backend.FORCE_ENV)."""
-    return os.environ.get(FORCE_ENV, "").lower() == "torch"
-
-
-def _why_no_inplace(attention: str, device: torch.device, kernel_impl: str) -> str:
-    """Why no in-place decode kernel runs here (for the record's reason)."""
-    if attention == "sdpa":
-        return "attention='sdpa'"
-    if device.type == "cpu":
-        return f"the compiled CPU decode kernel is unavailable: {cpu_decode.unavailable_reason() or 'not built'}"
-    if not kernels.HAS_TRITON:
-        return "Triton is not installed"
-    if kernel_impl == "torch":
-        return "kernel_impl='torch'"
-    if _torch_forced():
-        return f"{FORCE_ENV}=torch"
-    return "Triton's decode kernel failed earlier in this process: its torch reference runs (engine.info['fallbacks'])"
-
-
-def choose_flash(attention: str, installed: bool, device: torch.device, dtype: torch.dtype, latent: bool,
-                 block_size: int, triton_ok: bool, paged: bool = True) -> bool:
-    """Whether steps attend through flash-attn's varlen call. It needs a CUDA device, fp16/bf16 and no
-    latent layers; asked for ("flash"), it is taken; under "auto" only where it reads the cache in place
-    (blocks of a multiple of its 256-token pages, and an installed release whose varlen call takes a
-    block table: `paged`, see `flash_takes_block_table`) or where our Triton kernels, which read any
-    block size in place, cannot run: flash-attn over a gather of every context in every layer is what
-    they replace."""
-    if not (installed and device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and not latent):
-        return False
-    if attention == "flash":
-        return True
-    return attention == "auto" and ((paged and block_size % FLASH_PAGE == 0) or not triton_ok)
-
-
-def flash_takes_block_table(fn=None) -> bool:
-    """Whether the installed flash-attn's varlen call reads a paged cache: its `block_table` argument came
-    in flash-attn 2.5.7 (Dao-AILab/flash-attention#831); `flash-attn>=2.5` admits releases without it,
-    which would fail at the first step. Read from the signature, not the version string."""
-    fn = fn if fn is not None else flash_attn_varlen_func
-    if fn is None:
-        return False
-    try:
-        return "block_table" in inspect.signature(fn).parameters
-    except (TypeError, ValueError):  # a compiled function without a signature: assume the old call
-        return False
-
-
-def _cascade_enabled(cascade: str, kernel_impl: str, device: torch.device) -> bool:
-    """"auto" is off, as measured: on the CPU the torch reference costs more in per-level overhead
-    than the shared gathers save; on an H100 the Triton path (one plan per step) made bench_engine's
-    debate workload slower (1.7B shape: 12.4 s vs 8.1 s), and the kernel alone breaks even with
-    attention over per-query copies only at a 16k-token prefix shared by 32 queries (docs/kernels.md).
-    "on" turns it on anywhere (Triton on CUDA, the torch reference elsewhere)."""
-    if cascade not in ("auto", "on", "off"):
-        raise ValueError(f"cascade must be auto, on or off, got {cascade!r}")
-    return cascade == "on"
 
 
 def decode_levels(tables: list[list[int]], lens: list[int], bs: int, device) -> list:

@@ -42,6 +42,8 @@ class Step:
                  max_model_len: int, kernel_impl: str, score_chunk: int, watch=None):
         self.scheduler, self.runner, self.totals = scheduler, runner, totals
         self.block_bytes, self.eos_ids, self.tokenizer = block_bytes, eos_ids, tokenizer
+        # kernel_impl goes to the statistics kernel as given: where it runs was chosen at build (the record's
+        # stats choice, engine/choices.py); under "auto" the kernel only reacts to a Triton failure since
         self.max_model_len, self.kernel_impl, self.score_chunk = max_model_len, kernel_impl, score_chunk
         self.watch = watch  # threads.BarrierSleepWatch on the CPU: warns when other torch work slows the steps
 
@@ -156,11 +158,6 @@ class Step:
             req = seq.request
             req.usage.time_s = time.perf_counter() - req.t0
             finished.append(req)
-
-    @property
-    def stats_path(self) -> str:
-        """How the token statistics run (engine.info['stats'])."""
-        return "kernels:" + kernels.select_impl(self.kernel_impl, self.runner.lm_head.weight)
 
     def _score_rows(self, seq: Sequence, hidden: torch.Tensor, w: Work) -> None:
         """Statistics for the positions of this chunk that predict a continuation token."""

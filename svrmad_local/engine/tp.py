@@ -12,7 +12,7 @@ identical on all ranks because only the leader decides them; each rank's paged c
 heads (the spec probe sees the local head count). Embeddings and the LM head are whole on every rank,
 so sampling and the token statistics need no collective and the tokens come from the leader alone.
 
-Several groups may share one launch (replicas of a TP group, svrmad_local/dist.py): every collective
+Several groups may share one launch (replicas of a TP group, svrmad_local/job/launch.py): every collective
 here names its group.
 """
 

@@ -19,7 +19,7 @@ from svrmad_local.analysis.posthoc import recorded_methods
 from svrmad_local.analysis.run_config import RunConfig, diff_fingerprints, parse_shard
 from svrmad_local.debate.trace import TornLineWarning
 from svrmad_local.debate.types import Question
-from svrmad_local.dist import Dist
+from svrmad_local.job.launch import Dist
 from svrmad_local.errors import UserError
 from svrmad_local.job.datasets import DatasetError, load_dataset
 

@@ -11,7 +11,7 @@ phase the model-free parts run from the trace (analysis/posthoc.py).
 Once the start message is in, what this process is (its settings, device, checkpoint, group and the
 folder it commits into) is settled in one `Job`, which every step reads.
 
-Under torchrun or `accelerate launch` every process runs one engine (svrmad_local/dist.py): rank 0
+Under torchrun or `accelerate launch` every process runs one engine (svrmad_local/job/launch.py): rank 0
 checks the folder and publishes the RunConfig and the questions to run, each rank takes the next
 question from a shared counter whenever it has a free slot and commits into its own part files,
 and rank 0 merges them into one run folder at the end. With --tp T, each T consecutive processes are
@@ -39,7 +39,8 @@ from svrmad_local.analysis.posthoc import finalize, rebuild_results, recorded_me
 from svrmad_local.analysis.run_config import RunConfig
 from svrmad_local.debate.trace import RecordingBackend
 from svrmad_local.debate.types import Question, Response
-from svrmad_local.dist import Dist, GroupLost
+from svrmad_local.dist import GroupLost
+from svrmad_local.job.launch import Dist
 from svrmad_local.grading import equivalent, set_grader
 from svrmad_local.job.flags import add_run_arguments, from_args
 from svrmad_local.job.preflight import check_settings, model_path, preflight, shard  # noqa: F401 (shard: tests)

@@ -49,14 +49,15 @@ def interpreting() -> bool:
 
 
 @dataclass(frozen=True)
-class Choice:
-    """The implementation a kernel call takes: "triton", "cpp" (a compiled C++ CPU kernel) or "torch"
-    (the reference), and, where the reference runs, why."""
+class KernelPick:
+    """The implementation a kernel call takes: "triton", "cpp" (a compiled C++ CPU kernel) or "torch" (the
+    reference), and, where the reference runs, why. (The engine's `execution.Choice` is one aspect of its
+    record, which the choices read from here make up.)"""
     impl: str
     why: str | None = None
 
 
-_TRITON, _CPP = Choice("triton"), Choice("cpp")
+_TRITON, _CPP = KernelPick("triton"), KernelPick("cpp")
 
 
 def register_cpu(name: str, why_not: Callable[[], str | None]) -> None:
@@ -65,11 +66,14 @@ def register_cpu(name: str, why_not: Callable[[], str | None]) -> None:
     _CPU[name] = why_not
 
 
-def choose(kernel_impl: str, device, name: str) -> Choice:
+def choose(kernel_impl: str, device, name: str) -> KernelPick:
     """The one place that says whether kernel `name`'s fast implementation runs for a call on `device`
     or its torch reference, and why: the Triton kernels (CUDA, or CPU tensors under the interpreter when
     asked for explicitly) and the compiled C++ CPU kernels alike. Explicit requests that cannot be met
-    raise; "auto" degrades to the reference with its reason."""
+    raise; "auto" degrades to the reference with its reason. The engine's choices are made from it once,
+    at build (engine/choices.py); a kernel's own call resolves it again only to react to a run-time
+    failure: a Triton path that failed under "auto" (`fall_back`, `disable_auto`) is a reaction, not a
+    choice, and the engine reports it beside its record (`Engine.info["fallbacks"]`)."""
     if kernel_impl not in IMPLS:
         raise ValueError(f"kernel_impl must be one of {IMPLS}, got {kernel_impl!r}")
     if not isinstance(device, torch.device):
@@ -78,11 +82,11 @@ def choose(kernel_impl: str, device, name: str) -> Choice:
         if kernel_impl == "triton":
             raise ValueError(f"{name} is a C++ CPU kernel: kernel_impl must be 'auto' or 'torch'")
         if kernel_impl == "torch":
-            return Choice("torch", "kernel_impl='torch'")
+            return KernelPick("torch", "kernel_impl='torch'")
         if device.type != "cpu":
-            return Choice("torch", f"a CPU kernel, tensors on {device.type}")
+            return KernelPick("torch", f"a CPU kernel, tensors on {device.type}")
         why = _CPU[name]()
-        return Choice("torch", why) if why else _CPP
+        return KernelPick("torch", why) if why else _CPP
     if kernel_impl == "triton":
         if not HAS_TRITON:
             raise RuntimeError("kernel_impl='triton' requested but triton is not importable")
@@ -91,14 +95,14 @@ def choose(kernel_impl: str, device, name: str) -> Choice:
                                "TRITON_INTERPRET=1 before triton is first imported")
         return _TRITON
     if kernel_impl == "torch":
-        return Choice("torch", "kernel_impl='torch'")
+        return KernelPick("torch", "kernel_impl='torch'")
     if os.environ.get(FORCE_ENV, "").lower() == "torch":
-        return Choice("torch", f"{FORCE_ENV}=torch")
+        return KernelPick("torch", f"{FORCE_ENV}=torch")
     if name in _disabled:
-        return Choice("torch", f"its Triton path failed: {_disabled[name]}")
+        return KernelPick("torch", f"its Triton path failed: {_disabled[name]}")
     if not HAS_TRITON:
-        return Choice("torch", "triton is not importable")
-    return _TRITON if device.type == "cuda" else Choice("torch", f"tensors on {device.type}")
+        return KernelPick("torch", "triton is not importable")
+    return _TRITON if device.type == "cuda" else KernelPick("torch", f"tensors on {device.type}")
 
 
 def resolve_impl(kernel_impl: str, device, name: str) -> str:
