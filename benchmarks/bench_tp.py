@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
 class Clock:
-    """Seconds spent in torch.distributed.all_reduce and broadcast_object_list (patched in place:
+    """Seconds spent in torch.distributed.all_reduce and broadcast (patched in place:
     engine/tp.py looks them up on the module at each call)."""
 
     def __init__(self):
@@ -39,7 +39,7 @@ class Clock:
 
         self.seconds = {"all_reduce": 0.0, "broadcast": 0.0}
         self.calls = {"all_reduce": 0, "broadcast": 0}
-        for name, key in (("all_reduce", "all_reduce"), ("broadcast_object_list", "broadcast")):
+        for name, key in (("all_reduce", "all_reduce"), ("broadcast", "broadcast")):
             setattr(dist, name, self._timed(getattr(dist, name), key))
 
     def _timed(self, fn, key):

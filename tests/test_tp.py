@@ -10,17 +10,21 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from svrmad_local import cli
 from svrmad_local.debate.trace import read_jsonl
 from svrmad_local.dist import Dist
 from svrmad_local.engine.engine import Engine, EngineConfig
+from svrmad_local.engine.runner import StepInput
+from svrmad_local.engine.tp import HEADER, pack, unpack
 from svrmad_local.models.loader import load_model
 from svrmad_local.models.plan import make_plan
 from svrmad_local.models.quant.formats import Reader
@@ -101,7 +105,6 @@ def test_tensor_parallel_matches_one_process(name, checkpoints, two_ranks):
 
 def test_four_ranks_one_kv_head_and_one_expert_each(tmp_path):
     """TP 4 on a Qwen3-MoE with 4 KV heads and 4 experts: each rank holds one of each."""
-    import torch
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
     torch.manual_seed(0)
@@ -138,20 +141,28 @@ def test_the_leader_stops_with_one_line_when_a_follower_is_gone(checkpoints, tmp
     assert got["gloo_threads"] > 0 and got["gloo_threads_left"] == 0
 
 
-@pytest.mark.parametrize("lose", [False, True])
+@pytest.mark.parametrize("lose", ["none", "follower", "leader"])
 def test_replicas_end_their_process_groups_before_the_interpreter_exits(tmp_path, lose):
     """4 processes, 2 replicas of TP 2: one replica works while the other has ended (its exit came early
     in a run, where a replica's leader once aborted inside gloo: "terminate called without an active
-    exception"); with `lose`, the working replica's follower quits. Every rank ends with no thread of
-    gloo's left, so the interpreter's exit has none to race with, and the launch exits 0."""
+    exception"); with `lose`, the working replica's follower (or its leader, mid-run) quits. Every rank
+    ends with no thread of gloo's left, so the interpreter's exit has none to race with, and the launch
+    exits 0; the rank left waiting says so in one line."""
     out = tmp_path / "replicas"
-    run_worker(out, "--replicas", str(out), "40", "lose" if lose else "keep", nproc=4)
+    run_worker(out, "--replicas", str(out), "40", lose, nproc=4)
     ranks = {r: json.loads(Path(f"{out}.{r}").read_text()) for r in range(4) if Path(f"{out}.{r}").exists()}
-    assert sorted(ranks) == ([0, 2, 3] if lose else [0, 1, 2, 3])
+    gone = {"none": [], "follower": [1], "leader": [0]}[lose]
+    assert sorted(ranks) == [r for r in range(4) if r not in gone]
     for got in ranks.values():
         assert got["gloo_threads"] > 0 and got["gloo_threads_left"] == 0 and not got["pg_left"], got
-    said = ranks[0]["said"]
-    assert (said is not None and said.startswith("rank 0 (tensor-parallel group [0, 1]):")) if lose else said is None
+    said = {r: got["said"] for r, got in ranks.items() if got["said"] is not None}
+    if lose == "none":
+        assert not said
+    elif lose == "follower":
+        assert list(said) == [0] and said[0].startswith("rank 0 (tensor-parallel group [0, 1]): a rank of the ")
+    else:  # the follower waits on the leader's next step header
+        assert list(said) == [1] and said[1].startswith("rank 1 (tensor-parallel group [0, 1]): its leader (rank 0) "
+                                                        "stopped sending steps (") and "\n" not in said[1]
 
 
 def test_replicas_of_tp_groups_start_and_end_again_and_again(tiny):
@@ -165,6 +176,39 @@ def test_replicas_of_tp_groups_start_and_end_again_and_again(tiny):
                                 "--tp", "2", *RUN, nproc=4))
         assert "terminate called" not in printed and "Traceback" not in printed, printed[-3000:]
         assert outcome(out) == outcome(root / "single")
+
+
+def random_step(rng: random.Random):
+    """A StepInput as the runner makes one, at random sizes: decode runs (one new token) then prefill runs,
+    block lists covering each run's context (up to thousands of blocks), copies (often none), keys or None."""
+    n_runs = rng.choice([0, 1, 2, rng.randint(3, 70)])
+    num_decode = rng.randint(0, n_runs)
+    ids, runs = [], []
+    for i in range(n_runs):
+        end = rng.choice([1, rng.randint(1, 64), rng.randint(1, 40_000)])
+        start = end - 1 if i < num_decode else rng.randint(0, end - 1)
+        ids += [rng.randrange(2**17) for _ in range(end - start)]
+        runs.append((start, end, [rng.randrange(2**40) for _ in range(-(-end // rng.choice([1, 4, 16])))]))
+    copies = [tuple(rng.randrange(2**31) for _ in range(3)) for _ in range(rng.choice([0, 0, 1, rng.randint(2, 9)]))]
+    keys = None if rng.random() < 0.2 else [(rng.randrange(2**62), rng.randrange(2**20)) for _ in range(n_runs)]
+    return StepInput(ids, runs, num_decode, copies, keys)
+
+
+def test_a_step_crosses_the_wire_as_two_int64_tensors_and_comes_back_equal():
+    """What the leader broadcasts each step (engine/tp.pack): a fixed header and one int64 payload, for
+    steps of no runs, many runs, long block tables, no copies, keys or none; the stop (None) is a header
+    alone. A header that does not match its payload is refused, not read."""
+    rng = random.Random(0)
+    steps = [None, StepInput([], [], 0, []), StepInput([5], [(0, 1, [7])], 1, [(1, 2, 3)], None)]
+    steps += [random_step(rng) for _ in range(300)]
+    for step in steps:
+        header, payload = pack(step)
+        assert header.shape == (HEADER,) and header.dtype == payload.dtype == torch.long and payload.dim() == 1
+        assert unpack(header, payload) == step
+    assert pack(None)[1].numel() == 0
+    header, payload = pack(steps[2])
+    with pytest.raises(ValueError, match="does not match its 7 values"):
+        unpack(header, payload[:-1])
 
 
 def test_world_size_not_a_multiple_of_tp_is_refused():
@@ -235,7 +279,6 @@ def test_plan_and_engine_agree_on_the_shipped_configs(name):
     """At the real shapes (meta tensors, nothing allocated): for each --tp, the plan refuses exactly
     what the loader refuses, and otherwise the bytes the loader gives the first and the last rank are
     the plan's weight bytes per GPU (within 1%: FP8 scale grids of split weights round per rank)."""
-    import torch
     from transformers import AutoConfig
 
     from svrmad_local.engine.tp import Group
@@ -273,7 +316,6 @@ def test_a_split_the_plan_cannot_make_is_refused_in_one_line_by_loader_and_plan(
     """The published tiny DeepSeek layout (dense MLP 100 rows, experts' 40: ragged 16x16 blocks) at
     --tp 2, and 3 experts over 2 ranks: the loader refuses before reading a weight or meeting a
     collective, and `svrmad plan` refuses the same --tp."""
-    import torch
     from transformers import AutoConfig
 
     from svrmad_local.engine.tp import Group

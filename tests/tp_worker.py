@@ -77,12 +77,14 @@ def follower_quits(out: str, path: str) -> None:
         json.dump({"said": said, "gloo_threads_left": len(gloo & tasks()), "gloo_threads": len(gloo)}, f)
 
 
-def replicas(out: str, steps: int, lose: bool) -> None:
+def replicas(out: str, steps: int, lose: str) -> None:
     """Replicas of TP-2 groups made as `svrmad run --tp 2` makes them (svrmad_local.dist): the first replica's
     leader sends `steps` steps (each with an all-reduce, as a forward has), the other replica none, so it
-    ends while the first still works; with `lose`, the first replica's follower quits after 3 steps.
+    ends while the first still works; `lose` "follower" (or "leader"): the first replica's follower (its
+    leader) quits after 3 steps.
     Each rank ends with Dist.close() and writes how many gloo threads are left."""
     from svrmad_local.dist import Dist, GroupLost
+    from svrmad_local.engine.runner import StepInput
     from svrmad_local.engine.tp import StepChannel
 
     gloo: set = set()
@@ -93,7 +95,9 @@ def replicas(out: str, steps: int, lose: bool) -> None:
     try:
         if group.rank == 0:
             for i in range(steps if view.rank == 0 else 0):
-                channel.send({"step": i, "ids": list(range(64))})
+                if lose == "leader" and i == 3:
+                    os._exit(0)
+                channel.send(StepInput(list(range(64)), [(0, 64, list(range(16)))], 0, [], [(i, 0)]))
                 dist.all_reduce(torch.ones(256), group=group.pg)
             channel.send(None)
         else:
@@ -101,7 +105,7 @@ def replicas(out: str, steps: int, lose: bool) -> None:
             while channel.recv() is not None:
                 dist.all_reduce(torch.ones(256), group=group.pg)
                 n += 1
-                if lose and view.rank == 0 and n == 3:
+                if lose == "follower" and view.rank == 0 and n == 3:
                     os._exit(0)  # the lost rank (cleanly: torchrun stops nobody)
     except GroupLost as exc:
         said = str(exc)
@@ -159,7 +163,7 @@ if __name__ == "__main__":
     if sys.argv[1] == "--follower-quits":
         follower_quits(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "--replicas":
-        replicas(sys.argv[2], int(sys.argv[3]), sys.argv[4] == "lose")
+        replicas(sys.argv[2], int(sys.argv[3]), sys.argv[4])
     elif sys.argv[1] == "--device":
         main(sys.argv[3], sys.argv[4:], device=sys.argv[2])
     else:

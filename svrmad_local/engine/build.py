@@ -122,7 +122,7 @@ def build(eng, model, cfg: EngineConfig) -> None:
     eng.rank = 0
     if eng.sharded:  # tensor parallel: the group's leader runs the engine, the others follow its steps
         eng.rank = eng.tp_group.rank
-        eng._channel = tp.StepChannel(eng.tp_group)
+        eng._channel = tp.StepChannel(eng.tp_group, device)
         if eng.rank == 0:
             eng.runner.tp = eng._channel
     dtype = SHORT_DTYPES.get(spec.dtype, str(spec.dtype).removeprefix("torch."))

@@ -18,10 +18,15 @@ here names its group.
 
 from __future__ import annotations
 
+import itertools
+
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from svrmad_local.dist import Group, GroupLost, lost_rank  # noqa: F401  (Group, GroupLost: public here too)
+
+from .runner import StepInput
 
 
 def group_of(model) -> Group | None:
@@ -51,17 +56,78 @@ def all_reduce(t: torch.Tensor, group: Group) -> torch.Tensor:
 
 
 class StepChannel:
-    """The leader sends every step (or None to stop) to the other ranks of its group."""
+    """The leader sends every step (or None to stop) to the other ranks of its group, as tensors: a
+    header of HEADER int64 values (`pack` says which), then the step's numbers in one int64 tensor, two
+    broadcasts on the group's device (the GPU under NCCL, the host under gloo); no pickle."""
 
-    def __init__(self, group: Group):
+    def __init__(self, group: Group, device: torch.device | str = "cpu"):
         self.group = group
+        self.device = _cpu_or(torch.device(device), group)
 
-    def send(self, step) -> None:
+    def send(self, step: StepInput | None) -> None:
+        header, payload = pack(step)
         with lost_rank(self.group):
-            dist.broadcast_object_list([step], src=self.group.leader, group=self.group.pg)
+            dist.broadcast(header.to(self.device), src=self.group.leader, group=self.group.pg)
+            if payload.numel():
+                dist.broadcast(payload.to(self.device), src=self.group.leader, group=self.group.pg)
 
-    def recv(self):
-        box = [None]
+    def recv(self) -> StepInput | None:
         with lost_rank(self.group, f"its leader (rank {self.group.leader}) stopped sending steps"):
-            dist.broadcast_object_list(box, src=self.group.leader, group=self.group.pg)
-        return box[0]
+            header = torch.empty(HEADER, dtype=torch.long, device=self.device)
+            dist.broadcast(header, src=self.group.leader, group=self.group.pg)
+            header = header.cpu()
+            payload = torch.empty(payload_size(header), dtype=torch.long, device=self.device)
+            if payload.numel():
+                dist.broadcast(payload, src=self.group.leader, group=self.group.pg)
+        return unpack(header, payload.cpu())
+
+
+# The header: [kind (STOP or STEP), ids, runs, num_decode, copies, keys (-1: None), blocks (all runs')]
+HEADER, STOP, STEP = 7, 0, 1
+
+
+def pack(step: StepInput | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(header, payload) of a step, None packing as the stop: the payload is the token ids, each run's
+    start, end and number of blocks, every run's blocks one after the other, the copies' (src, dst,
+    rows) and the keys' (uid, epoch), all int64. Every field of StepInput is an integer or a list of
+    them; `keys` may be None, which the header says with -1."""
+    if step is None:
+        return torch.tensor([STOP] + [0] * (HEADER - 1)), torch.empty(0, dtype=torch.long)
+    blocks = [b for _, _, b in step.runs]
+    n_blocks = sum(map(len, blocks))
+    keys = step.keys
+    header = [STEP, len(step.ids), len(step.runs), step.num_decode, len(step.copies),
+              -1 if keys is None else len(keys), n_blocks]
+    parts = [step.ids, (x for s, e, b in step.runs for x in (s, e, len(b))), itertools.chain.from_iterable(blocks),
+             itertools.chain.from_iterable(step.copies), itertools.chain.from_iterable(keys or ())]
+    size = payload_size(header)
+    payload = np.fromiter(itertools.chain(*parts), dtype=np.int64, count=size)
+    return torch.tensor(header), torch.from_numpy(payload)
+
+
+def payload_size(header) -> int:
+    """How many int64 values follow a header."""
+    kind, ids, runs, _, copies, keys, blocks = (int(x) for x in header)
+    return 0 if kind == STOP else ids + 3 * runs + blocks + 3 * copies + 2 * max(keys, 0)
+
+
+def unpack(header: torch.Tensor, payload: torch.Tensor) -> StepInput | None:
+    """The StepInput `pack` made (None for the stop), in Python ints."""
+    kind, n_ids, n_runs, num_decode, n_copies, n_keys, n_blocks = header.tolist()
+    if kind == STOP:
+        return None
+    if kind != STEP or len(payload) != payload_size(header):
+        raise ValueError(f"a step header {header.tolist()} that does not match its {len(payload)} values")
+    values = payload.tolist()
+    at = n_ids
+    ids, shape = values[:at], values[at:at + 3 * n_runs]
+    at += 3 * n_runs
+    runs = []
+    for i in range(n_runs):
+        start, end, n = shape[3 * i: 3 * i + 3]
+        runs.append((start, end, values[at:at + n]))
+        at += n
+    copies = [tuple(values[at + 3 * i: at + 3 * i + 3]) for i in range(n_copies)]
+    at += 3 * n_copies
+    keys = None if n_keys < 0 else [tuple(values[at + 2 * i: at + 2 * i + 2]) for i in range(n_keys)]
+    return StepInput(ids, runs, num_decode, copies, keys)
