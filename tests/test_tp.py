@@ -103,6 +103,32 @@ def test_tensor_parallel_matches_one_process(name, checkpoints, two_ranks):
         assert held < resident_bytes(lm.model)
 
 
+@pytest.fixture(scope="module")
+def two_ranks_static(checkpoints, tmp_path_factory):
+    out = tmp_path_factory.mktemp("tp-static") / "tp.json"
+    return run_worker(out, "--graphs", "static", str(out), *map(str, checkpoints.values()))
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3-moe", "gpt-oss", "deepseek"])
+def test_the_static_decode_path_runs_on_every_rank_and_gives_the_same_tokens(name, checkpoints, two_ranks,
+                                                                            two_ranks_static):
+    """cuda_graphs="static" under --tp 2 (what a CUDA graph under NCCL would record, run eagerly over
+    gloo): every rank runs every decode step through the static path, each follower filling its buffers
+    from the step it received, with the same all-reduces in the same order, and the tokens are one
+    process's and the dynamic tensor-parallel path's."""
+    st, dyn = two_ranks_static[str(checkpoints[name])], two_ranks[str(checkpoints[name])]
+    lm = load_model(checkpoints[name], device="cpu", dtype="fp32")
+    one = workload(Engine(lm.model, None, EngineConfig(**CONFIG, cuda_graphs="static")))
+    assert st["graphs"] == "static (eager)" and dyn["static_steps"] == [0, 0]
+    steps = st["static_steps"]
+    assert steps[0] > 0 and steps[1] == steps[0], steps  # the followers took the same static steps
+    assert st["greedy"] == dyn["greedy"] == one["greedy"] and st["forks"] == dyn["forks"] == one["forks"]
+    for a, b in zip(st["greedy_logprobs"], dyn["greedy_logprobs"]):
+        assert a == pytest.approx(b, abs=LOGPROB_TOL)
+    c = st["collectives"]
+    assert c["all_reduce"] == 2 * lm.model.config.num_hidden_layers * c["steps"]
+
+
 def test_four_ranks_one_kv_head_and_one_expert_each(tmp_path):
     """TP 4 on a Qwen3-MoE with 4 KV heads and 4 experts: each rank holds one of each."""
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM

@@ -135,24 +135,44 @@ def counting(engine):
         engine.runner.execute, dist.all_reduce = execute, all_reduce
 
 
-def main(out: str, paths: list[str], device: str = "cpu") -> None:
+def static_steps(engine) -> list[int]:
+    """A box counting the steps this rank runs through the static decode path (stays [0] without it)."""
+    box, static = [0], engine.runner.static
+    if static is not None:
+        run = static.run
+
+        def counted(step, shape):
+            box[0] += 1
+            return run(step, shape)
+
+        static.run = counted
+    return box
+
+
+def main(out: str, paths: list[str], device: str = "cpu", graphs: str = "auto") -> None:
     """`device` "cuda": every rank on the one GPU there is, over gloo (SVRMAD_DIST_BACKEND=gloo, set by
-    the test), in fp32: the packed kernels and the split shapes on the device, without several GPUs."""
+    the test), in fp32: the packed kernels and the split shapes on the device, without several GPUs.
+    `graphs`: the engine's cuda_graphs ("static": the static decode path on every rank)."""
     dist.init_process_group("gloo")
     results = {}
     for path in paths:
         lm = load_model(path, device=device, dtype="fp32", tp=True)
         sizes = [None] * dist.get_world_size()
         dist.all_gather_object(sizes, resident_bytes(lm.model))
-        engine = Engine(lm.model, None, EngineConfig(**CONFIG))
+        engine = Engine(lm.model, None, EngineConfig(**CONFIG, cuda_graphs=graphs))
+        static = static_steps(engine)
         if dist.get_rank() == 0:
             with counting(engine) as count:
                 done = workload(engine)
             results[path] = {**done, "world": dist.get_world_size(), "resident": sizes, "decoder": engine.info["decoder"],
-                             "kv_shape_here": list(engine.spec.layers[0].k_shape), "collectives": count}
+                             "kv_shape_here": list(engine.spec.layers[0].k_shape), "collectives": count,
+                             "graphs": engine.info["cuda_graphs"]}
             engine.close()
         else:
             engine.follow()
+        per_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, static[0])
+        results.setdefault(path, {})["static_steps"] = per_rank
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(results, f)
@@ -166,5 +186,7 @@ if __name__ == "__main__":
         replicas(sys.argv[2], int(sys.argv[3]), sys.argv[4])
     elif sys.argv[1] == "--device":
         main(sys.argv[3], sys.argv[4:], device=sys.argv[2])
+    elif sys.argv[1] == "--graphs":
+        main(sys.argv[3], sys.argv[4:], graphs=sys.argv[2])
     else:
         main(sys.argv[1], sys.argv[2:])

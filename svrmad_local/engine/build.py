@@ -80,7 +80,7 @@ def build(eng, model, cfg: EngineConfig) -> None:
     free = {d: available_memory(d) for d in dict.fromkeys(devices)}
     profiling = any(measurable(d) for d in devices) and (cfg.kv_cache_memory is None
                                                           or fraction(cfg.kv_cache_memory) is not None)
-    measure_graphs = cfg.cuda_graphs in ("auto", "on") and graphs.can_capture(devices[0]) and not eng.sharded
+    measure_graphs = cfg.cuda_graphs in ("auto", "on") and graphs.can_capture(devices[0])
     tokens, context = profile_shape(cfg, eng.max_model_len, model if paths.mla_absorbed else None, spec.dtype)
     provisional = 0
     if profiling or measure_graphs:
@@ -104,13 +104,19 @@ def build(eng, model, cfg: EngineConfig) -> None:
     eng.graph_reserve = 0  # bytes of the KV budget kept for the decode graphs
     unaffordable = None
     if measure_graphs:
-        if graphs.why_off(cfg.cuda_graphs, eng.runner, eng.sharded) is None:
+        if graphs.why_off(cfg.cuda_graphs, eng.runner, eng.tp_group) is None:
             eng.graph_reserve = graphs.graph_memory(eng.runner, cfg.max_num_seqs, max_blocks(eng, num_blocks))
-        if pool.blocks({devices[0]: eng.graph_reserve}) < 3:
-            unaffordable = (f"the decode graphs take {eng.graph_reserve} bytes, leaving less than 3 KV blocks of "
-                            f"kv_cache_memory={cfg.kv_cache_memory!r}")
+        short = pool.blocks({devices[0]: eng.graph_reserve}) < 3
+        unaffordable = (f"the decode graphs take {eng.graph_reserve} bytes, leaving less than 3 KV blocks of "
+                        f"kv_cache_memory={cfg.kv_cache_memory!r}") if short else None
+        # every rank keeps the graphs or none (their captures' warm-up steps meet in collectives)
+        if eng.sharded and tp.ranks_where([short], devices[0], eng.tp_group)[0] and not short:
+            short, unaffordable = True, "the decode graphs leave less than 3 KV blocks on another tensor-parallel rank"
+        if short:
             eng.graph_reserve = 0
         num_blocks = min(num_blocks, pool.blocks({devices[0]: eng.graph_reserve}))
+        if eng.sharded:  # the ranks' graphs may take different memory: the smallest cache again
+            num_blocks = tp.agree_on_blocks(num_blocks, devices[0], eng.tp_group)
     # the provisional cache's memory goes back before the real one is made
     eng.cache = eng.runner.cache = None
     empty_cache(devices)
@@ -186,7 +192,7 @@ def static_decode(eng, cfg: EngineConfig, num_blocks: int, why: str | None = Non
     """engine/graphs.py's StaticDecode where cfg.cuda_graphs and the machine allow it (and `why` gives
     no reason against), and the record's graphs choice ("on", "static (eager)" or "off", and why); off
     under "auto" on a CUDA device is a fallback."""
-    why = graphs.why_off(cfg.cuda_graphs, eng.runner, eng.sharded) or why
+    why = graphs.why_off(cfg.cuda_graphs, eng.runner, eng.tp_group) or why
     if why is None and num_blocks < 3:
         why = f"the KV budget holds {num_blocks} blocks: none to spare for the padding rows' scratch block"
     static = None

@@ -47,6 +47,31 @@ def agree_on_blocks(num_blocks: int, device: torch.device, group: Group) -> int:
     return int(t.item())
 
 
+def ranks_where(flags: list[bool], device: torch.device, group: Group) -> list[list[int]]:
+    """Per flag, the group ranks (indices in the group) where it holds, in one collective: every rank
+    learns each one's, so all take the same decision (capture a graph or not) and their collectives keep
+    pairing up."""
+    t = torch.zeros(len(flags), group.size, dtype=torch.long, device=_cpu_or(device, group))
+    t[:, group.rank] = torch.tensor([int(bool(f)) for f in flags], dtype=torch.long)
+    dist.all_reduce(t, group=group.pg)
+    return [[r for r, f in enumerate(row) if f] for row in t.tolist()]
+
+
+def graphs_record_collectives(group: Group) -> bool:
+    """Whether a CUDA graph can record this group's all-reduce: NCCL's kernels run on the device and are
+    captured with the step (NCCL 2.9 and later); gloo's go through the host."""
+    return dist.get_backend(group.pg) == "nccl"
+
+
+def ready_for_capture(device: torch.device, group: Group) -> None:
+    """Before the first capture: NCCL makes a group's communicator at its first collective, which a
+    graph cannot record, so one all-reduce on the device first, then the device synchronised (vLLM and
+    SGLang do the same before theirs)."""
+    all_reduce(torch.zeros(1, device=_cpu_or(device, group)), group)
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def all_reduce(t: torch.Tensor, group: Group) -> torch.Tensor:
     """Sums `t` over the group, in place: the row-parallel end of an attention or MLP block (our decoder
     calls it after o_proj and after the MLP; the modules' path hooks the same call, models/shard.py)."""
