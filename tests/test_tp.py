@@ -129,6 +129,27 @@ def test_the_static_decode_path_runs_on_every_rank_and_gives_the_same_tokens(nam
     assert c["all_reduce"] == 2 * lm.model.config.num_hidden_layers * c["steps"]
 
 
+def test_graphs_under_tensor_parallel_are_captured_on_every_rank_or_on_none(checkpoints, tmp_path):
+    """The capture path under --tp on the CPU, with tests/test_graphs.py's stand-in graph API and the
+    group taken as NCCL's: every shape is captured at start-up on both ranks, except those whose capture
+    failed on one rank (rank 1's at 4 rows), which run eagerly on both; every rank replays the same
+    steps and the tokens are one process's."""
+    out = tmp_path / "stand-in"
+    run_worker(out, "--stand-in", str(out), str(checkpoints["llama"]))
+    ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(2)]
+    lead, follower = ranks
+    assert lead["graphs"] == follower["graphs"] and lead["graphs"] and all(p != 4 for p, _ in lead["graphs"])
+    assert [f[:2] for f in lead["failed"]] == [f[:2] for f in follower["failed"]] != []
+    assert all(p == 4 for p, _, _ in lead["failed"])
+    assert all(why == "its capture failed on tensor-parallel rank 1" for _, _, why in lead["failed"])
+    assert all(why == "RuntimeError: injected" for _, _, why in follower["failed"])
+    assert lead["replays"] == follower["replays"] > 0
+    one = workload(Engine(load_model(checkpoints["llama"], device="cpu", dtype="fp32").model, None,
+                          EngineConfig(**CONFIG)))
+    assert lead["greedy"] == one["greedy"] and lead["forks"] == one["forks"]
+    assert lead["info"].startswith(f"on ({len(lead['graphs'])} shapes captured, {lead['replays']} steps replayed; ")
+
+
 def test_four_ranks_one_kv_head_and_one_expert_each(tmp_path):
     """TP 4 on a Qwen3-MoE with 4 KV heads and 4 experts: each rank holds one of each."""
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM

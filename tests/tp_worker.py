@@ -179,6 +179,35 @@ def main(out: str, paths: list[str], device: str = "cpu", graphs: str = "auto") 
     svrmad_dist.shutdown()
 
 
+def stand_in_capture(out: str, path: str) -> None:
+    """Graphs captured under --tp, with the stand-in graph API of tests/test_graphs.py (a capture runs the
+    step, a replay recomputes it) and the group taken as one whose all-reduce a graph records (NCCL's):
+    rank 1's captures at 4 rows fail, rank 0's all succeed. Each rank writes its shapes, failures and
+    replays; the leader also the workload's tokens."""
+    from pytest import MonkeyPatch
+
+    from svrmad_local.engine import tp
+    from tests.test_graphs import StandIn
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    with MonkeyPatch.context() as mp:
+        StandIn(mp, fail=lambda P, W: RuntimeError("injected") if rank == 1 and P == 4 else None)
+        mp.setattr(tp, "graphs_record_collectives", lambda group: True)
+        engine = Engine(load_model(path, device="cpu", dtype="fp32", tp=True).model, None,
+                        EngineConfig(**CONFIG, max_num_seqs=8))
+        static, done = engine.runner.static, {}
+        if rank == 0:
+            done = workload(engine)
+            engine.close()
+        else:
+            engine.follow()
+    got = {**done, "graphs": sorted(static.graphs), "failed": sorted([*s, why] for s, why in static.failed.items()),
+           "replays": static.replays, "info": engine.info["cuda_graphs"] if rank == 0 else None}
+    Path(f"{out}.{rank}").write_text(json.dumps(got))
+    svrmad_dist.shutdown()
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "--follower-quits":
         follower_quits(sys.argv[2], sys.argv[3])
@@ -186,6 +215,8 @@ if __name__ == "__main__":
         replicas(sys.argv[2], int(sys.argv[3]), sys.argv[4])
     elif sys.argv[1] == "--device":
         main(sys.argv[3], sys.argv[4:], device=sys.argv[2])
+    elif sys.argv[1] == "--stand-in":
+        stand_in_capture(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "--graphs":
         main(sys.argv[3], sys.argv[4:], graphs=sys.argv[2])
     else:
