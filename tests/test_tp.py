@@ -233,7 +233,7 @@ def random_step(rng: random.Random):
     ids, runs = [], []
     for i in range(n_runs):
         end = rng.choice([1, rng.randint(1, 64), rng.randint(1, 40_000)])
-        start = end - 1 if i < num_decode else rng.randint(0, end - 1)
+        start = end - 1 if i < num_decode else max(0, end - rng.randint(1, 600))  # a prefill chunk
         ids += [rng.randrange(2**17) for _ in range(end - start)]
         runs.append((start, end, [rng.randrange(2**40) for _ in range(-(-end // rng.choice([1, 4, 16])))]))
     copies = [tuple(rng.randrange(2**31) for _ in range(3)) for _ in range(rng.choice([0, 0, 1, rng.randint(2, 9)]))]

@@ -32,6 +32,11 @@ the same step eagerly; the graphs already made are kept. Mixed steps (a prefill 
 decodes), steps larger than the largest size and contexts wider than the widest table run the dynamic
 path.
 
+Under tensor parallel (engine/tp.py) every rank runs the same static steps, the followers from the
+steps the leader sends, and captures the same graphs with NCCL's all-reduces inside them (over gloo
+they go through the host: no graphs); the ranks agree on every decision that would otherwise leave one
+waiting in a collective the others never make.
+
 A Triton kernel that fails while a graph is captured raises (kernels._backend.fall_back) instead of
 falling back to its torch reference: the fallback would be recorded into the graph and the kernel turned
 off for every later eager step.
@@ -364,9 +369,8 @@ class StaticDecode:
                         len(self.failed), len(self.failed) + len(self.graphs), P, W, why)
 
     def _agree_on_failures(self, shapes) -> None:
-        """Under tensor parallel, a shape whose capture failed on any rank runs eagerly on every rank (a
-        replay on one rank against eager steps on another would still pair their all-reduces, but the
-        ranks' records would differ): its graph, where made, is dropped."""
+        """Under tensor parallel, a shape whose capture failed on any rank runs eagerly on every rank, so
+        that every rank runs every step the same way (and says so alike): its graph, where made, is dropped."""
         failed = tp.ranks_where([s in self.failed for s in shapes], self.runner.device, self.group)
         for (P, W), ranks in zip(shapes, failed):
             if ranks and (P, W) not in self.failed:

@@ -7,7 +7,9 @@ the rank's heads, columns or expert slices): two per decoder layer.
 
 The group's first rank (its leader) runs the engine as usual: the controllers, the scheduler,
 sampling. Each step it broadcasts the step's plain numbers (`runner.StepInput`: token ids, positions,
-block tables, cache copies) and the other ranks run the same forward on their shard. Block tables are
+block tables, cache copies) as two int64 tensors (`pack`), and the other ranks run the same forward on
+their shard, through the static decode path where the leader's takes it (engine/graphs.py: every rank
+captures the same graphs, NCCL's all-reduces inside, or none). Block tables are
 identical on all ranks because only the leader decides them; each rank's paged cache holds its own KV
 heads (the spec probe sees the local head count). Embeddings and the LM head are whole on every rank,
 so sampling and the token statistics need no collective and the tokens come from the leader alone.
