@@ -125,7 +125,7 @@ def main() -> int:
         for k in r["ranks"]:
             per = {name: 1e3 * s / max(1, k["steps"]) for name, s in k["seconds"].items()}
             print(f"  rank {k['rank']}: {per['all_reduce']:.2f} ms a step in {k['calls']['all_reduce']} all-reduces, "
-                  f"{per['broadcast']:.2f} ms in {k['calls']['broadcast']} step broadcasts")
+                  f"{per['broadcast']:.2f} ms in {k['calls']['broadcast']} broadcasts (a step's header and payload)")
         results.append({**r, "step_ms": step_ms})
     print(json.dumps({"bench": "tp", "results": results}))
     return 0
