@@ -5,9 +5,10 @@ through `broadcast_object_list` (what engine/tp.py did) against the two int64 te
     python benchmarks/bench_step_broadcast.py [--batch 1,8,32] [--context 1024,16384] [--steps 200]
 
 Each step is a decode step of B sequences at the given context in 16-token blocks, with keys, no
-copies; the int64 tensors are larger than the pickle, which writes small ints in 1-3 bytes. Per (B, context): bytes the follower receives a step, and microseconds a step from the
-leader's send to the follower's StepInput (the mean over --steps, the two processes in lock step: each
-step ends with a barrier-like reply). Last line: one JSON object.
+copies; the int64 tensors are larger than the pickle, which writes small ints in 1-3 bytes. Per
+(B, context): bytes the follower receives a step, and microseconds a step from the leader's send to the
+follower's StepInput (the mean over --steps, the two processes in lock step: each step ends with a
+4-byte reply from the follower, in both columns alike). Last line: one JSON object.
 """
 
 from __future__ import annotations
@@ -94,8 +95,8 @@ def main() -> None:
     mp.spawn(worker, (args, args.port, str(out)), nprocs=2)
     rows = json.loads(out.read_text())
     out.unlink()
-    # the echo broadcast of 4 bytes is in both columns alike
-    print(f"{'batch':>5} {'context':>8} {'pickle B':>10} {'tensor B':>10} {'pickle us':>10} {'tensor us':>10} {'ratio':>6}")
+    heads = ("batch", "context", "pickle B", "tensor B", "pickle us", "tensor us", "ratio")
+    print(" ".join(f"{h:>{w}}" for h, w in zip(heads, (5, 8, 10, 10, 10, 10, 6))))
     for r in rows:
         print(f"{r['batch']:>5} {r['context']:>8} {r['pickle_bytes']:>10} {r['tensor_bytes']:>10} "
               f"{r['pickle_us']:>10.1f} {r['tensor_us']:>10.1f} {r['pickle_us'] / r['tensor_us']:>6.2f}")
