@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
 class Clock:
-    """Seconds spent in torch.distributed.all_reduce and broadcast_object_list (patched in place:
+    """Seconds spent in torch.distributed.all_reduce and broadcast (patched in place:
     engine/tp.py looks them up on the module at each call)."""
 
     def __init__(self):
@@ -39,7 +39,7 @@ class Clock:
 
         self.seconds = {"all_reduce": 0.0, "broadcast": 0.0}
         self.calls = {"all_reduce": 0, "broadcast": 0}
-        for name, key in (("all_reduce", "all_reduce"), ("broadcast_object_list", "broadcast")):
+        for name, key in (("all_reduce", "all_reduce"), ("broadcast", "broadcast")):
             setattr(dist, name, self._timed(getattr(dist, name), key))
 
     def _timed(self, fn, key):
@@ -125,7 +125,7 @@ def main() -> int:
         for k in r["ranks"]:
             per = {name: 1e3 * s / max(1, k["steps"]) for name, s in k["seconds"].items()}
             print(f"  rank {k['rank']}: {per['all_reduce']:.2f} ms a step in {k['calls']['all_reduce']} all-reduces, "
-                  f"{per['broadcast']:.2f} ms in {k['calls']['broadcast']} step broadcasts")
+                  f"{per['broadcast']:.2f} ms in {k['calls']['broadcast']} broadcasts (a step's header and payload)")
         results.append({**r, "step_ms": step_ms})
     print(json.dumps({"bench": "tp", "results": results}))
     return 0

@@ -347,3 +347,49 @@ def test_tensor_parallel_on_one_gpu_matches_one_process(tmp_path):
         for a, b in zip(tp["greedy_logprobs"], one["greedy_logprobs"]):
             assert a == pytest.approx(b, abs=1e-4), name
         assert tp["score"] == pytest.approx(one["score"], abs=1e-4), name
+
+
+def test_a_one_rank_nccl_group_captures_the_decode_graph_with_its_all_reduce_inside(monkeypatch):
+    """Graphs under --tp on a GPU: a world-size-1 NCCL group taken as a tensor-parallel group (the engine's
+    size check waived), so our decoder calls its two all-reduces a layer. Every decode shape is captured
+    at start-up with them inside: replayed steps call no all-reduce from the host, the steps that run
+    eagerly call 2 a layer, and the tokens are a cache-free loop's."""
+    import torch.distributed as dist
+
+    from svrmad_local.engine import tp
+
+    if not dist.is_nccl_available():
+        pytest.skip("torch was built without NCCL")
+    made = not dist.is_initialized()
+    if made:
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = make_zoo_model("llama").to(CUDA)
+        model.svrmad_tp = tp.Group((0,), 0, dist.group.WORLD)
+        monkeypatch.setattr(tp, "group_of", lambda m: getattr(m, "svrmad_tp", None))
+        eng = Engine(model, None, EngineConfig(kv_cache_memory=64 * 2**20, block_size=4, max_num_seqs=4))
+        static = eng.runner.static
+        assert eng.sharded and static is not None and static.capture, eng.info["cuda_graphs"]
+        assert static.failed == {} and set(static.graphs) == set(static.shapes), eng.info["cuda_graphs"]
+        counts = {"all_reduce": 0, "steps": 0}
+        all_reduce, execute = dist.all_reduce, eng.runner.execute
+
+        def counted_reduce(*a, **k):
+            counts["all_reduce"] += 1
+            return all_reduce(*a, **k)
+
+        def counted_step(step):
+            counts["steps"] += 1
+            return execute(step)
+
+        monkeypatch.setattr(dist, "all_reduce", counted_reduce)
+        eng.runner.execute = counted_step
+        prompts = [rand_prompt(2 * WINDOW + 5 + i, 300 + i) for i in range(3)]
+        got = eng.generate_sync(prompts, GREEDY)
+        assert [o.completions[0].token_ids for o in got] == [loop_greedy(model, p, NEW) for p in prompts]
+        layers = model.config.num_hidden_layers
+        assert static.replays > 0 and counts["all_reduce"] == 2 * layers * (counts["steps"] - static.replays)
+        eng.close()
+    finally:
+        if made:
+            dist.destroy_process_group()

@@ -16,7 +16,8 @@ import re
 import pytest
 import torch
 
-from svrmad_local.engine import graphs
+from svrmad_local.engine import graphs, tp
+from svrmad_local.engine.tp import Group
 from svrmad_local.engine.engine import Engine, EngineConfig
 from svrmad_local.engine.params import SamplingParams
 from svrmad_local.engine.sampler import sample
@@ -246,10 +247,27 @@ def test_modes_and_refusals(zoo):
         engine(model, cuda_graphs="static", cascade="on")
     eng = engine(model, cuda_graphs="static")
     r = eng.runner
-    assert graphs.why_off("auto", r.device, r.paths, r.spec, [t.device for t in r.cache.k], sharded=True).startswith("tensor parallel")
+    assert graphs.why_off("static", r.device, r.paths, r.spec, [t.device for t in r.cache.k], Group((0, 1), 0)) is None  # the static path runs under --tp
     if eng.spec.has_latent:
         with pytest.raises(ValueError, match="mla='expanded'"):
             engine(model, cuda_graphs="static", mla="expanded")
+
+
+def test_graphs_under_tensor_parallel_need_collectives_a_graph_records(monkeypatch):
+    """On a CUDA device, graphs under --tp need NCCL (its all-reduce runs on the device and is captured);
+    over gloo (SVRMAD_DIST_BACKEND=gloo) the all-reduces go through the host: graphs off, saying so,
+    while the static path still runs."""
+    eng = engine(make_zoo_model("llama"), cuda_graphs="static")
+    monkeypatch.setattr(graphs, "can_capture", lambda device: True)
+    group = Group((0, 1), 0)
+    r = eng.runner
+    where = (r.device, r.paths, r.spec, [t.device for t in r.cache.k])
+    for backend, why in (("gloo", "tensor parallel over gloo: its all-reduces go through the host"), ("nccl", None)):
+        monkeypatch.setattr(tp, "graphs_record_collectives", lambda g, _b=backend: _b == "nccl")
+        got = graphs.why_off("auto", *where, group)
+        assert (got is None) if why is None else got.startswith(why), (backend, got)
+        assert graphs.why_off("static", *where, group) is None
+    assert graphs.why_off("auto", *where, None) is None
 
 
 def test_the_scratch_block_is_never_handed_out():

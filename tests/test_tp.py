@@ -10,17 +10,21 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from svrmad_local import cli
 from svrmad_local.debate.trace import read_jsonl
 from svrmad_local.job.launch import Dist
 from svrmad_local.engine.engine import Engine, EngineConfig
+from svrmad_local.engine.runner import StepInput
+from svrmad_local.engine.tp import HEADER, pack, unpack
 from svrmad_local.models.loader import load_model
 from svrmad_local.models.plan import make_plan
 from svrmad_local.models.quant.formats import Reader
@@ -99,9 +103,55 @@ def test_tensor_parallel_matches_one_process(name, checkpoints, two_ranks):
         assert held < resident_bytes(lm.model)
 
 
+@pytest.fixture(scope="module")
+def two_ranks_static(checkpoints, tmp_path_factory):
+    out = tmp_path_factory.mktemp("tp-static") / "tp.json"
+    return run_worker(out, "--graphs", "static", str(out), *map(str, checkpoints.values()))
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3-moe", "gpt-oss", "deepseek"])
+def test_the_static_decode_path_runs_on_every_rank_and_gives_the_same_tokens(name, checkpoints, two_ranks,
+                                                                            two_ranks_static):
+    """cuda_graphs="static" under --tp 2 (what a CUDA graph under NCCL would record, run eagerly over
+    gloo): every rank runs every decode step through the static path, each follower filling its buffers
+    from the step it received, with the same all-reduces in the same order, and the tokens are one
+    process's and the dynamic tensor-parallel path's."""
+    st, dyn = two_ranks_static[str(checkpoints[name])], two_ranks[str(checkpoints[name])]
+    lm = load_model(checkpoints[name], device="cpu", dtype="fp32")
+    one = workload(Engine(lm.model, None, EngineConfig(**CONFIG, cuda_graphs="static")))
+    assert st["graphs"] == "static (eager)" and dyn["static_steps"] == [0, 0]
+    steps = st["static_steps"]
+    assert steps[0] > 0 and steps[1] == steps[0], steps  # the followers took the same static steps
+    assert st["greedy"] == dyn["greedy"] == one["greedy"] and st["forks"] == dyn["forks"] == one["forks"]
+    for a, b in zip(st["greedy_logprobs"], dyn["greedy_logprobs"]):
+        assert a == pytest.approx(b, abs=LOGPROB_TOL)
+    c = st["collectives"]
+    assert c["all_reduce"] == 2 * lm.model.config.num_hidden_layers * c["steps"]
+
+
+def test_graphs_under_tensor_parallel_are_captured_on_every_rank_or_on_none(checkpoints, tmp_path):
+    """The capture path under --tp on the CPU, with tests/test_graphs.py's stand-in graph API and the
+    group taken as NCCL's: every shape is captured at start-up on both ranks, except those whose capture
+    failed on one rank (rank 1's at 4 rows), which run eagerly on both; every rank replays the same
+    steps and the tokens are one process's."""
+    out = tmp_path / "stand-in"
+    run_worker(out, "--stand-in", str(out), str(checkpoints["llama"]))
+    ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(2)]
+    lead, follower = ranks
+    assert lead["graphs"] == follower["graphs"] and lead["graphs"] and all(p != 4 for p, _ in lead["graphs"])
+    assert [f[:2] for f in lead["failed"]] == [f[:2] for f in follower["failed"]] != []
+    assert all(p == 4 for p, _, _ in lead["failed"])
+    assert all(why == "its capture failed on tensor-parallel rank 1" for _, _, why in lead["failed"])
+    assert all(why == "RuntimeError: injected" for _, _, why in follower["failed"])
+    assert lead["replays"] == follower["replays"] > 0
+    one = workload(Engine(load_model(checkpoints["llama"], device="cpu", dtype="fp32").model, None,
+                          EngineConfig(**CONFIG)))
+    assert lead["greedy"] == one["greedy"] and lead["forks"] == one["forks"]
+    assert lead["info"].startswith(f"on ({len(lead['graphs'])} shapes captured, {lead['replays']} steps replayed; ")
+
+
 def test_four_ranks_one_kv_head_and_one_expert_each(tmp_path):
     """TP 4 on a Qwen3-MoE with 4 KV heads and 4 experts: each rank holds one of each."""
-    import torch
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
     torch.manual_seed(0)
@@ -138,20 +188,28 @@ def test_the_leader_stops_with_one_line_when_a_follower_is_gone(checkpoints, tmp
     assert got["gloo_threads"] > 0 and got["gloo_threads_left"] == 0
 
 
-@pytest.mark.parametrize("lose", [False, True])
+@pytest.mark.parametrize("lose", ["none", "follower", "leader"])
 def test_replicas_end_their_process_groups_before_the_interpreter_exits(tmp_path, lose):
     """4 processes, 2 replicas of TP 2: one replica works while the other has ended (its exit came early
     in a run, where a replica's leader once aborted inside gloo: "terminate called without an active
-    exception"); with `lose`, the working replica's follower quits. Every rank ends with no thread of
-    gloo's left, so the interpreter's exit has none to race with, and the launch exits 0."""
+    exception"); with `lose`, the working replica's follower (or its leader, mid-run) quits. Every rank
+    ends with no thread of gloo's left, so the interpreter's exit has none to race with, and the launch
+    exits 0; the rank left waiting says so in one line."""
     out = tmp_path / "replicas"
-    run_worker(out, "--replicas", str(out), "40", "lose" if lose else "keep", nproc=4)
+    run_worker(out, "--replicas", str(out), "40", lose, nproc=4)
     ranks = {r: json.loads(Path(f"{out}.{r}").read_text()) for r in range(4) if Path(f"{out}.{r}").exists()}
-    assert sorted(ranks) == ([0, 2, 3] if lose else [0, 1, 2, 3])
+    gone = {"none": [], "follower": [1], "leader": [0]}[lose]
+    assert sorted(ranks) == [r for r in range(4) if r not in gone]
     for got in ranks.values():
         assert got["gloo_threads"] > 0 and got["gloo_threads_left"] == 0 and not got["pg_left"], got
-    said = ranks[0]["said"]
-    assert (said is not None and said.startswith("rank 0 (tensor-parallel group [0, 1]):")) if lose else said is None
+    said = {r: got["said"] for r, got in ranks.items() if got["said"] is not None}
+    if lose == "none":
+        assert not said
+    elif lose == "follower":
+        assert list(said) == [0] and said[0].startswith("rank 0 (tensor-parallel group [0, 1]): a rank of the ")
+    else:  # the follower waits on the leader's next step header
+        assert list(said) == [1] and said[1].startswith("rank 1 (tensor-parallel group [0, 1]): its leader (rank 0) "
+                                                        "stopped sending steps (") and "\n" not in said[1]
 
 
 def test_replicas_of_tp_groups_start_and_end_again_and_again(tiny):
@@ -165,6 +223,39 @@ def test_replicas_of_tp_groups_start_and_end_again_and_again(tiny):
                                 "--tp", "2", *RUN, nproc=4))
         assert "terminate called" not in printed and "Traceback" not in printed, printed[-3000:]
         assert outcome(out) == outcome(root / "single")
+
+
+def random_step(rng: random.Random):
+    """A StepInput as the runner makes one, at random sizes: decode runs (one new token) then prefill runs,
+    block lists covering each run's context (up to thousands of blocks), copies (often none), keys or None."""
+    n_runs = rng.choice([0, 1, 2, rng.randint(3, 70)])
+    num_decode = rng.randint(0, n_runs)
+    ids, runs = [], []
+    for i in range(n_runs):
+        end = rng.choice([1, rng.randint(1, 64), rng.randint(1, 40_000)])
+        start = end - 1 if i < num_decode else max(0, end - rng.randint(1, 600))  # a prefill chunk
+        ids += [rng.randrange(2**17) for _ in range(end - start)]
+        runs.append((start, end, [rng.randrange(2**40) for _ in range(-(-end // rng.choice([1, 4, 16])))]))
+    copies = [tuple(rng.randrange(2**31) for _ in range(3)) for _ in range(rng.choice([0, 0, 1, rng.randint(2, 9)]))]
+    keys = None if rng.random() < 0.2 else [(rng.randrange(2**62), rng.randrange(2**20)) for _ in range(n_runs)]
+    return StepInput(ids, runs, num_decode, copies, keys)
+
+
+def test_a_step_crosses_the_wire_as_two_int64_tensors_and_comes_back_equal():
+    """What the leader broadcasts each step (engine/tp.pack): a fixed header and one int64 payload, for
+    steps of no runs, many runs, long block tables, no copies, keys or none; the stop (None) is a header
+    alone. A header that does not match its payload is refused, not read."""
+    rng = random.Random(0)
+    steps = [None, StepInput([], [], 0, []), StepInput([5], [(0, 1, [7])], 1, [(1, 2, 3)], None)]
+    steps += [random_step(rng) for _ in range(300)]
+    for step in steps:
+        header, payload = pack(step)
+        assert header.shape == (HEADER,) and header.dtype == payload.dtype == torch.long and payload.dim() == 1
+        assert unpack(header, payload) == step
+    assert pack(None)[1].numel() == 0
+    header, payload = pack(steps[2])
+    with pytest.raises(ValueError, match="does not match its 7 values"):
+        unpack(header, payload[:-1])
 
 
 def test_world_size_not_a_multiple_of_tp_is_refused():
@@ -235,7 +326,6 @@ def test_plan_and_engine_agree_on_the_shipped_configs(name):
     """At the real shapes (meta tensors, nothing allocated): for each --tp, the plan refuses exactly
     what the loader refuses, and otherwise the bytes the loader gives the first and the last rank are
     the plan's weight bytes per GPU (within 1%: FP8 scale grids of split weights round per rank)."""
-    import torch
     from transformers import AutoConfig
 
     from svrmad_local.engine.tp import Group
@@ -273,7 +363,6 @@ def test_a_split_the_plan_cannot_make_is_refused_in_one_line_by_loader_and_plan(
     """The published tiny DeepSeek layout (dense MLP 100 rows, experts' 40: ragged 16x16 blocks) at
     --tp 2, and 3 experts over 2 ranks: the loader refuses before reading a weight or meeting a
     collective, and `svrmad plan` refuses the same --tp."""
-    import torch
     from transformers import AutoConfig
 
     from svrmad_local.engine.tp import Group

@@ -77,12 +77,14 @@ def follower_quits(out: str, path: str) -> None:
         json.dump({"said": said, "gloo_threads_left": len(gloo & tasks()), "gloo_threads": len(gloo)}, f)
 
 
-def replicas(out: str, steps: int, lose: bool) -> None:
+def replicas(out: str, steps: int, lose: str) -> None:
     """Replicas of TP-2 groups made as `svrmad run --tp 2` makes them (svrmad_local/job/launch.py): the first replica's
     leader sends `steps` steps (each with an all-reduce, as a forward has), the other replica none, so it
-    ends while the first still works; with `lose`, the first replica's follower quits after 3 steps.
+    ends while the first still works; `lose` "follower" (or "leader"): the first replica's follower (its
+    leader) quits after 3 steps.
     Each rank ends with Dist.close() and writes how many gloo threads are left."""
     from svrmad_local.dist import GroupLost
+    from svrmad_local.engine.runner import StepInput
     from svrmad_local.job.launch import Dist
     from svrmad_local.engine.tp import StepChannel
 
@@ -94,7 +96,9 @@ def replicas(out: str, steps: int, lose: bool) -> None:
     try:
         if group.rank == 0:
             for i in range(steps if view.rank == 0 else 0):
-                channel.send({"step": i, "ids": list(range(64))})
+                if lose == "leader" and i == 3:
+                    os._exit(0)
+                channel.send(StepInput(list(range(64)), [(0, 64, list(range(16)))], 0, [], [(i, 0)]))
                 dist.all_reduce(torch.ones(256), group=group.pg)
             channel.send(None)
         else:
@@ -102,7 +106,7 @@ def replicas(out: str, steps: int, lose: bool) -> None:
             while channel.recv() is not None:
                 dist.all_reduce(torch.ones(256), group=group.pg)
                 n += 1
-                if lose and view.rank == 0 and n == 3:
+                if lose == "follower" and view.rank == 0 and n == 3:
                     os._exit(0)  # the lost rank (cleanly: torchrun stops nobody)
     except GroupLost as exc:
         said = str(exc)
@@ -132,27 +136,76 @@ def counting(engine):
         engine.runner.execute, dist.all_reduce = execute, all_reduce
 
 
-def main(out: str, paths: list[str], device: str = "cpu") -> None:
+def static_steps(engine) -> list[int]:
+    """A box counting the steps this rank runs through the static decode path (stays [0] without it)."""
+    box, static = [0], engine.runner.static
+    if static is not None:
+        run = static.run
+
+        def counted(step, shape):
+            box[0] += 1
+            return run(step, shape)
+
+        static.run = counted
+    return box
+
+
+def main(out: str, paths: list[str], device: str = "cpu", graphs: str = "auto") -> None:
     """`device` "cuda": every rank on the one GPU there is, over gloo (SVRMAD_DIST_BACKEND=gloo, set by
-    the test), in fp32: the packed kernels and the split shapes on the device, without several GPUs."""
+    the test), in fp32: the packed kernels and the split shapes on the device, without several GPUs.
+    `graphs`: the engine's cuda_graphs ("static": the static decode path on every rank)."""
     dist.init_process_group("gloo")
     results = {}
     for path in paths:
         lm = load_model(path, device=device, dtype="fp32", tp=True)
         sizes = [None] * dist.get_world_size()
         dist.all_gather_object(sizes, resident_bytes(lm.model))
-        engine = Engine(lm.model, None, EngineConfig(**CONFIG))
+        engine = Engine(lm.model, None, EngineConfig(**CONFIG, cuda_graphs=graphs))
+        static = static_steps(engine)
         if dist.get_rank() == 0:
             with counting(engine) as count:
                 done = workload(engine)
             results[path] = {**done, "world": dist.get_world_size(), "resident": sizes, "decoder": engine.info["decoder"],
-                             "kv_shape_here": list(engine.spec.layers[0].k_shape), "collectives": count}
+                             "kv_shape_here": list(engine.spec.layers[0].k_shape), "collectives": count,
+                             "graphs": engine.info["cuda_graphs"]}
             engine.close()
         else:
             engine.follow()
+        per_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, static[0])
+        results.setdefault(path, {})["static_steps"] = per_rank
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(results, f)
+    svrmad_dist.shutdown()
+
+
+def stand_in_capture(out: str, path: str) -> None:
+    """Graphs captured under --tp, with the stand-in graph API of tests/test_graphs.py (a capture runs the
+    step, a replay recomputes it) and the group taken as one whose all-reduce a graph records (NCCL's):
+    rank 1's captures at 4 rows fail, rank 0's all succeed. Each rank writes its shapes, failures and
+    replays; the leader also the workload's tokens."""
+    from pytest import MonkeyPatch
+
+    from svrmad_local.engine import tp
+    from tests.test_graphs import StandIn
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    with MonkeyPatch.context() as mp:
+        StandIn(mp, fail=lambda P, W: RuntimeError("injected") if rank == 1 and P == 4 else None)
+        mp.setattr(tp, "graphs_record_collectives", lambda group: True)
+        engine = Engine(load_model(path, device="cpu", dtype="fp32", tp=True).model, None,
+                        EngineConfig(**CONFIG, max_num_seqs=8))
+        static, done = engine.runner.static, {}
+        if rank == 0:
+            done = workload(engine)
+            engine.close()
+        else:
+            engine.follow()
+    got = {**done, "graphs": sorted(static.graphs), "failed": sorted([*s, why] for s, why in static.failed.items()),
+           "replays": static.replays, "info": engine.info["cuda_graphs"] if rank == 0 else None}
+    Path(f"{out}.{rank}").write_text(json.dumps(got))
     svrmad_dist.shutdown()
 
 
@@ -160,8 +213,12 @@ if __name__ == "__main__":
     if sys.argv[1] == "--follower-quits":
         follower_quits(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "--replicas":
-        replicas(sys.argv[2], int(sys.argv[3]), sys.argv[4] == "lose")
+        replicas(sys.argv[2], int(sys.argv[3]), sys.argv[4])
     elif sys.argv[1] == "--device":
         main(sys.argv[3], sys.argv[4:], device=sys.argv[2])
+    elif sys.argv[1] == "--stand-in":
+        stand_in_capture(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "--graphs":
+        main(sys.argv[3], sys.argv[4:], graphs=sys.argv[2])
     else:
         main(sys.argv[1], sys.argv[2:])

@@ -114,7 +114,7 @@ def build(model, cfg: EngineConfig) -> Built:
     free = {d: available_memory(d) for d in dict.fromkeys(devices)}
     profiling = any(measurable(d) for d in devices) and (cfg.kv_cache_memory is None
                                                           or fraction(cfg.kv_cache_memory) is not None)
-    measure_graphs = cfg.cuda_graphs in ("auto", "on") and graphs.can_capture(devices[0]) and group is None
+    measure_graphs = cfg.cuda_graphs in ("auto", "on") and graphs.can_capture(devices[0])
     tokens, context = profile_shape(cfg, max_model_len, model if paths.mla_absorbed else None, spec.dtype)
     provisional = 0
     if profiling or measure_graphs:
@@ -132,17 +132,24 @@ def build(model, cfg: EngineConfig) -> Built:
     if num_blocks < 2:
         raise ValueError(f"kv_cache_memory={cfg.kv_cache_memory!r} holds {num_blocks} blocks of {block_bytes} bytes "
                          f"({pool.rule}); need at least 2")
-    why_off = graphs.why_off(cfg.cuda_graphs, device, paths, spec, devices, group is not None)
+    why_off = graphs.why_off(cfg.cuda_graphs, device, paths, spec, devices, group)
     graph_reserve, found = 0, []  # bytes of the KV budget kept for the decode graphs; what keeps them off
     if measure_graphs:
         if why_off is None:
             graph_reserve, found = graphs.graph_memory(probe, cfg.max_num_seqs,
-                                                             max_blocks(max_model_len, cfg.block_size, num_blocks))
-        if pool.blocks({devices[0]: graph_reserve}) < 3:
+                                                       max_blocks(max_model_len, cfg.block_size, num_blocks))
+        short = pool.blocks({devices[0]: graph_reserve}) < 3
+        if short:
             why_off = why_off or (f"the decode graphs take {graph_reserve} bytes, leaving less than 3 KV blocks of "
                                   f"kv_cache_memory={cfg.kv_cache_memory!r}")
+        # every rank keeps the graphs or none (their captures' warm-up steps meet in collectives)
+        if group is not None and tp.ranks_where([short], devices[0], group)[0] and not short:
+            short, why_off = True, "the decode graphs leave less than 3 KV blocks on another tensor-parallel rank"
+        if short:
             graph_reserve = 0
         num_blocks = min(num_blocks, pool.blocks({devices[0]: graph_reserve}))
+        if group is not None:  # the ranks' graphs may take different memory: the smallest cache again
+            num_blocks = tp.agree_on_blocks(num_blocks, devices[0], group)
     # the provisional cache's memory goes back before the real one is made
     del probe, cache
     empty_cache(devices)
@@ -151,7 +158,7 @@ def build(model, cfg: EngineConfig) -> Built:
                                               max_blocks(max_model_len, cfg.block_size, num_blocks))
     rank, channel = 0, None
     if group is not None:  # tensor parallel: the group's leader runs the engine, the others follow its steps
-        rank, channel = group.rank, tp.StepChannel(group)
+        rank, channel = group.rank, tp.StepChannel(group, device)
     runner = ModelRunner(model, attached, cache, spec, cfg.block_size, paths, made.decoder, plan,
                          channel if rank == 0 else None)
     if runner.static is not None and runner.static.capture:  # every shape at start-up, before any request

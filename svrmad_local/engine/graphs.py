@@ -32,6 +32,11 @@ the same step eagerly; the graphs already made are kept. Mixed steps (a prefill 
 decodes), steps larger than the largest size and contexts wider than the widest table run the dynamic
 path.
 
+Under tensor parallel (engine/tp.py) every rank runs the same static steps, the followers from the
+steps the leader sends, and captures the same graphs with NCCL's all-reduces inside them (over gloo
+they go through the host: no graphs); the ranks agree on every decision that would otherwise leave one
+waiting in a collective the others never make.
+
 A Triton kernel that fails while a graph is captured raises (kernels._backend.fall_back) instead of
 falling back to its torch reference: the fallback would be recorded into the graph and the kernel turned
 off for every later eager step.
@@ -58,6 +63,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from svrmad_local.kernels._backend import staged
 
+from . import tp
 from .attention import StepContext
 from .kv_cache import BlockTables
 
@@ -262,17 +268,18 @@ def _blocking_upload(name: str, args, kwargs) -> bool:
     return not (non_blocking and src.is_pinned())
 
 
-def why_off(mode: str, device, paths, spec, cache_devices, sharded: bool) -> str | None:
+def why_off(mode: str, device, paths, spec, cache_devices, group=None) -> str | None:
     """Why the static path (mode "static") or graphs ("auto"/"on") cannot run here, or None: for a model
-    whose embedding sits on `device`, attending as `paths` say, its layers' KV on `cache_devices`."""
+    whose embedding sits on `device`, attending as `paths` say, its layers' KV on `cache_devices`. Under
+    tensor parallel (`group`, engine/tp.py) every rank asks with the same settings and gets the same answer."""
     if mode not in MODES:
         raise ValueError(f"cuda_graphs must be one of {', '.join(MODES)}, got {mode!r}")
     if mode == "off":
         return "as asked"
-    if sharded:
-        return "tensor parallel (the ranks' steps meet in collectives the engine sends from the host)"
     if mode != "static" and not can_capture(device):
         return f"{device.type}: CUDA graphs need a CUDA device"
+    if mode != "static" and group is not None and not tp.graphs_record_collectives(group):
+        return "tensor parallel over gloo: its all-reduces go through the host, which a CUDA graph cannot record"
     if paths.cascade:
         return "cascade attention plans its levels on the host every step"
     kinds = {s.kind for s in spec.layers}
@@ -317,9 +324,14 @@ class StaticDecode:
         self.pool = None
         self.pool_bytes = 0  # device memory the captures took (measured around them)
         self.replays = 0
+        self.group = tp.group_of(runner.model)  # tensor parallel: every rank runs every static step
         with torch.inference_mode(), HostSyncCheck() as check:
             self._forward(1, self.widths[0])
         self.found = check.found
+        if self.group is not None:  # all ranks capture, or none: a capture's warm-up step meets in collectives
+            others = [r for r in tp.ranks_where([self.found], dev, self.group)[0] if r != self.group.rank]
+            if others and not self.found:
+                self.found = [f"the probe step of tensor-parallel rank {others[0]} returns to the host"]
 
     @property
     def shapes(self) -> list[tuple[int, int]]:
@@ -356,14 +368,28 @@ class StaticDecode:
         A shape whose capture fails is recorded in `failed` with the reason and runs eagerly; the graphs
         already made are kept, and the others are still tried. `pool_bytes`: what the captures took."""
         before = device_bytes(self.runner.device)
-        for P, W in self.shapes if shapes is None else shapes:
+        shapes = self.shapes if shapes is None else shapes
+        if self.group is not None:
+            tp.ready_for_capture(self.runner.device, self.group)
+        for P, W in shapes:
             self._forward(P, W)
             self._capture(P, W)
+        if self.group is not None:
+            self._agree_on_failures(shapes)
         self.pool_bytes = device_bytes(self.runner.device) - before
         if self.failed:
             (P, W), why = next(iter(self.failed.items()))
             log.warning("svrmad: %d of %d decode shapes not captured (they run eagerly); batch %d, width %d: %s",
                         len(self.failed), len(self.failed) + len(self.graphs), P, W, why)
+
+    def _agree_on_failures(self, shapes) -> None:
+        """Under tensor parallel, a shape whose capture failed on any rank runs eagerly on every rank, so
+        that every rank runs every step the same way (and says so alike): its graph, where made, is dropped."""
+        failed = tp.ranks_where([s in self.failed for s in shapes], self.runner.device, self.group)
+        for (P, W), ranks in zip(shapes, failed):
+            if ranks and (P, W) not in self.failed:
+                del self.graphs[(P, W)]
+                self.failed[(P, W)] = f"its capture failed on tensor-parallel rank {ranks[0]}"
 
     def _load(self, step, P: int, W: int) -> None:
         """Copies the step into the static buffers: ids, positions and slots and lengths from host arrays
