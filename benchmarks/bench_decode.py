@@ -305,11 +305,12 @@ def main() -> int:
         row = {"batch": B, "engine_tok_s": round(tps, 1), "engine_steps": (engine.totals.steps - steps0) // args.repeat,
                "limit_bandwidth_tok_s": round(limit, 1), "fraction_of_limit": round(tps / limit, 3),
                "linears_only_tok_s": round(gemm, 1), "fraction_of_linears_only": round(tps / gemm, 3),
-               "prefill_s": round(t_pre, 3)}
+               "prefill_s": round(t_pre, 3), "threads": (engine.info["threads"] or {}).get("now")}
         rows.append(row)
         print(f"batch {B:3d}: engine {tps:7.1f} tok/s   weight-streaming limit {limit:7.1f} tok/s ({tps / limit:.0%} of it)"
-              f"   the step's matmuls alone {gemm:7.1f} tok/s ({tps / gemm:.0%} of it)")
+              f"   the step's matmuls alone {gemm:7.1f} tok/s ({tps / gemm:.0%} of it)   threads {row['threads']}")
     result = {"dtype": args.dtype, "engine": args.engine or "", "decoder": engine.info["decoder"],
+              "linear": engine.info["linear"], "linear_run": (engine.info.get("linear_calibration") or {}).get("run"),
               "bandwidth_gb_s": round(bw / 1e9, 2), "weight_bytes_per_step": w_bytes,
               "kv_bytes_per_token": kv_tok, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
               "greedy": args.greedy, "rows": rows}

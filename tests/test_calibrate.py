@@ -3,6 +3,7 @@ timings, the per-machine cache, the record in engine.info. No test times anythin
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 
@@ -28,14 +29,17 @@ PER_CALL = {"panels": lambda k, n, m: 1.0 + 0.010 * m, "onednn": lambda k, n, m:
 
 
 class FakeTimer:
-    """`time_shape`'s interface, answering PER_CALL (optionally overridden), counting the shapes timed."""
+    """`time_step`'s interface: a step costs the sum of PER_CALL (optionally overridden) over its GEMMs, the
+    head at one row in a prefill chunk; `calls` counts the timings."""
 
     def __init__(self, per_call=None):
         self.per_call, self.calls = per_call or PER_CALL, []
 
-    def __call__(self, k, n, count, rows, budget_s, dtype=torch.float32):
-        self.calls.append((k, n, count, rows))
-        return {(b, m): self.per_call[b](k, n, m) for b, ms in rows.items() for m in ms}
+    def __call__(self, plans, decode_rows, prefill_rows, budget_s, dtype=torch.float32):
+        self.calls.append(plans)
+        return {(b, kind, m): sum(self.per_call[b](k, n, 1 if head and kind == "prefill" else m) for k, n, head in plan)
+                for b, plan in plans.items()
+                for kind, sizes in (("decode", decode_rows), ("prefill", prefill_rows)) for m in sizes}
 
 
 def figures(decode: dict, prefill: dict) -> dict:
@@ -91,7 +95,78 @@ def test_a_step_is_every_gemm_as_it_runs_fused_and_the_head_at_one_row_in_prefil
         assert got["decode"][b]["8"] == pytest.approx(sum(g.count * f(g.k, g.n, 8) for g in fused), abs=1e-3)
         body = sum(g.count * f(g.k, g.n, 64) for g in fused if not g.head)
         assert got["prefill"][b]["64"] == pytest.approx(body + f(head.k, head.n, 1), abs=1e-3)
-    assert len(timer.calls) == len({(g.k, g.n) for g in fused})  # each shape's weights made once
+    assert len(timer.calls) == 1  # one timing: every backend's steps take turns in it
+
+
+class FakeClock:
+    """A clock that moves only while a fake GEMM runs: the i-th call of a backend costs `cost(backend, i)`
+    seconds. `passes[b]` lists each call as (k, n, rows, the weight's address)."""
+
+    def __init__(self, cost):
+        self.t, self.cost, self.calls = 0.0, cost, {}
+
+    def __call__(self) -> float:
+        return self.t
+
+    def mm(self, b, x, w, n):
+        done = self.calls.setdefault(b, [])
+        self.t += self.cost(b, len(done))
+        done.append((x.shape[1], n, x.shape[0], w.data_ptr()))
+        return x.new_empty(x.shape[0], n)
+
+
+def test_a_step_is_timed_as_the_forward_runs_it_every_call_counted():
+    """One timed pass of F.linear is one call of each GEMM in the forward's order, each on a weight of its
+    own; its figure is the sum of its calls, the slow ones included: MKL's calls at decode sizes alternate
+    fast and slow on an AMX Intel Xeon, and the fastest call of each shape once read F.linear at half of
+    what the engine's steps took."""
+    model = make_zoo_model("llama")
+    plan = calibrate.order(model, "aten")
+    jitter = FakeClock(lambda b, i: 0.001 if i % 2 else 0.003)  # 2 ms a call on average, 1 ms at best
+    got = calibrate.time_step({"aten": plan}, (1, 8), (64,), budget_s=1e3, mm=jitter.mm, clock=jitter)
+    assert got["aten", "decode", 8] == pytest.approx(2.0 * len(plan))
+    assert got["aten", "prefill", 64] == pytest.approx(2.0 * len(plan))
+    warm = len({(k, n, h) for k, n, h in plan})  # one call of each shape before a size is timed
+    calls = jitter.calls["aten"]
+    first = calls[warm:warm + len(plan)]
+    assert [(k, n) for k, n, _, _ in first] == [(k, n) for k, n, _ in plan]
+    assert {m for _, _, m, _ in first} == {1}
+    assert len({w for _, _, _, w in first}) == len(plan)  # every call streams its own weight, as in a step
+    head = [c for c in calls if (c[0], c[1]) == (model.config.hidden_size, model.config.vocab_size)]
+    assert {m for _, _, m, _ in head} == {1, 8}  # the head at one row in a prefill chunk, at B rows at decode
+
+
+def test_a_pass_over_its_share_still_times_every_shape_and_counts_each_at_its_mean():
+    model = make_zoo_model("llama")
+    plan = calibrate.order(model, "aten")
+    per_shape = {s: 0.001 * (i + 1) for i, s in enumerate(sorted({(k, n) for k, n, _ in plan}))}
+    steady = FakeClock(lambda b, i: 0.0)
+    costs = []
+
+    def mm(b, x, w, n):  # a shape's calls cost its own fixed time
+        steady.t += per_shape[x.shape[1], n]
+        costs.append((x.shape[1], n))
+        return x.new_empty(x.shape[0], n)
+
+    got = calibrate.time_step({"aten": plan}, (1,), (), budget_s=1e-6, mm=mm, clock=steady)
+    assert got["aten", "decode", 1] == pytest.approx(1e3 * sum(per_shape[k, n] for k, n, _ in plan))
+    assert len(costs) < 2 * len(plan)  # the pass was cut short, yet every shape was called
+    assert set(costs) == set(per_shape)
+    # the weights streamed are bounded: a smaller budget of bytes takes the same weights again in turn
+    few = FakeClock(lambda b, i: 0.001)
+    layer = sum(k * n for k, n, _ in plan[:7]) * 4
+    calibrate.time_step({"aten": plan}, (1,), (), budget_s=1e3, stream_bytes=layer, mm=few.mm, clock=few)
+    assert len({w for _, _, _, w in few.calls["aten"]}) < len(plan)
+
+
+@needs_both
+def test_a_backend_with_fast_and_slow_calls_is_weighed_by_all_of_them(cache):
+    """Panels at a steady 1.5 ms a call, F.linear alternating 1 and 3 ms: per step the panels are faster,
+    though F.linear's fastest call is the fastest of all."""
+    clock = FakeClock(lambda b, i: 0.0015 if b == "panels" else (0.001 if i % 2 else 0.003))
+    timer = functools.partial(calibrate.time_step, mm=clock.mm, clock=clock)
+    cal = calibrate.calibrate(make_zoo_model("llama"), ["panels", "aten"], timer=timer)
+    assert cal.choice == "panels" and cal.cost["aten"] > 1.2 * cal.cost["panels"]
 
 
 def test_a_figure_above_a_larger_row_counts_is_lowered_to_it():
@@ -133,6 +208,10 @@ def test_figures_are_cached_per_machine_and_reused_without_timing(cache, monkeyp
     monkeypatch.setenv("SVRMAD_CALIBRATE", "again")  # time again, overwriting the cached figures
     calibrate.calibrate(model, ["panels", "onednn", "aten"], timer=timer)
     assert len(timer.calls) > n
+    monkeypatch.setenv("SVRMAD_CALIBRATE", "on")
+    monkeypatch.setattr(calibrate, "TIMING", "figures taken some other way")  # how they were timed is in the key
+    calibrate.calibrate(model, ["panels", "onednn", "aten"], timer=timer)
+    assert len(timer.calls) == n + 2
 
 
 @pytest.mark.parametrize("damage", ["{not json", '{"key": 1}', "", "BAD_FIGURES"])
@@ -178,19 +257,19 @@ def test_a_failed_timing_is_one_line_and_the_fixed_rule(cache, caplog):
 def test_auto_packs_the_measured_backend_and_says_tokens_may_then_differ(cache, monkeypatch):
     monkeypatch.setenv("SVRMAD_CALIBRATE", "again")  # each fake machine below is timed, not read from the cache
     onednn_wins = dict(PER_CALL, panels=lambda k, n, m: 5.0 + 0.05 * m)
-    monkeypatch.setattr(calibrate, "time_shape", FakeTimer(onednn_wins))
+    monkeypatch.setattr(calibrate, "time_step", FakeTimer(onednn_wins))
     model = make_zoo_model("llama")
     what = select_linear(model, "auto").line
     assert what.startswith("oneDNN packed") and "--linear panels computes the same tokens on every machine" in what
     assert calibrate.recorded(model).choice == "onednn"
     mods = [m for m in model.modules() if isinstance(m, (PackedLinear, FusedPart))]
     assert mods and all((m.group.layout if isinstance(m, FusedPart) else m.layout) is ONEDNN for m in mods)
-    monkeypatch.setattr(calibrate, "time_shape", FakeTimer())
+    monkeypatch.setattr(calibrate, "time_step", FakeTimer())
     model = make_zoo_model("llama")
     what = select_linear(model, "auto").line
     assert what.startswith("panels") and "tokens may differ" not in what and "measured on this machine" in what
     assert next(m for m in model.modules() if isinstance(m, PackedLinear)).layout is PANELS
-    monkeypatch.setattr(calibrate, "time_shape", FakeTimer(dict(PER_CALL, aten=lambda k, n, m: 0.01)))
+    monkeypatch.setattr(calibrate, "time_step", FakeTimer(dict(PER_CALL, aten=lambda k, n, m: 0.01)))
     model = make_zoo_model("llama")
     assert select_linear(model, "auto").line.startswith("aten (F.linear), measured on this machine")
     assert any(type(m) is torch.nn.Linear for m in model.modules())
@@ -200,7 +279,7 @@ def test_an_explicit_backend_or_calibrate_off_never_times(cache, monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("timed")
 
-    monkeypatch.setattr(calibrate, "time_shape", refuse)
+    monkeypatch.setattr(calibrate, "time_step", refuse)
     for backend in ("panels", "onednn", "aten"):
         if backend == "panels" and not cpu_linear.available():
             continue
@@ -217,7 +296,7 @@ def test_an_explicit_backend_or_calibrate_off_never_times(cache, monkeypatch):
 
 @needs_both
 def test_engine_info_carries_the_choice_and_its_figures(cache, monkeypatch):
-    monkeypatch.setattr(calibrate, "time_shape", FakeTimer())
+    monkeypatch.setattr(calibrate, "time_step", FakeTimer())
     eng = Engine(make_zoo_model("llama"), None, EngineConfig(kv_cache_memory=4 * 2**20, block_size=4, max_num_seqs=16,
                                                                    max_num_batched_tokens=256))
     try:
@@ -248,7 +327,7 @@ def test_a_refused_model_is_refused_before_any_timing(cache, monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("timed before the model was inspected")
 
-    monkeypatch.setattr(calibrate, "time_shape", refuse)
+    monkeypatch.setattr(calibrate, "time_step", refuse)
     name = sorted(REFUSED)[0]
     with pytest.raises(UnsupportedModel, match=REFUSED[name]):
         Engine(make_zoo_model(name), None, EngineConfig(kv_cache_memory=4 * 2**20, block_size=4))
@@ -277,7 +356,7 @@ def test_the_cache_dir_of_the_run_holds_the_calibration(cache, tmp_path, monkeyp
     add_run_arguments(ap)
     cfg = from_args(ap.parse_args(["--cache-dir", str(tmp_path / "elsewhere")]))
     assert cfg.engine.cache_dir == str(tmp_path / "elsewhere")
-    monkeypatch.setattr(calibrate, "time_shape", FakeTimer())
+    monkeypatch.setattr(calibrate, "time_step", FakeTimer())
     if not (torch.backends.mkldnn.is_available() and cpu_linear.available()):
         pytest.skip("needs two backends to calibrate between")
     eng = Engine(make_zoo_model("llama"), None, EngineConfig(kv_cache_memory=4 * 2**20, block_size=4,
@@ -394,7 +473,7 @@ def test_the_engine_moves_its_linears_when_its_steps_want_another_backend(cache,
     from .model_zoo import loop_greedy, rand_prompt
 
     decode_cheap_on_panels = dict(PER_CALL, panels=lambda k, n, m: 0.2 + 0.1 * m, onednn=lambda k, n, m: 1.0 + 0.001 * m)
-    monkeypatch.setattr(calibrate, "time_shape", FakeTimer(decode_cheap_on_panels))
+    monkeypatch.setattr(calibrate, "time_step", FakeTimer(decode_cheap_on_panels))
     model = make_zoo_model("llama")
     eng = Engine(model, None, EngineConfig(kv_cache_memory=4 * 2**20, block_size=4, max_num_seqs=8,
                                            max_num_batched_tokens=64))

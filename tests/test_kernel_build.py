@@ -275,12 +275,12 @@ def kernel_dirs() -> dict[str, Path]:
 HOLD_CALIBRATION = """
 import sys, time
 from svrmad_local.models import calibrate
-_time_shape = calibrate.time_shape
-def time_shape(*args, **kw):
+_time_step = calibrate.time_step
+def time_step(*args, **kw):
     print("timing a linear shape", file=sys.stderr, flush=True)
     time.sleep(600)
-    return _time_shape(*args, **kw)
-calibrate.time_shape = time_shape
+    return _time_step(*args, **kw)
+calibrate.time_step = time_step
 """
 
 

@@ -3,14 +3,15 @@
 Why: which backend is fastest depends on the CPU. On 2-core AVX2 and AVX-512 EPYCs our panels beat
 oneDNN at every step size; on an AVX-512 + AMX Intel oneDNN was 1.7x faster at a 512-row prefill chunk
 while the panels won at 1-8 rows (docs/measurements.md). A rule written from one machine's figures is a guess on
-the next, so `auto` times the candidates here, at the model's own GEMM shapes (q/k/v and gate/up fused
-as they run) and the step sizes that occur, and keeps the one layout that minimises the expected
+the next, so `auto` times the candidates here, running whole steps' linears as the forward runs them
+(the model's own GEMM shapes in its order, q/k/v and gate/up fused where they are) at the step sizes
+that occur, and keeps the one layout that minimises the expected
 workload. One layout, because the panels and oneDNN's blocked layout are different bytes: serving
 decode from one and prefill from the other would keep two copies of the weights (the 1.1x memory rule,
 docs/engine.md).
 
 The figures are cached per machine (`cache_key`: CPU model and the ISA flags that matter, threads, torch
-and project version, the panel kernel's source, dtype, shapes, step sizes, candidates) in a small JSON under the cache dir, so only
+and project version, the panel kernel's source, dtype, shapes, step sizes, candidates, how they were timed) in a small JSON under the cache dir, so only
 the first engine on a machine pays the seconds. The choice itself is recomputed from the cached figures
 each time, so changing the workload mix needs no new timing. SVRMAD_CALIBRATE=0 skips all of it
 (`auto` then takes its fixed rule: panels, else oneDNN, else F.linear); SVRMAD_CALIBRATE=again times
@@ -131,16 +132,27 @@ def enabled() -> bool:
     return setting() != "off"
 
 
-def gemms(model: nn.Module, backend: str, fuse: bool = True) -> list[Gemm]:
-    """The distinct GEMM shapes one step runs on `backend`, as select_linear will pack them: the packed
-    backends fuse sibling projections, F.linear runs each module alone."""
+def order(model: nn.Module, backend: str, fuse: bool = True) -> list[tuple[int, int, bool]]:
+    """The GEMMs of one step on `backend` as the forward runs them, in its order: (k, n, is the LM head) each.
+    The packed backends run sibling projections as one GEMM (select_linear fuses them, where the first
+    sibling is called); F.linear runs each module alone."""
     linears = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     groups = sibling_groups(model, linears) if fuse and backend != "aten" else []
-    fused = {name for g in groups for name, _ in g}
-    shapes = [(g[0][1].in_features, sum(m.out_features for _, m in g), False) for g in groups]
-    shapes += [(m.in_features, m.out_features, m is head) for name, m in linears if name not in fused]
-    return [Gemm(k, n, c, h) for (k, n, h), c in sorted(Counter(shapes).items())]
+    first = {g[0][0]: g for g in groups}
+    later = {name for g in groups for name, _ in g[1:]}
+    out = []
+    for name, m in linears:
+        if name in first:
+            out.append((m.in_features, sum(s.out_features for _, s in first[name]), False))
+        elif name not in later:
+            out.append((m.in_features, m.out_features, m is head))
+    return out
+
+
+def gemms(model: nn.Module, backend: str, fuse: bool = True) -> list[Gemm]:
+    """The distinct GEMM shapes one step runs on `backend` and how often (`order`, counted)."""
+    return [Gemm(k, n, c, h) for (k, n, h), c in sorted(Counter(order(model, backend, fuse)).items())]
 
 
 def cpu_id() -> dict:
@@ -163,6 +175,9 @@ def project_version() -> str:
         return "unknown"
 
 
+TIMING = "whole steps in the forward's order"  # how the figures were taken: figures taken another way time again
+
+
 def cache_key(model: nn.Module, candidates: list[str], workload: Workload, fuse: bool = True) -> dict:
     dtype = next(m.weight.dtype for m in model.modules() if type(m) is nn.Linear)
     return {"cpu": cpu_id(), "threads": torch.get_num_threads(), "torch": torch.__version__,
@@ -170,7 +185,7 @@ def cache_key(model: nn.Module, candidates: list[str], workload: Workload, fuse:
             "decode_rows": list(workload.decode_rows), "prefill_rows": list(workload.prefill_rows),
             "gemms": {b: [asdict(g) for g in gemms(model, b, fuse)] for b in candidates},
             # the panel kernel's own code: an edit to it between releases times again
-            "panel_kernel": cpu_linear.digest()}
+            "panel_kernel": cpu_linear.digest(), "timing": TIMING}
 
 
 def cache_path(key: dict, cache: str | Path | None = None) -> Path:
@@ -220,89 +235,114 @@ def l3_bytes() -> int:
         return 32 << 20
 
 
-def time_shape(k: int, n: int, count: int, rows: dict[str, list[int]], budget_s: float,
-               dtype: torch.dtype = torch.float32, stream_bytes: int | None = None) -> dict[tuple[str, int], float]:
-    """ms per call of each backend in `rows` at each of its row counts, on [m, k] x [k, n]. Each call takes
-    the next of several distinct weights (up to `count`, the model's own number of them, together at least
-    twice the L3 cache) so that small weights stream from memory as a real step's do. Per row count: one
-    warm-up call a backend (oneDNN builds its primitive for a new M), then rounds of one pass over the
-    weights a backend, the backends taking turns (a neighbour's burst of work then slows all of them, not
-    one), within that row count's share of `budget_s`; each backend's fastest call (on a shared machine a
-    call whose thread waited for a core takes a scheduler slice longer: the minimum is what the backend
-    costs). Scratch: the dense weights and each backend's packed copy of them, freed on return."""
+def _mm(backend: str, x: torch.Tensor, w: torch.Tensor, n: int) -> torch.Tensor:
+    layout = {"panels": PANELS, "onednn": ONEDNN}.get(backend)
+    return layout.mm(x, w, None, n) if layout else torch.nn.functional.linear(x, w)
+
+
+def time_step(plans: dict[str, list[tuple[int, int, bool]]], decode_rows: tuple[int, ...],
+              prefill_rows: tuple[int, ...], budget_s: float, dtype: torch.dtype = torch.float32,
+              stream_bytes: int | None = None, mm: Callable = _mm,
+              clock: Callable[[], float] = time.perf_counter) -> dict[tuple[str, str, int], float]:
+    """ms of one step's linears on each backend of `plans` (its GEMMs in the forward's order, `order`), at
+    each decode size (every GEMM at M rows) and prefill chunk (the body at M rows, the head at 1).
+
+    What a step runs is what is timed: a pass is one call of every GEMM of the step in the forward's
+    order, each call on its own weight (the model's number of them, together at most `stream_bytes`, at
+    least twice the L3 cache, a backend; beyond that the weights are taken again in turn), so the weights
+    stream from memory and the shapes alternate as in a step; a pass's figure is the sum of its calls.
+    (Timing each call alone and keeping its fastest once read F.linear at half of what it took in the
+    engine's steps on an AMX Intel Xeon: MKL's calls at decode sizes vary by 1.5-3x between calls, the
+    panels' far less.) The backends take turns, a pass each (a neighbour's burst of work slows all of
+    them, not one), within each size's share of `budget_s`; a backend's figure is its fastest pass (a
+    pass that waited for a core on a shared machine is longer by a scheduler slice). A pass longer than
+    its share goes on with only the shapes it has not yet called, and counts each shape at the mean of
+    its calls (a 512-row chunk of a large model would take seconds a pass). Before a size is timed each
+    backend calls each shape once (oneDNN builds its primitive for a new M). Scratch: random weights and
+    each backend's packed copy of them, freed on return. `mm` and `clock` are what the tests replace."""
     stream_bytes = stream_bytes or max(64 << 20, 2 * l3_bytes())
-    w = torch.randn(n, k).to(dtype)
-    copies = max(1, min(count, math.ceil(stream_bytes / (w.numel() * w.element_size()))))
-    dense = [w] + [w.clone() for _ in range(copies - 1)]
-    layouts = {b: {"panels": PANELS, "onednn": ONEDNN}.get(b) for b in rows}
-    packed = {b: [lay.pack(d) for d in dense] if lay else dense for b, lay in layouts.items()}
+    size = torch.empty((), dtype=dtype).element_size()
+    copies: dict[tuple[int, int], int] = {}
+    for plan in plans.values():
+        scale = min(1.0, stream_bytes / (size * sum(k * n for k, n, _ in plan)))
+        for (k, n), c in Counter((k, n) for k, n, _ in plan).items():
+            copies[k, n] = max(copies.get((k, n), 1), math.ceil(c * scale))
+    layouts = {b: {"panels": PANELS, "onednn": ONEDNN}.get(b) for b in plans}
+    pools: dict[str, dict[tuple[int, int], list[torch.Tensor]]] = {b: {} for b in plans}
+    for (k, n), c in copies.items():  # a shape's dense weights kept only where F.linear reads them
+        dense = [torch.randn(n, k).to(dtype) for _ in range(c)]
+        for b, plan in plans.items():
+            if any((k2, n2) == (k, n) for k2, n2, _ in plan):
+                pools[b][k, n] = [layouts[b].pack(d) for d in dense] if layouts[b] else dense
+        del dense
+    calls = {}
+    for b, plan in plans.items():
+        seen: Counter = Counter()
+        calls[b] = []
+        for k, n, head in plan:
+            pool = pools[b][k, n]
+            calls[b].append(((k, n, head), pool[seen[k, n] % len(pool)]))
+            seen[k, n] += 1
+    kinds = [("decode", m) for m in decode_rows] + [("prefill", m) for m in prefill_rows]
+    slice_s = budget_s / max(1, len(kinds))
+    cap = slice_s / (2 * len(plans))
 
-    def mm(b, x, wi):
-        return layouts[b].mm(x, wi, None, n) if layouts[b] else torch.nn.functional.linear(x, wi)
+    def one_pass(b: str, xs: dict) -> float:
+        spent: Counter = Counter()
+        done: Counter = Counter()
+        t_pass = clock()
+        for key, w in calls[b]:
+            if key in done and clock() - t_pass > cap:
+                continue
+            x = xs[key[0], key[2]]
+            t0 = clock()
+            mm(b, x, w, key[1])
+            spent[key] += clock() - t0
+            done[key] += 1
+        return sum(c * spent[key] / done[key] for key, c in Counter(key for key, _ in calls[b]).items())
 
-    sizes = sorted({m for ms in rows.values() for m in ms})
-    slice_s = budget_s * len(rows) / max(1, sum(len(ms) for ms in rows.values()))
     out = {}
     with torch.inference_mode():
-        for m in sizes:
-            x = torch.randn(m, k).to(dtype)
-            here = [b for b in rows if m in rows[b]]
-            for b in here:
-                mm(b, x, packed[b][0])
-            best, t_end = dict.fromkeys(here, float("inf")), time.perf_counter() + slice_s * len(here) / len(rows)
+        for kind, m in kinds:
+            ks = {k for plan in plans.values() for k, _, _ in plan}
+            xs = {(k, head): torch.randn(1 if head and kind == "prefill" else m, k).to(dtype)
+                  for k in ks for head in (False, True)}
+            for b in plans:
+                for key, w in dict(calls[b]).items():
+                    mm(b, xs[key[0], key[2]], w, key[1])
+            best, t_end = dict.fromkeys(plans, float("inf")), clock() + slice_s
             for r in range(20):
-                for b in here:
-                    t_pass = time.perf_counter()
-                    for wi in packed[b]:
-                        t0 = time.perf_counter()
-                        mm(b, x, wi)
-                        t1 = time.perf_counter()
-                        best[b] = min(best[b], t1 - t0)
-                        if t1 - t_pass > slice_s / 4:
-                            break
-                if r >= 1 and time.perf_counter() > t_end:
+                for b in plans:
+                    best[b] = min(best[b], one_pass(b, xs))
+                if clock() > t_end:
                     break
-            out.update({(b, m): v * 1e3 for b, v in best.items()})
+            out.update({(b, kind, m): v * 1e3 for b, v in best.items()})
     return out
 
 
 def measure(model: nn.Module, candidates: list[str], workload: Workload, fuse: bool = True, budget_s: float = 3.0,
             timer: Callable | None = None) -> dict:
-    """figures[kind][backend][M]: ms of one step's linears, from `timer(k, n, count, rows, budget_s, dtype)`
-    (ms per call of each backend at each row count, for one weight shape), the budget split evenly over
-    the calls to time."""
-    timer = timer or time_shape
+    """figures[kind][backend][M]: ms of one step's linears, from `timer(plans, decode_rows, prefill_rows,
+    budget_s, dtype)` (`time_step`'s interface: ms of a step per (backend, kind, M), each backend's
+    GEMMs given in the forward's order)."""
+    timer = timer or time_step
     dtype = next(m.weight.dtype for m in model.modules() if type(m) is nn.Linear)
-    plan = {b: gemms(model, b, fuse) for b in candidates}
-    body_rows = sorted({*workload.decode_rows, *workload.prefill_rows})
-    head_rows = sorted({1, *workload.decode_rows})
-    todo: dict[tuple[int, int], dict[str, set[int]]] = {}
-    counts: dict[tuple[int, int], int] = {}
-    for b in candidates:
-        for g in plan[b]:
-            todo.setdefault((g.k, g.n), {}).setdefault(b, set()).update(head_rows if g.head else body_rows)
-            counts[g.k, g.n] = max(counts.get((g.k, g.n), 0), g.count)
-    cells = sum(len(ms) for per in todo.values() for ms in per.values())
-    ms = {}
-    for (k, n), per in todo.items():
-        rows = {b: sorted(r) for b, r in per.items()}
-        share = budget_s * sum(len(r) for r in rows.values()) / cells
-        ms.update({(k, n, b, m): v for (b, m), v in monotone(timer(k, n, counts[k, n], rows, share, dtype)).items()})
-
-    def step(b, m, head_m):
-        return round(sum(g.count * ms[g.k, g.n, b, head_m if g.head else m] for g in plan[b]), 3)
-
-    return {"decode": {b: {str(m): step(b, m, m) for m in workload.decode_rows} for b in candidates},
-            "prefill": {b: {str(m): step(b, m, 1) for m in workload.prefill_rows} for b in candidates}}
+    plans = {b: order(model, b, fuse) for b in candidates}
+    ms = timer(plans, workload.decode_rows, workload.prefill_rows, budget_s, dtype)
+    figures = {}
+    for kind, sizes in (("decode", workload.decode_rows), ("prefill", workload.prefill_rows)):
+        steps = monotone({(b, m): ms[b, kind, m] for b in candidates for m in sizes})
+        figures[kind] = {b: {str(m): round(steps[b, m], 3) for m in sizes} for b in candidates}
+    return figures
 
 
-def monotone(per_call: dict[tuple[str, int], float]) -> dict[tuple[str, int], float]:
-    """A call with fewer rows streams the same weights and does less arithmetic, so it costs no more than
-    one with more: a figure above a larger M's (a call that waited for a core throughout its window on a
+def monotone(per_step: dict[tuple[str, int], float]) -> dict[tuple[str, int], float]:
+    """A step with fewer rows streams the same weights and does less arithmetic, so it costs no more than
+    one with more: a figure above a larger M's (passes that waited for a core throughout their window on a
     busy machine) is lowered to it."""
-    out = dict(per_call)
-    for (b, m), v in per_call.items():
-        out[b, m] = min([v] + [w for (b2, m2), w in per_call.items() if b2 == b and m2 > m])
+    out = dict(per_step)
+    for (b, m), v in per_step.items():
+        out[b, m] = min([v] + [w for (b2, m2), w in per_step.items() if b2 == b and m2 > m])
     return out
 
 
