@@ -32,7 +32,7 @@ BLOCK = 16
 
 
 def decode_step(batch: int, context: int):
-    from svrmad_local.engine.runner import StepInput
+    from svrmad_local.engine.scheduler import StepInput
 
     n = -(-context // BLOCK)
     # block ids from 1000 up (3 bytes each in a pickle: a cache of up to 65,536 blocks favours the pickle)

@@ -23,7 +23,7 @@ from svrmad_local import cli
 from svrmad_local.debate.trace import read_jsonl
 from svrmad_local.job.launch import Dist
 from svrmad_local.engine.engine import Engine, EngineConfig
-from svrmad_local.engine.runner import StepInput
+from svrmad_local.engine.scheduler import StepInput
 from svrmad_local.engine.tp import HEADER, pack, unpack
 from svrmad_local.models.loader import load_model
 from svrmad_local.models.plan import make_plan

@@ -84,7 +84,7 @@ def replicas(out: str, steps: int, lose: str) -> None:
     leader) quits after 3 steps.
     Each rank ends with Dist.close() and writes how many gloo threads are left."""
     from svrmad_local.dist import GroupLost
-    from svrmad_local.engine.runner import StepInput
+    from svrmad_local.engine.scheduler import StepInput
     from svrmad_local.job.launch import Dist
     from svrmad_local.engine.tp import StepChannel
 

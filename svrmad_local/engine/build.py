@@ -26,7 +26,8 @@ from .execution import Execution
 from .kv_cache import KVCache
 from .memory import (available_memory, empty_cache, fraction, keep_freed_memory, kv_pool, measurable, measure,
                      workload_cap)
-from .runner import ModelRunner, StepInput
+from .runner import ModelRunner
+from .scheduler import StepInput
 from .spec import ModelSpec, inspect_model
 from .threads import StepWatch
 

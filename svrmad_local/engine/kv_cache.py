@@ -119,7 +119,7 @@ class DeviceTables:
 
     def select(self, runs, keys) -> BlockTables:
         """The block tables [R, W] and lengths of `runs` ((start, end, block ids covering [0, end)), as in
-        runner.StepInput) of the sequences `keys` ((uid, blocks_epoch) each), after writing the block ids
+        scheduler.StepInput) of the sequences `keys` ((uid, blocks_epoch) each), after writing the block ids
         each row lacks."""
         self.step += 1
         rows, cols, vals, order, ends = [], [], [], [], []

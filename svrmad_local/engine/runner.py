@@ -7,7 +7,7 @@ decode) and, in chunks, to the rows a scoring request asks about: never to every
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -21,22 +21,8 @@ from .attention import Attachment, PagedKV, Span, StepContext
 from .context import set_context
 from .execution import AttentionPaths
 from .kv_cache import BlockTables, DeviceTables, KVCache
-from .scheduler import Batch
+from .scheduler import Batch, StepInput
 from .spec import ModelSpec
-
-
-@dataclass
-class StepInput:
-    """One step in plain numbers: the new token ids in row order; per run (start, end, block ids
-    covering [0, end)), decode runs first (`num_decode` of them); cache row copies to apply first; per
-    run its sequence's (uid, blocks_epoch), which the device's copy of the decode rows' block tables is
-    kept by (kv_cache.DeviceTables; None: the tables are built from the runs)."""
-
-    ids: list[int]
-    runs: list[tuple[int, int, list[int]]]
-    num_decode: int
-    copies: list[tuple[int, int, int]]
-    keys: list[tuple[int, int]] | None = None
 
 
 class ModelRunner:

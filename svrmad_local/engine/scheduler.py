@@ -289,3 +289,18 @@ class Scheduler:
             batch.rejected.append((seq, RequestTooLarge(
                 f"request {seq.request.id} cannot be admitted: the KV-cache budget is too small for it")))
         return batch
+
+
+@dataclass
+class StepInput:
+    """One step in plain numbers, what the runner makes of a Batch (and what a tensor-parallel leader
+    sends its followers, engine/tp.py): the new token ids in row order; per run (start, end, block ids
+    covering [0, end)), decode runs first (`num_decode` of them); cache row copies to apply first; per
+    run its sequence's (uid, blocks_epoch), which the device's copy of the decode rows' block tables is
+    kept by (kv_cache.DeviceTables; None: the tables are built from the runs)."""
+
+    ids: list[int]
+    runs: list[tuple[int, int, list[int]]]
+    num_decode: int
+    copies: list[tuple[int, int, int]]
+    keys: list[tuple[int, int]] | None = None

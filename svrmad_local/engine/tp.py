@@ -6,7 +6,7 @@ module hooks after each attention block and each MLP/MoE block (their outputs ar
 the rank's heads, columns or expert slices): two per decoder layer.
 
 The group's first rank (its leader) runs the engine as usual: the controllers, the scheduler,
-sampling. Each step it broadcasts the step's plain numbers (`runner.StepInput`: token ids, positions,
+sampling. Each step it broadcasts the step's plain numbers (`scheduler.StepInput`: token ids, positions,
 block tables, cache copies) as two int64 tensors (`pack`), and the other ranks run the same forward on
 their shard, through the static decode path where the leader's takes it (engine/graphs.py: every rank
 captures the same graphs, NCCL's all-reduces inside, or none). Block tables are
@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from svrmad_local.dist import Group, GroupLost, lost_rank  # noqa: F401  (Group, GroupLost: public here too)
 
-from .runner import StepInput
+from .scheduler import StepInput
 
 
 def group_of(model) -> Group | None:
