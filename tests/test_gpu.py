@@ -369,7 +369,7 @@ def test_a_one_rank_nccl_group_captures_the_decode_graph_with_its_all_reduce_ins
         monkeypatch.setattr(tp, "group_of", lambda m: getattr(m, "svrmad_tp", None))
         eng = Engine(model, None, EngineConfig(kv_cache_memory=64 * 2**20, block_size=4, max_num_seqs=4))
         static = eng.runner.static
-        assert eng.sharded and static is not None and static.capture, eng.info["cuda_graphs"]
+        assert eng.built.sharded and static is not None and static.capture, eng.info["cuda_graphs"]
         assert static.failed == {} and set(static.graphs) == set(static.shapes), eng.info["cuda_graphs"]
         counts = {"all_reduce": 0, "steps": 0}
         all_reduce, execute = dist.all_reduce, eng.runner.execute
