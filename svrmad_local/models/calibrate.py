@@ -235,8 +235,11 @@ def l3_bytes() -> int:
         return 32 << 20
 
 
+LAYOUTS = {"panels": PANELS, "onednn": ONEDNN}  # the packed backends' layouts; F.linear ("aten") reads the dense weight
+
+
 def _mm(backend: str, x: torch.Tensor, w: torch.Tensor, n: int) -> torch.Tensor:
-    layout = {"panels": PANELS, "onednn": ONEDNN}.get(backend)
+    layout = LAYOUTS.get(backend)
     return layout.mm(x, w, None, n) if layout else torch.nn.functional.linear(x, w)
 
 
@@ -267,7 +270,7 @@ def time_step(plans: dict[str, list[tuple[int, int, bool]]], decode_rows: tuple[
         scale = min(1.0, stream_bytes / (size * sum(k * n for k, n, _ in plan)))
         for (k, n), c in Counter((k, n) for k, n, _ in plan).items():
             copies[k, n] = max(copies.get((k, n), 1), math.ceil(c * scale))
-    layouts = {b: {"panels": PANELS, "onednn": ONEDNN}.get(b) for b in plans}
+    layouts = {b: LAYOUTS.get(b) for b in plans}
     pools: dict[str, dict[tuple[int, int], list[torch.Tensor]]] = {b: {} for b in plans}
     for (k, n), c in copies.items():  # a shape's dense weights kept only where F.linear reads them
         dense = [torch.randn(n, k).to(dtype) for _ in range(c)]
@@ -302,9 +305,9 @@ def time_step(plans: dict[str, list[tuple[int, int, bool]]], decode_rows: tuple[
         return sum(c * spent[key] / done[key] for key, c in Counter(key for key, _ in calls[b]).items())
 
     out = {}
+    ks = {k for plan in plans.values() for k, _, _ in plan}
     with torch.inference_mode():
         for kind, m in kinds:
-            ks = {k for plan in plans.values() for k, _, _ in plan}
             xs = {(k, head): torch.randn(1 if head and kind == "prefill" else m, k).to(dtype)
                   for k in ks for head in (False, True)}
             for b in plans:
