@@ -8,6 +8,7 @@ LOGPROB_TOL and greedy tokens exactly (on these tiny models no near-tie flips th
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -24,7 +25,7 @@ from svrmad_local.debate.trace import read_jsonl
 from svrmad_local.job.launch import Dist
 from svrmad_local.engine.engine import Engine, EngineConfig
 from svrmad_local.engine.scheduler import StepInput
-from svrmad_local.engine.tp import HEADER, pack, unpack
+from svrmad_local.engine.tp import HEADER, TableMirror, TablesDisagree, pack, unpack
 from svrmad_local.models.loader import load_model
 from svrmad_local.models.plan import make_plan
 from svrmad_local.models.quant.formats import Reader
@@ -34,7 +35,7 @@ from .model_zoo import make_zoo_model
 from .quant_zoo import deepseek_config, write_deepseek, write_gpt_oss
 from .test_dp import (N, RUN, finish, kill_after_its_first_commit, launch, outcome,  # noqa: F401 (tiny: the fixture)
                       tiny)
-from .tp_worker import CONFIG, resident_bytes, workload
+from .tp_worker import CONFIG, crowded, crowded_workload, resident_bytes, workload
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "tests" / "fixtures" / "configs"
@@ -177,6 +178,23 @@ def test_four_ranks_one_kv_head_and_one_expert_each(tmp_path):
     assert tp["score"] == pytest.approx(one["score"], abs=LOGPROB_TOL)
 
 
+def test_a_crowded_cache_under_tensor_parallel_gives_one_process_tokens_with_only_new_blocks_sent(checkpoints,
+                                                                                                  tmp_path):
+    """--tp 2 with a KV cache of 12 blocks of 4 tokens a rank: sequences cross many block boundaries, are
+    preempted and recomputed, fork, and adopt a twin's cached blocks, each a change the block tables'
+    mirrors must follow (engine/tp.TableMirror); the tokens are one process's at the same number of
+    blocks, the steps carried far fewer block ids than their runs' tables hold, and the follower's
+    mirror ended equal to the leader's."""
+    out = tmp_path / "crowded.json"
+    tp = run_worker(out, "--crowded", str(out), str(checkpoints["llama"]))
+    model = load_model(checkpoints["llama"], device="cpu", dtype="fp32").model
+    one = crowded_workload(Engine(model, None, EngineConfig(**crowded(model, 1))))
+    assert tp["preemptions"] > 0 and one["preemptions"] > 0
+    assert tp["tokens"] == one["tokens"] and tp["forks"] == one["forks"]
+    assert tp["mirrors_equal"] and tp["mirror_size"] > 0
+    assert 0 < tp["sent"] < tp["whole"] / 2, (tp["sent"], tp["whole"])
+
+
 def test_the_leader_stops_with_one_line_when_a_follower_is_gone(checkpoints, tmp_path):
     """...and then ends as the product does, and exits normally: with no gloo thread left, nothing can
     abort or hang at the interpreter's exit (run_worker checks the launch's exit status)."""
@@ -254,8 +272,135 @@ def test_a_step_crosses_the_wire_as_two_int64_tensors_and_comes_back_equal():
         assert unpack(header, payload) == step
     assert pack(None)[1].numel() == 0
     header, payload = pack(steps[2])
-    with pytest.raises(ValueError, match="does not match its 7 values"):
+    with pytest.raises(ValueError, match="does not match its 9 values"):
         unpack(header, payload[:-1])
+
+
+class Steps:
+    """Steps as the scheduler makes them, over sequences that prefill in chunks, decode, append a block
+    every `bs` tokens, change their blocks other than by an append (a block adopted from the prefix cache,
+    a preemption that frees them all, a fork's child taking its parent's full blocks: each a new epoch),
+    finish for good, or sit out a step; with copies now and then, and some steps empty or without keys."""
+
+    def __init__(self, seed: int, bs: int = 4):
+        self.rng, self.bs = random.Random(seed), bs
+        self.uids, self.ids = itertools.count(7), itertools.count(1000)
+        self.live: dict[int, dict] = {}  # uid: {"epoch", "blocks" (all it holds), "end" (computed), "len"}
+
+    def new(self, blocks=(), length=None) -> dict:
+        seq = {"epoch": 0, "blocks": list(blocks), "end": 0, "len": length or self.rng.randint(1, 40)}
+        self.live[next(self.uids)] = seq
+        return seq
+
+    def step(self) -> StepInput:
+        rng, bs = self.rng, self.bs
+        if rng.random() < 0.05:
+            return StepInput([], [], 0, [])
+        for _ in range(rng.choice([0, 0, 0, 1, 2])):
+            self.new()
+        for uid, seq in list(self.live.items()):
+            r = rng.random()
+            if r < 0.04:  # finished: its uid never comes back
+                del self.live[uid]
+            elif r < 0.07 and seq["blocks"]:  # an identical cached block adopted
+                seq["blocks"][rng.randrange(len(seq["blocks"]))] = next(self.ids)
+                seq["epoch"] += 1
+            elif r < 0.09:  # preempted: its blocks go back, recomputed from its first token
+                seq.update(blocks=[], end=0, epoch=seq["epoch"] + 1)
+            elif r < 0.11 and seq["end"] >= bs:  # a fork: the child starts from the full blocks
+                full = seq["end"] // bs
+                child = self.new(seq["blocks"][:full], seq["len"])
+                child.update(end=full * bs, epoch=1)
+        decode, prefill = [], []
+        for uid, seq in self.live.items():
+            if rng.random() < 0.1:  # not in this step (the token budget went to others)
+                continue
+            start = seq["end"]
+            end = start + 1 if start >= seq["len"] else min(seq["len"], start + rng.randint(1, 12))
+            seq["len"] = max(seq["len"], end)
+            while len(seq["blocks"]) * bs < end + rng.choice([0, 0, bs]):  # reserved as needed, or ahead
+                seq["blocks"].append(next(self.ids))
+            seq["end"] = end
+            (decode if end - start == 1 else prefill).append((uid, seq, start, end))
+        work = decode + prefill
+        runs = [(start, end, seq["blocks"][: -(-end // bs)]) for _, seq, start, end in work]
+        keys = None if rng.random() < 0.1 else [(uid, seq["epoch"]) for uid, seq, _, _ in work]
+        copies = [(next(self.ids), next(self.ids), rng.randint(1, bs)) for _ in range(rng.choice([0, 0, 0, 1, 2]))]
+        return StepInput([rng.randrange(400) for _, _, s, e in work for _ in range(s, e)], runs, len(decode), copies,
+                         keys)
+
+
+def test_a_run_of_steps_sends_each_block_once_and_the_follower_rebuilds_every_step_exactly():
+    """The leader's channel and a follower's, step after step (engine/tp.TableMirror at each end): the
+    follower's StepInput equals the leader's every step, through appends, epoch changes, new and finished
+    sequences, evictions from a small mirror, copies, steps without keys and empty steps; the two mirrors
+    stay equal (the same uids in the same order); a block crosses again only where its sequence's epoch
+    changed or its uid was evicted."""
+    for seed, capacity in [(0, 1024), (1, 6), (2, 1)]:
+        steps, leader, follower = Steps(seed), TableMirror(capacity), TableMirror(capacity)
+        sent = whole = returned = 0
+        seen = set()
+        for _ in range(400):
+            step = steps.step()
+            for key in step.keys or ():
+                returned += key in seen and key[0] not in leader.tables  # evicted, and back in the same epoch
+                seen.add(key)
+            header, payload = pack(step, leader)
+            assert unpack(header, payload, follower) == step
+            assert list(follower.tables.items()) == list(leader.tables.items())
+            assert len(leader.tables) <= capacity
+            sent += int(header[6])
+            whole += sum(len(b) for _, _, b in step.runs)
+        assert pack(None, leader)[1].numel() == 0 and unpack(*pack(None, leader), follower) is None
+        assert whole > 5000 and sent <= whole
+        if capacity == 1024:  # every sequence kept: its blocks cross again only after a new epoch
+            assert sent < whole / 4 and not returned, (seed, sent, whole)
+        else:  # more sequences than the mirror keeps: some come back after their tables were evicted
+            assert returned > 0, seed
+
+
+def decode_step(batch: int, blocks: int, end_in_block: int, bs: int = 16) -> StepInput:
+    """A decode step of `batch` sequences at `blocks` blocks of context, its token `end_in_block` of the last."""
+    end = (blocks - 1) * bs + end_in_block
+    runs = [(end - 1, end, list(range(i * 10**6, i * 10**6 + blocks))) for i in range(batch)]
+    return StepInput(list(range(batch)), runs, batch, [], [(i, 0) for i in range(batch)])
+
+
+def test_a_steady_decode_step_sends_the_same_bytes_at_any_context():
+    """32 sequences decoding at 1k and at 16k blocks of context: the first step sends every table whole,
+    the next (no block appended) the same few values at either context, and a step where every sequence
+    appends a block one block id more each."""
+    sizes = {}
+    for blocks in (1024, 16384):
+        leader, follower = TableMirror(), TableMirror()
+        first = pack(decode_step(32, blocks, 14), leader)
+        assert first[1].numel() > 32 * blocks
+        assert unpack(*first, follower) == decode_step(32, blocks, 14)
+        steady = pack(decode_step(32, blocks, 15), leader)
+        sizes[blocks] = steady[1].numel()
+        assert unpack(*steady, follower) == decode_step(32, blocks, 15)
+        appended = pack(decode_step(32, blocks + 1, 1), leader)
+        assert appended[1].numel() == sizes[blocks] + 32
+        assert unpack(*appended, follower) == decode_step(32, blocks + 1, 1)
+    assert sizes[1024] == sizes[16384] == 32 * (1 + 5 + 2)  # an id, the run's numbers, its key
+
+
+@pytest.mark.parametrize("corrupt, said", [
+    (lambda m: m.tables.pop(3), r"nothing"),
+    (lambda m: m.tables.update({3: (1, m.tables[3][1])}), r"epoch 1"),
+    (lambda m: m.tables.update({3: (0, m.tables[3][1][:-1])}), r"9 blocks"),
+    (lambda m: m.tables.update({3: (0, m.tables[3][1][:-1] + [-5])}), r"block 9 as -5"),
+])
+def test_a_follower_whose_mirror_disagrees_with_its_leaders_stops_with_one_line(corrupt, said):
+    """A follower's mirror that lacks what the leader's says it keeps (a bug, simulated here by changing
+    it) stops the follower with one line naming the sequence, never runs a wrong table."""
+    leader, follower = TableMirror(), TableMirror()
+    assert unpack(*pack(decode_step(8, 10, 3), leader), follower) == decode_step(8, 10, 3)
+    corrupt(follower)
+    with pytest.raises(TablesDisagree, match=r"^tensor-parallel step: the leader says this rank keeps 10 blocks of "
+                                             r"sequence 3 \(epoch 0\), block 9 being 3000009, and it keeps " + said +
+                                             r": the two mirrors of the block tables disagree \(a bug\)$"):
+        unpack(*pack(decode_step(8, 10, 4), leader), follower)
 
 
 def test_world_size_not_a_multiple_of_tp_is_refused():

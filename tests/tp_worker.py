@@ -34,6 +34,28 @@ def workload(engine):
             "computed": engine.totals.computed_tokens}
 
 
+def crowded(model, world: int) -> dict:
+    """An engine config whose KV cache holds 12 blocks of 4 tokens on each rank (its share of the KV heads):
+    too few for `crowded_workload` at once, so the scheduler preempts and recomputes."""
+    c = model.config
+    heads = c.num_key_value_heads // world
+    block = c.num_hidden_layers * 2 * 4 * heads * getattr(c, "head_dim", c.hidden_size // c.num_attention_heads) * 4
+    return dict(block_size=4, kv_cache_memory=12 * block, max_num_seqs=8)
+
+
+def crowded_workload(engine):
+    """Sequences that cross many block boundaries in a cache too small for them all: preemptions, forks
+    sharing their prompt's blocks, and twin prompts whose blocks the prefix cache adopts (each a change of
+    a sequence's blocks other than an append)."""
+    prompts = [[3 + (11 * i + 7 * j) % 390 for j in range(10)] for i in range(5)]
+    prompts.append(prompts[2])  # a twin, admitted with its sibling: one adopts the other's cached blocks
+    params = [SamplingParams(max_tokens=24, seed=9 + i, ignore_eos=True) for i in range(len(prompts))]
+    outs = engine.generate_sync(prompts, params)
+    forks = engine.generate_sync([prompts[0]], SamplingParams(n=3, max_tokens=14, seed=5, ignore_eos=True))[0]
+    return {"tokens": [o.completions[0].token_ids for o in outs], "forks": [c.token_ids for c in forks.completions],
+            "preemptions": sum(o.usage.preemptions for o in [*outs, forks])}
+
+
 def resident_bytes(model) -> int:
     """The bytes this rank holds: parameters and buffers, packed or not, each tensor once."""
     seen = {id(t): t for t in [*model.parameters(), *model.buffers()]}
@@ -209,6 +231,40 @@ def stand_in_capture(out: str, path: str) -> None:
     svrmad_dist.shutdown()
 
 
+def crowded_main(out: str, path: str) -> None:
+    """`crowded_workload` on a tensor-parallel engine. The leader also writes how many block ids its steps
+    carried against how many their runs' tables hold, and whether every rank's mirror of those tables
+    (engine/tp.TableMirror) ended equal to the leader's."""
+    from svrmad_local.engine import tp
+
+    dist.init_process_group("gloo")
+    model = load_model(path, device="cpu", dtype="fp32", tp=True).model
+    engine = Engine(model, None, EngineConfig(**crowded(model, dist.get_world_size())))
+    done, carried = {}, {"sent": 0, "whole": 0}
+    if dist.get_rank() == 0:
+        pack = tp.pack
+
+        def counted(step, mirror=None):
+            header, payload = pack(step, mirror)
+            if step is not None:
+                carried["sent"] += int(header[6])
+                carried["whole"] += sum(len(b) for _, _, b in step.runs)
+            return header, payload
+
+        tp.pack = counted
+        done = crowded_workload(engine)
+        tp.pack = pack
+        engine.close()
+    else:
+        engine.follow()
+    mirrors = [None] * dist.get_world_size()
+    dist.all_gather_object(mirrors, list(engine.built.channel.mirror.tables.items()))
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps({**done, **carried, "mirrors_equal": all(m == mirrors[0] for m in mirrors),
+                                         "mirror_size": len(mirrors[0])}))
+    svrmad_dist.shutdown()
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "--follower-quits":
         follower_quits(sys.argv[2], sys.argv[3])
@@ -218,6 +274,8 @@ if __name__ == "__main__":
         main(sys.argv[3], sys.argv[4:], device=sys.argv[2])
     elif sys.argv[1] == "--stand-in":
         stand_in_capture(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "--crowded":
+        crowded_main(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "--graphs":
         main(sys.argv[3], sys.argv[4:], graphs=sys.argv[2])
     else:

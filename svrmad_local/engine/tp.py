@@ -21,6 +21,7 @@ here names its group.
 from __future__ import annotations
 
 import itertools
+from collections import OrderedDict
 
 import numpy as np
 import torch
@@ -82,17 +83,80 @@ def all_reduce(t: torch.Tensor, group: Group) -> torch.Tensor:
     return t
 
 
+# The header: [kind (STOP or STEP), ids, runs, num_decode, copies, keys (-1: None), blocks (the new blocks of
+# all runs)]; each run's numbers: start, end, blocks kept, blocks new, the last block kept (-1: none)
+HEADER, STOP, STEP, RUN = 7, 0, 1, 5
+KEEP = 1024  # the sequences a channel's mirrors keep: several times a step's, so a running one is never dropped
+
+
+class TablesDisagree(RuntimeError):
+    """A follower's mirror lacks blocks its leader's says it keeps: a bug, never a state to run a step in."""
+
+
+class TableMirror:
+    """The block tables as the followers hold them, one copy at each end of a `StepChannel`: per sequence
+    uid, its blocks_epoch and the block ids the last step that ran it carried (a run's list covers its
+    context, [0, end)). Within one epoch a sequence's blocks only grow by appends (scheduler.py bumps
+    `Sequence.blocks_epoch` on any other change: an adopted cached block, a preemption, a fork), so the
+    blocks a follower keeps under the run's (uid, epoch) are the run's leading blocks, and only the rest
+    need to cross. Both ends change their mirror only from the steps themselves, in the same order (`put`
+    per run, `evict` at the end of each step), so they stay identical without a message of their own.
+    The `capacity` uids used most recently are kept; a finished sequence's uid, never seen again, is
+    dropped once that many others have run since. A mirror never changes the lists it keeps."""
+
+    def __init__(self, capacity: int = KEEP):
+        if capacity < 1:
+            raise ValueError(f"a table mirror keeps at least 1 sequence, not {capacity}")
+        self.capacity = capacity
+        self.tables: OrderedDict[int, tuple[int, list[int]]] = OrderedDict()  # uid: (epoch, blocks), oldest first
+
+    def kept(self, uid: int, epoch: int, n: int) -> int:
+        """How many leading blocks of a run of `n` blocks, of sequence `uid` at `epoch`, the followers keep."""
+        held = self.tables.get(uid)
+        return 0 if held is None or held[0] != epoch else min(len(held[1]), n)
+
+    def rebuild(self, uid: int, epoch: int, kept: int, last: int, new: list[int]) -> list[int]:
+        """A run's whole block list from its `kept` leading blocks, the last of them `last` as the leader
+        has it, and the `new` ones that crossed; raises TablesDisagree where this mirror does not hold
+        what the leader's says."""
+        if not kept:
+            return new
+        held = self.tables.get(uid)
+        blocks = held[1] if held is not None and held[0] == epoch else []
+        if len(blocks) < kept or blocks[kept - 1] != last:
+            have = ("nothing" if held is None else f"epoch {held[0]}" if held[0] != epoch
+                    else f"{len(blocks)} blocks" if len(blocks) < kept else f"block {kept - 1} as {blocks[kept - 1]}")
+            raise TablesDisagree(
+                f"tensor-parallel step: the leader says this rank keeps {kept} blocks of sequence {uid} (epoch "
+                f"{epoch}), block {kept - 1} being {last}, and it keeps {have}: the two mirrors of the block "
+                "tables disagree (a bug)")
+        if kept == len(blocks) and not new:
+            return blocks
+        return blocks[:kept] + new
+
+    def put(self, uid: int, epoch: int, blocks: list[int]) -> None:
+        self.tables[uid] = (epoch, blocks)
+        self.tables.move_to_end(uid)
+
+    def evict(self) -> None:
+        while len(self.tables) > self.capacity:
+            self.tables.popitem(last=False)
+
+
 class StepChannel:
     """The leader sends every step (or None to stop) to the other ranks of its group, as tensors: a
     header of HEADER int64 values (`pack` says which), then the step's numbers in one int64 tensor, two
-    broadcasts on the group's device (the GPU under NCCL, the host under gloo); no pickle."""
+    broadcasts on the group's device (the GPU under NCCL, the host under gloo); no pickle. Each end keeps
+    a `TableMirror` of the block tables the followers hold, so a run's blocks cross once: a step carries
+    only the blocks each follower lacks."""
 
-    def __init__(self, group: Group, device: torch.device | str = "cpu"):
+    def __init__(self, group: Group, device: torch.device | str = "cpu", keep: int = KEEP):
         self.group = group
         self.device = _cpu_or(torch.device(device), group)
+        self.mirror = TableMirror(keep)
 
     def send(self, step: StepInput | None) -> None:
-        header, payload = pack(step)
+        header, payload = pack(step, self.mirror)
         with lost_rank(self.group):
             dist.broadcast(header.to(self.device), src=self.group.leader, group=self.group.pg)
             if payload.numel():
@@ -106,55 +170,74 @@ class StepChannel:
             payload = torch.empty(payload_size(header), dtype=torch.long, device=self.device)
             if payload.numel():
                 dist.broadcast(payload, src=self.group.leader, group=self.group.pg)
-        return unpack(header, payload.cpu())
+        return unpack(header, payload.cpu(), self.mirror)
 
 
-# The header: [kind (STOP or STEP), ids, runs, num_decode, copies, keys (-1: None), blocks (all runs')]
-HEADER, STOP, STEP = 7, 0, 1
-
-
-def pack(step: StepInput | None) -> tuple[torch.Tensor, torch.Tensor]:
+def pack(step: StepInput | None, mirror: TableMirror | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(header, payload) of a step, None packing as the stop: the payload is the token ids, each run's
-    start, end and number of blocks, every run's blocks one after the other, the copies' (src, dst,
-    rows) and the keys' (uid, epoch), all int64. Every field of StepInput is an integer or a list of
-    them; `keys` may be None, which the header says with -1."""
+    RUN numbers (start, end, how many leading blocks the followers keep, how many follow, the last kept
+    one as a check), the runs' new blocks one after the other, the copies' (src, dst, rows) and the keys'
+    (uid, epoch), all int64. `mirror` is what the followers hold, updated here as `unpack` updates
+    theirs (None: they hold nothing); a step without keys sends every run whole and keeps nothing."""
     if step is None:
         return torch.tensor([STOP] + [0] * (HEADER - 1)), torch.empty(0, dtype=torch.long)
-    blocks = [b for _, _, b in step.runs]
-    n_blocks = sum(map(len, blocks))
+    mirror = TableMirror() if mirror is None else mirror
     keys = step.keys
+    shape, new = [], []
+    for i, (start, end, blocks) in enumerate(step.runs):
+        kept = 0
+        if keys is not None:
+            uid, epoch = keys[i]
+            kept = mirror.kept(uid, epoch, len(blocks))
+            mirror.put(uid, epoch, blocks)
+        shape += (start, end, kept, len(blocks) - kept, blocks[kept - 1] if kept else -1)
+        new.append(blocks[kept:] if kept else blocks)
+    mirror.evict()
+    n_new = sum(map(len, new))
     header = [STEP, len(step.ids), len(step.runs), step.num_decode, len(step.copies),
-              -1 if keys is None else len(keys), n_blocks]
-    parts = [step.ids, (x for s, e, b in step.runs for x in (s, e, len(b))), itertools.chain.from_iterable(blocks),
-             itertools.chain.from_iterable(step.copies), itertools.chain.from_iterable(keys or ())]
-    size = payload_size(header)
-    payload = np.fromiter(itertools.chain(*parts), dtype=np.int64, count=size)
+              -1 if keys is None else len(keys), n_new]
+    parts = [step.ids, shape, itertools.chain.from_iterable(new), itertools.chain.from_iterable(step.copies),
+             itertools.chain.from_iterable(keys or ())]
+    payload = np.fromiter(itertools.chain(*parts), dtype=np.int64, count=payload_size(header))
     return torch.tensor(header), torch.from_numpy(payload)
 
 
 def payload_size(header) -> int:
     """How many int64 values follow a header."""
     kind, ids, runs, _, copies, keys, blocks = (int(x) for x in header)
-    return 0 if kind == STOP else ids + 3 * runs + blocks + 3 * copies + 2 * max(keys, 0)
+    return 0 if kind == STOP else ids + RUN * runs + blocks + 3 * copies + 2 * max(keys, 0)
 
 
-def unpack(header: torch.Tensor, payload: torch.Tensor) -> StepInput | None:
-    """The StepInput `pack` made (None for the stop), in Python ints."""
-    kind, n_ids, n_runs, num_decode, n_copies, n_keys, n_blocks = header.tolist()
+def unpack(header: torch.Tensor, payload: torch.Tensor, mirror: TableMirror | None = None) -> StepInput | None:
+    """The StepInput `pack` made (None for the stop), in Python ints, each run's blocks rebuilt whole from
+    what `mirror` keeps (the same mirror `pack` saw, None: a fresh one), which it updates."""
+    kind, n_ids, n_runs, num_decode, n_copies, n_keys, n_new = header.tolist()
     if kind == STOP:
         return None
-    if kind != STEP or len(payload) != payload_size(header):
-        raise ValueError(f"a step header {header.tolist()} that does not match its {len(payload)} values")
     values = payload.tolist()
-    at = n_ids
-    ids, shape = values[:at], values[at:at + 3 * n_runs]
-    at += 3 * n_runs
-    runs = []
-    for i in range(n_runs):
-        start, end, n = shape[3 * i: 3 * i + 3]
-        runs.append((start, end, values[at:at + n]))
-        at += n
+    shape = values[n_ids:n_ids + RUN * n_runs]
+    if (kind != STEP or len(values) != payload_size(header) or n_keys not in (-1, n_runs)
+            or sum(shape[3::RUN]) != n_new or min(shape[2::RUN], default=0) < 0 or min(shape[3::RUN], default=0) < 0):
+        raise ValueError(f"a step header {header.tolist()} that does not match its {len(values)} values")
+    mirror = TableMirror() if mirror is None else mirror
+    at = n_ids + RUN * n_runs + n_new
     copies = [tuple(values[at + 3 * i: at + 3 * i + 3]) for i in range(n_copies)]
     at += 3 * n_copies
     keys = None if n_keys < 0 else [tuple(values[at + 2 * i: at + 2 * i + 2]) for i in range(n_keys)]
-    return StepInput(ids, runs, num_decode, copies, keys)
+    runs = []
+    at = n_ids + RUN * n_runs
+    for i in range(n_runs):
+        start, end, kept, n, last = shape[RUN * i: RUN * i + RUN]
+        new = values[at:at + n]
+        at += n
+        if keys is None:
+            if kept:
+                raise ValueError(f"a step header {header.tolist()} whose run {i} keeps blocks but names no sequence")
+            blocks = new
+        else:
+            uid, epoch = keys[i]
+            blocks = mirror.rebuild(uid, epoch, kept, last, new)
+            mirror.put(uid, epoch, blocks)
+        runs.append((start, end, blocks))
+    mirror.evict()
+    return StepInput(values[:n_ids], runs, num_decode, copies, keys)
