@@ -428,3 +428,23 @@ def test_bench_fused_checks_each_op_against_its_reference_or_says_it_needs_cuda(
         assert 0 <= r["max_diff"] <= 2**-8, r
     assert [s["batch"] for s in out["steps"]] == [1, 3]
 
+
+
+def test_bench_step_broadcast_sends_a_long_context_step_in_the_bytes_of_a_short_one(capsys):
+    """benchmarks/bench_step_broadcast.py over gloo, two processes: the follower gets every step equal to
+    the leader's in each of the three ways, and the channel's steps (each run's new blocks only) weigh the
+    same at 64 and 4096 tokens of context while the whole tables grow with it."""
+    import socket
+
+    import bench_step_broadcast
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    rows = bench_step_broadcast.main(["--batch", "2", "--context", "64,4096", "--steps", "20", "--port", str(port)])
+    short, long = rows
+    assert (short["context"], long["context"]) == (64, 4096)
+    assert short["delta_bytes"] == long["delta_bytes"] < short["whole_bytes"]
+    assert long["whole_bytes"] > 10 * long["delta_bytes"] and long["pickle_bytes"] > 5 * long["delta_bytes"]
+    assert all(r[f"{w}_us"] > 0 for r in rows for w in bench_step_broadcast.WAYS)
+    assert "whole/delta" in capsys.readouterr().out

@@ -382,6 +382,8 @@ def test_a_steady_decode_step_sends_the_same_bytes_at_any_context():
         appended = pack(decode_step(32, blocks + 1, 1), leader)
         assert appended[1].numel() == sizes[blocks] + 32
         assert unpack(*appended, follower) == decode_step(32, blocks + 1, 1)
+        shorter = pack(decode_step(32, blocks, 2), leader)  # never made by the scheduler, but a valid step
+        assert shorter[1].numel() == sizes[blocks] and unpack(*shorter, follower) == decode_step(32, blocks, 2)
     assert sizes[1024] == sizes[16384] == 32 * (1 + 5 + 2)  # an id, the run's numbers, its key
 
 
