@@ -296,8 +296,9 @@ class StepInput:
     """One step in plain numbers, what the runner makes of a Batch (and what a tensor-parallel leader
     sends its followers, engine/tp.py): the new token ids in row order; per run (start, end, block ids
     covering [0, end)), decode runs first (`num_decode` of them); cache row copies to apply first; per
-    run its sequence's (uid, blocks_epoch), which the device's copy of the decode rows' block tables is
-    kept by (kv_cache.DeviceTables; None: the tables are built from the runs)."""
+    run its sequence's (uid, blocks_epoch), which the device's copy of the decode rows' block tables
+    (kv_cache.DeviceTables) and the tensor-parallel channel's mirror of the tables (tp.TableMirror) are
+    kept by (None: the tables are built, and sent, from the runs whole)."""
 
     ids: list[int]
     runs: list[tuple[int, int, list[int]]]

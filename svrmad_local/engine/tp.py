@@ -8,9 +8,12 @@ the rank's heads, columns or expert slices): two per decoder layer.
 The group's first rank (its leader) runs the engine as usual: the controllers, the scheduler,
 sampling. Each step it broadcasts the step's plain numbers (`scheduler.StepInput`: token ids, positions,
 block tables, cache copies) as two int64 tensors (`pack`), and the other ranks run the same forward on
-their shard, through the static decode path where the leader's takes it (engine/graphs.py: every rank
-captures the same graphs, NCCL's all-reduces inside, or none). Block tables are
-identical on all ranks because only the leader decides them; each rank's paged cache holds its own KV
+their shard. A run's block table crosses once: both ends of the channel keep a mirror of the tables the
+followers hold (`TableMirror`, by sequence uid and blocks_epoch), so a step carries only the blocks a
+follower lacks (one a sequence every block_size tokens, or a whole table after its epoch changed) and the
+follower rebuilds the same StepInput the leader runs. Every rank runs it through the static decode path
+where the leader's takes it (engine/graphs.py: every rank captures the same graphs, NCCL's all-reduces
+inside, or none). Block tables are identical on all ranks because only the leader decides them; each rank's paged cache holds its own KV
 heads (the spec probe sees the local head count). Embeddings and the LM head are whole on every rank,
 so sampling and the token statistics need no collective and the tokens come from the leader alone.
 
