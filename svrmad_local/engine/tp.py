@@ -14,8 +14,9 @@ follower lacks (one a sequence every block_size tokens, or a whole table after i
 follower rebuilds the same StepInput the leader runs. Every rank runs it through the static decode path
 where the leader's takes it (engine/graphs.py: every rank captures the same graphs, NCCL's all-reduces
 inside, or none). Block tables are identical on all ranks because only the leader decides them; each
-rank's paged cache holds its own KV heads (the spec probe sees the local head count). Embeddings and the LM head are whole on every rank,
-so sampling and the token statistics need no collective and the tokens come from the leader alone.
+rank's paged cache holds its own KV heads (the spec probe sees the local head count). Embeddings and the
+LM head are whole on every rank, so sampling and the token statistics need no collective and the tokens
+come from the leader alone.
 
 Several groups may share one launch (replicas of a TP group, svrmad_local/job/launch.py): every collective
 here names its group.
