@@ -90,7 +90,7 @@ def all_reduce(t: torch.Tensor, group: Group) -> torch.Tensor:
 # The header: [kind (STOP or STEP), ids, runs, num_decode, copies, keys (-1: None), blocks (the new blocks of
 # all runs)]; each run's numbers: start, end, blocks kept, blocks new, the last block kept (-1: none)
 HEADER, STOP, STEP, RUN = 7, 0, 1, 5
-KEEP = 1024  # the sequences a channel's mirrors keep: several times a step's, so a running one is never dropped
+KEEP = 1024  # the sequences a channel's mirrors keep: many times a step's (max_num_seqs, 64 by default)
 
 
 class TablesDisagree(RuntimeError):
