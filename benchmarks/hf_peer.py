@@ -14,8 +14,9 @@ engine's; sampling is the engine's settings (temperature, top-p, top-k) from one
 
 transformers makes a new static cache at each `generate` call (5.17 and 5.24 alike), sized
 `max_cache_len`: the peer asks for the longest call's length every time, so each call's cache has the
-same shape and the compiled graph is reused (under CUDA graphs a new cache's address makes the graph
-record again once a call: that is what transformers' `generate` does, and it is counted)."""
+same shape and the compiled graph is reused. Under CUDA graphs torch records a graph again when a static
+input's address changes, as a new cache's does, so the peer's graph may record again once a call: that is
+what transformers' `generate` costs, and it is counted."""
 
 from __future__ import annotations
 
