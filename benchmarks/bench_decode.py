@@ -2,7 +2,7 @@
 
     python benchmarks/bench_decode.py [--model PATH [--random-weights]] [--dtype fp32|bf16] [--batches 1,8,32]
         [--prompt-tokens 32] [--new-tokens 128] [--greedy] [--engine decoder=modules,...]
-        [--vllm-python PATH [--vllm-dtype D]]
+        [--vllm-python PATH [--vllm-dtype D]] [--hf-compile [--hf-compile-mode M]]
 
 Each batch size B runs twice on fresh random prompts (distinct, so no prefix reuse): once with
 1 new token (prefill + first sample) and once with 1 + new_tokens; decode tokens/s is
@@ -16,8 +16,12 @@ bandwidth is measured with a large tensor sum (best of several), so
 Beside it, what the step's matmuls alone allow: B / (seconds of every linear of the model, LM head
 included, on B rows in its dtype, called as the engine's forward calls them, on its worker thread),
 i.e. a step with no attention, no sampling and no overhead; on a
-CPU without bf16 instructions this, not the bandwidth, bounds bf16. With --vllm-python the same prompts run through vLLM (bench_vs_vllm's worker) too. Last line: one
-JSON object.
+CPU without bf16 instructions this, not the bandwidth, bounds bf16. With --vllm-python the same prompts run through vLLM (bench_vs_vllm's worker) too.
+With --hf-compile they run through the peer that needs no install (hf_peer.py): transformers' own `generate`
+with its static cache and the decode forward under torch.compile, on its own copy of the same weights,
+measured the same way after an untimed warm-up (its compile) at each batch size; `engine_over_hf_compile`
+is the engine's tok/s over the peer's. A peer that fails says so in one line, its row's `hf_compile_error`.
+Last line: one JSON object.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ import torch
 from bench_engine import engine_overrides, load_bench_model
 from bench_mla import best_of
 from bench_vs_vllm import VLLM_DTYPES, VllmWorker, vllm_settings, vllm_unavailable
+from hf_peer import HfPeer, describe, one_line
+from hf_peer import measure as measure_peer
 from svrmad_local.engine.engine import Engine, EngineConfig
 from svrmad_local.engine.config import SamplingParams
 from svrmad_local.engine.families import linear_call
@@ -207,10 +213,12 @@ def sampling(i: int, max_tokens: int, greedy: bool) -> dict:
 
 def load(args):
     """The model of --model (default: the embedded one), or random weights at its config's shape, on
-    load_model's default device (CUDA where there is one)."""
+    load_model's default device (CUDA where there is one): the same weights at each call (the peer loads
+    its own copy)."""
     if not args.random_weights:
         return load_model(str(args.model or ensure_default_model()), dtype=args.dtype)
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
     return load_bench_model(argparse.Namespace(model=args.model, random_weights=True, dtype=args.dtype, device=device))
 
 
@@ -227,6 +235,63 @@ def timed_pair(generate, gen, B: int, args, vocab: int) -> tuple[float, float]:
     return times[0], times[1]
 
 
+def warm_up(generate, args, vocab: int) -> None:
+    """One short untimed pair at batch 2 (first-call costs: kernel builds, graph captures, a worker's start),
+    from prompts of its own."""
+    timed_pair(generate, torch.Generator().manual_seed(1), 2, argparse.Namespace(**{**vars(args), "new_tokens": 4}),
+               vocab)
+
+
+def free_memory() -> None:
+    """What the engine held, back to the device before another side loads its own copy of the model."""
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def run_peer(args, rows: list[dict], vocab: int, backend: str = "inductor") -> dict:
+    """transformers' generate with its static cache under torch.compile (hf_peer.py) on the engine's prompts,
+    its figures added to the engine's `rows`; a failure (loading, compiling, generating) is one line in the
+    row it hit, the bench goes on."""
+    gen = torch.Generator().manual_seed(0)  # the engine's timed prompts again
+    try:
+        model = load(args).model
+        peer = HfPeer(model, args.prompt_tokens + 1 + args.new_tokens, mode=args.hf_compile_mode, backend=backend)
+        info = describe(model.device, args.hf_compile_mode, backend)
+    except Exception as e:  # noqa: BLE001 - the engine's figures stand without the peer
+        for row in rows:
+            row["hf_compile_error"] = one_line(e)
+        return {"error": one_line(e)}
+    info["sampling"] = "greedy" if args.greedy else "the engine's temperature, top-p and top-k; one seed a batch"
+    info["threads"] = torch.get_num_threads()
+    if model.device.type == "cuda":  # what the engine left held when the peer started
+        info["cuda_allocated_gb_at_start"] = round(torch.cuda.memory_allocated() / 2**30, 2)
+    timed = lambda generate, g, B: timed_pair(generate, g, B, args, vocab)  # noqa: E731
+    peer_rows = measure_peer(peer, [r["batch"] for r in rows], timed, torch.Generator().manual_seed(2), gen,
+                             args.repeat, args.new_tokens)
+    for row, more in zip(rows, peer_rows):
+        more.pop("batch")
+        row.update(more)
+        if "hf_compile_tok_s" in row:
+            row["engine_over_hf_compile"] = round(row["engine_tok_s"] / row["hf_compile_tok_s"], 2)
+    del peer, model
+    free_memory()
+    return info
+
+
+def print_table(rows: list[dict]) -> None:
+    """The engine beside the peer and the weight-streaming limit, one line a batch size."""
+    print(f"{'batch':>5}  {'engine tok/s':>12}  {'hf compile tok/s':>16}  {'engine/hf':>9}  {'limit tok/s':>11}")
+    for r in rows:
+        peer = (f"{r['hf_compile_tok_s']:16.1f}  {r['engine_over_hf_compile']:8.2f}x" if "hf_compile_tok_s" in r
+                else f"{'failed':>16}  {'':>9}")
+        print(f"{r['batch']:5d}  {r['engine_tok_s']:12.1f}  {peer}  {r['limit_bandwidth_tok_s']:11.1f}"
+              + (f"   transformers generate (static cache, compiled) failed: {r['hf_compile_error']}"
+                 if "hf_compile_error" in r else ""))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="checkpoint folder (default: the embedded SmolLM2-135M-Instruct)")
@@ -240,6 +305,10 @@ def main() -> int:
     ap.add_argument("--engine", help="EngineConfig overrides for our engine, e.g. decoder=modules or linear=onednn")
     ap.add_argument("--vllm-python", help="also run vLLM (see bench_vs_vllm.py)")
     ap.add_argument("--vllm-dtype", choices=["float32", "bfloat16"], help="default: the same as --dtype")
+    ap.add_argument("--hf-compile", action="store_true",
+                    help="also run transformers' generate with its static cache under torch.compile (hf_peer.py)")
+    ap.add_argument("--hf-compile-mode", help="torch.compile's mode for the peer (default: reduce-overhead on CUDA, "
+                                              "default elsewhere)")
     ap.add_argument("--host-ops", action="store_true",
                     help="count the torch ops one decode step dispatches at each batch size, and stop")
     ap.add_argument("--json", action="store_true", help="with --host-ops: one JSON object only")
@@ -292,8 +361,8 @@ def main() -> int:
                 print(f"    {t:8.4f}  {calls:7.1f}  {name}")
         print(json.dumps({"profile": prof, "engine": args.engine, "dtype": args.dtype}))
         return 0
-    gen = torch.Generator().manual_seed(0)
-    timed_pair(engine_generate, gen, 2, argparse.Namespace(**{**vars(args), "new_tokens": 4}), vocab)  # warm-up
+    gen = torch.Generator().manual_seed(0)  # the timed prompts: the same for every side
+    warm_up(engine_generate, args, vocab)
     rows = []
     for B in batches:
         steps0 = engine.totals.steps
@@ -314,8 +383,14 @@ def main() -> int:
               "bandwidth_gb_s": round(bw / 1e9, 2), "weight_bytes_per_step": w_bytes,
               "kv_bytes_per_token": kv_tok, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
               "greedy": args.greedy, "rows": rows}
-    if not why_not:
+    if args.hf_compile or not why_not:
+        engine.close()
         del lm, engine
+        free_memory()
+    if args.hf_compile:
+        result["hf_peer"] = run_peer(args, rows, vocab)
+        print_table(rows)
+    if not why_not:
         vdtype = args.vllm_dtype or VLLM_DTYPES[args.dtype]
         worker = VllmWorker(args.vllm_python, vllm_settings(model_path, vdtype))
 
@@ -324,7 +399,7 @@ def main() -> int:
 
         gen = torch.Generator().manual_seed(0)  # the engine's prompts again
         try:
-            timed_pair(vllm_generate, gen, 2, argparse.Namespace(**{**vars(args), "new_tokens": 4}), vocab)
+            warm_up(vllm_generate, args, vocab)
             for row in rows:
                 pairs = [timed_pair(vllm_generate, gen, row["batch"], args, vocab) for _ in range(args.repeat)]
                 row["vllm_tok_s"] = round(statistics.median(row["batch"] * args.new_tokens / (t_full - t_pre)

@@ -45,11 +45,15 @@ FIRST = ["env", "deps", "package", "models"]  # every call runs these first (eac
 # at batch 1), `mla-*` (absorbed MLA decode at 128 heads and a TP-8 rank's 16, 1k and 16k tokens, against
 # the latent's read rate), `long-1k` / `long-16k` (decode tok/s at batch 1 and 32 after 1k and 16k prompt
 # tokens, GPT-OSS-120B at 4 layers) and `memory` (a 16k-token run at the default KV budget: peak reserved
-# against the total, the profiled forward against the plan's estimate).
-GPU_STEPS = ["tests", "graphs", "bf16", "flash", "run", "kernels", "fused", "engine", "decode", "profile", "quant",
-             "mla", "long", "memory"]
+# against the total, the profiled forward against the plan's estimate). Part 6, `decode-peer`, times decode
+# beside the peer that needs no install: transformers' generate with its static cache under torch.compile
+# (bench_decode --hf-compile), at batch 1, 8 and 32, in the same run.
+GPU_STEPS = ["tests", "graphs", "bf16", "flash", "run", "kernels", "fused", "engine", "decode", "decode-peer",
+             "profile", "quant", "mla", "long", "memory"]
 PARTS = {"1": FIRST + ["tests", "graphs", "bf16", "flash", "run"], "2": FIRST + ["kernels", "fused", "decode"],
-         "3": FIRST + ["engine"], "4": FIRST + ["quant", "mla"], "5": FIRST + ["long", "memory"]}
+         "3": FIRST + ["engine"], "4": FIRST + ["quant", "mla"], "5": FIRST + ["long", "memory"],
+         "6": FIRST + ["decode-peer"]}
+PEER_MODELS = ["qwen3-1.7b"]
 # the paper's main model at a few layers (random bf16 weights at GPT-OSS-120B's real widths, two sliding and two
 # full layers, all 128 experts: ~28 GB): the long-context decode and memory steps' model
 LONG_MODEL, LONG_LAYERS = "gpt-oss-120b-4l", 4
@@ -118,10 +122,8 @@ class Check:
             step.reason = "needs CUDA: " + ("dry run on a CPU machine" if self.dry else "no CUDA device here")
             return
         if self.left() < expect:
-            group = step.name.split("-")[0]
-            group = "decode" if group == "host" else group
             step.reason = (f"{self.left():.0f} s left in this call, the step may take {expect} s: run it in the next "
-                           f"call (--steps {group})")
+                           f"call (--steps {group_of(step.name)})")
             return
         limit = int(self.left())
         log = self.out / "logs" / f"{step.name}.log"
@@ -251,6 +253,13 @@ class Check:
         return [] if total < CARRY_LIMIT else [f"{total} bytes to carry, over the {CARRY_LIMIT} limit"]
 
 
+def group_of(name: str) -> str:
+    """The --steps name that runs step `name` (`decode-peer-qwen3-1.7b` -> decode-peer, `host-ops-...` -> decode)."""
+    if name.startswith("host-ops"):
+        return "decode"
+    return max((g for g in GPU_STEPS if name == g or name.startswith(g + "-")), key=len, default=name.split("-")[0])
+
+
 def long_model(models: Path) -> Path:
     """GPT-OSS-120B's published config cut to its first LONG_LAYERS layers, without its quantization (random
     bf16 weights), beside the harmony tokenizer the models step trained for the packed GPT-OSS."""
@@ -347,6 +356,14 @@ def _memory_json(text: str):
     return obj, obj.pop("failures", [])
 
 
+def _peer_json(text: str):
+    """bench_decode --hf-compile's last line; a batch size the peer failed at fails the step, with its line."""
+    obj, failures = _last_json(text)
+    failures += [f"the peer at batch {r['batch']}: {r['hf_compile_error']}" for r in obj.get("rows", [])
+                 if "hf_compile_error" in r]
+    return obj, failures
+
+
 def _last_json(text: str):
     for line in reversed(text.strip().splitlines()):
         if line.startswith("{"):
@@ -359,13 +376,15 @@ def main(argv=None) -> int:
     ap.add_argument("out", type=Path, help="where summary.json and logs/ go")
     ap.add_argument("--dry-run", action="store_true", help="a CPU machine: everything but CUDA")
     ap.add_argument("--steps", help="comma-separated step names, or a part: 1 (tests, graphs, bf16, flash), "
-                                    "2 (kernels, fused, decode), 3 (engine), 4 (quant, mla) or 5 (long, memory); default: "
-                                    "all. env, deps, package, models always run")
+                                    "2 (kernels, fused, decode), 3 (engine), 4 (quant, mla), 5 (long, memory) or 6 "
+                                    "(decode-peer); default: all. env, deps, package, models always run")
     ap.add_argument("--budget-s", type=float, default=570.0, help="time this call may take (default 570)")
     ap.add_argument("--engine-models", default=",".join(ENGINE_MODELS),
                     help=f"the engine step's models (default {','.join(ENGINE_MODELS)})")
     ap.add_argument("--decode-models", default=ENGINE_MODELS[0],
                     help=f"the decode step's models, of {','.join(ENGINE_MODELS)} (default {ENGINE_MODELS[0]})")
+    ap.add_argument("--peer-models", default=",".join(PEER_MODELS),
+                    help=f"the decode-peer step's models, of {','.join(ENGINE_MODELS)} (default {','.join(PEER_MODELS)})")
     ap.add_argument("--decoders", default="auto",
                     help="the decode and profile steps' --decoder values, comma-separated (default auto; e.g. "
                          "auto,ours,modules times each side by side)")
@@ -378,7 +397,7 @@ def main(argv=None) -> int:
     if bad:
         print(f"gpu_check: unknown decoder(s) {', '.join(bad)}; decoders: auto, ours, modules", file=sys.stderr)
         return 2
-    models = set(args.engine_models.split(",")) | set(args.decode_models.split(","))
+    models = set(args.engine_models.split(",")) | set(args.decode_models.split(",")) | set(args.peer_models.split(","))
     if not models <= set(ENGINE_MODELS):
         print(f"gpu_check: unknown model(s) {', '.join(sorted(models - set(ENGINE_MODELS)))}; models: "
               f"{', '.join(ENGINE_MODELS)}", file=sys.stderr)
@@ -443,6 +462,11 @@ def main(argv=None) -> int:
                 if "profile" in wanted:  # where a decode step's time goes: the host, the device, which kernels
                     plan.append((f"profile-{model}{dtag}-graphs-{graphs}",
                                  base + ["--profile", "1", "--new-tokens", "32"], 40, _last_json))
+    if "decode-peer" in wanted:  # the engine (graphs auto) and transformers' compiled generate, same prompts, one run
+        for model in args.peer_models.split(","):
+            plan.append((f"decode-peer-{model}", [py, "benchmarks/bench_decode.py", "--model", str(m / model),
+                                                  "--random-weights", "--dtype", "bf16", "--batches", "1,8,32",
+                                                  "--hf-compile"], 300, _peer_json))
     # the packed GEMMs and absorbed MLA at the paper's shapes against the device's read rate, and the paper's
     # main model at long contexts: decode at 1k and 16k, and the memory a 16k run holds at the default budget
     if "quant" in wanted:

@@ -448,3 +448,78 @@ def test_bench_step_broadcast_sends_a_long_context_step_in_the_bytes_of_a_short_
     assert long["whole_bytes"] > 10 * long["delta_bytes"] and long["pickle_bytes"] > 5 * long["delta_bytes"]
     assert all(r[f"{w}_us"] > 0 for r in rows for w in bench_step_broadcast.WAYS)
     assert "whole/delta" in capsys.readouterr().out
+
+
+def peer_args(model, **kw) -> SimpleNamespace:
+    """bench_decode's arguments for the peer: a tiny checkpoint, a few tokens, greedy."""
+    return SimpleNamespace(**{"model": str(model), "random_weights": False, "dtype": "fp32", "prompt_tokens": 5,
+                              "new_tokens": 3, "repeat": 2, "greedy": True, "hf_compile_mode": None, **kw})
+
+
+def test_hf_peer_decodes_beside_the_engine_at_batch_1_and_2(tmp_path, tiny_tokenizer):
+    """bench_decode --hf-compile's peer (transformers' generate, static cache, forward under torch.compile;
+    dynamo's eager backend here, inductor's C++ build being minutes on this CPU): each batch size warmed up,
+    then tok/s from the tokens it really generated (the returned ids' shape), nothing compiled while timed,
+    and the engine's tok/s over the peer's beside them."""
+    import bench_decode
+
+    ck, _ = tiny_run_inputs(tmp_path, tiny_tokenizer)
+    rows = [{"batch": 1, "engine_tok_s": 50.0}, {"batch": 2, "engine_tok_s": 80.0}]
+    info = bench_decode.run_peer(peer_args(ck), rows, vocab=len(tiny_tokenizer), backend="eager")
+    assert info["compile"] == {"backend": "eager", "mode": "default", "fullgraph": True, "dynamic": False}
+    assert info["sampling"] == "greedy" and info["transformers"]
+    for row in rows:
+        assert "hf_compile_error" not in row, row
+        assert row["hf_compile_shape"] == [row["batch"], 5 + 1 + 3]  # the prompt, then 1 + new_tokens tokens
+        assert row["hf_compile_tok_s"] > 0 and row["hf_compile_new_graphs"] == 0
+        assert row["engine_over_hf_compile"] == round(row["engine_tok_s"] / row["hf_compile_tok_s"], 2)
+
+
+def test_hf_peer_ignores_eos_and_runs_the_forward_inductor_compiled(monkeypatch):
+    """A model whose every token is its EOS still gives every token asked for (the engine's ignore_eos), and
+    generate's decode steps go through torch.compile with inductor, as the benchmark runs it (the suite's one
+    inductor build: about 40 s on a busy 2-core CPU, for one layer)."""
+    from hf_peer import HfPeer
+
+    model = make_model("llama", vocab=400, layers=1)
+    with torch.no_grad():
+        model.lm_head.weight.zero_()  # every logit equal: greedy takes token 0 ...
+    model.generation_config.eos_token_id = 0  # ... which is the EOS
+    compiled = []
+    real = torch.compile
+
+    def counting(fn, **kw):
+        compiled.append(kw)
+        return real(fn, **kw)
+
+    monkeypatch.setattr(torch, "compile", counting)
+    peer = HfPeer(model, max_len=4 + 6)
+    params = [{"max_tokens": 6, "temperature": 0.0, "top_p": 0.95, "top_k": 40, "seed": 0}] * 2
+    assert peer.generate([[5, 6, 7, 8], [9, 10, 11, 12]], params) == [6, 6]
+    assert peer.last_shape == (2, 4 + 6)
+    assert compiled == [{"fullgraph": True, "dynamic": False, "backend": "inductor", "mode": "default", "options": None}]
+
+
+def test_a_failing_hf_peer_is_one_line_in_the_table_and_the_json(tmp_path, tiny_tokenizer, monkeypatch, capsys):
+    """torch.compile raising (a machine without a compiler, say) costs the peer's figures only: bench_decode
+    still prints the engine's, and the peer's error in one line, in its table and its JSON line."""
+    import json
+
+    import bench_decode
+
+    def broken(*a, **kw):
+        raise RuntimeError("no C++ compiler\nfound on this machine")
+
+    monkeypatch.setattr(torch, "compile", broken)
+    ck, _ = tiny_run_inputs(tmp_path, tiny_tokenizer)
+    monkeypatch.setattr(sys, "argv", ["bench_decode.py", "--model", str(ck), "--batches", "1,2", "--prompt-tokens", "5",
+                                      "--new-tokens", "3", "--repeat", "1", "--greedy", "--hf-compile"])
+    assert bench_decode.main() == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    result = json.loads(out[-1])
+    why = "RuntimeError: no C++ compiler found on this machine"
+    assert [r["hf_compile_error"] for r in result["rows"]] == [why, why]
+    assert all("engine_tok_s" in r and "hf_compile_tok_s" not in r for r in result["rows"])  # the engine's stand
+    assert result["hf_peer"]["compile"]["mode"] == "default"
+    table = [line for line in out if line.lstrip().startswith(("1 ", "2 "))]
+    assert len(table) == 2 and all(line.endswith(f"failed: {why}") for line in table), out

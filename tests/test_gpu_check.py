@@ -114,3 +114,28 @@ def test_the_paper_model_steps_are_listed_with_their_commands_and_skipped_on_a_c
     cfg = json.loads((folder / "config.json").read_text())
     assert cfg["num_hidden_layers"] == 4 and len(cfg["layer_types"]) == 4 and "quantization_config" not in cfg
     assert cfg["hidden_size"] == 2880 and cfg["num_local_experts"] == 128 and (folder / "tokenizer.json").exists()
+
+
+def test_the_decode_peer_step_runs_the_engine_beside_transformers_compiled_generate(tmp_path, monkeypatch):
+    """Part 6: bench_decode --hf-compile at Qwen3-1.7B's shape in bf16, batch 1, 8 and 32, skipped here with its
+    command; a batch size the peer failed at fails the step with its line; a step that does not fit the call's
+    time names the --steps that runs it."""
+    monkeypatch.setenv("SVRMAD_GPU_CHECK_WORK", str(tmp_path / "work"))
+    out = tmp_path / "out"
+    assert gpu_check.main([str(out), "--dry-run", "--steps", "6"]) == 0
+    steps = [s for s in json.loads((out / "summary.json").read_text())["steps"] if s["needs_cuda"]]
+    assert [s["name"] for s in steps] == ["decode-peer-qwen3-1.7b"] and steps[0]["status"] == "skipped"
+    cmd = steps[0]["command"]
+    assert cmd[1] == "benchmarks/bench_decode.py" and "--hf-compile" in cmd and "--random-weights" in cmd
+    assert cmd[cmd.index("--model") + 1].endswith("qwen3-1.7b") and cmd[cmd.index("--dtype") + 1] == "bf16"
+    assert cmd[cmd.index("--batches") + 1] == "1,8,32"
+    rows = [{"batch": 1, "engine_tok_s": 9.0, "hf_compile_tok_s": 6.0}, {"batch": 8, "engine_tok_s": 70.0,
+                                                                          "hf_compile_error": "RuntimeError: OOM"}]
+    figures, failures = gpu_check._peer_json("table\n" + json.dumps({"rows": rows}) + "\n")
+    assert figures["rows"] == rows and failures == ["the peer at batch 8: RuntimeError: OOM"]
+    chk = gpu_check.Check(tmp_path / "late", dry=False, budget_s=10)
+    step = gpu_check.Step("decode-peer-qwen3-1.7b", needs_cuda=False)
+    chk.run(step, [sys.executable, "-c", "pass"], expect=300)
+    assert step.status == "skipped" and step.reason.endswith("(--steps decode-peer)"), step.reason
+    assert [gpu_check.group_of(n) for n in ("host-ops-graphs-off", "decode-graphs-auto", "engine-qwen3-1.7b")] == [
+        "decode", "decode", "engine"]
