@@ -67,10 +67,11 @@ def prepare(params: list[SamplingParams], generators: list[random.Random], vocab
 
 
 def draw(logits: torch.Tensor, temps: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor, u: torch.Tensor,
-         greedy: torch.Tensor, K: int) -> torch.Tensor:
+         greedy: torch.Tensor | None, K: int) -> torch.Tensor:
     """Token ids [R] from `logits` [R, V] fp32 and the rows' temperature [R] (fp32), top-k [R] (long),
-    top-p [R] (fp32), uniform draw [R] (float64) and greedy mask [R] (bool): row by row, so a row's
-    token depends on its own row only. `K`: the top-k width (V: a full sort)."""
+    top-p [R] (fp32), uniform draw [R] (float64) and greedy mask [R] (bool; None: no row is greedy, and
+    no argmax is taken, which costs as much as the rest on a CPU at a large vocabulary): row by row, so
+    a row's token depends on its own row only. `K`: the top-k width (V: a full sort)."""
     V = logits.shape[1]
     lg = logits / temps.unsqueeze(1)
     # top-k first (a partial sort): sorting 150k logits is the cost
@@ -85,7 +86,8 @@ def draw(logits: torch.Tensor, temps: torch.Tensor, ks: torch.Tensor, ps: torch.
     pos = torch.searchsorted(cum, target, right=True).clamp(max=vals.shape[1] - 1)
     # never land on a masked-out token (float rounding at the very top of the CDF)
     pos = torch.minimum(pos, (probs > 0).sum(-1, keepdim=True) - 1)
-    return torch.where(greedy, logits.argmax(-1), idx.gather(1, pos).squeeze(1))
+    picked = idx.gather(1, pos).squeeze(1)
+    return picked if greedy is None else torch.where(greedy, logits.argmax(-1), picked)
 
 
 def columns(table: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
@@ -100,7 +102,8 @@ def sample_rows(logits: torch.Tensor, draws: Draws) -> torch.Tensor:
     running on the GPU)."""
     if draws.greedy:
         return logits.argmax(-1)
-    return draw(logits, *columns(staged(draws.table, torch.float64, logits.device), logits.dtype), draws.K)
+    temps, ks, ps, u, greedy = columns(staged(draws.table, torch.float64, logits.device), logits.dtype)
+    return draw(logits, temps, ks, ps, u, greedy if draws.table[4].any() else None, draws.K)
 
 
 def sample(logits: torch.Tensor, temperature: list[float], top_k: list[int], top_p: list[float],

@@ -59,8 +59,9 @@ def pack(tokens: torch.Tensor, st: StepStats) -> torch.Tensor:
     """A step's sampled tokens [R] and their statistics as one [R, 3 + 2k] float64 tensor, which the host
     reads at once: token id, log-prob, entropy, the k top log-probs, the k top ids (ids and fp32 values
     are exact in float64)."""
-    cols = (tokens.unsqueeze(1), st.logprob.unsqueeze(1), st.entropy.unsqueeze(1), st.topk_logprobs, st.topk_ids)
-    return torch.cat([c.to(torch.float64) for c in cols], dim=1)
+    # one float64 column makes the concatenation float64 (torch.cat promotes), converting the others in it
+    return torch.cat((tokens.to(torch.float64).unsqueeze(1), st.logprob.unsqueeze(1), st.entropy.unsqueeze(1),
+                      st.topk_logprobs, st.topk_ids), dim=1)
 
 
 def unpack(row: list[float], k: int) -> tuple[int, float, float, list[float], list[int]]:
