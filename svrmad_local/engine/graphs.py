@@ -404,8 +404,8 @@ class StaticDecode:
             hit[0].replay()
             self.replays += 1
             out = hit[1]
-        else:
-            out = self._forward(P, W)
+        else:  # run eagerly: the head and the sampling only where they are wanted (a graph runs them always)
+            out = self._forward(P, W) if fits else Decoded(self._body(P, W))
         out = out.rows(B)
         return out if fits else Decoded(out.hidden)
 
