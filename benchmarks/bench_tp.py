@@ -70,9 +70,9 @@ def worker(args) -> None:
     steps = [0]
     execute = engine.runner.execute
 
-    def counted(step):
+    def counted(step, *rest):
         steps[0] += 1
-        return execute(step)
+        return execute(step, *rest)
 
     engine.runner.execute = counted
     wall = None

@@ -34,9 +34,9 @@ def record(path: str):
 
     inner = ModelRunner.execute
 
-    def execute(self, step):
+    def execute(self, step, *rest):
         t = time.perf_counter()
-        result = inner(self, step)
+        result = inner(self, step, *rest)
         end = time.perf_counter()
         nd, bs = step.num_decode, self.block_size
         read = [blocks[: -(-e // bs)] for _s, e, blocks in step.runs[:nd]]

@@ -378,9 +378,9 @@ def test_a_one_rank_nccl_group_captures_the_decode_graph_with_its_all_reduce_ins
             counts["all_reduce"] += 1
             return all_reduce(*a, **k)
 
-        def counted_step(step):
+        def counted_step(step, *rest):
             counts["steps"] += 1
-            return execute(step)
+            return execute(step, *rest)
 
         monkeypatch.setattr(dist, "all_reduce", counted_reduce)
         eng.runner.execute = counted_step

@@ -6,12 +6,17 @@
 * Nothing in the step returns to the host or freezes host data (`HostSyncCheck`, a dispatch mode), on
   every architecture, for the probe and for real steps; and the check does see such ops where they are
   (dynamic RoPE, the packed MoE experts' loop), which turns graphs off with the op and line named.
+* The step samples inside (the LM head, the sampling's device part, the token statistics, one packed
+  buffer) where its rows all sample at the default widths, and its tokens, log-probs, entropies and top-k
+  equal the dynamic path's bit for bit, sampled, greedy and mixed, padded or not; wider requests fall back
+  to sampling after the step, still equal; every step reads its results back with one `.tolist()`.
 * The padding rows' scratch block is never handed to a sequence.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -27,6 +32,7 @@ from .model_zoo import _COMMON, EXACT, WINDOW, loop_greedy, make_zoo_model, rand
 
 NEW = 10
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+SAMPLED = SamplingParams(temperature=1.0, top_p=0.95, top_k=40, max_tokens=NEW, ignore_eos=True)
 
 
 @pytest.fixture(scope="module", params=EXACT)
@@ -44,9 +50,9 @@ def _record_shapes(eng):
     static, seen = eng.runner.static, []
     run = static.run
 
-    def recording(step, shape):
+    def recording(step, shape, draws=None):
         seen.append((step.num_decode, *shape))
-        return run(step, shape)
+        return run(step, shape, draws)
 
     static.run = recording
     return seen
@@ -76,23 +82,139 @@ def test_static_decode_is_token_exact_padded_and_unpadded(zoo):
 
 
 def test_no_op_of_the_static_step_returns_to_the_host(zoo):
+    """The step a graph captures, its LM head, sampling and statistics included, over sampled and greedy rows."""
     name, model = zoo
     eng = engine(model, cuda_graphs="static")
     static = eng.runner.static
-    assert static.found == [], (name, static.found)  # the probe step, at build
-    checks = []
+    assert static.found == [] and static.head_found == [] and static.sampling, (name, static.found, static.head_found)
+    checks, packed = [], []
     forward = static._forward
 
     def checked(P, W):
         with graphs.HostSyncCheck() as check:
             out = forward(P, W)
         checks.append(check)
+        packed.append(out.packed is not None)
         return out
 
     static._forward = checked
-    eng.generate_sync([rand_prompt(2 * WINDOW + 5 + i, 60 + i) for i in range(3)], GREEDY)
-    assert len(checks) == NEW - 1  # every decode step went through the static path
+    eng.generate_sync([rand_prompt(2 * WINDOW + 5 + i, 60 + i) for i in range(3)],
+                      [replace(SAMPLED, seed=1), GREEDY, replace(SAMPLED, seed=2)])
+    assert len(checks) == NEW - 1 and all(packed)  # every decode step went through the static path, sampling inside
     assert [c.found for c in checks] == [[]] * len(checks), name
+
+
+def test_a_head_that_returns_to_the_host_stays_out_of_the_step():
+    """An LM head the probe sees return to the host (here one that branches on a tensor) keeps only itself
+    and the sampling out of the step: the body's step stays static (graphs stay on where they can), the Step
+    samples after it, the info says why, and the tokens are the dynamic path's."""
+
+    class Branching(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.out_features = inner, inner.out_features
+
+        @property
+        def weight(self):
+            return self.inner.weight
+
+        def forward(self, x):
+            if x.sum() > 0:  # a read of a device value
+                pass
+            return self.inner(x)
+
+    model = make_zoo_model("llama")
+    model.lm_head = Branching(model.lm_head)
+    eng, plain = engine(model, cuda_graphs="static"), engine(model, cuda_graphs="off")
+    static = eng.runner.static
+    assert static.found == [] and not static.sampling
+    assert any("is_nonzero" in f or "_local_scalar_dense" in f for f in static.head_found), static.head_found
+    assert "the LM head and sampling after the step: aten." in eng.info["cuda_graphs"], eng.info["cuda_graphs"]
+    seen = _record_sampled_inside(eng)
+    prompts = [rand_prompt(2 * WINDOW + 5 + i, 150 + i) for i in range(3)]
+    plist = [replace(SAMPLED, seed=i) for i in range(3)]
+    assert _results(eng.generate_sync(prompts, plist)) == _results(plain.generate_sync(prompts, plist))
+    assert seen == [False] * (NEW - 1)
+
+
+def _record_sampled_inside(eng) -> list[bool]:
+    """Wraps the static path's run to record, for every step it runs, whether it sampled inside."""
+    static, seen = eng.runner.static, []
+    run = static.run
+
+    def recording(step, shape, draws=None):
+        out = run(step, shape, draws)
+        seen.append(out.packed is not None)
+        return out
+
+    static.run = recording
+    return seen
+
+
+def _results(outs) -> list:
+    return [(c.token_ids, c.logprobs, c.entropies, c.topk_logprobs, c.topk_ids) for o in outs for c in o.completions]
+
+
+# batches of 3 and 5 run as 4 and 8 rows; Gemma 3 with a final logit softcap (its LM head's tanh in the step).
+# (The MoE families are left out: their padding rows change how the experts group the rows, so their static
+# step is held to a cache-free loop's tokens, above, not to the dynamic path's bits.)
+@pytest.mark.parametrize("name,batch,softcap", [("llama", 3, None), ("llama", 5, None), ("gemma3", 3, 30.0)])
+def test_the_static_step_samples_inside_and_equals_the_dynamic_path_bit_for_bit(name, batch, softcap):
+    """Decode steps whose rows all sample at the default widths (top-k 40, 20 top log-probs) sample inside
+    the static step: seeded sampled requests, greedy ones and a mix of both in one batch give the dynamic
+    path's tokens, log-probs, entropies and top-k, bit for bit. A request asking a wider top-k (0: the whole
+    vocabulary) or more top log-probs makes its steps sample after the static step: equal too."""
+    model = make_zoo_model(name)
+    if softcap is not None:
+        model.config.get_text_config().final_logit_softcapping = softcap
+    eng, plain = engine(model, cuda_graphs="static"), engine(model, cuda_graphs="off")
+    seen = _record_sampled_inside(eng)
+    prompts = [rand_prompt(2 * WINDOW + 5 + i, 130 + i) for i in range(batch)]
+    sampled = [replace(SAMPLED, seed=i) for i in range(batch)]
+    mixed = [sampled[i] if i % 2 else GREEDY for i in range(batch)]
+    wide, more = [replace(sampled[0], top_k=0)] + sampled[1:], [replace(sampled[0], topk_logprobs=30)] + sampled[1:]
+    runs = {}
+    for what, plist, inside in (("sampled", sampled, True), ("greedy", [GREEDY] * batch, True), ("mixed", mixed, True),
+                                ("top_k 0", wide, False), ("30 top log-probs", more, False)):
+        seen.clear()
+        got = _results(eng.generate_sync(prompts, plist))
+        assert got == _results(plain.generate_sync(prompts, plist)), what
+        # every decode step ran the static path (from the second run on, the cached prompts' last token too)
+        assert len(seen) >= NEW - 1 and set(seen) == {inside}, (what, seen)
+        runs[what] = got
+    assert [len(r[4][0]) for r in runs["30 top log-probs"]] == [30] + [20] * (batch - 1)
+    assert runs["sampled"] != runs["greedy"] and runs["mixed"][0] == runs["greedy"][0]  # (the rows do sample)
+    assert eng.runner.softcap == softcap
+
+
+@pytest.mark.parametrize("mode", ["off", "static"])
+def test_a_step_reads_its_tokens_and_statistics_back_once(mode, monkeypatch):
+    """One read from the device a step: the sampled tokens, log-probs, entropies and top-k come back in
+    one packed tensor, on the dynamic path (computed after the forward) and the static one (inside it)."""
+    eng = engine(make_zoo_model("llama"), cuda_graphs=mode)
+    calls = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t, *a, **k: calls.append(1) or tolist(t, *a, **k))
+    inside = _record_sampled_inside(eng) if mode == "static" else []
+    checks = graphs.watch_steps(eng)
+    watched, per_step = eng.stepper._sample, []
+
+    def counted(*a, **k):
+        before = len(calls)
+        watched(*a, **k)
+        per_step.append(len(calls) - before)
+
+    eng.stepper._sample = counted
+    prompts = [rand_prompt(2 * WINDOW + 5 + i, 140 + i) for i in range(3)]
+    eng.generate_sync(prompts, [replace(SAMPLED, seed=1, max_tokens=4), replace(GREEDY, max_tokens=4),
+                                replace(SAMPLED, seed=2, max_tokens=4)])
+    assert per_step == [1] * 4, per_step  # the prefill step's first tokens, then three decode steps
+    assert inside == ([True] * 3 if mode == "static" else [])
+    samplings = checks[1::2]  # each step: its forward's check, then its sampling's
+    assert len(samplings) == 4 and all(len(c.syncs) == 1 and c.syncs[0].startswith("Tensor.tolist (step.py:")
+                                       and c.syncs[0].endswith("in _sample)") for c in samplings), \
+        [c.syncs for c in samplings]
+    assert all(graphs.waits(c) == [] for c in checks)
 
 
 def test_the_check_sees_what_would_return_to_the_host():
@@ -352,7 +474,13 @@ class StandIn:
                 err = fail(P, W)
                 if err is not None:
                     raise err
-                g.recompute = lambda: out.copy_(forward(static, P, W))
+                def recompute():
+                    again = forward(static, P, W)
+                    out.hidden.copy_(again.hidden)
+                    if out.packed is not None:
+                        out.packed.copy_(again.packed)
+
+                g.recompute = recompute
             return out
 
         monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
@@ -409,8 +537,9 @@ def test_the_graphs_memory_comes_out_of_the_kv_budget(monkeypatch):
     model = make_zoo_model("llama")
     eng = engine(model)
     static = eng.runner.static
-    hidden_row = model.config.hidden_size * 4  # fp32
-    reserve = 123_456 + sum(p for p, _ in static.shapes[1:]) * hidden_row
+    row = model.config.hidden_size * 4 + (3 + 2 * static.topk) * 8  # fp32 hidden states, float64 tokens and statistics
+    assert static.sampling
+    reserve = 123_456 + sum(p for p, _ in static.shapes[1:]) * row
     assert eng.built.budget.graph_reserve == reserve
     blocks = (eng.built.budget.bytes - reserve) // eng.built.budget.block_bytes
     assert eng.built.cache.k[0].shape[0] == blocks * eng.cfg.block_size and eng.blocks.num_blocks == blocks - 1

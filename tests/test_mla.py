@@ -261,11 +261,11 @@ def test_prefill_over_a_long_cached_context_expands_one_chunk_at_a_time(model, m
             eng.generate_sync([head], SamplingParams(temperature=0, max_tokens=1))  # the context, now cached
             counter, real = _LargestFloat(), eng.runner.execute
 
-            def counted(step, _real=real, _counter=counter):
+            def counted(step, *rest, _real=real, _counter=counter):
                 if step.num_decode:  # decode rows read the whole context by design (the torch reference)
-                    return _real(step)
+                    return _real(step, *rest)
                 with _counter.mode():
-                    return _real(step)
+                    return _real(step, *rest)
 
             eng.runner.execute = counted
             got = eng.generate_sync([tail], GREEDY)[0].completions[0].token_ids

@@ -143,9 +143,9 @@ def counting(engine):
     count = {"steps": 0, "all_reduce": 0}
     execute, all_reduce = engine.runner.execute, dist.all_reduce
 
-    def step(s):
+    def step(s, *rest):
         count["steps"] += 1
-        return execute(s)
+        return execute(s, *rest)
 
     def reduce(*args, **kwargs):
         count["all_reduce"] += 1
@@ -164,9 +164,9 @@ def static_steps(engine) -> list[int]:
     if static is not None:
         run = static.run
 
-        def counted(step, shape):
+        def counted(step, shape, *rest):
             box[0] += 1
-            return run(step, shape)
+            return run(step, shape, *rest)
 
         static.run = counted
     return box

@@ -353,10 +353,11 @@ def _graphs_info(static, choice) -> str:
     """Engine.info["cuda_graphs"]: the record's graphs choice, with what the captured graphs did since."""
     if static is None:
         return f"off: {choice.reason}"
+    head = f"; the LM head and sampling after the step: {static.head_found[0]}" if static.head_found else ""
     if static.capture:
         failed = ""
         if static.failed:
             (p, w), why = next(iter(static.failed.items()))
             failed = f"; {len(static.failed)} failed, run eagerly (batch {p}, width {w}: {why})"
-        return f"on ({len(static.graphs)} shapes captured, {static.replays} steps replayed{failed})"
-    return choice.value
+        return f"on ({len(static.graphs)} shapes captured, {static.replays} steps replayed{failed}{head})"
+    return choice.value + head

@@ -41,10 +41,17 @@ A Triton kernel that fails while a graph is captured raises (kernels._backend.fa
 falling back to its torch reference: the fallback would be recorded into the graph and the kernel turned
 off for every later eager step.
 
-Sampling and the token statistics run right after the replay, eagerly, and their first host read is
-the step's `.tolist()` of the sampled tokens (a `HostSyncCheck` test holds them to that); the sampling
-parameters stay Python values because the per-sample random streams are drawn on the host, and reach
-the device pinned, without blocking (kernels._backend.staged).
+The step ends with its tokens: after the body, the LM head (fp32, softcapped: `runner.logits`), the
+sampling's device part (engine/sampler.py `draw`: fixed shapes, greedy rows by argmax) and the token
+statistics (engine/stats.py) run inside it, and it writes one packed float64 buffer per row (token,
+log-prob, entropy, top log-probs and ids: stats.pack), which the Step reads with its one `.tolist()`.
+The sampling's host part (temperatures, top-k, top-p, one uniform draw per non-greedy sample from its
+own stream) is loaded with the ids, staged without blocking (kernels._backend.staged). The graph holds
+the default widths (sampler.SAMPLE_TOP_K, stats.STATS_TOP_K): a step whose requests ask a wider top-k
+(top_k 0 or past it) or more top log-probs, or whose rows do not all sample (a one-token prefill chunk, a
+fork, a scoring request), takes the step's hidden rows instead and samples after it, eagerly, with the
+same ops. So does every step where the head cannot run inside it: on another device than the body, or
+doing something the probe sees return to the host (`head_found`).
 """
 
 from __future__ import annotations
@@ -63,7 +70,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from svrmad_local.kernels._backend import staged
 
-from . import tp
+from . import sampler, stats, tp
 from .attention import StepContext
 from .kv_cache import BlockTables
 
@@ -241,7 +248,7 @@ def watch_steps(engine) -> list[HostSyncCheck]:
 
 def waits(check: HostSyncCheck) -> list[str]:
     """A watched call's syncs but the one read a step makes on purpose: its sampled tokens and their
-    statistics (`.tolist()` in `_sample`)."""
+    statistics, packed in one tensor (the `.tolist()` in `_sample`)."""
     return [s for s in check.syncs if not ("Tensor.tolist" in s and "in _sample" in s)]
 
 
@@ -305,11 +312,24 @@ class Plan:
     capture: bool
 
 
+@dataclass
+class Decoded:
+    """What a static step gives the Step: the final hidden states [rows, H] and, where the step sampled
+    inside (`packed`, else None), its rows' tokens and statistics as stats.pack lays them out [rows, 3 + 2k]."""
+
+    hidden: torch.Tensor
+    packed: torch.Tensor | None = None
+
+    def rows(self, n: int) -> "Decoded":
+        return Decoded(self.hidden[:n], None if self.packed is None else self.packed[:n])
+
+
 class StaticDecode:
     """The static-shape decode path over one runner, with a graph per (batch size, width) captured at
     start-up by `capture_all` where `capture` (CUDA), else run eagerly. `scratch` is a block of the
     cache no sequence owns. Built, it runs one probe step (a padding row only: it writes the scratch
-    block) under `HostSyncCheck`; `found` lists what would keep a graph from capturing the step."""
+    block) under `HostSyncCheck`; `found` lists what would keep a graph from capturing the step's body,
+    `head_found` what keeps the LM head and the sampling out of it (the step then ends at the hidden states)."""
 
     def __init__(self, runner, max_num_seqs: int, max_blocks: int, scratch: int, capture: bool):
         self.runner, self.scratch, self.capture = runner, scratch, capture
@@ -319,6 +339,11 @@ class StaticDecode:
         self.inputs[2] = scratch * runner.block_size
         self.lens = torch.ones(n, dtype=torch.int32, device=dev)  # context lengths (the kernels take int32)
         self.tables = {w: torch.full((n, w), scratch, dtype=torch.int32, device=dev) for w in self.widths}
+        vocab = runner.lm_head.out_features
+        self.K, self.topk = min(sampler.SAMPLE_TOP_K, vocab), min(stats.STATS_TOP_K, vocab)  # the widths it holds
+        # the sampling's host part (sampler.Draws.table), the padding rows' (greedy: they draw nothing) to start
+        self.draws = torch.from_numpy(self._padding_draws(n)).to(dev)
+        self.sampling = False  # whether the step samples inside (decided by the probe below)
         self.graphs: dict[tuple[int, int], tuple] = {}
         self.failed: dict[tuple[int, int], str] = {}  # shapes whose capture failed: they run eagerly
         self.pool = None
@@ -326,8 +351,10 @@ class StaticDecode:
         self.replays = 0
         self.group = tp.group_of(runner.model)  # tensor parallel: every rank runs every static step
         with torch.inference_mode(), HostSyncCheck() as check:
-            self._forward(1, self.widths[0])
+            hidden = self._body(1, self.widths[0])
         self.found = check.found
+        self.head_found = self._probe_head(hidden)
+        self.sampling = not self.head_found
         if self.group is not None:  # all ranks capture, or none: a capture's warm-up step meets in collectives
             others = [r for r in tp.ranks_where([self.found], dev, self.group)[0] if r != self.group.rank]
             if others and not self.found:
@@ -349,17 +376,38 @@ class StaticDecode:
             return None
         return self.sizes[bisect.bisect_left(self.sizes, B)], self.widths[bisect.bisect_left(self.widths, widest)]
 
-    def run(self, step, shape: tuple[int, int]) -> torch.Tensor:
-        """Final hidden states [B, H] of a decode-only step (rows in the step's order) at `shape`:
-        the shape's graph replayed, or (no graph: not captured, or its capture failed) run eagerly."""
+    def _probe_head(self, hidden: torch.Tensor) -> list[str]:
+        """Why the LM head and the sampling cannot run inside the step (empty: they can): a head on another
+        device than the body, or what the probe step's head and sampling (the padding row) do that returns
+        to the host."""
+        head = self.runner.lm_head.weight.device
+        if head != torch.device(self.runner.device):
+            return [f"the LM head is on {head}, the body on {self.runner.device}"]
+        with torch.inference_mode(), HostSyncCheck() as check:
+            self._decide(hidden, 1)
+        return check.found
+
+    def fits(self, draws) -> bool:
+        """Whether the step can sample `draws` (sampler.Draws, None: not to be sampled in the step) inside: the
+        widths it holds, the head inside."""
+        return self.sampling and draws is not None and (draws.K, draws.topk) == (self.K, self.topk)
+
+    def run(self, step, shape: tuple[int, int], draws=None) -> Decoded:
+        """A decode-only step (rows in the step's order) at `shape`: the shape's graph replayed, or (no
+        graph: not captured, or its capture failed) run eagerly. Its hidden states [B, H], and its rows'
+        tokens and statistics where `draws` (the sampling's host part) fits the step (`fits`), else None."""
         B, (P, W) = step.num_decode, shape
-        self._load(step, P, W)
+        fits = self.fits(draws)
+        self._load(step, P, W, draws if fits else None)
         hit = self.graphs.get((P, W))
         if hit is not None:
             hit[0].replay()
             self.replays += 1
-            return hit[1][:B]
-        return self._forward(P, W)[:B]
+            out = hit[1]
+        else:  # run eagerly: the head and the sampling only where they are wanted (a graph runs them always)
+            out = self._forward(P, W) if fits else Decoded(self._body(P, W))
+        out = out.rows(B)
+        return out if fits else Decoded(out.hidden)
 
     @torch.inference_mode()
     def capture_all(self, shapes: list[tuple[int, int]] | None = None) -> None:
@@ -391,9 +439,10 @@ class StaticDecode:
                 del self.graphs[(P, W)]
                 self.failed[(P, W)] = f"its capture failed on tensor-parallel rank {ranks[0]}"
 
-    def _load(self, step, P: int, W: int) -> None:
+    def _load(self, step, P: int, W: int, draws=None) -> None:
         """Copies the step into the static buffers: ids, positions and slots and lengths from host arrays
-        (numpy, staged without blocking: a few calls at any batch size); the block table's rows from the
+        (numpy, staged without blocking: a few calls at any batch size), and the sampling's host part
+        (`draws`, sampler.Draws, where the step samples inside); the block table's rows from the
         runner's device copy (appended to, kv_cache.DeviceTables), the padding rows' reading the scratch
         block: the host work does not grow with the context."""
         bs, B, dev = self.runner.block_size, step.num_decode, self.runner.device
@@ -409,8 +458,31 @@ class StaticDecode:
         rows = self.runner.decode_tables(step).block_table
         self.tables[W][:B, : rows.shape[1]].copy_(rows)
         self.tables[W][B:P].fill_(self.scratch)
+        if draws is not None:
+            table = np.empty((5, P), dtype=np.float64)
+            table[:, :B] = draws.table
+            table[:, B:] = self._padding_draws(P - B)
+            self.draws[:, :P].copy_(staged(torch.from_numpy(table), torch.float64, dev))
 
-    def _forward(self, P: int, W: int) -> torch.Tensor:
+    def _padding_draws(self, n: int) -> np.ndarray:
+        """The sampling table of `n` padding rows: greedy (temperature 1, nothing masked, no draw)."""
+        return np.repeat(np.array([[1.0], [self.K], [1.0], [0.0], [1.0]]), n, axis=1)
+
+    def _forward(self, P: int, W: int) -> Decoded:
+        """The step of shape (P, W) over the static buffers (what a graph captures): the body and, where
+        the step samples inside, the head, the sampling and the statistics."""
+        hidden = self._body(P, W)
+        return Decoded(hidden, self._decide(hidden, P) if self.sampling else None)
+
+    def _decide(self, hidden: torch.Tensor, P: int) -> torch.Tensor:
+        """The rows' tokens and statistics, packed (stats.pack): the head's fp32 logits, sampled from the
+        loaded draws at the widths the step holds."""
+        logits = self.runner.logits(hidden)
+        toks = sampler.draw(logits, *sampler.columns(self.draws[:, :P], logits.dtype), self.K)
+        return stats.pack(toks, stats.stats_from_logits(logits, toks, self.topk))
+
+    def _body(self, P: int, W: int) -> torch.Tensor:
+        """The model body over the static buffers: final hidden states [P, H]."""
         r = self.runner
         ids, pos, slots = self.inputs[0, :P], self.inputs[1, :P], self.inputs[2, :P]
         ctx = StepContext(r.cache, r.spec.layers, slots, [], P, r.static_paths,
@@ -453,7 +525,8 @@ def graph_memory(runner, max_num_seqs: int, max_blocks: int) -> tuple[int, list[
     probe.capture_all(probe.shapes[:1])
     taken = probe.pool_bytes
     out = probe._forward(1, probe.widths[0])
-    rest = sum(p for p, _ in probe.shapes[1:]) * out.shape[-1] * out.element_size()
+    row = sum(t.shape[-1] * t.element_size() for t in (out.hidden, out.packed) if t is not None)
+    rest = sum(p for p, _ in probe.shapes[1:]) * row
     del probe, out
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

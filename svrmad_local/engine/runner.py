@@ -74,22 +74,24 @@ class ModelRunner:
         return StepInput(ids, runs, len(batch.decode), batch.copies, keys)
 
     @torch.inference_mode()
-    def forward(self, batch: Batch) -> torch.Tensor:
+    def forward(self, batch: Batch, draws=None) -> torch.Tensor | graphs.Decoded:
         """Runs the model over the step's new tokens; returns the final hidden states [T, H] in the
-        order of `batch.work` (the decode runs, then the prefill runs)."""
+        order of `batch.work` (the decode runs, then the prefill runs), or, where the static decode path
+        ran the step, a `graphs.Decoded`: its hidden states, and its rows' tokens and statistics where
+        it sampled `draws` (sampler.Draws of a step whose every row samples; None: the Step samples)."""
         step = self.prepare(batch)
         if self.tp is not None:
             self.tp.send(step)
-        return self.execute(step)
+        return self.execute(step, draws)
 
     @torch.inference_mode()
-    def execute(self, step: StepInput) -> torch.Tensor:
+    def execute(self, step: StepInput, draws=None) -> torch.Tensor | graphs.Decoded:
         """Runs one step on this rank (the leader's, or one a tensor-parallel follower received): its
-        queued cache copies first, then the forward."""
+        queued cache copies first, then the forward (`forward` says what it returns)."""
         self.cache.apply_copies(step.copies)
         shape = self.static.shape(step) if self.static is not None else None
         if shape is not None:
-            return self.static.run(step, shape)
+            return self.static.run(step, shape, draws)
         dev, bs = self.device, self.block_size
         pos, slot_map, runs = [], [], []
         row = 0

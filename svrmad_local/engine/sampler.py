@@ -1,57 +1,113 @@
-"""Sampling with one random stream per sample.
+"""Sampling with one random stream per sample, in two parts: what the host draws, what the device computes.
 
 Each sample owns a `random.Random` (seeded from its request's seed and its index) and draws exactly
-one uniform number per token, which it maps through the inverse CDF of its (temperature, top-k,
-top-p)-warped distribution sorted by probability. The token therefore depends only on that sample's
-logits and its own stream, never on batch mates: seeded requests are reproducible whatever else
-shares the step. The draws are plain Python, so a step dispatches the same torch ops at any batch size.
+one uniform number per token (greedy samples draw none), which it maps through the inverse CDF of its
+(temperature, top-k, top-p)-warped distribution sorted by probability. The token therefore depends only
+on that sample's logits and its own stream, never on batch mates: seeded requests are reproducible
+whatever else shares the step.
+
+`prepare` is the host part: the rows' parameters and uniform draws as one table of numbers. `draw` is the
+device part: tensor ops of fixed shapes over every row alike (greedy rows included, their argmax chosen at
+the end), no value read back and no shape that depends on one, so the static decode step can run it inside
+what a CUDA graph captures (engine/graphs.py). The top-k width is at least SAMPLE_TOP_K, the default
+top_k: a batch of default requests always runs `topk(SAMPLE_TOP_K)`, the width the graph holds, and a row
+asking fewer masks the ranks past its own k inside that width.
 """
 
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from svrmad_local.kernels._backend import staged
 
+from .config import SamplingParams
+from .stats import STATS_TOP_K
 
-def sample(logits: torch.Tensor, temperature: list[float], top_k: list[int], top_p: list[float],
-           generators: list[random.Random]) -> torch.Tensor:
-    """`logits` [R, V] fp32; returns token ids [R] (on the logits' device). The host values (row indices,
-    temperatures, top-k, top-p, the uniform draws) reach the device through `staged`: pinned, never a
-    blocking copy, so the host is not held up by the step still running on the GPU."""
-    R, V = logits.shape
-    dev = logits.device
-    greedy = [i for i, t in enumerate(temperature) if t == 0]
-    if len(greedy) == R:
-        return logits.argmax(-1)
-    out = torch.empty(R, dtype=torch.long, device=dev)
-    if greedy:
-        g = staged(greedy, torch.long, dev)
-        out[g] = logits[g].argmax(-1)
-    rows = [i for i, t in enumerate(temperature) if t != 0]
-    every = len(rows) == R  # the usual case: no indexing (whose ops would depend on the batch)
-    at = None if every else staged(rows, torch.long, dev)
-    lg = (logits if every else logits[at]) / staged([temperature[i] for i in rows], logits.dtype, dev).unsqueeze(1)
-    ks = [top_k[i] if 0 < top_k[i] < V else V for i in rows]
-    kmax = max(ks)
-    # top-k first (a partial sort) when every row asks for one: sorting 150k logits is the cost
-    vals, idx = lg.topk(kmax, dim=-1) if kmax < V else lg.sort(dim=-1, descending=True)
+SAMPLE_TOP_K = SamplingParams.top_k  # the width of every step's top-k, at least (the default top_k)
+
+
+@dataclass(frozen=True)
+class Draws:
+    """The host part of one step's sampling, row i for sample i: `table` [5, R] float64 holds the
+    temperature (1 on greedy rows: they are not warped), the top-k (the vocabulary where a row asks none),
+    the top-p, the uniform draw (0 on greedy rows, which draw none) and 1 where the row is greedy; counts
+    are exact in float64. `K`: the top-k width the step samples from (the vocabulary: a full sort);
+    `topk`: the width of its statistics' top log-probs (stats.STATS_TOP_K at least, each row sliced to its own)."""
+
+    table: np.ndarray
+    K: int
+    topk: int
+
+    @property
+    def greedy(self) -> bool:
+        """Every row greedy: the argmax is the whole answer."""
+        return bool(self.table[4].all())
+
+    def __len__(self) -> int:
+        return self.table.shape[1]
+
+
+def prepare(params: list[SamplingParams], generators: list[random.Random], vocab: int) -> Draws:
+    """The rows' parameters as numbers, and one uniform draw from each non-greedy row's own stream,
+    for a vocabulary of `vocab` tokens."""
+    table = np.empty((5, len(params)), dtype=np.float64)
+    kmax = SAMPLE_TOP_K
+    for i, (p, gen) in enumerate(zip(params, generators)):
+        greedy = p.temperature == 0
+        k = p.top_k if 0 < p.top_k < vocab else vocab
+        if not greedy:
+            kmax = max(kmax, k)
+        table[:, i] = (1.0 if greedy else p.temperature, k, p.top_p, 0.0 if greedy else gen.random(), greedy)
+    topk = max([STATS_TOP_K] + [p.topk_logprobs for p in params])
+    return Draws(table, min(kmax, vocab), min(topk, vocab))
+
+
+def draw(logits: torch.Tensor, temps: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor, u: torch.Tensor,
+         greedy: torch.Tensor | None, K: int) -> torch.Tensor:
+    """Token ids [R] from `logits` [R, V] fp32 and the rows' temperature [R] (fp32), top-k [R] (long),
+    top-p [R] (fp32), uniform draw [R] (float64) and greedy mask [R] (bool; None: no row is greedy, and
+    no argmax is taken, which costs as much as the rest on a CPU at a large vocabulary): row by row, so
+    a row's token depends on its own row only. `K`: the top-k width (V: a full sort)."""
+    V = logits.shape[1]
+    lg = logits / temps.unsqueeze(1)
+    # top-k first (a partial sort): sorting 150k logits is the cost
+    vals, idx = lg.topk(K, dim=-1) if K < V else lg.sort(dim=-1, descending=True)
     ranks = torch.arange(vals.shape[1], device=vals.device)
-    vals = vals.masked_fill(ranks.unsqueeze(0) >= staged(ks, torch.long, dev).unsqueeze(1), float("-inf"))
+    vals = vals.masked_fill(ranks.unsqueeze(0) >= ks.unsqueeze(1), float("-inf"))
     probs = torch.softmax(vals, dim=-1)
     cum = probs.cumsum(-1)
-    p = staged([top_p[i] for i in rows], torch.float32, dev).unsqueeze(1)
-    probs = probs.masked_fill((cum - probs) >= p, 0.0)  # keep the smallest head whose mass reaches top-p
+    probs = probs.masked_fill((cum - probs) >= ps.unsqueeze(1), 0.0)  # the smallest head whose mass reaches top-p
     cum = probs.cumsum(-1)
-    u = staged([generators[i].random() for i in rows], torch.float64, dev)
     target = (u * cum[:, -1].double()).to(cum.dtype).unsqueeze(1)
     pos = torch.searchsorted(cum, target, right=True).clamp(max=vals.shape[1] - 1)
     # never land on a masked-out token (float rounding at the very top of the CDF)
     pos = torch.minimum(pos, (probs > 0).sum(-1, keepdim=True) - 1)
     picked = idx.gather(1, pos).squeeze(1)
-    if every:
-        return picked
-    out[at] = picked
-    return out
+    return picked if greedy is None else torch.where(greedy, logits.argmax(-1), picked)
+
+
+def columns(table: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """`draw`'s inputs from a [5, R] float64 table (Draws.table on the device): temperature in `dtype`
+    (the logits'), top-k, top-p, u, greedy mask."""
+    return table[0].to(dtype), table[1].long(), table[2].float(), table[3], table[4] != 0
+
+
+def sample_rows(logits: torch.Tensor, draws: Draws) -> torch.Tensor:
+    """Token ids [R] of `logits` [R, V] fp32 for the rows `draws` describes, eagerly. The table reaches the
+    device through `staged` (pinned, never a blocking copy: the host is not held up by the step still
+    running on the GPU)."""
+    if draws.greedy:
+        return logits.argmax(-1)
+    temps, ks, ps, u, greedy = columns(staged(draws.table, torch.float64, logits.device), logits.dtype)
+    return draw(logits, temps, ks, ps, u, greedy if draws.table[4].any() else None, draws.K)
+
+
+def sample(logits: torch.Tensor, temperature: list[float], top_k: list[int], top_p: list[float],
+           generators: list[random.Random]) -> torch.Tensor:
+    """`logits` [R, V] fp32 and each row's settings as lists; returns token ids [R] (on the logits' device)."""
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p) for t, k, p in zip(temperature, top_k, top_p)]
+    return sample_rows(logits, prepare(params, generators, logits.shape[1]))

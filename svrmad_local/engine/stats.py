@@ -12,8 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import SignalConfig
+from .config import SamplingParams, SignalConfig
 
+# the top-k width of every step's statistics, at least (the default topk_logprobs): a batch of default
+# requests computes the width the static decode step holds (engine/graphs.py); a request's own are sliced
+STATS_TOP_K = SamplingParams.topk_logprobs
 
 @dataclass
 class StepStats:
@@ -50,6 +53,22 @@ def stats_from_logits(logits: torch.Tensor, chosen: torch.Tensor, topk: int) -> 
         topk_logprobs=top.values if top is not None else logp.new_zeros(logp.shape[0], 0),
         topk_ids=top.indices if top is not None else chosen.new_zeros(logp.shape[0], 0),
     )
+
+
+def pack(tokens: torch.Tensor, st: StepStats) -> torch.Tensor:
+    """A step's sampled tokens [R] and their statistics as one [R, 3 + 2k] float64 tensor, which the host
+    reads at once: token id, log-prob, entropy, the k top log-probs, the k top ids (ids and fp32 values
+    are exact in float64)."""
+    # one float64 column makes the concatenation float64 (torch.cat promotes), converting the others in it
+    return torch.cat((tokens.to(torch.float64).unsqueeze(1), st.logprob.unsqueeze(1), st.entropy.unsqueeze(1),
+                      st.topk_logprobs, st.topk_ids), dim=1)
+
+
+def unpack(row: list[float], k: int) -> tuple[int, float, float, list[float], list[int]]:
+    """One row of `pack`'s tensor as the host read it: (token, log-prob, entropy, top log-probs, top ids),
+    the top ones cut to the first `k`."""
+    width = (len(row) - 3) // 2
+    return (int(row[0]), row[1], row[2], row[3 : 3 + min(k, width)], [int(i) for i in row[3 + width : 3 + width + k]])
 
 
 def sequence_signals(

@@ -16,11 +16,12 @@ import torch
 from svrmad_local import kernels
 from svrmad_local.kernels._backend import staged
 
+from . import sampler
 from .config import SignalConfig
-from .sampler import sample
-from .scheduler import Work
+from .graphs import Decoded
+from .scheduler import Batch, Work
 from .sequence import Completion, Request, RequestOutput, ScoreOutput, Sequence
-from .stats import sequence_signals, stats_from_logits
+from .stats import pack, sequence_signals, stats_from_logits, unpack
 
 
 def seed_for(seed: int, index: int) -> int:
@@ -59,7 +60,10 @@ class Step:
         if not batch:
             return finished
         self.totals.steps += 1
-        hidden = self.runner.forward(batch)
+        draws = self._draws(batch)
+        hidden, packed = self.runner.forward(batch, draws), None
+        if isinstance(hidden, Decoded):  # the static decode path ran the step, and sampled inside where it could
+            hidden, packed = hidden.hidden, hidden.packed
         if self.watch is not None:
             self.watch.step()
         work = batch.work  # in row order
@@ -81,8 +85,21 @@ class Step:
                     to_sample.append((seq, row + w.num_tokens - 1))
             row += w.num_tokens
         if to_sample:
-            self._sample(hidden, to_sample, finished)
+            self._sample(hidden, to_sample, finished, draws, packed)
         return finished
+
+    def _draws(self, batch: Batch) -> sampler.Draws | None:
+        """The sampling's host part of a step the static decode path may run, for it to sample inside
+        (each non-greedy row draws its uniform number now, once): a step of one-token runs, each of which
+        samples one token (not a prefill chunk that ends short, a scoring request, or a leader whose n>1
+        first tokens fork). None for any other step: the Step samples after the forward."""
+        if self.runner.static is None or batch.prefill:
+            return None
+        if not all(w.end == len(w.seq.tokens) and w.seq.request.score_from is None and w.seq.params.max_tokens > 0
+                   and not w.seq.is_leader_prefill for w in batch.decode):
+            return None
+        seqs = [w.seq for w in batch.decode]
+        return sampler.prepare([s.params for s in seqs], [s.generator for s in seqs], self.runner.lm_head.out_features)
 
     def _count_computed(self, work: list[Work]) -> None:
         """Prompt tokens run through the model (not the fed-back sampled tokens), per request and in all."""
@@ -97,9 +114,10 @@ class Step:
         for req in {w.seq.request for w in work}:
             req.usage.peak_kv_bytes = max(req.usage.peak_kv_bytes, len(req.held_blocks) * self.block_bytes)
 
-    def _sample(self, hidden: torch.Tensor, to_sample: list[tuple[Sequence, int]], finished: list[Request]) -> None:
-        # row indices reach the device pinned, without blocking (kernels._backend.staged)
-        logits = self.runner.logits(hidden[staged([r for _, r in to_sample], torch.long, hidden.device)])
+    def _sample(self, hidden: torch.Tensor, to_sample: list[tuple[Sequence, int]], finished: list[Request],
+                draws: sampler.Draws | None = None, packed: torch.Tensor | None = None) -> None:
+        """The sampled rows' tokens and statistics, read back in one `.tolist()`: the static step's `packed`
+        rows, or computed here (sampling `draws` where the step prepared them); then forks and stop rules."""
         # a leader that just computed an n>1 prompt draws all n first tokens from the same row
         rows, samples = [], []
         for i, (seq, _) in enumerate(to_sample):
@@ -111,28 +129,32 @@ class Step:
             else:
                 samples.append((seq, None))
                 rows.append(i)
-        logits = logits[staged(rows, torch.long, logits.device)]
         gens = []
         for seq, j in samples:
             gens.append(seq.generator if not j else random.Random(seed_for(seq.request.seed, j)))
-        ps = [s.params for s, _ in samples]
-        toks = sample(logits, [p.temperature for p in ps], [p.top_k for p in ps], [p.top_p for p in ps], gens)
-        k = max(p.topk_logprobs for p in ps)
-        st = stats_from_logits(logits, toks, k)
-        toks_l, lp, ent = toks.tolist(), st.logprob.tolist(), st.entropy.tolist()
-        tkl, tki = st.topk_logprobs.tolist(), st.topk_ids.tolist()
+        if draws is not None and len(draws) != len(samples):
+            raise RuntimeError(f"the step prepared {len(draws)} draws for {len(samples)} samples")
+        if packed is None:
+            # row indices reach the device pinned, without blocking (kernels._backend.staged)
+            logits = self.runner.logits(hidden[staged([r for _, r in to_sample], torch.long, hidden.device)])
+            logits = logits[staged(rows, torch.long, logits.device)]
+            if draws is None:
+                draws = sampler.prepare([s.params for s, _ in samples], gens, logits.shape[1])
+            toks = sampler.sample_rows(logits, draws)
+            packed = pack(toks, stats_from_logits(logits, toks, draws.topk))
+        read = packed.tolist()  # the step's one read back from the device
         for i, (seq, j) in enumerate(samples):
             target = seq
             if j:  # a new sample forks from the leader's prompt KV
                 target = Sequence(seq.request, j, list(seq.tokens[: seq.num_prompt]), seq.num_prompt, gens[i])
                 seq.request.sequences.append(target)
                 self.scheduler.fork(seq, target)
-            kk = seq.params.topk_logprobs
-            target.tokens.append(toks_l[i])
-            target.logprobs.append(lp[i])
-            target.entropies.append(ent[i])
-            target.topk_logprobs.append(tkl[i][:kk])
-            target.topk_ids.append(tki[i][:kk])
+            tok, lp, ent, top_lp, top_ids = unpack(read[i], seq.params.topk_logprobs)
+            target.tokens.append(tok)
+            target.logprobs.append(lp)
+            target.entropies.append(ent)
+            target.topk_logprobs.append(top_lp)
+            target.topk_ids.append(top_ids)
             self.totals.generated_tokens += 1
             target.request.usage.generated_tokens += 1
             reason = self._stop_reason(target)

@@ -1,0 +1,107 @@
+"""The sampler's two parts (engine/sampler.py): the host part draws what it drew before, the device part
+picks the tokens the sampler picked before, row by row.
+
+* Default requests (and greedy, and other temperatures, mixed in one batch) get the tokens the sampler
+  gave before it was split, from the same seeds, and leave each stream where it left it: `previous` below
+  is that sampler, kept here as the reference.
+* A row's token depends on its own row only: a batch gives each row what it gives alone.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from svrmad_local.engine import sampler
+from svrmad_local.engine.config import SamplingParams
+
+
+def previous(logits, temperature, top_k, top_p, generators):
+    """The sampler as it was before the split into a host part and a device part (one call, the top-k
+    width the batch's largest, greedy rows set apart by index), the reference for the tokens it drew."""
+    R, V = logits.shape
+    greedy = [i for i, t in enumerate(temperature) if t == 0]
+    if len(greedy) == R:
+        return logits.argmax(-1)
+    out = torch.empty(R, dtype=torch.long)
+    if greedy:
+        g = torch.tensor(greedy)
+        out[g] = logits[g].argmax(-1)
+    rows = [i for i, t in enumerate(temperature) if t != 0]
+    every = len(rows) == R
+    at = None if every else torch.tensor(rows)
+    lg = (logits if every else logits[at]) / torch.tensor([temperature[i] for i in rows], dtype=logits.dtype).unsqueeze(1)
+    ks = [top_k[i] if 0 < top_k[i] < V else V for i in rows]
+    kmax = max(ks)
+    vals, idx = lg.topk(kmax, dim=-1) if kmax < V else lg.sort(dim=-1, descending=True)
+    ranks = torch.arange(vals.shape[1])
+    vals = vals.masked_fill(ranks.unsqueeze(0) >= torch.tensor(ks).unsqueeze(1), float("-inf"))
+    probs = torch.softmax(vals, dim=-1)
+    cum = probs.cumsum(-1)
+    p = torch.tensor([top_p[i] for i in rows], dtype=torch.float32).unsqueeze(1)
+    probs = probs.masked_fill((cum - probs) >= p, 0.0)
+    cum = probs.cumsum(-1)
+    u = torch.tensor([generators[i].random() for i in rows], dtype=torch.float64)
+    target = (u * cum[:, -1].double()).to(cum.dtype).unsqueeze(1)
+    pos = torch.searchsorted(cum, target, right=True).clamp(max=vals.shape[1] - 1)
+    pos = torch.minimum(pos, (probs > 0).sum(-1, keepdim=True) - 1)
+    picked = idx.gather(1, pos).squeeze(1)
+    if every:
+        return picked
+    out[at] = picked
+    return out
+
+
+DEFAULT = SamplingParams()
+CASES = {
+    "default": [DEFAULT] * 6,
+    "default and greedy": [DEFAULT, SamplingParams(temperature=0), DEFAULT, DEFAULT, SamplingParams(temperature=0)],
+    "temperatures": [SamplingParams(temperature=t) for t in (0.3, 0.7, 1.0, 1.3)],
+    "one row": [DEFAULT],
+    "all greedy": [SamplingParams(temperature=0)] * 3,
+}
+
+
+@pytest.mark.parametrize("vocab", [400, 5000])
+@pytest.mark.parametrize("case", CASES)
+def test_default_requests_draw_the_tokens_they_drew_before(case, vocab):
+    params = CASES[case]
+    torch.manual_seed(vocab)
+    now = [random.Random(1000 + i) for i in range(len(params))]
+    before = [random.Random(1000 + i) for i in range(len(params))]
+    for step in range(30):
+        logits = torch.randn(len(params), vocab) * (1 + step % 4)  # flat and peaked distributions
+        got = sampler.sample_rows(logits, sampler.prepare(params, now, vocab))
+        want = previous(logits, [p.temperature for p in params], [p.top_k for p in params],
+                        [p.top_p for p in params], before)
+        assert got.tolist() == want.tolist(), (case, step)
+        assert [g.getstate() for g in now] == [g.getstate() for g in before], (case, step)  # one draw a sampled row
+
+
+def test_a_rows_token_depends_on_its_own_row_only():
+    """Whatever shares the batch (greedy rows, other settings): the device part is row by row."""
+    torch.manual_seed(0)
+    params = [DEFAULT, SamplingParams(temperature=0), SamplingParams(temperature=0.7, top_p=0.5, top_k=7), DEFAULT]
+    for step in range(20):
+        logits = torch.randn(len(params), 1000) * 3
+        seeds = [random.Random(step * 10 + i) for i in range(len(params))]
+        table = sampler.prepare(params, seeds, 1000).table
+        both = sampler.draw(logits, *sampler.columns(torch.from_numpy(table), logits.dtype), sampler.SAMPLE_TOP_K)
+        alone = [sampler.draw(logits[i:i + 1], *sampler.columns(torch.from_numpy(table[:, i:i + 1]), logits.dtype),
+                              sampler.SAMPLE_TOP_K).item() for i in range(len(params))]
+        assert both.tolist() == alone
+        assert both[1] == logits[1].argmax()
+
+
+def test_the_widths_a_step_needs():
+    """The top-k width is the default top_k at least (a batch of default requests: topk(40)), a row's own
+    where it asks more, the vocabulary where it asks none; the statistics' top-k likewise from 20."""
+    draws = sampler.prepare([DEFAULT, SamplingParams(top_k=5)], [random.Random(0)] * 2, 1000)
+    assert (draws.K, draws.topk) == (40, 20)
+    assert sampler.prepare([SamplingParams(top_k=100)], [random.Random(0)], 1000).K == 100
+    assert sampler.prepare([SamplingParams(top_k=0)], [random.Random(0)], 1000).K == 1000
+    assert sampler.prepare([SamplingParams(top_k=0, temperature=0)], [random.Random(0)], 1000).K == 40  # greedy: no draw
+    assert sampler.prepare([DEFAULT], [random.Random(0)], 30).K == 30  # a vocabulary narrower than 40: a full sort
+    assert sampler.prepare([SamplingParams(topk_logprobs=30)], [random.Random(0)], 1000).topk == 30
