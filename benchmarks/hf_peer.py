@@ -1,8 +1,7 @@
 """The decode peer that needs no install: transformers' own `generate` with its static cache, the decode
 forward under torch.compile, the way transformers documents fast generation.
 
-`generate(..., cache_implementation="static")` preallocates the KV cache at a fixed length, and on CUDA
-compiles the decode step's forward by itself (`generation_config.compile_config`, a `CompileConfig`; the
+`generate` over a static cache (the KV cache preallocated at a fixed length) compiles on CUDA the decode step's forward by itself (`generation_config.compile_config`, a `CompileConfig`; the
 prefill stays eager). The peer sets that config: inductor, `fullgraph=True` and, on CUDA,
 `mode="reduce-overhead"` (CUDA graphs), as the documentation's example compiles `model.forward`; elsewhere
 `mode="default"` (there are no CUDA graphs on the CPU), with the flag transformers keeps for compiling on
@@ -12,14 +11,15 @@ size, as the engine captures one CUDA graph per batch size. Lengths are fixed as
 generation config, so nothing stops early; the returned ids' shape is checked. The same prompts as the
 engine's; sampling is the engine's settings (temperature, top-p, top-k) from one seed a batch, or greedy.
 
-transformers makes a new static cache at each `generate` call (5.17 and 5.24 alike), sized
-`max_cache_len`: the peer asks for the longest call's length every time, so each call's cache has the
-same shape and the compiled graph is reused. Under CUDA graphs torch records a graph again when a static
-input's address changes, as a new cache's does, so the peer's graph may record again once a call: that is
-what transformers' `generate` costs, and it is counted."""
+The cache: one `StaticCache` per batch size, made once at the longest call's length and `reset()` before
+each call, passed to `generate` as `past_key_values` (transformers' documented way to reuse a static
+cache). Left to `cache_implementation="static"`, generate makes a new cache at every call (5.17 and 5.24
+alike), and under CUDA graphs torch records a graph again whenever a static input's address changes, as a
+new cache's does: the peer would pay a graph recording a call, which no one serving with it would."""
 
 from __future__ import annotations
 
+import inspect
 import time
 
 import torch
@@ -50,7 +50,22 @@ class HfPeer:
         self.compile_config = CompileConfig(fullgraph=True, dynamic=False, backend=backend,
                                             mode=mode or default_mode(model.device))
         self.compile_config._compile_all_devices = True  # generate compiles by itself on CUDA only
+        self.caches: dict[int, object] = {}  # batch size -> its StaticCache, kept between calls
+        # the models' forward takes `cache` where transformers renamed `past_key_values` (after 5.17; 5.24
+        # warns at the old name)
+        self.cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self.last_ids: torch.Tensor | None = None  # the last call's prompts and generated tokens
         self.last_shape: tuple[int, int] | None = None
+
+    def cache(self, batch: int):
+        """The batch size's static cache, emptied: the same tensors at every call."""
+        from transformers import StaticCache
+
+        if batch not in self.caches:
+            self.caches[batch] = StaticCache(config=self.model.config, max_cache_len=self.max_len)
+        cache = self.caches[batch]
+        cache.reset()
+        return cache
 
     def generate(self, prompts: list[list[int]], params: list[dict]) -> list[int]:
         from transformers import GenerationConfig
@@ -59,14 +74,14 @@ class HfPeer:
         greedy = p["temperature"] == 0
         sampling = {} if greedy else {"temperature": p["temperature"], "top_p": p["top_p"], "top_k": p["top_k"]}
         config = GenerationConfig(max_new_tokens=p["max_tokens"], do_sample=not greedy, **sampling,
-                                  cache_implementation="static", max_cache_len=self.max_len, pad_token_id=0,
-                                  compile_config=self.compile_config)
+                                  pad_token_id=0, compile_config=self.compile_config)
         ids = torch.tensor(prompts, device=self.model.device)
         torch.manual_seed(p["seed"])
-        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config).cpu()
+        cache = {self.cache_arg: self.cache(len(prompts))}
+        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config, **cache).cpu()
         if not hasattr(self.model, "_compiled_call"):
             raise RuntimeError("generate ran its forward uncompiled (transformers found the model not compilable)")
-        self.last_shape = tuple(out.shape)
+        self.last_ids, self.last_shape = out, tuple(out.shape)
         return [out.shape[1] - ids.shape[1]] * len(prompts)
 
 

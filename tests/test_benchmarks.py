@@ -500,6 +500,27 @@ def test_hf_peer_ignores_eos_and_runs_the_forward_inductor_compiled(monkeypatch)
     assert compiled == [{"fullgraph": True, "dynamic": False, "backend": "inductor", "mode": "default", "options": None}]
 
 
+def test_hf_peer_keeps_one_static_cache_a_batch_size_and_gives_plain_generates_tokens():
+    """The peer's static cache is made once per batch size and emptied before each call (a new cache a call
+    would move the tensors CUDA graphs read, so each call would record its graph again), and its greedy
+    tokens are those of a plain, uncompiled `generate`, at every call."""
+    from hf_peer import HfPeer
+
+    model = make_model("llama", vocab=400, layers=2)
+    peer = HfPeer(model, max_len=4 + 6, backend="eager")
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    plain = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False, pad_token_id=0)
+    params = [{"max_tokens": 6, "temperature": 0.0, "top_p": 0.95, "top_k": 40, "seed": 0}] * 2
+    seen = []
+    for _ in range(3):
+        assert peer.generate(ids.tolist(), params) == [6, 6]
+        assert torch.equal(peer.last_ids, plain)
+        seen.append(peer.caches[2].layers[0].keys.data_ptr())
+    assert list(peer.caches) == [2] and len(set(seen)) == 1
+    peer.generate(ids[:1].tolist(), params[:1])
+    assert torch.equal(peer.last_ids, plain[:1]) and sorted(peer.caches) == [1, 2]
+
+
 def test_a_failing_hf_peer_is_one_line_in_the_table_and_the_json(tmp_path, tiny_tokenizer, monkeypatch, capsys):
     """torch.compile raising (a machine without a compiler, say) costs the peer's figures only: bench_decode
     still prints the engine's, and the peer's error in one line, in its table and its JSON line."""
