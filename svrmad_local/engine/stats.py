@@ -18,6 +18,7 @@ from .config import SamplingParams, SignalConfig
 # requests computes the width the static decode step holds (engine/graphs.py); a request's own are sliced
 STATS_TOP_K = SamplingParams.topk_logprobs
 
+
 @dataclass
 class StepStats:
     """Statistics of a batch of positions: one row per position."""
