@@ -338,7 +338,7 @@ def main() -> int:
     engine = Engine(lm.model, lm.tokenizer, EngineConfig(**{"block_size": args.block_size, "max_num_seqs": max(batches),
                                                             **engine_overrides(args.engine)}))
     print(f"engine: {engine.info['decoder']}; linear {engine.info['linear']}; {engine.info['attention']} attention; "
-          f"cuda graphs {engine.info['cuda_graphs']}")
+          f"cuda graphs {engine.info['cuda_graphs']}; overlap {engine.execution.overlap}")
 
     def engine_generate(prompts, params):
         outs = engine.generate_sync(prompts, [SamplingParams(**p) for p in params])
@@ -365,13 +365,15 @@ def main() -> int:
     warm_up(engine_generate, args, vocab)
     rows = []
     for B in batches:
-        steps0 = engine.totals.steps
+        steps0, overlapped0 = engine.totals.steps, engine.totals.overlapped_steps
         pairs = [timed_pair(engine_generate, gen, B, args, vocab) for _ in range(args.repeat)]
         tps = statistics.median(B * args.new_tokens / (t_full - t_pre) for t_pre, t_full in pairs)
         t_pre = statistics.median(t for t, _ in pairs)
         limit = B * bw / (w_bytes + B * mean_ctx * kv_tok)
         gemm = B / linears_seconds(engine, B)
         row = {"batch": B, "engine_tok_s": round(tps, 1), "engine_steps": (engine.totals.steps - steps0) // args.repeat,
+               # steps launched before the previous one's tokens were read (EngineConfig.overlap)
+               "overlapped_steps": (engine.totals.overlapped_steps - overlapped0) // args.repeat,
                "limit_bandwidth_tok_s": round(limit, 1), "fraction_of_limit": round(tps / limit, 3),
                "linears_only_tok_s": round(gemm, 1), "fraction_of_linears_only": round(tps / gemm, 3),
                "prefill_s": round(t_pre, 3), "threads": (engine.info["threads"] or {}).get("now")}
@@ -379,7 +381,7 @@ def main() -> int:
         print(f"batch {B:3d}: engine {tps:7.1f} tok/s   weight-streaming limit {limit:7.1f} tok/s ({tps / limit:.0%} of it)"
               f"   the step's matmuls alone {gemm:7.1f} tok/s ({tps / gemm:.0%} of it)   threads {row['threads']}")
     result = {"dtype": args.dtype, "engine": args.engine or "", "decoder": engine.info["decoder"],
-              "linear": engine.info["linear"], "linear_run": (engine.info.get("linear_calibration") or {}).get("run"),
+              "overlap": engine.execution.overlap.value, "linear": engine.info["linear"], "linear_run": (engine.info.get("linear_calibration") or {}).get("run"),
               "bandwidth_gb_s": round(bw / 1e9, 2), "weight_bytes_per_step": w_bytes,
               "kv_bytes_per_token": kv_tok, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
               "greedy": args.greedy, "rows": rows}

@@ -390,12 +390,19 @@ def main(argv=None) -> int:
                          "auto,ours,modules times each side by side)")
     ap.add_argument("--graphs", default="auto,off",
                     help="the decode and profile steps' cuda_graphs values (default auto,off: with graphs and without)")
+    ap.add_argument("--overlaps", default="auto,off",
+                    help="the decode step's overlap values where graphs are on (default auto,off: each decode step "
+                         "launched before the previous one's tokens are read, and not)")
     args = ap.parse_args(argv)
     chk = Check(args.out, args.dry_run, args.budget_s)
     wanted = PARTS.get(args.steps or "", None) or (FIRST + (args.steps.split(",") if args.steps else GPU_STEPS))
     bad = sorted(set(args.decoders.split(",")) - {"auto", "ours", "modules"})
     if bad:
         print(f"gpu_check: unknown decoder(s) {', '.join(bad)}; decoders: auto, ours, modules", file=sys.stderr)
+        return 2
+    bad = sorted(set(args.overlaps.split(",")) - {"auto", "on", "off"})
+    if bad:
+        print(f"gpu_check: unknown overlap value(s) {', '.join(bad)}; values: auto, on, off", file=sys.stderr)
         return 2
     models = set(args.engine_models.split(",")) | set(args.decode_models.split(",")) | set(args.peer_models.split(","))
     if not models <= set(ENGINE_MODELS):
@@ -456,7 +463,11 @@ def main(argv=None) -> int:
                 base = [py, "benchmarks/bench_decode.py", "--model", str(m / model), "--random-weights",
                         "--dtype", "bf16", "--engine", f"cuda_graphs={graphs},decoder={decoder}"]
                 if "decode" in wanted:
-                    plan.append((f"decode{tag}{dtag}-graphs-{graphs}", base + ["--batches", "1,8,32"], 90, _last_json))
+                    for overlap in args.overlaps.split(",") if graphs != "off" else ["auto"]:
+                        otag = "" if overlap == "auto" else f"-overlap-{overlap}"
+                        engine = base[-1] + ("" if overlap == "auto" else f",overlap={overlap}")
+                        plan.append((f"decode{tag}{dtag}-graphs-{graphs}{otag}", base[:-1] + [engine, "--batches", "1,8,32"],
+                                     90, _last_json))
                     plan.append((f"host-ops{tag}{dtag}-graphs-{graphs}", base + ["--host-ops", "--json"], 20,
                                  _last_json))
                 if "profile" in wanted:  # where a decode step's time goes: the host, the device, which kernels

@@ -50,9 +50,9 @@ def _record_shapes(eng):
     static, seen = eng.runner.static, []
     run = static.run
 
-    def recording(step, shape, draws=None):
+    def recording(step, shape, *rest):
         seen.append((step.num_decode, *shape))
-        return run(step, shape, draws)
+        return run(step, shape, *rest)
 
     static.run = recording
     return seen
@@ -142,8 +142,8 @@ def _record_sampled_inside(eng) -> list[bool]:
     static, seen = eng.runner.static, []
     run = static.run
 
-    def recording(step, shape, draws=None):
-        out = run(step, shape, draws)
+    def recording(step, shape, *rest):
+        out = run(step, shape, *rest)
         seen.append(out.packed is not None)
         return out
 

@@ -106,6 +106,13 @@ class EngineConfig:
     when nothing rules them out and says why not in `info["cuda_graphs"]`, "on" makes a reason an
     error, "static" runs the same fixed-shape path eagerly on any device (what a graph would record).
 
+    overlap: "auto" | "on" | "off" (engine/step.py): the host schedules and launches decode step N+1
+    before it reads step N's tokens, which step N+1 takes on the device, so the host's work for a step
+    (scheduling, its inputs, the graph's launch) hides behind the device's previous step; a sequence that
+    step N ends computes one row in step N+1 for nothing. "auto" takes it where decode steps replay CUDA
+    graphs (alone, not under tensor parallel), "on" wherever the static path runs (cuda_graphs="static"
+    too: the same tokens, checkable on the CPU), "off" reads each step's tokens before the next.
+
     adapt_threads: on the CPU, run the steps on fewer of torch's threads while other processes take
     cores, and take them back when the cores are free (engine/threads.py); False keeps torch's count, so
     the log-probs' last bits never depend on the machine's load (default: SVRMAD_ADAPT_THREADS, else on)."""
@@ -121,6 +128,7 @@ class EngineConfig:
     decoder: str = "auto"
     mla: str = "absorbed"
     cuda_graphs: str = "auto"
+    overlap: str = "auto"
     adapt_threads: bool = field(default_factory=lambda: os.environ.get("SVRMAD_ADAPT_THREADS", "1") != "0")
     score_chunk: int = 1024
     signals: SignalConfig = field(default_factory=SignalConfig)
@@ -131,6 +139,8 @@ class EngineConfig:
         checks = {name: _integer(getattr(self, name), 1)
                   for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "score_chunk")}
         checks["seed"] = _integer(self.seed)
+        if self.overlap not in OVERLAP:
+            checks["overlap"] = f"must be one of {', '.join(OVERLAP)}, got {self.overlap!r}"
         try:  # the same parser the build sizes the pool with, against a nominal amount available
             parse_memory(self.kv_cache_memory, available=1 << 40, default=1)
         except ValueError as exc:
@@ -138,6 +148,9 @@ class EngineConfig:
         if not isinstance(self.signals, SignalConfig):
             checks["signals"] = f"must be a SignalConfig, got {self.signals!r}"
         _refuse(self, checks)
+
+
+OVERLAP = ("auto", "on", "off")  # EngineConfig.overlap
 
 
 @dataclass

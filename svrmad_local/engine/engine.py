@@ -51,6 +51,8 @@ class EngineTotals:
     computed_tokens: int = 0
     generated_tokens: int = 0
     steps: int = 0
+    overlapped_steps: int = 0  # launched before the previous step's tokens were read (EngineConfig.overlap)
+    dropped_rows: int = 0  # rows such a step computed for a sequence the step before it ended
     busy_s: float = 0.0
 
     def as_dict(self) -> dict:
@@ -87,7 +89,8 @@ class Engine:
         self.scheduler = Scheduler(built.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.stepper = Step(self.scheduler, built.runner, self.totals, block_bytes=built.budget.block_bytes,
                             eos_ids=self.eos_ids, tokenizer=tokenizer, max_model_len=self.max_model_len,
-                            kernel_impl=cfg.kernel_impl, score_chunk=cfg.score_chunk, watch=built.watch)
+                            kernel_impl=cfg.kernel_impl, score_chunk=cfg.score_chunk, watch=built.watch,
+                            overlap=built.execution.overlap.value == "on")
         # the run's own steps weigh the linear backend again (engine/relinear.py), where `auto` timed them
         cal = built.linear_calibration
         self._linears = RunLinears(self) if cal is not None and cal.figures and cal.choice in cal.figures["decode"] else None
@@ -335,6 +338,7 @@ class Engine:
                         req.future.set_result(output(req, self.tokenizer, self.cfg.signals))
 
     def _fail_all(self, exc: BaseException) -> None:
+        self.stepper.inflight = None  # its sequences go with their requests
         self.scheduler.abort_all()
         for req in self._live.values():
             if not req.future.done():

@@ -76,6 +76,7 @@ class Execution:
     cascade: Choice
     mla: Choice
     graphs: Choice
+    overlap: Choice
     tp: Choice
     stats: Choice
     threads: Choice

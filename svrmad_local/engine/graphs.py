@@ -392,13 +392,15 @@ class StaticDecode:
         widths it holds, the head inside."""
         return self.sampling and draws is not None and (draws.K, draws.topk) == (self.K, self.topk)
 
-    def run(self, step, shape: tuple[int, int], draws=None) -> Decoded:
+    def run(self, step, shape: tuple[int, int], draws=None, fed=None) -> Decoded:
         """A decode-only step (rows in the step's order) at `shape`: the shape's graph replayed, or (no
         graph: not captured, or its capture failed) run eagerly. Its hidden states [B, H], and its rows'
-        tokens and statistics where `draws` (the sampling's host part) fits the step (`fits`), else None."""
+        tokens and statistics where `draws` (the sampling's host part) fits the step (`fits`), else None.
+        `fed`: (packed, rows) where the step's token ids are still on the device, row i's in the previous
+        step's packed rows at rows[i] (EngineConfig.overlap: step.ids hold placeholders)."""
         B, (P, W) = step.num_decode, shape
         fits = self.fits(draws)
-        self._load(step, P, W, draws if fits else None)
+        self._load(step, P, W, draws if fits else None, fed)
         hit = self.graphs.get((P, W))
         if hit is not None:
             hit[0].replay()
@@ -439,12 +441,14 @@ class StaticDecode:
                 del self.graphs[(P, W)]
                 self.failed[(P, W)] = f"its capture failed on tensor-parallel rank {ranks[0]}"
 
-    def _load(self, step, P: int, W: int, draws=None) -> None:
+    def _load(self, step, P: int, W: int, draws=None, fed=None) -> None:
         """Copies the step into the static buffers: ids, positions and slots and lengths from host arrays
         (numpy, staged without blocking: a few calls at any batch size), and the sampling's host part
         (`draws`, sampler.Draws, where the step samples inside); the block table's rows from the
         runner's device copy (appended to, kv_cache.DeviceTables), the padding rows' reading the scratch
-        block: the host work does not grow with the context."""
+        block: the host work does not grow with the context. Ids `fed` ((packed, rows): see `run`) are
+        gathered on the device from the previous step's packed rows, queued behind it: the host never
+        waits for them."""
         bs, B, dev = self.runner.block_size, step.num_decode, self.runner.device
         host = np.zeros((3, P), dtype=np.int64)
         host[2] = self.scratch * bs
@@ -454,6 +458,9 @@ class StaticDecode:
             host[1, i], lens[i] = end - 1, end
             host[2, i] = blocks[(end - 1) // bs] * bs + (end - 1) % bs
         self.inputs[:, :P].copy_(staged(torch.from_numpy(host), torch.long, dev))
+        if fed is not None:
+            packed, rows = fed
+            self.inputs[0, :B].copy_(packed.index_select(0, staged(rows, torch.long, dev))[:, 0].long())
         self.lens[:P].copy_(staged(torch.from_numpy(lens), torch.int32, dev))
         rows = self.runner.decode_tables(step).block_table
         self.tables[W][:B, : rows.shape[1]].copy_(rows)

@@ -85,13 +85,16 @@ class ModelRunner:
         return self.execute(step, draws)
 
     @torch.inference_mode()
-    def execute(self, step: StepInput, draws=None) -> torch.Tensor | graphs.Decoded:
+    def execute(self, step: StepInput, draws=None, fed=None) -> torch.Tensor | graphs.Decoded:
         """Runs one step on this rank (the leader's, or one a tensor-parallel follower received): its
-        queued cache copies first, then the forward (`forward` says what it returns)."""
+        queued cache copies first, then the forward (`forward` says what it returns). `fed`: the step's
+        ids are still on the device (graphs.StaticDecode.run), which only a static step can read."""
         self.cache.apply_copies(step.copies)
         shape = self.static.shape(step) if self.static is not None else None
         if shape is not None:
-            return self.static.run(step, shape, draws)
+            return self.static.run(step, shape, draws, fed)
+        if fed is not None:
+            raise RuntimeError("a step whose token ids are on the device runs only at a static decode shape")
         dev, bs = self.device, self.block_size
         pos, slot_map, runs = [], [], []
         row = 0

@@ -55,15 +55,22 @@ def prepare(params: list[SamplingParams], generators: list[random.Random], vocab
     """The rows' parameters as numbers, and one uniform draw from each non-greedy row's own stream,
     for a vocabulary of `vocab` tokens."""
     table = np.empty((5, len(params)), dtype=np.float64)
-    kmax = SAMPLE_TOP_K
     for i, (p, gen) in enumerate(zip(params, generators)):
         greedy = p.temperature == 0
-        k = p.top_k if 0 < p.top_k < vocab else vocab
-        if not greedy:
-            kmax = max(kmax, k)
-        table[:, i] = (1.0 if greedy else p.temperature, k, p.top_p, 0.0 if greedy else gen.random(), greedy)
+        table[:, i] = (1.0 if greedy else p.temperature, _top_k(p, vocab), p.top_p, 0.0 if greedy else gen.random(), greedy)
+    return Draws(table, *widths(params, vocab))
+
+
+def _top_k(p: SamplingParams, vocab: int) -> int:
+    return p.top_k if 0 < p.top_k < vocab else vocab
+
+
+def widths(params: list[SamplingParams], vocab: int) -> tuple[int, int]:
+    """(K, topk) of a step sampling rows with `params` (Draws.K, Draws.topk), without drawing anything: a
+    step may be asked whether it can sample inside the static step before any stream moves."""
+    kmax = max([SAMPLE_TOP_K] + [_top_k(p, vocab) for p in params if p.temperature != 0])
     topk = max([STATS_TOP_K] + [p.topk_logprobs for p in params])
-    return Draws(table, min(kmax, vocab), min(topk, vocab))
+    return min(kmax, vocab), min(topk, vocab)
 
 
 def draw(logits: torch.Tensor, temps: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor, u: torch.Tensor,

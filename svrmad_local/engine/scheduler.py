@@ -74,6 +74,10 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def can_admit(self) -> bool:
+        """A sequence waits and the sequence cap leaves it room (blocks and tokens permitting)."""
+        return bool(self.waiting) and len(self.running) < self.max_num_seqs
+
     def add(self, seq: Sequence) -> None:
         need = -(-(len(seq.tokens) + 1) // self.bs)
         if need > self.bm.num_blocks:
@@ -242,11 +246,14 @@ class Scheduler:
                 self.index_full_blocks(w.seq)
 
     # -- one step ---------------------------------------------------------------------------
-    def schedule(self) -> Batch:
+    def schedule(self, admit: bool = True, skip=()) -> Batch:
+        """The next step's batch. A step scheduled before the previous one's tokens are read
+        (EngineConfig.overlap) admits nothing (`admit` False: a waiting sequence may hold a token not yet
+        known) and leaves out the running sequences in `skip` (the previous step ends them by length)."""
         work: list[Work] = []
         budget = self.max_num_batched_tokens
         for seq in list(self.running):
-            if seq not in self.running or budget == 0:
+            if seq not in self.running or budget == 0 or seq in skip:
                 continue
             n = min(len(seq.tokens) - seq.num_computed, budget)
             while True:
@@ -266,7 +273,7 @@ class Scheduler:
         # prompts whose tokens this step computes: running prefill chunks (a long prompt admitted in
         # an earlier step), then each prompt admitted now
         computing = [w.seq for w in work if w.num_tokens > 1]
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             verdict = self._admit_blocks(seq, computing)
             if verdict == "full":
@@ -284,7 +291,7 @@ class Scheduler:
         batch = Batch([w for w in work if w.num_tokens == 1], [w for w in work if w.num_tokens != 1])
         if batch:  # only a step that runs applies them; the blocks they fill may be indexed already
             batch.copies, self.copies = self.copies, []
-        if not batch and self.waiting and not self.running and not deferred:
+        if admit and not batch and self.waiting and not self.running and not deferred:
             seq = self.waiting.popleft()
             batch.rejected.append((seq, RequestTooLarge(
                 f"request {seq.request.id} cannot be admitted: the KV-cache budget is too small for it")))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -30,6 +31,50 @@ def seed_for(seed: int, index: int) -> int:
     return (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9 + 1) % (2**63 - 1)
 
 
+# the token a sequence holds between the step that samples it and the host's read of that step: the next step
+# takes the real one on the device, the read puts it in place, and nothing indexes a position past the computed
+PLACEHOLDER = 0
+
+
+@dataclass
+class InFlight:
+    """A static decode step launched whose tokens the host has not read (EngineConfig.overlap): each row's
+    sequence holds a placeholder where the row's token goes (at `at`), the next step reads the tokens from
+    `packed` on the device, and `host` receives them without blocking (`done` marks it on CUDA). A row
+    whose sequence the step before ended (read after this one launched) holds no place (at -1) and is
+    dropped. `ending`: the sequences that end by length here, whatever they sample (not scheduled again)."""
+
+    seqs: list[Sequence]
+    at: list[int]
+    packed: torch.Tensor
+    host: torch.Tensor
+    done: object = None
+    ending: frozenset = frozenset()
+
+    @classmethod
+    def start(cls, seqs: list[Sequence], packed: torch.Tensor, max_model_len: int) -> "InFlight":
+        host, done = packed, None
+        if packed.device.type == "cuda":
+            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            host.copy_(packed, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        at = []
+        for seq in seqs:  # a row whose sequence has ended since its launch holds no place (-1)
+            at.append(-1 if seq.finish_reason is not None else len(seq.tokens))
+            if at[-1] >= 0:
+                seq.tokens.append(PLACEHOLDER)
+        ending = frozenset(s for s, a in zip(seqs, at)
+                           if a >= 0 and (s.num_generated >= s.params.max_tokens or len(s.tokens) >= max_model_len))
+        return cls(seqs, at, packed, host, done, ending)
+
+    def read(self) -> list[list[float]]:
+        """The rows, once the step has run (waits for this step alone, not for one launched after it)."""
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host.tolist()
+
+
 class Step:
     """One engine step, run on the engine's worker thread: schedule a batch, run the model over it,
     count the computed prompt tokens and the KV held, then sample the rows that end a sequence's
@@ -40,36 +85,100 @@ class Step:
     and resolves the futures of the requests it returns."""
 
     def __init__(self, scheduler, runner, totals, *, block_bytes: int, eos_ids: set[int], tokenizer,
-                 max_model_len: int, kernel_impl: str, score_chunk: int, watch=None):
+                 max_model_len: int, kernel_impl: str, score_chunk: int, watch=None, overlap: bool = False):
         self.scheduler, self.runner, self.totals = scheduler, runner, totals
         self.block_bytes, self.eos_ids, self.tokenizer = block_bytes, eos_ids, tokenizer
         # kernel_impl goes to the statistics kernel as given: where it runs was chosen at build (the record's
         # stats choice, engine/choices.py); under "auto" the kernel only reacts to a Triton failure since
         self.max_model_len, self.kernel_impl, self.score_chunk = max_model_len, kernel_impl, score_chunk
         self.watch = watch  # threads.BarrierSleepWatch on the CPU: warns when other torch work slows the steps
+        self.overlap = overlap  # launch each decode step before reading the last one's tokens (EngineConfig.overlap)
+        self.inflight: InFlight | None = None
 
     @torch.inference_mode()
     def run(self) -> list[Request]:
-        """Schedule, run the model once, account, sample or score; the requests that finished."""
-        batch = self.scheduler.schedule()
+        """Schedule, run the model once, account, sample or score; the requests that finished.
+
+        With a step in flight (`overlap`), the next decode step is scheduled and launched first, its ids
+        taken from the step in flight on the device; only then is the step in flight read (its tokens, stop
+        rules), and the new step goes in flight. Where the next step cannot take its ids on the device (not
+        a static decode step sampling inside, a sequence waiting to be admitted), the step in flight is read
+        first and the next step runs as any other."""
         finished: list[Request] = []
+        prev, self.inflight = self.inflight, None
+        if prev is not None and self.scheduler.can_admit():  # admission reads every token: read the step first
+            self._land(prev, finished)
+            prev = None
+        batch = self.scheduler.schedule() if prev is None else self.scheduler.schedule(admit=False, skip=prev.ending)
         for seq, exc in batch.rejected:
             seq.request.error = exc
             self.scheduler.abort(seq.request)
             finished.append(seq.request)
+        if prev is not None:
+            launched = self._launch_fed(batch, prev) if batch else None
+            self._land(prev, finished)
+            # rows whose sequence the read step ended (their blocks went back) are not kept
+            batch.decode = [w for w in batch.decode if w.seq.finish_reason is None]
+            batch.prefill = [w for w in batch.prefill if w.seq.finish_reason is None]
+            if launched is not None:
+                self._settle(batch)
+                self.inflight = InFlight.start(*launched, self.max_model_len)
+                return finished
         if not batch:
             return finished
         self.totals.steps += 1
         draws = self._draws(batch)
-        hidden, packed = self.runner.forward(batch, draws), None
-        if isinstance(hidden, Decoded):  # the static decode path ran the step, and sampled inside where it could
-            hidden, packed = hidden.hidden, hidden.packed
+        out = self.runner.forward(batch, draws)
+        hidden, packed = (out.hidden, out.packed) if isinstance(out, Decoded) else (out, None)
+        self._settle(batch)
+        if packed is not None and self.overlap:  # every row samples, inside the static step: read it next step
+            self.inflight = InFlight.start([w.seq for w in batch.decode], packed, self.max_model_len)
+            return finished
+        self._sample_or_score(batch, hidden, finished, draws, packed)
+        return finished
+
+    def _launch_fed(self, batch: Batch, prev: InFlight) -> tuple[list[Sequence], torch.Tensor] | None:
+        """Launch `batch`, scheduled before `prev`'s tokens were read, with its ids taken on the device from
+        `prev`'s rows: where it is a static decode step that samples inside and each row continues a
+        sequence of `prev`. Its rows' sequences and packed rows, or None (nothing ran, no stream moved)."""
+        static, rows = self.runner.static, {s: i for i, s in enumerate(prev.seqs)}
+        if batch.prefill or any(w.seq not in rows for w in batch.decode):
+            return None
+        step = self.runner.prepare(batch)
+        seqs = [w.seq for w in batch.decode]
+        vocab = self.runner.lm_head.out_features
+        if (static.shape(step) is None or not static.sampling
+                or sampler.widths([s.params for s in seqs], vocab) != (static.K, static.topk)):
+            return None
+        draws = sampler.prepare([s.params for s in seqs], [s.generator for s in seqs], vocab)
+        self.totals.steps += 1
+        self.totals.overlapped_steps += 1
+        out = self.runner.execute(step, draws, fed=(prev.packed, [rows[s] for s in seqs]))
+        return seqs, out.packed
+
+    def _land(self, prev: InFlight, finished: list[Request]) -> None:
+        """Read a step in flight: each row's token takes its placeholder's place, with its statistics and
+        the stop rules, as the step read at once would have; the rows of ended sequences are dropped."""
+        read = prev.read()
+        for i, (seq, at) in enumerate(zip(prev.seqs, prev.at)):
+            if at < 0:  # its sequence ended at the step before, read after this one launched
+                self.totals.dropped_rows += 1
+                continue
+            self._take(seq, read[i], finished, at)
+
+    def _settle(self, batch: Batch) -> None:
+        """After a step's forward: the prompt tokens it computed, the scheduler's postprocess (computed counts,
+        newly filled blocks indexed), the KV its requests hold."""
         if self.watch is not None:
             self.watch.step()
-        work = batch.work  # in row order
-        self._count_computed(work)
+        self._count_computed(batch.work)
         self.scheduler.postprocess(batch)
-        self._note_peak_kv(work)
+        self._note_peak_kv(batch.work)
+
+    def _sample_or_score(self, batch: Batch, hidden: torch.Tensor, finished: list[Request], draws, packed) -> None:
+        """The step's rows that end a sequence's known tokens sampled (or read from `packed`), scoring
+        requests' rows scored; max_tokens=0 requests finished."""
+        work = batch.work  # in row order
         to_sample: list[tuple[Sequence, int]] = []
         row = 0
         for w in work:
@@ -86,7 +195,6 @@ class Step:
             row += w.num_tokens
         if to_sample:
             self._sample(hidden, to_sample, finished, draws, packed)
-        return finished
 
     def _draws(self, batch: Batch) -> sampler.Draws | None:
         """The sampling's host part of a step the static decode path may run, for it to sample inside
@@ -149,17 +257,25 @@ class Step:
                 target = Sequence(seq.request, j, list(seq.tokens[: seq.num_prompt]), seq.num_prompt, gens[i])
                 seq.request.sequences.append(target)
                 self.scheduler.fork(seq, target)
-            tok, lp, ent, top_lp, top_ids = unpack(read[i], seq.params.topk_logprobs)
-            target.tokens.append(tok)
-            target.logprobs.append(lp)
-            target.entropies.append(ent)
-            target.topk_logprobs.append(top_lp)
-            target.topk_ids.append(top_ids)
-            self.totals.generated_tokens += 1
-            target.request.usage.generated_tokens += 1
-            reason = self._stop_reason(target)
-            if reason:
-                self._finish(target, reason, finished)
+            self._take(target, read[i], finished)
+
+    def _take(self, seq: Sequence, row: list[float], finished: list[Request], at: int | None = None) -> None:
+        """A sampled row (stats.pack's layout) into `seq`: its token appended (or put at `at`, the place a
+        step in flight held for it), its statistics; then the stop rules."""
+        tok, lp, ent, top_lp, top_ids = unpack(row, seq.params.topk_logprobs)
+        if at is None:
+            seq.tokens.append(tok)
+        else:
+            seq.tokens[at] = tok
+        seq.logprobs.append(lp)
+        seq.entropies.append(ent)
+        seq.topk_logprobs.append(top_lp)
+        seq.topk_ids.append(top_ids)
+        self.totals.generated_tokens += 1
+        seq.request.usage.generated_tokens += 1
+        reason = self._stop_reason(seq)
+        if reason:
+            self._finish(seq, reason, finished)
 
     def _stop_reason(self, seq: Sequence) -> str | None:
         """"stop" at an end-of-sequence token (unless ignored), a stop token or a stop string in the
