@@ -53,12 +53,16 @@ class InFlight:
 
     @classmethod
     def start(cls, seqs: list[Sequence], packed: torch.Tensor, max_model_len: int) -> "InFlight":
-        host, done = packed, None
+        # copied out before anything later is queued: a replayed graph writes its rows into the same buffer
+        # at its next replay, which the next step may be
+        done = None
         if packed.device.type == "cuda":
             host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
             host.copy_(packed, non_blocking=True)
             done = torch.cuda.Event()
             done.record()
+        else:
+            host = packed.clone()
         at = []
         for seq in seqs:  # a row whose sequence has ended since its launch holds no place (-1)
             at.append(-1 if seq.finish_reason is not None else len(seq.tokens))
