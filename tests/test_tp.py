@@ -130,15 +130,20 @@ def test_the_static_decode_path_runs_on_every_rank_and_gives_the_same_tokens(nam
     assert c["all_reduce"] == 2 * lm.model.config.num_hidden_layers * c["steps"]
 
 
-def test_graphs_under_tensor_parallel_are_captured_on_every_rank_or_on_none(checkpoints, tmp_path):
+@pytest.fixture(scope="module")
+def stand_in_ranks(checkpoints, tmp_path_factory):
+    """What each rank of tp_worker.py's `--stand-in` run wrote (the leader's, then the follower's)."""
+    out = tmp_path_factory.mktemp("tp-stand-in") / "stand-in"
+    run_worker(out, "--stand-in", str(out), str(checkpoints["llama"]))
+    return [json.loads(Path(f"{out}.{r}").read_text()) for r in range(2)]
+
+
+def test_graphs_under_tensor_parallel_are_captured_on_every_rank_or_on_none(checkpoints, stand_in_ranks):
     """The capture path under --tp on the CPU, with tests/test_graphs.py's stand-in graph API and the
     group taken as NCCL's: every shape is captured at start-up on both ranks, except those whose capture
     failed on one rank (rank 1's at 4 rows), which run eagerly on both; every rank replays the same
     steps and the tokens are one process's."""
-    out = tmp_path / "stand-in"
-    run_worker(out, "--stand-in", str(out), str(checkpoints["llama"]))
-    ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(2)]
-    lead, follower = ranks
+    lead, follower = stand_in_ranks
     assert lead["graphs"] == follower["graphs"] and lead["graphs"] and all(p != 4 for p, _ in lead["graphs"])
     assert [f[:2] for f in lead["failed"]] == [f[:2] for f in follower["failed"]] != []
     assert all(p == 4 for p, _, _ in lead["failed"])
@@ -149,6 +154,25 @@ def test_graphs_under_tensor_parallel_are_captured_on_every_rank_or_on_none(chec
                           EngineConfig(**CONFIG)))
     assert lead["greedy"] == one["greedy"] and lead["forks"] == one["forks"]
     assert lead["info"].startswith(f"on ({len(lead['graphs'])} shapes captured, {lead['replays']} steps replayed; ")
+
+
+def test_a_followers_static_step_ends_at_the_hidden_states_and_the_leaders_samples_inside(checkpoints,
+                                                                                          stand_in_ranks,
+                                                                                          two_ranks_static):
+    """Under --tp 2 only the leader's tokens are read, so only its static step (and the graph recording it)
+    runs the LM head and the sampling: a follower's ends at the hidden states and its head never runs while
+    it serves, graphs replayed (stand-in) or eager (cuda_graphs="static"), while the tokens stay one
+    process's (the tests above)."""
+    lead, follower = stand_in_ranks
+    assert lead["sampling"] and not follower["sampling"]
+    assert lead["replays"] == follower["replays"] > 0
+    assert lead["sampled_inside"] > 0 and lead["head_calls"] > 0  # the leader still samples inside its graphs
+    assert follower["sampled_inside"] == 0 and follower["head_calls"] == 0
+    assert "ends at the hidden states" in follower["info"] and "hidden states" not in lead["info"]
+    for name in checkpoints:
+        st = two_ranks_static[str(checkpoints[name])]
+        assert st["sampling"] == [True, False] and st["sampled_inside"][0] > 0, (name, st)
+        assert st["sampled_inside"][1] == 0 and st["head_calls"][1] == 0, (name, st)
 
 
 def test_four_ranks_one_kv_head_and_one_expert_each(tmp_path):

@@ -159,14 +159,18 @@ def counting(engine):
 
 
 def static_steps(engine) -> list[int]:
-    """A box counting the steps this rank runs through the static decode path (stays [0] without it)."""
-    box, static = [0], engine.runner.static
+    """A box counting, from now on, the steps this rank runs through the static decode path, those of them
+    that sampled inside the step, and the calls of its LM head (any path): stays [0, 0, n] without the path."""
+    box, static = [0, 0, 0], engine.runner.static
+    engine.runner.lm_head.register_forward_hook(lambda *_: box.__setitem__(2, box[2] + 1))
     if static is not None:
         run = static.run
 
         def counted(step, shape, *rest):
+            out = run(step, shape, *rest)
             box[0] += 1
-            return run(step, shape, *rest)
+            box[1] += out.packed is not None
+            return out
 
         static.run = counted
     return box
@@ -193,9 +197,11 @@ def main(out: str, paths: list[str], device: str = "cpu", graphs: str = "auto") 
             engine.close()
         else:
             engine.follow()
+        sampling = engine.runner.static is not None and engine.runner.static.sampling
         per_rank = [None] * dist.get_world_size()
-        dist.all_gather_object(per_rank, static[0])
-        results.setdefault(path, {})["static_steps"] = per_rank
+        dist.all_gather_object(per_rank, [*static, sampling])
+        results.setdefault(path, {}).update(zip(("static_steps", "sampled_inside", "head_calls", "sampling"),
+                                                map(list, zip(*per_rank))))
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(results, f)
@@ -206,7 +212,8 @@ def stand_in_capture(out: str, path: str) -> None:
     """Graphs captured under --tp, with the stand-in graph API of tests/test_graphs.py (a capture runs the
     step, a replay recomputes it) and the group taken as one whose all-reduce a graph records (NCCL's):
     rank 1's captures at 4 rows fail, rank 0's all succeed. Each rank writes its shapes, failures and
-    replays; the leader also the workload's tokens."""
+    replays, how many of its static steps sampled inside and how often its LM head ran while serving; the
+    leader also the workload's tokens."""
     from pytest import MonkeyPatch
 
     from svrmad_local.engine import tp
@@ -219,14 +226,15 @@ def stand_in_capture(out: str, path: str) -> None:
         mp.setattr(tp, "graphs_record_collectives", lambda group: True)
         engine = Engine(load_model(path, device="cpu", dtype="fp32", tp=True).model, None,
                         EngineConfig(**CONFIG, max_num_seqs=8))
-        static, done = engine.runner.static, {}
+        static, done, counts = engine.runner.static, {}, static_steps(engine)
         if rank == 0:
             done = workload(engine)
             engine.close()
         else:
             engine.follow()
     got = {**done, "graphs": sorted(static.graphs), "failed": sorted([*s, why] for s, why in static.failed.items()),
-           "replays": static.replays, "info": engine.info["cuda_graphs"] if rank == 0 else None}
+           "replays": static.replays, "info": engine.info["cuda_graphs"], "sampling": static.sampling,
+           "sampled_inside": counts[1], "head_calls": counts[2]}
     Path(f"{out}.{rank}").write_text(json.dumps(got))
     svrmad_dist.shutdown()
 

@@ -357,7 +357,8 @@ def _graphs_info(static, choice) -> str:
     """Engine.info["cuda_graphs"]: the record's graphs choice, with what the captured graphs did since."""
     if static is None:
         return f"off: {choice.reason}"
-    head = f"; the LM head and sampling after the step: {static.head_found[0]}" if static.head_found else ""
+    head = ("; the step ends at the hidden states (a tensor-parallel follower: its leader samples)" if not static.leads
+            else f"; the LM head and sampling after the step: {static.head_found[0]}" if static.head_found else "")
     if static.capture:
         failed = ""
         if static.failed:

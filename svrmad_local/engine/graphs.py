@@ -35,7 +35,9 @@ path.
 Under tensor parallel (engine/tp.py) every rank runs the same static steps, the followers from the
 steps the leader sends, and captures the same graphs with NCCL's all-reduces inside them (over gloo
 they go through the host: no graphs); the ranks agree on every decision that would otherwise leave one
-waiting in a collective the others never make.
+waiting in a collective the others never make. Only the leader's step ends with its tokens (below): the
+followers' ends at the hidden states, since nobody reads their tokens and the head and the sampling
+meet no collective.
 
 A Triton kernel that fails while a graph is captured raises (kernels._backend.fall_back) instead of
 falling back to its torch reference: the fallback would be recorded into the graph and the kernel turned
@@ -329,7 +331,8 @@ class StaticDecode:
     start-up by `capture_all` where `capture` (CUDA), else run eagerly. `scratch` is a block of the
     cache no sequence owns. Built, it runs one probe step (a padding row only: it writes the scratch
     block) under `HostSyncCheck`; `found` lists what would keep a graph from capturing the step's body,
-    `head_found` what keeps the LM head and the sampling out of it (the step then ends at the hidden states)."""
+    `head_found` what keeps the LM head and the sampling out of it (the step then ends at the hidden states),
+    as it would be on the leader; a tensor-parallel follower (`leads` False) never samples inside."""
 
     def __init__(self, runner, max_num_seqs: int, max_blocks: int, scratch: int, capture: bool):
         self.runner, self.scratch, self.capture = runner, scratch, capture
@@ -354,7 +357,11 @@ class StaticDecode:
             hidden = self._body(1, self.widths[0])
         self.found = check.found
         self.head_found = self._probe_head(hidden)
-        self.sampling = not self.head_found
+        # a follower's tokens would never be read (only the leader's are: the LM head is whole on every rank
+        # and the sampling meets no collective), so its step ends at the hidden states and its graphs leave
+        # out a read of the head's weight a step; what runs in step across the ranks (the body) is the same
+        self.leads = self.group is None or self.group.rank == 0
+        self.sampling = self.leads and not self.head_found
         if self.group is not None:  # all ranks capture, or none: a capture's warm-up step meets in collectives
             others = [r for r in tp.ranks_where([self.found], dev, self.group)[0] if r != self.group.rank]
             if others and not self.found:
