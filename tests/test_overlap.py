@@ -119,6 +119,22 @@ def test_overlap_under_preemption_and_length_limits():
     assert on.info["overlapped_steps"] > 0 and on.blocks.peak_used <= on.blocks.num_blocks
 
 
+def test_overlap_stops_at_the_models_context():
+    # a sequence that fills the context with step N is not scheduled into step N+1 (its position would not exist)
+    model = make_zoo_model("llama")
+    prompts = [rand_prompt(10, 5), rand_prompt(14, 6)]
+    params = SamplingParams(max_tokens=50, seed=4, ignore_eos=True)
+    outs = []
+    for overlap in ("on", "off"):
+        eng = engine(model, overlap=overlap)
+        eng.max_model_len = 24
+        outs.append(eng.generate_sync(prompts, params))
+        assert eng.info["dropped_rows"] == 0
+    assert [(_fields(x), _numbers(x)) for x in outs[0]] == [(_fields(y), _numbers(y)) for y in outs[1]]
+    assert [len(o.completions[0].token_ids) for o in outs[0]] == [14, 10]
+    assert {o.completions[0].finish_reason for o in outs[0]} == {"length"}
+
+
 def test_overlap_with_stop_strings(tiny_model, tiny_tokenizer):
     prompts = ["Janet has 16 eggs", "the answer is", "she sells them"]
     params = SamplingParams(max_tokens=24, seed=3, stop=["e", "a"])
