@@ -130,6 +130,21 @@ def test_the_static_decode_path_runs_on_every_rank_and_gives_the_same_tokens(nam
     assert c["all_reduce"] == 2 * lm.model.config.num_hidden_layers * c["steps"]
 
 
+@pytest.mark.parametrize("name", ["llama", "deepseek"])
+def test_overlap_under_tensor_parallel_gives_one_process_tokens(name, checkpoints, tmp_path, two_ranks_static):
+    """overlap="on" under --tp 2 (the static path, eagerly, over gloo): the leader launches each decode step
+    before it reads the one before, and every rank takes the step's ids from the leader's device rows (a
+    broadcast in the step, in the same order on every rank); tokens, forks and log-probs are those of the
+    same run without overlap."""
+    out = tmp_path / "tp.json"
+    on = run_worker(out, "--overlap", str(out), str(checkpoints[name]))[str(checkpoints[name])]
+    st = two_ranks_static[str(checkpoints[name])]
+    assert on["overlapped_steps"] > 0 and on["static_steps"][0] == on["static_steps"][1] > 0
+    assert on["greedy"] == st["greedy"] and on["forks"] == st["forks"] and on["computed"] == st["computed"]
+    for a, b in zip(on["greedy_logprobs"], st["greedy_logprobs"]):
+        assert a == pytest.approx(b, abs=1e-6)
+
+
 @pytest.fixture(scope="module")
 def stand_in_ranks(checkpoints, tmp_path_factory):
     """What each rank of tp_worker.py's `--stand-in` run wrote (the leader's, then the follower's)."""
@@ -290,11 +305,13 @@ def test_a_step_crosses_the_wire_as_two_int64_tensors_and_comes_back_equal():
     rng = random.Random(0)
     steps = [None, StepInput([], [], 0, []), StepInput([5], [(0, 1, [7])], 1, [(1, 2, 3)], None)]
     steps += [random_step(rng) for _ in range(300)]
+    steps.append(StepInput([0, 0], [(4, 5, [1, 2]), (8, 9, [3, 4, 5])], 2, [], [(7, 0), (8, 1)], fed=True))
     for step in steps:
         header, payload = pack(step)
         assert header.shape == (HEADER,) and header.dtype == payload.dtype == torch.long and payload.dim() == 1
         assert unpack(header, payload) == step
     assert pack(None)[1].numel() == 0
+    assert unpack(*pack(steps[-1])).fed and not unpack(*pack(steps[2])).fed  # ids taken from the leader's device
     header, payload = pack(steps[2])
     with pytest.raises(ValueError, match="does not match its 9 values"):
         unpack(header, payload[:-1])

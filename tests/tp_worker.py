@@ -176,24 +176,25 @@ def static_steps(engine) -> list[int]:
     return box
 
 
-def main(out: str, paths: list[str], device: str = "cpu", graphs: str = "auto") -> None:
+def main(out: str, paths: list[str], device: str = "cpu", graphs: str = "auto", overlap: str = "auto") -> None:
     """`device` "cuda": every rank on the one GPU there is, over gloo (SVRMAD_DIST_BACKEND=gloo, set by
     the test), in fp32: the packed kernels and the split shapes on the device, without several GPUs.
-    `graphs`: the engine's cuda_graphs ("static": the static decode path on every rank)."""
+    `graphs`: the engine's cuda_graphs ("static": the static decode path on every rank); `overlap` its
+    overlap ("on": decode steps launched before the leader reads the one before)."""
     dist.init_process_group("gloo")
     results = {}
     for path in paths:
         lm = load_model(path, device=device, dtype="fp32", tp=True)
         sizes = [None] * dist.get_world_size()
         dist.all_gather_object(sizes, resident_bytes(lm.model))
-        engine = Engine(lm.model, None, EngineConfig(**CONFIG, cuda_graphs=graphs))
+        engine = Engine(lm.model, None, EngineConfig(**CONFIG, cuda_graphs=graphs, overlap=overlap))
         static = static_steps(engine)
         if dist.get_rank() == 0:
             with counting(engine) as count:
                 done = workload(engine)
             results[path] = {**done, "world": dist.get_world_size(), "resident": sizes, "decoder": engine.info["decoder"],
                              "kv_shape_here": list(engine.spec.layers[0].k_shape), "collectives": count,
-                             "graphs": engine.info["cuda_graphs"]}
+                             "graphs": engine.info["cuda_graphs"], "overlapped_steps": engine.totals.overlapped_steps}
             engine.close()
         else:
             engine.follow()
@@ -286,5 +287,7 @@ if __name__ == "__main__":
         crowded_main(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "--graphs":
         main(sys.argv[3], sys.argv[4:], graphs=sys.argv[2])
+    elif sys.argv[1] == "--overlap":
+        main(sys.argv[2], sys.argv[3:], graphs="static", overlap="on")
     else:
         main(sys.argv[1], sys.argv[2:])

@@ -268,17 +268,15 @@ def graphs_choice(mode: str, why: str | None, num_blocks: int, found: list[str],
     return plan, Choice("graphs", "on", "decode-only steps replay graphs captured at start-up")
 
 
-def overlap_choice(mode: str, plan: graphs.Plan | None, group) -> Choice:
+def overlap_choice(mode: str, plan: graphs.Plan | None) -> Choice:
     """Whether the host launches decode step N+1 before reading step N's tokens (EngineConfig.overlap,
     engine/step.py): it needs the static path (step N+1 reads its ids from step N's packed rows on the
-    device) and one process (a tensor-parallel follower would need the ids the leader has not read); "auto"
-    takes it where the decode steps replay graphs, the steps whose host work it hides. "on" where it
-    cannot run is an error."""
+    device; under tensor parallel the followers take them from the leader's device); "auto" takes it where
+    the decode steps replay graphs, the steps whose host work it hides. "on" where it cannot run is an
+    error."""
     why = None
     if plan is None:
         why = "decode steps run the dynamic path (cuda_graphs off): their ids are read on the host"
-    elif group is not None:
-        why = "tensor parallel: the followers run each step from the ids the leader sends"
     elif mode == "auto" and not plan.capture:
         why = "the static path runs eagerly here: nothing runs while the host prepares a step"
     if mode == "off":

@@ -110,7 +110,7 @@ class EngineConfig:
     before it reads step N's tokens, which step N+1 takes on the device, so the host's work for a step
     (scheduling, its inputs, the graph's launch) hides behind the device's previous step; a sequence that
     step N ends computes one row in step N+1 for nothing. "auto" takes it where decode steps replay CUDA
-    graphs (alone, not under tensor parallel), "on" wherever the static path runs (cuda_graphs="static"
+    graphs (under tensor parallel too: the followers take the ids from the leader's device), "on" wherever the static path runs (cuda_graphs="static"
     too: the same tokens, checkable on the CPU), "off" reads each step's tokens before the next.
 
     adapt_threads: on the CPU, run the steps on fewer of torch's threads while other processes take

@@ -404,7 +404,8 @@ class StaticDecode:
         graph: not captured, or its capture failed) run eagerly. Its hidden states [B, H], and its rows'
         tokens and statistics where `draws` (the sampling's host part) fits the step (`fits`), else None.
         `fed`: (packed, rows) where the step's token ids are still on the device, row i's in the previous
-        step's packed rows at rows[i] (EngineConfig.overlap: step.ids hold placeholders)."""
+        step's packed rows at rows[i] (EngineConfig.overlap: step.ids hold placeholders, `step.fed`); under
+        tensor parallel the followers, given none, take the leader's."""
         B, (P, W) = step.num_decode, shape
         fits = self.fits(draws)
         self._load(step, P, W, draws if fits else None, fed)
@@ -468,6 +469,8 @@ class StaticDecode:
         if fed is not None:
             packed, rows = fed
             self.inputs[0, :B].copy_(packed.index_select(0, staged(rows, torch.long, dev))[:, 0].long())
+        if step.fed and self.group is not None:  # every rank decodes the leader's tokens
+            tp.take_leaders(self.inputs[0, :B], self.group)
         self.lens[:P].copy_(staged(torch.from_numpy(lens), torch.int32, dev))
         rows = self.runner.decode_tables(step).block_table
         self.tables[W][:B, : rows.shape[1]].copy_(rows)

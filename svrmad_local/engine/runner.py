@@ -74,15 +74,17 @@ class ModelRunner:
         return StepInput(ids, runs, len(batch.decode), batch.copies, keys)
 
     @torch.inference_mode()
-    def forward(self, batch: Batch, draws=None) -> torch.Tensor | graphs.Decoded:
+    def forward(self, batch: Batch, draws=None, fed=None, step: StepInput | None = None) -> torch.Tensor | graphs.Decoded:
         """Runs the model over the step's new tokens; returns the final hidden states [T, H] in the
         order of `batch.work` (the decode runs, then the prefill runs), or, where the static decode path
         ran the step, a `graphs.Decoded`: its hidden states, and its rows' tokens and statistics where
-        it sampled `draws` (sampler.Draws of a step whose every row samples; None: the Step samples)."""
-        step = self.prepare(batch)
+        it sampled `draws` (sampler.Draws of a step whose every row samples; None: the Step samples).
+        `fed`: its ids are still on the device (`execute`); `step`: the batch already prepared."""
+        step = self.prepare(batch) if step is None else step
+        step.fed = fed is not None
         if self.tp is not None:
             self.tp.send(step)
-        return self.execute(step, draws)
+        return self.execute(step, draws, fed)
 
     @torch.inference_mode()
     def execute(self, step: StepInput, draws=None, fed=None) -> torch.Tensor | graphs.Decoded:
@@ -93,7 +95,7 @@ class ModelRunner:
         shape = self.static.shape(step) if self.static is not None else None
         if shape is not None:
             return self.static.run(step, shape, draws, fed)
-        if fed is not None:
+        if step.fed:
             raise RuntimeError("a step whose token ids are on the device runs only at a static decode shape")
         dev, bs = self.device, self.block_size
         pos, slot_map, runs = [], [], []

@@ -305,10 +305,13 @@ class StepInput:
     covering [0, end)), decode runs first (`num_decode` of them); cache row copies to apply first; per
     run its sequence's (uid, blocks_epoch), which the device's copy of the decode rows' block tables
     (kv_cache.DeviceTables) and the tensor-parallel channel's mirror of the tables (tp.TableMirror) are
-    kept by (None: the tables are built, and sent, from the runs whole)."""
+    kept by (None: the tables are built, and sent, from the runs whole). `fed`: the ids are placeholders, the
+    real ones still on the leader's device in its previous step's rows (EngineConfig.overlap): the leader
+    gathers them there and every rank takes them from it (graphs.StaticDecode)."""
 
     ids: list[int]
     runs: list[tuple[int, int, list[int]]]
     num_decode: int
     copies: list[tuple[int, int, int]]
     keys: list[tuple[int, int]] | None = None
+    fed: bool = False

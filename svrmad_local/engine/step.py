@@ -3,7 +3,9 @@
 engine.py keeps the loop and the public API; the step is everything between "a batch is due" and
 "these requests finished": the model's forward through the runner, the token accounting, sampling
 with n>1 forks, the stop rules and scoring. `output` turns a finished request into what
-`Engine.generate` or `Engine.score` returns.
+`Engine.generate` or `Engine.score` returns. With `overlap` (EngineConfig.overlap) a decode step stays in
+flight (`InFlight`) while the next one is scheduled and launched, so the host's work for a step runs while
+the device computes the one before (docs/engine.md, "Overlap").
 """
 
 from __future__ import annotations
@@ -157,7 +159,7 @@ class Step:
         draws = sampler.prepare([s.params for s in seqs], [s.generator for s in seqs], vocab)
         self.totals.steps += 1
         self.totals.overlapped_steps += 1
-        out = self.runner.execute(step, draws, fed=(prev.packed, [rows[s] for s in seqs]))
+        out = self.runner.forward(batch, draws, fed=(prev.packed, [rows[s] for s in seqs]), step=step)
         return seqs, out.packed
 
     def _land(self, prev: InFlight, finished: list[Request]) -> None:

@@ -16,7 +16,9 @@ where the leader's takes it (engine/graphs.py: every rank captures the same grap
 inside, or none). Block tables are identical on all ranks because only the leader decides them; each
 rank's paged cache holds its own KV heads (the spec probe sees the local head count). Embeddings and the
 LM head are whole on every rank, so sampling and the token statistics need no collective and the tokens
-come from the leader alone.
+come from the leader alone. A step launched before the leader read the one before (EngineConfig.overlap)
+is sent marked FED: its ids are still on the leader's device, and every rank takes them from there
+(`take_leaders`) before the step runs.
 
 Several groups may share one launch (replicas of a TP group, svrmad_local/job/launch.py): every collective
 here names its group.
@@ -89,8 +91,20 @@ def all_reduce(t: torch.Tensor, group: Group) -> torch.Tensor:
 
 # The header: [kind (STOP or STEP), ids, runs, num_decode, copies, keys (-1: None), blocks (the new blocks of
 # all runs)]; each run's numbers: start, end, blocks kept, blocks new, the last block kept (-1: none)
-HEADER, STOP, STEP, RUN = 7, 0, 1, 5
+HEADER, STOP, STEP, FED, RUN = 7, 0, 1, 2, 5  # FED: a step whose ids come from the leader's device (StepInput.fed)
 KEEP = 1024  # the sequences a channel's mirrors keep: many times a step's (max_num_seqs, 64 by default)
+
+
+def take_leaders(t: torch.Tensor, group: Group) -> None:
+    """`t` on every rank becomes the leader's: the token ids of a step launched before the leader read the
+    step that sampled them (StepInput.fed), sent device to device under NCCL, queued behind what is already
+    queued (never waited for by the host); over gloo through the host."""
+    here = _cpu_or(t.device, group)
+    buf = t if here == t.device else t.to(here)
+    with lost_rank(group):
+        dist.broadcast(buf, src=group.leader, group=group.pg)
+    if buf is not t:
+        t.copy_(buf)
 
 
 class TablesDisagree(RuntimeError):
@@ -198,7 +212,7 @@ def pack(step: StepInput | None, mirror: TableMirror | None = None) -> tuple[tor
         new.append(blocks[kept:] if kept else blocks)
     mirror.evict()
     n_new = sum(map(len, new))
-    header = [STEP, len(step.ids), len(step.runs), step.num_decode, len(step.copies),
+    header = [FED if step.fed else STEP, len(step.ids), len(step.runs), step.num_decode, len(step.copies),
               -1 if keys is None else len(keys), n_new]
     parts = [step.ids, shape, itertools.chain.from_iterable(new), itertools.chain.from_iterable(step.copies),
              itertools.chain.from_iterable(keys or ())]
@@ -220,7 +234,7 @@ def unpack(header: torch.Tensor, payload: torch.Tensor, mirror: TableMirror | No
         return None
     values = payload.tolist()
     shape = values[n_ids:n_ids + RUN * n_runs]
-    if (kind != STEP or len(values) != payload_size(header) or n_keys not in (-1, n_runs)
+    if (kind not in (STEP, FED) or len(values) != payload_size(header) or n_keys not in (-1, n_runs)
             or sum(shape[3::RUN]) != n_new or min(shape[2::RUN], default=0) < 0 or min(shape[3::RUN], default=0) < 0):
         raise ValueError(f"a step header {header.tolist()} that does not match its {len(values)} values")
     mirror = TableMirror() if mirror is None else mirror
@@ -244,4 +258,4 @@ def unpack(header: torch.Tensor, payload: torch.Tensor, mirror: TableMirror | No
             mirror.put(uid, epoch, blocks)
         runs.append((start, end, blocks))
     mirror.evict()
-    return StepInput(values[:n_ids], runs, num_decode, copies, keys)
+    return StepInput(values[:n_ids], runs, num_decode, copies, keys, kind == FED)
