@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 
 from svrmad_local.engine.config import SettingsError
 from svrmad_local.engine.engine import Engine, EngineConfig
@@ -92,14 +93,18 @@ def test_overlap_returns_what_reading_each_step_returns(name):
     assert on.info["computed_tokens"] == off.info["computed_tokens"]
 
 
-def test_overlap_is_bit_exact_where_the_steps_are_the_same():
+def test_overlap_is_bit_exact_where_the_steps_are_the_same(monkeypatch):
     # submitted together, nothing waits on the clock: the only difference is when the host reads
     model = make_zoo_model("llama")
     prompts = [rand_prompt(5 + 3 * i, 90 + i) for i in range(6)]
     params = [SamplingParams(max_tokens=8 + 4 * i, seed=i, stop_token_ids=STOPS) for i in range(5)]
     params.append(SamplingParams(n=2, max_tokens=15, seed=5, stop_token_ids=STOPS))
-    on = engine(model, overlap="on")
-    a, b = on.generate_sync(prompts, params), engine(model, overlap="off").generate_sync(prompts, params)
+    on, off = engine(model, overlap="on"), engine(model, overlap="off")
+    reads, tolist = [], torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t, *x, **k: reads.append(1) or tolist(t, *x, **k))
+    a = on.generate_sync(prompts, params)
+    assert len(reads) == on.info["steps"]  # still one read from the device a step
+    b = off.generate_sync(prompts, params)
     assert [(_fields(x), _numbers(x)) for x in a] == [(_fields(y), _numbers(y)) for y in b]
     assert on.info["overlapped_steps"] > 0 and on.info["dropped_rows"] > 0, on.info
 
