@@ -25,7 +25,7 @@ from svrmad_local.debate.trace import read_jsonl
 from svrmad_local.job.launch import Dist
 from svrmad_local.engine.engine import Engine, EngineConfig
 from svrmad_local.engine.scheduler import StepInput
-from svrmad_local.engine.tp import HEADER, TableMirror, TablesDisagree, pack, unpack
+from svrmad_local.engine.tp import HEADER, KEEP, TableMirror, TablesDisagree, keep_for, pack, unpack
 from svrmad_local.models.loader import load_model
 from svrmad_local.models.plan import make_plan
 from svrmad_local.models.quant.formats import Reader
@@ -426,6 +426,19 @@ def test_a_steady_decode_step_sends_the_same_bytes_at_any_context():
         shorter = pack(decode_step(32, blocks, 2), leader)  # never made by the scheduler, but a valid step
         assert shorter[1].numel() == sizes[blocks] and unpack(*shorter, follower) == decode_step(32, blocks, 2)
     assert sizes[1024] == sizes[16384] == 32 * (1 + 5 + 2)  # an id, the run's numbers, its key
+
+
+def test_the_mirrors_keep_every_sequence_an_engine_of_many_sequences_runs():
+    """An engine of max_num_seqs 1,500 keeps 6,000 tables mirrored: a steady step of 1,500 sequences sends
+    only its ids, numbers and keys; mirrors of a fixed 1,024 would send some tables whole every step."""
+    n = 1500
+    assert keep_for(64) == KEEP and keep_for(n) == 4 * n
+    for keep, steady_is_small in ((keep_for(n), True), (KEEP, False)):
+        leader, follower = TableMirror(keep), TableMirror(keep)
+        unpack(*pack(decode_step(n, 64, 14), leader), follower)
+        steady = pack(decode_step(n, 64, 15), leader)
+        assert unpack(*steady, follower) == decode_step(n, 64, 15)
+        assert (steady[1].numel() == n * (1 + 5 + 2)) == steady_is_small
 
 
 @pytest.mark.parametrize("corrupt, said", [

@@ -159,7 +159,7 @@ def build(model, cfg: EngineConfig) -> Built:
                                               max_blocks(max_model_len, cfg.block_size, num_blocks))
     rank, channel = 0, None
     if group is not None:  # tensor parallel: the group's leader runs the engine, the others follow its steps
-        rank, channel = group.rank, tp.StepChannel(group, device)
+        rank, channel = group.rank, tp.StepChannel(group, device, tp.keep_for(cfg.max_num_seqs))
     runner = ModelRunner(model, attached, cache, spec, cfg.block_size, paths, made.decoder, plan,
                          channel if rank == 0 else None)
     if runner.static is not None and runner.static.capture:  # every shape at start-up, before any request

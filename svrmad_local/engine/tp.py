@@ -92,7 +92,14 @@ def all_reduce(t: torch.Tensor, group: Group) -> torch.Tensor:
 # The header: [kind (STOP or STEP), ids, runs, num_decode, copies, keys (-1: None), blocks (the new blocks of
 # all runs)]; each run's numbers: start, end, blocks kept, blocks new, the last block kept (-1: none)
 HEADER, STOP, STEP, FED, RUN = 7, 0, 1, 2, 5  # FED: a step whose ids come from the leader's device (StepInput.fed)
-KEEP = 1024  # the sequences a channel's mirrors keep: many times a step's (max_num_seqs, 64 by default)
+KEEP = 1024  # the sequences a channel's mirrors keep at least: many times a step's (max_num_seqs, 64 by default)
+
+
+def keep_for(max_num_seqs: int) -> int:
+    """How many sequences the mirrors keep for an engine of `max_num_seqs`: a step's sequences and as many
+    again three times over (preempted and waiting ones come back with their blocks), at least KEEP; fewer
+    would resend whole tables every step (correct, but a long context's worth of bytes)."""
+    return max(KEEP, 4 * max_num_seqs)
 
 
 def take_leaders(t: torch.Tensor, group: Group) -> None:
