@@ -93,35 +93,39 @@ def test_a_bad_gemv_setting_is_refused_in_one_line():
 GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
 
 
-def run(model, prompt, gemv):
-    eng = Engine(model, None, EngineConfig(kv_cache_memory=4 * 2**20, block_size=4, linear="aten", gemv=gemv))
+def run(model, prompts, gemv, **kw):
+    eng = Engine(model, None, EngineConfig(kv_cache_memory=4 * 2**20, block_size=4, linear="aten", gemv=gemv, **kw))
     try:
-        out = eng.generate_sync([prompt], GREEDY)[0].completions[0]
-        return out, eng.execution.gemv
+        return [r.completions[0] for r in eng.generate_sync(prompts, GREEDY)], eng.execution.gemv
     finally:
         eng.close()
 
 
-def test_forced_skinny_in_the_interpreter_is_token_exact(monkeypatch):
-    """Every decode linear through the kernel (interpreted): the same greedy tokens as a cache-free loop of
-    the model, log-probs within 1e-4 of the engine over F.linear; and the kernel did run, at 1 row."""
+@pytest.mark.parametrize("graphs", ["off", "static"])
+def test_forced_skinny_in_the_interpreter_is_token_exact(graphs, monkeypatch):
+    """Every decode linear and the LM head through the kernel (interpreted), on the dynamic path and on the
+    static one (rows padded to the graphs' sizes): the same greedy tokens as a cache-free loop of the model,
+    log-probs within 1e-4 of the engine over F.linear; and the kernel did run, the head's shape included."""
     if not (_backend.HAS_TRITON and _backend.interpreter_ready()):
         pytest.skip("Triton's interpreter is not available in this process")
-    rows = []
+    calls = []
     real = skinny.skinny_linear
-    monkeypatch.setattr(skinny, "skinny_linear", lambda x, *a: rows.append(x.shape[0]) or real(x, *a))
+    monkeypatch.setattr(skinny, "skinny_linear", lambda x, w, *a: calls.append((x.shape[0], w.shape[0])) or real(x, w, *a))
     model = make_zoo_model("llama")
-    prompt = rand_prompt(11, 3)
-    got, record = run(model, prompt, "skinny")
-    assert record.value.startswith("skinny for") and rows and set(rows) == {1}
-    assert got.token_ids == loop_greedy(model, prompt, GREEDY.max_tokens)
-    ref, plain = run(model, prompt, "torch")
-    assert plain.value == "torch" and ref.token_ids == got.token_ids
-    assert (torch.tensor(got.logprobs) - torch.tensor(ref.logprobs)).abs().max() < 1e-4
+    prompts = [rand_prompt(11, 3), rand_prompt(6, 4)]
+    got, record = run(model, prompts, "skinny", cuda_graphs=graphs)
+    assert record.value.startswith("skinny for") and calls
+    assert {m for m, _ in calls} <= set(range(1, 9)) and model.config.vocab_size in {n for _, n in calls}
+    for p, out in zip(prompts, got):
+        assert out.token_ids == loop_greedy(model, p, GREEDY.max_tokens)
+    ref, plain = run(model, prompts, "torch", cuda_graphs=graphs)
+    assert plain.value == "torch"
+    for a, b in zip(got, ref):
+        assert a.token_ids == b.token_ids
+        assert (torch.tensor(a.logprobs) - torch.tensor(b.logprobs)).abs().max() < 1e-4
 
 
-def test_forced_skinny_where_triton_cannot_run_is_refused():
-    if _backend.interpreter_ready():
-        pytest.skip("the interpreter runs Triton on the CPU in this process")
+def test_forced_skinny_where_triton_cannot_run_is_refused(monkeypatch):
+    monkeypatch.setattr(_backend, "interpreter_ready", lambda: False)  # a CPU process without the interpreter
     with pytest.raises(ValueError, match="gemv='skinny' cannot run here"):
         choices.gemv_choice(make_zoo_model("llama"), "skinny", "auto", CPU)

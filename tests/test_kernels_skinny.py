@@ -25,7 +25,7 @@ from svrmad_local.kernels.skinny import Config, reference, skinny_linear  # noqa
 pytestmark = pytest.mark.skipif(not interpreter_ready(), reason="triton was imported before TRITON_INTERPRET=1")
 
 # split-K with tiles small enough that K = 301 splits into several shares (one of them short)
-SPLITS = (Config(16, 32, 3), Config(8, 64, 2, dot=True), Config(32, 16, 5))
+SPLITS = (Config(16, 32, 3), Config(16, 64, 2, dot=True), Config(32, 16, 5))
 N, K = 37, 301
 
 

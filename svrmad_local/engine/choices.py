@@ -83,11 +83,12 @@ GEMV_MARGIN = 0.05  # the skinny kernel is taken for a shape and row count only 
 
 
 def decode_linears(model) -> dict[tuple[int, int], nn.Linear]:
-    """The plain linears our decoder calls in its layers, one per (N, K) shape (the first found: the
-    others of that shape hold other weights of the same size), in the kernel's dtypes."""
+    """The plain linears our decoder calls in its layers, and the LM head, one per (N, K) shape (the first
+    found: the others of that shape hold other weights of the same size), in the kernel's dtypes."""
     layers = getattr(model.base_model, "layers", [])
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     shapes: dict[tuple[int, int], nn.Linear] = {}
-    for m in (m for layer in layers for m in layer.modules()):
+    for m in [m for layer in layers for m in layer.modules()] + ([head] if head is not None else []):
         if type(m) is nn.Linear and m.weight.dtype in skinny.DTYPES:
             shapes.setdefault(tuple(m.weight.shape), m)
     return shapes
@@ -153,6 +154,8 @@ def gemv_choice(model, mode: str, kernel_impl: str, device: torch.device,
             return {}, Choice("gemv", "torch", why, fell_back=device.type == "cuda" and kernel_impl == "auto")
         timer_for = lambda m: skinny.cuda_timer(m.weight, m.bias)  # noqa: E731
     picks = pick_gemv(linears, timer_for)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the timing's copies of the weights go back before the KV pool is sized
     detail = "; ".join(f"{n}x{k}: " + ", ".join(f"{r}:{c}" for r, c in sorted(p.items()))
                        for (n, k), p in sorted(picks.items()))
     why = (f"timed against F.linear at build, taken where {GEMV_MARGIN:.0%} faster; rows above {skinny.MAX_ROWS} "

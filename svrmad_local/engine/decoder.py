@@ -33,8 +33,8 @@ from . import tp
 from .attention import StepContext, paged_attention
 from .context import get_context
 from .execution import Choice
-from .families import (ACT_CLASSES, DENSE_MLPS, LAYERS, MOE_BLOCKS, NORMS, Dense, FastRMSNorm, Layer, Rotary, norm_parts,
-                       rope_latent, swap_norms)
+from .families import (ACT_CLASSES, DENSE_MLPS, LAYERS, MOE_BLOCKS, NORMS, Dense, FastRMSNorm, Layer, Rotary, linear_call,
+                       norm_parts, rope_latent, swap_norms)
 from .spec import ModelSpec
 
 CHOICES = ("auto", "ours", "modules")
@@ -52,6 +52,10 @@ class Decoder:
         self.embed, self.norm = body.embed_tokens, norm_parts(body.norm)
         self.layers = [Layer(layer, self.family, spec.layers[i], gemv)
                        for i, layer in enumerate(body.layers[: body.config.num_hidden_layers])]
+        # the LM head through the skinny kernel where `gemv` picked its shape (the runner's logits call it), else None
+        head = model.get_output_embeddings()
+        self.head = linear_call(head, gemv) if gemv and type(head) is nn.Linear and tuple(head.weight.shape) in gemv \
+            else None
         self.rotary = Rotary(body, self.family, {L.rope for L in self.layers})
 
     def __call__(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:

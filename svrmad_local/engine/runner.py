@@ -162,7 +162,8 @@ class ModelRunner:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits of the raw distribution for a few rows."""
-        logits = self.lm_head(hidden.to(self.lm_head.weight.device)).float()
+        head = self.decoder.head if self.decoder is not None and self.decoder.head is not None else self.lm_head
+        logits = head(hidden.to(self.lm_head.weight.device)).float()
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits

@@ -102,14 +102,16 @@ class Config:
                 + ("dot" if self.dot else ""))
 
 
-# The candidates timed at build: narrow strips with long K tiles (each warp streams a long contiguous run
-# of a row), wider strips with shorter tiles, split-K for narrow outputs, and the tensor-core tile. Chosen,
-# not yet timed on a GPU: benchmarks/bench_skinny.py times each against F.linear.
+# The candidates timed at build: narrow strips with long K tiles (each row of a tile a long contiguous read;
+# the broadcast product holds rows x block_n x block_k values, so these suit 1-2 rows), wider strips with
+# shorter tiles (4-8 rows), split-K for narrow outputs, and the tensor-core tile (rows padded to 16, the
+# product off the registers). Chosen, not yet timed on a GPU: benchmarks/bench_skinny.py times each.
 CONFIGS = (
     Config(8, 512, 1, 4, 3),
     Config(16, 256, 1, 4, 3),
-    Config(32, 128, 1, 4, 4),
+    Config(32, 128, 1, 8, 3),
     Config(16, 256, 0, 4, 3),
+    Config(16, 64, 0, 4, 4),
     Config(64, 128, 1, 4, 4, dot=True),
     Config(32, 256, 0, 4, 3, dot=True),
 )
@@ -203,15 +205,29 @@ def bound(weight: torch.Tensor, bias: torch.Tensor | None, picks: dict[int, Conf
 
 
 def time_call(fn, reps: int = 5, inner: int = 10) -> float:
-    """Seconds a call of `fn` takes on the current CUDA stream: the median over `reps` of `inner` calls
-    between two events, after a warm-up call (compiles)."""
+    """Seconds a call of `fn` takes on the device: `inner` calls captured in one CUDA graph (after an eager
+    call, which compiles), the graph replayed between two events `reps` times, the median over the calls.
+    In a graph, as a captured decode step runs it: the device's time, not the host's launch cost (a Triton
+    launch costs the host more than cuBLAS's, which would otherwise decide between them). Where a capture
+    fails, the same calls eagerly."""
     fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            for _ in range(inner):
+                fn()
+        run = graph.replay
+    except RuntimeError:
+        def run():
+            for _ in range(inner):
+                fn()
+    run()
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for _ in range(inner):
-            fn()
+        run()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3 / inner)
