@@ -11,7 +11,7 @@ a CUDA graph, replayed 5 times between CUDA events, the median: the device's tim
 pays it, without the host's launch cost; each call reads another copy of the weight so that none is read
 from the L2 cache: a decode step reads every weight once, cold; skinny.time_call, what the engine times) for F.linear and for every config of skinny.CONFIGS,
 and GB/s of weight read (N x K x the element size over the time); `best` is the fastest config, `engine`
-whether the engine's gemv="auto" would take it (5% faster than F.linear, engine/choices.py). Each config
+whether the engine's gemv="auto" would take it (5% faster than F.linear, engine/gemv.py). Each config
 is also checked once: its output against F.linear's in fp32 (`max_diff`, relative to the largest value)
 and, captured in a CUDA graph and replayed, the same bits as eager (`graph_ok`: no host sync, and the
 split-K sum does not depend on scheduling). First line: the card's copy bandwidth (a 1 GiB device copy,
@@ -100,7 +100,7 @@ def main(argv=None) -> int:
     elif not torch.cuda.is_available():
         print("bench_skinny: needs CUDA (--dry-run checks the script on the CPU)")
         return 0
-    from svrmad_local.engine.choices import GEMV_MARGIN
+    from svrmad_local.engine.gemv import MARGIN as GEMV_MARGIN
     from svrmad_local.kernels import skinny
 
     device = torch.device("cpu" if args.dry_run else "cuda")

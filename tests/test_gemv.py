@@ -16,7 +16,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton (see conf
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from svrmad_local.engine import choices  # noqa: E402
+from svrmad_local.engine import choices, gemv  # noqa: E402
 from svrmad_local.engine.engine import Engine, EngineConfig  # noqa: E402
 from svrmad_local.engine.families import linear_call  # noqa: E402
 from svrmad_local.engine.params import SamplingParams  # noqa: E402
@@ -45,9 +45,9 @@ def fake_timer_for(table, asked):
     return timer_for
 
 
-def test_the_choice_follows_the_timings():
+def test_the_choice_follows_the_timings(tmp_path):
     model = make_zoo_model("llama")
-    shapes = sorted(choices.decode_linears(model))
+    shapes = sorted(gemv.decode_linears(model))
     assert len(shapes) >= 3, shapes
     fast, even, broken = shapes[:3]
     table = {shape: dict.fromkeys(skinny.ROWS, 1.5) for shape in shapes}  # slower everywhere...
@@ -55,7 +55,7 @@ def test_the_choice_follows_the_timings():
     table[even] = dict.fromkeys(skinny.ROWS, 0.96)  # never 5% faster
     table[broken] = {}  # no config compiles
     asked = []
-    picks, choice = choices.gemv_choice(model, "auto", "auto", CPU, fake_timer_for(table, asked))
+    picks, choice = choices.gemv_choice(model, "auto", "auto", CPU, fake_timer_for(table, asked), tmp_path)
     assert picks == {fast: {1: skinny.CONFIGS[0], 2: skinny.CONFIGS[0]}}
     assert set(asked) == set(skinny.ROWS)  # rows above 8 are never timed
     n = len(shapes)
@@ -69,11 +69,27 @@ def test_the_choice_follows_the_timings():
     assert linear_call(other, picks) is other
 
 
-def test_slower_everywhere_takes_f_linear_and_says_so():
+def test_slower_everywhere_takes_f_linear_and_says_so(tmp_path):
     model = make_zoo_model("llama")
-    table = {shape: dict.fromkeys(skinny.ROWS, 1.2) for shape in choices.decode_linears(model)}
-    picks, choice = choices.gemv_choice(model, "auto", "auto", CPU, fake_timer_for(table, []))
+    table = {shape: dict.fromkeys(skinny.ROWS, 1.2) for shape in gemv.decode_linears(model)}
+    picks, choice = choices.gemv_choice(model, "auto", "auto", CPU, fake_timer_for(table, []), tmp_path)
     assert picks == {} and choice.value == "torch" and "as fast at every shape" in choice.reason
+
+
+def test_the_figures_are_kept_so_a_later_engine_picks_the_same_without_timing(tmp_path):
+    """A second choice on the same machine and shapes reads the first's figures: the same picks (the same
+    bits run to run) and nothing timed; another cache folder, or an unreadable file, times again."""
+    model = make_zoo_model("llama")
+    table = {shape: {1: 0.5, 2: 0.9, 4: 1.3, 8: 1.3} for shape in gemv.decode_linears(model)}
+    first, second = [], []
+    picks, choice = choices.gemv_choice(model, "auto", "auto", CPU, fake_timer_for(table, first), tmp_path)
+    again, kept = choices.gemv_choice(model, "auto", "auto", CPU, fake_timer_for(table, second), tmp_path)
+    assert first and second == [] and again == picks and "kept from an earlier build" in kept.reason
+    assert kept.value == choice.value
+    (path,) = (tmp_path / "calibration").glob("gemv-*.json")
+    path.write_text("{not json")
+    third = []
+    assert choices.gemv_choice(model, "auto", "auto", CPU, fake_timer_for(table, third), tmp_path)[0] == picks and third
 
 
 def test_off_a_gpu_auto_is_f_linear_and_torch_is_never_timed():

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-from torch import nn
 
 from svrmad_local import kernels
 from svrmad_local.kernels._backend import FORCE_ENV, choose
@@ -34,7 +33,7 @@ from svrmad_local.models import calibrate
 from svrmad_local.models.linear import select_linear
 from svrmad_local.models.loader import describe_dtype
 
-from . import graphs, mla
+from . import gemv, graphs, mla
 from .attention import FLASH_PAGE, HAS_FLASH_ATTN, flash_attn_varlen_func
 from .config import GEMV, EngineConfig
 from .decoder import select_decoder
@@ -70,72 +69,27 @@ def forward_choices(model, spec: ModelSpec, cfg: EngineConfig, device: torch.dev
     sel = select_linear(model, cfg.linear, workload=calibrate.Workload.for_engine(
         cfg.max_num_seqs, cfg.max_num_batched_tokens), cache=cfg.cache_dir)
     linear = Choice("linear", sel.value, sel.line, fell_back=sel.fell_back)
-    picks, gemv = gemv_choice(model, cfg.gemv, cfg.kernel_impl, device, gemv_timer)
+    picks, few_rows = gemv_choice(model, cfg.gemv, cfg.kernel_impl, device, gemv_timer, cfg.cache_dir)
     paths, attention = choose_attention(cfg.attention, cfg.cascade, cfg.kernel_impl, cfg.mla, device, dtype, spec,
                                         cfg.block_size)
     if spec.has_latent:
         mla.install(model)  # absorbed steps hand kv_b_proj nothing to expand (engine/mla.py)
     decoder, decoder_choice = select_decoder(model, spec, cfg.decoder, cfg.kernel_impl, picks)
-    return ForForward(linear, calibrate.recorded(model), gemv, paths, attention, decoder, decoder_choice)
+    return ForForward(linear, calibrate.recorded(model), few_rows, paths, attention, decoder, decoder_choice)
 
 
-GEMV_MARGIN = 0.05  # the skinny kernel is taken for a shape and row count only where this much faster
-
-
-def decode_linears(model) -> dict[tuple[int, int], nn.Linear]:
-    """The plain linears our decoder calls in its layers, and the LM head, one per (N, K) shape (the first
-    found: the others of that shape hold other weights of the same size), in the kernel's dtypes."""
-    layers = getattr(model.base_model, "layers", [])
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    shapes: dict[tuple[int, int], nn.Linear] = {}
-    for m in [m for layer in layers for m in layer.modules()] + ([head] if head is not None else []):
-        if type(m) is nn.Linear and m.weight.dtype in skinny.DTYPES:
-            shapes.setdefault(tuple(m.weight.shape), m)
-    return shapes
-
-
-def pick_gemv(linears: dict[tuple[int, int], nn.Linear], timer_for: Callable, rows=skinny.ROWS,
-              configs=skinny.CONFIGS, margin: float = GEMV_MARGIN) -> dict[tuple[int, int], dict[int, skinny.Config]]:
-    """{(N, K): {rows: Config}}: for each shape and padded row count, the fastest config where it beats
-    F.linear by `margin`. `timer_for(linear)` gives a timer (rows, "torch" | Config) -> seconds
-    (`skinny.cuda_timer` on a GPU; a test passes made-up figures); a config that raises is left out."""
-    picks = {}
-    for shape, m in linears.items():
-        timer = timer_for(m)
-        for r in rows:
-            base = timer(r, "torch")
-            timed = []
-            for cfg in configs:
-                try:
-                    timed.append((timer(r, cfg), cfg))
-                except Exception:  # a config this device cannot compile: not a candidate  # noqa: BLE001
-                    continue
-            best = min(timed, key=lambda t: t[0], default=None)
-            if best is not None and best[0] < base * (1 - margin):
-                picks.setdefault(shape, {})[r] = best[1]
-    return picks
-
-
-def gemv_line(picks: dict, shapes: int, rows=skinny.ROWS) -> str:
-    """The record's value: how many of the shapes take the skinny kernel at each row count."""
-    if not picks:
-        return "torch"
-    counts = [sum(r in p for p in picks.values()) for r in rows]
-    return "skinny for " + ", ".join(f"{c} of {shapes} shapes at {r} row{'s' if r > 1 else ''}"
-                                     for c, r in zip(counts, rows))
-
-
-def gemv_choice(model, mode: str, kernel_impl: str, device: torch.device,
-                timer_for: Callable | None = None) -> tuple[dict, Choice]:
+def gemv_choice(model, mode: str, kernel_impl: str, device: torch.device, timer_for: Callable | None = None,
+                cache: str | None = None) -> tuple[dict, Choice]:
     """Which decode linears take the skinny kernel (kernels/skinny.py) instead of F.linear, at which row
     counts, and the record's gemv choice. "torch": none. "skinny": every plain linear at every row count
-    up to 8, with the default config (tests, A/B runs; its Triton must run here). "auto": timed against
-    F.linear on a CUDA device through Triton (or through `timer_for`, which a test injects), taken per
-    shape and row count where faster by GEMV_MARGIN; none elsewhere. Rows above 8 always take F.linear.
-    Timed once at build, before any graph is captured."""
+    up to 8, with the default config (tests, A/B runs; its Triton must run here). "auto": on a CUDA device
+    through Triton, timed against F.linear (engine/gemv.py; the figures kept per machine under `cache`, the
+    --cache-dir, so later engines pick the same configs), or through `timer_for`, which a test injects;
+    taken per shape and row count where faster by gemv.MARGIN; none elsewhere. Rows above 8 always take
+    F.linear. Made once at build, before any graph is captured."""
     if mode not in GEMV:
         raise ValueError(f"gemv must be one of {', '.join(GEMV)}, got {mode!r}")
-    linears = decode_linears(model)
+    linears = gemv.decode_linears(model)
     if mode == "torch":
         return {}, Choice("gemv", "torch", "as asked")
     if mode == "skinny":
@@ -144,23 +98,24 @@ def gemv_choice(model, mode: str, kernel_impl: str, device: torch.device,
         except RuntimeError as exc:
             raise ValueError(f"gemv='skinny' cannot run here: {exc}") from None
         picks = {shape: dict.fromkeys(skinny.ROWS, skinny.DEFAULT) for shape in linears}
-        return picks, Choice("gemv", gemv_line(picks, len(linears)), f"as asked, config {skinny.DEFAULT}")
+        return picks, Choice("gemv", gemv.line(picks, len(linears)), f"as asked, config {skinny.DEFAULT}")
     impl = kernels.select_impl(kernel_impl, device, "skinny_linear")
-    if timer_for is None:
-        if device.type != "cuda" or impl != "triton":
-            why = f"kernel_impl={kernel_impl!r}" if kernel_impl != "auto" else \
-                f"F.linear off a GPU ({device.type})" if device.type != "cuda" else \
-                choose(kernel_impl, device, "skinny_linear").why
-            return {}, Choice("gemv", "torch", why, fell_back=device.type == "cuda" and kernel_impl == "auto")
-        timer_for = lambda m: skinny.cuda_timer(m.weight, m.bias)  # noqa: E731
-    picks = pick_gemv(linears, timer_for)
-    if device.type == "cuda":
+    gpu = device.type == "cuda" and impl == "triton"
+    if timer_for is None and not gpu:
+        why = f"kernel_impl={kernel_impl!r}" if kernel_impl != "auto" else \
+            f"F.linear off a GPU ({device.type})" if device.type != "cuda" else \
+            choose(kernel_impl, device, "skinny_linear").why
+        return {}, Choice("gemv", "torch", why, fell_back=device.type == "cuda" and kernel_impl == "auto")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    figures, kept = gemv.measured(linears, name, cache, timer_for or (lambda m: skinny.cuda_timer(m.weight, m.bias)))
+    if gpu:
         torch.cuda.empty_cache()  # the timing's copies of the weights go back before the KV pool is sized
-    detail = "; ".join(f"{n}x{k}: " + ", ".join(f"{r}:{c}" for r, c in sorted(p.items()))
-                       for (n, k), p in sorted(picks.items()))
-    why = (f"timed against F.linear at build, taken where {GEMV_MARGIN:.0%} faster; rows above {skinny.MAX_ROWS} "
-           f"take F.linear" + (f"; {detail}" if detail else f": F.linear as fast at every shape ({len(linears)})"))
-    return picks, Choice("gemv", gemv_line(picks, len(linears)), why)
+    picks = gemv.pick(figures)
+    said = gemv.detail(picks)
+    why = (f"timed against F.linear{' (kept from an earlier build)' if kept else ' at build'}, taken where "
+           f"{gemv.MARGIN:.0%} faster; rows above {skinny.MAX_ROWS} take F.linear"
+           + (f"; {said}" if said else f": F.linear as fast at every shape ({len(linears)})"))
+    return picks, Choice("gemv", gemv.line(picks, len(linears)), why)
 
 
 def choose_attention(attention: str, cascade: str, kernel_impl: str, mla_mode: str, device: torch.device,
