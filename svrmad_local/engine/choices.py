@@ -59,8 +59,7 @@ class ForForward:
     decoder_choice: Choice
 
 
-def forward_choices(model, spec: ModelSpec, cfg: EngineConfig, device: torch.device, dtype: torch.dtype,
-                    gemv_timer: Callable | None = None) -> ForForward:
+def forward_choices(model, spec: ModelSpec, cfg: EngineConfig, device: torch.device, dtype: torch.dtype) -> ForForward:
     """How a forward runs, in the order the choices depend on each other: the linears first (repacked in
     place by models/linear.select_linear, before anything is timed), which of them take the skinny kernel
     at decode's few rows (`gemv_choice`, timed over the linears as they will run), the attention paths
@@ -69,7 +68,7 @@ def forward_choices(model, spec: ModelSpec, cfg: EngineConfig, device: torch.dev
     sel = select_linear(model, cfg.linear, workload=calibrate.Workload.for_engine(
         cfg.max_num_seqs, cfg.max_num_batched_tokens), cache=cfg.cache_dir)
     linear = Choice("linear", sel.value, sel.line, fell_back=sel.fell_back)
-    picks, few_rows = gemv_choice(model, cfg.gemv, cfg.kernel_impl, device, gemv_timer, cfg.cache_dir)
+    picks, few_rows = gemv_choice(model, cfg.gemv, cfg.kernel_impl, device, cache=cfg.cache_dir)
     paths, attention = choose_attention(cfg.attention, cfg.cascade, cfg.kernel_impl, cfg.mla, device, dtype, spec,
                                         cfg.block_size)
     if spec.has_latent:
