@@ -101,6 +101,28 @@ def test_off_a_gpu_auto_is_f_linear_and_torch_is_never_timed():
     assert picks == {} and timed == [] and choice.reason == "as asked"
 
 
+def test_where_the_models_modules_run_the_layers_nothing_is_timed_or_claimed(tmp_path):
+    """The model's own modules call F.linear: "auto" times nothing and says so; "skinny" is refused."""
+    model, timed = make_zoo_model("llama"), []
+    picks, choice = choices.gemv_choice(model, "auto", "auto", CPU, fake_timer_for({}, timed), tmp_path, ours=False)
+    assert picks == {} and timed == [] and choice.value == "torch" and "modules" in choice.reason
+    with pytest.raises(ValueError, match="gemv='skinny' needs our decoder"):
+        choices.gemv_choice(model, "skinny", "auto", CPU, ours=False)
+    eng = Engine(model, None, EngineConfig(kv_cache_memory=4 * 2**20, block_size=4, linear="aten", decoder="modules"))
+    assert eng.execution.gemv.value == "torch" and "modules" in eng.execution.gemv.reason
+    eng.close()
+
+
+def test_a_routers_shape_is_not_timed():
+    """A mixture-of-experts router is called as a module, never through the picks: left out of the shapes."""
+    model = make_zoo_model("qwen3-moe")
+    routers = {tuple(layer.mlp.gate.weight.shape) for layer in model.model.layers}
+    others = {tuple(m.weight.shape) for m in model.modules() if type(m) is torch.nn.Linear
+              and all(m is not layer.mlp.gate for layer in model.model.layers)}
+    only_routers = routers - others
+    assert only_routers and not only_routers & set(gemv.decode_linears(model)), routers
+
+
 def test_a_bad_gemv_setting_is_refused_in_one_line():
     with pytest.raises(ValueError, match="gemv must be one of auto, skinny, torch"):
         EngineConfig(gemv="fast")

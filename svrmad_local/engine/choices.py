@@ -36,7 +36,7 @@ from svrmad_local.models.loader import describe_dtype
 from . import gemv, graphs, mla
 from .attention import FLASH_PAGE, HAS_FLASH_ATTN, flash_attn_varlen_func
 from .config import GEMV, EngineConfig
-from .decoder import select_decoder
+from .decoder import ALIASES, select_decoder, why_not
 from .execution import AttentionPaths, Choice, Execution
 from .spec import ModelSpec
 from .threads import StepWatch, threads_choice
@@ -68,7 +68,8 @@ def forward_choices(model, spec: ModelSpec, cfg: EngineConfig, device: torch.dev
     sel = select_linear(model, cfg.linear, workload=calibrate.Workload.for_engine(
         cfg.max_num_seqs, cfg.max_num_batched_tokens), cache=cfg.cache_dir)
     linear = Choice("linear", sel.value, sel.line, fell_back=sel.fell_back)
-    picks, few_rows = gemv_choice(model, cfg.gemv, cfg.kernel_impl, device, cache=cfg.cache_dir)
+    ours = ALIASES.get(cfg.decoder, cfg.decoder) != "modules" and why_not(model, spec) is None
+    picks, few_rows = gemv_choice(model, cfg.gemv, cfg.kernel_impl, device, cache=cfg.cache_dir, ours=ours)
     paths, attention = choose_attention(cfg.attention, cfg.cascade, cfg.kernel_impl, cfg.mla, device, dtype, spec,
                                         cfg.block_size)
     if spec.has_latent:
@@ -78,19 +79,24 @@ def forward_choices(model, spec: ModelSpec, cfg: EngineConfig, device: torch.dev
 
 
 def gemv_choice(model, mode: str, kernel_impl: str, device: torch.device, timer_for: Callable | None = None,
-                cache: str | None = None) -> tuple[dict, Choice]:
+                cache: str | None = None, ours: bool = True) -> tuple[dict, Choice]:
     """Which decode linears take the skinny kernel (kernels/skinny.py) instead of F.linear, at which row
     counts, and the record's gemv choice. "torch": none. "skinny": every plain linear at every row count
     up to 8, with the default config (tests, A/B runs; its Triton must run here). "auto": on a CUDA device
     through Triton, timed against F.linear (engine/gemv.py; the figures kept per machine under `cache`, the
     --cache-dir, so later engines pick the same configs), or through `timer_for`, which a test injects;
     taken per shape and row count where faster by gemv.MARGIN; none elsewhere. Rows above 8 always take
-    F.linear. Made once at build, before any graph is captured."""
+    F.linear. `ours`: our decoder will run the layers (only its calls look the picks up; the model's own
+    modules call F.linear). Made once at build, before any graph is captured."""
     if mode not in GEMV:
         raise ValueError(f"gemv must be one of {', '.join(GEMV)}, got {mode!r}")
     linears = gemv.decode_linears(model)
     if mode == "torch":
         return {}, Choice("gemv", "torch", "as asked")
+    if not ours:
+        if mode == "skinny":
+            raise ValueError("gemv='skinny' needs our decoder (engine/decoder.py): the model's own modules call F.linear")
+        return {}, Choice("gemv", "torch", "the model's own modules run the layers: F.linear")
     if mode == "skinny":
         try:
             choose("triton", device, "skinny_linear")

@@ -23,6 +23,8 @@ from torch import nn
 from svrmad_local.kernels import skinny
 from svrmad_local.models.default import cache_dir
 
+from .families import ROUTERS
+
 log = logging.getLogger("svrmad_local")
 
 MARGIN = 0.05  # the skinny kernel is taken for a shape and row count only where this much faster
@@ -30,12 +32,15 @@ MARGIN = 0.05  # the skinny kernel is taken for a shape and row count only where
 
 def decode_linears(model) -> dict[tuple[int, int], nn.Linear]:
     """The plain linears our decoder calls in its layers, and the LM head, one per (N, K) shape (the first
-    found: the others of that shape hold other weights of the same size), in the kernel's dtypes."""
+    found: the others of that shape hold other weights of the same size), in the kernel's dtypes. A
+    mixture-of-experts router is left out: the decoder calls it as a module (families.ROUTERS)."""
     layers = getattr(model.base_model, "layers", [])
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    routers = {id(getattr(layer.mlp, ROUTERS[type(layer.mlp).__name__][0])) for layer in layers
+               if type(getattr(layer, "mlp", None)).__name__ in ROUTERS}
     shapes: dict[tuple[int, int], nn.Linear] = {}
     for m in [m for layer in layers for m in layer.modules()] + ([head] if head is not None else []):
-        if type(m) is nn.Linear and m.weight.dtype in skinny.DTYPES:
+        if type(m) is nn.Linear and m.weight.dtype in skinny.DTYPES and id(m) not in routers:
             shapes.setdefault(tuple(m.weight.shape), m)
     return shapes
 
