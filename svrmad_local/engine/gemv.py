@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from svrmad_local.kernels import skinny
+from svrmad_local.kernels._backend import HAS_TRITON, triton
 from svrmad_local.models.default import cache_dir
 
 from .families import ROUTERS
@@ -97,9 +98,7 @@ def detail(picks: dict) -> str:
 def key(linears: dict, device: str) -> dict:
     """What the figures depend on: the device (its name), the software, the shapes (with their dtype and
     bias), the candidates and the kernel's source."""
-    import triton
-
-    return {"device": device, "torch": torch.__version__, "triton": triton.__version__,
+    return {"device": device, "torch": torch.__version__, "triton": triton.__version__ if HAS_TRITON else None,
             "linears": sorted(f"{n}x{k} {str(m.weight.dtype).removeprefix('torch.')}{' bias' if m.bias is not None else ''}"
                               for (n, k), m in linears.items()),
             "rows": list(skinny.ROWS), "configs": [str(c) for c in skinny.CONFIGS],
