@@ -65,6 +65,13 @@ def test_two_calls_give_the_same_bits(cfg):
     assert torch.equal(skinny_linear(x, w, b, cfg), skinny_linear(x, w, b, cfg))
 
 
+def test_both_ways_of_summing_are_covered_above():
+    """Products summed once at the end (few rows) and per tile (more rows): the configs above take both."""
+    ways = {skinny.sums_late(c, m) for c in skinny.CONFIGS + SPLITS if not c.dot for m in (1, 2, 4, 8)}
+    assert ways == {True, False}
+    assert skinny.sums_late(skinny.CONFIGS[0], 1) and not skinny.sums_late(skinny.CONFIGS[0], 8)
+
+
 def test_split_configs_do_split_here():
     """The split cases above exercise the two-pass sum only if their shares come out above one."""
     assert [skinny.shares(c, N, K, skinny.SMS_DEFAULT) for c in SPLITS] == [3, 2, 5]

@@ -9,8 +9,9 @@ closer to the copy rate. The engine takes it per shape only where it measured fa
 What: program (j, s) owns a strip of BLOCK_N output columns and the s-th of `split_k` shares of K. It
 walks its share BLOCK_K at a time, loading the [BLOCK_N, BLOCK_K] weight tile once (contiguous along K)
 and the [BLOCK_M, BLOCK_K] rows of x, and accumulates in fp32 either by broadcast products summed along K
-(`dot=False`, no tensor cores, BLOCK_M the rows rounded up to a power of two) or by one `tl.dot` on a row
-tile padded to 16 (`dot=True`). With one share it writes the output (bias added, cast to x's dtype); with
+(`dot=False`, no tensor cores, BLOCK_M the rows rounded up to a power of two; where the products fit
+LATE_VALUES registers a thread, kept element-wise and summed along K once at the end) or by one `tl.dot`
+on a row tile padded to 16 (`dot=True`). With one share it writes the output (bias added, cast to x's dtype); with
 several it writes fp32 partials, which a second small kernel sums in share order, adds the bias to and
 casts: the result never depends on which program ran first (no atomics), so a step's log-probs are the
 same bits on every run with the same configuration.
@@ -32,36 +33,46 @@ MAX_ROWS = 8  # rows above this are prefill or a wide batch: F.linear (a GEMM) a
 ROWS = (1, 2, 4, 8)  # the decode graphs' padded row counts (engine/graphs.batch_sizes), timed at build
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 DOT_ROWS = 16  # tl.dot's smallest row tile on a GPU
+# Products kept per thread (fp32) up to which a tile's products accumulate element-wise and are summed
+# along K once at the end (as inductor's looped reductions do); above it, summed per tile (registers)
+LATE_VALUES = 32
 
 if HAS_TRITON:
 
     @triton.jit
     def _skinny_kernel(X, W, B, O, M, N, K, K_SHARE, s_xm, s_xk, s_wn, s_wk, s_os, s_om, s_on,
                        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, DOT: tl.constexpr, DOT_F32: tl.constexpr):
+                       BLOCK_K: tl.constexpr, DOT: tl.constexpr, DOT_F32: tl.constexpr, LATE: tl.constexpr):
         """Program (j, s): columns j*BLOCK_N.. over K's s-th share, into O's s-th slice (the output
-        itself where there is one share; the bias only in share 0)."""
+        itself where there is one share; the bias only in share 0). LATE: the products accumulate
+        element-wise and are summed along K once at the end (no reduction across threads per tile)."""
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         share = tl.program_id(1)
         rows = tl.arange(0, BLOCK_M)
         nmask, rmask = n < N, rows < M
         kk = tl.arange(0, BLOCK_K)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        if LATE:
+            acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
         k_lo = share * K_SHARE
         k_hi = tl.minimum(K, k_lo + K_SHARE)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             k = k0 + kk
             kmask = k < k_hi
-            w = tl.load(W + n[:, None] * s_wn + k[None, :] * s_wk, mask=nmask[:, None] & kmask[None, :], other=0.0)
+            w = tl.load(W + n[:, None] * s_wn + k[None, :] * s_wk, mask=nmask[:, None] & kmask[None, :], other=0.0,
+                        eviction_policy="evict_first")  # read once: keep x in the cache instead
             x = tl.load(X + rows[:, None] * s_xm + k[None, :] * s_xk, mask=rmask[:, None] & kmask[None, :], other=0.0)
             if DOT:
                 if DOT_F32:
                     acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
                 else:
                     acc = tl.dot(x, tl.trans(w), acc)
+            elif LATE:
+                acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
             else:
-                prod = x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-                acc += tl.sum(prod, axis=2)
+                acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        if LATE:
+            acc = tl.sum(acc3, axis=2)
         if HAS_BIAS:
             if share == 0:
                 acc += tl.load(B + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
@@ -130,6 +141,12 @@ def shares(cfg: Config, n: int, k: int, sms: int) -> int:
     return max(1, min(cdiv(2 * sms, strips), cdiv(k, cfg.block_k) // 4))
 
 
+def sums_late(cfg: Config, block_m: int) -> bool:
+    """Whether the broadcast products of `block_m` rows fit LATE_VALUES fp32 registers a thread, so that they
+    are summed along K once at the end rather than per tile."""
+    return not cfg.dot and block_m * cfg.block_n * cfg.block_k <= LATE_VALUES * 32 * cfg.num_warps
+
+
 def _sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -172,7 +189,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     _skinny_kernel[(cdiv(n, cfg.block_n), split)](
         x, weight, b, parts, m, n, k, k_share, *x.stride(), *weight.stride(), *part_strides,
         HAS_BIAS=bias is not None and split == 1, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        DOT=cfg.dot, DOT_F32=x.dtype == torch.float32 or interpreting(), num_warps=cfg.num_warps,
+        DOT=cfg.dot, DOT_F32=x.dtype == torch.float32 or interpreting(), LATE=sums_late(cfg, block_m), num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
     if split > 1:
         block = 1024
