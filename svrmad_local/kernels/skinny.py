@@ -22,6 +22,7 @@ may be inside a CUDA graph's capture.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -147,6 +148,7 @@ def sums_late(cfg: Config, block_m: int) -> bool:
     return not cfg.dot and block_m * cfg.block_n * cfg.block_k <= LATE_VALUES * 32 * cfg.num_warps
 
 
+@functools.lru_cache(maxsize=None)  # asked per call
 def _sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -229,8 +231,8 @@ def time_call(fn, reps: int = 5, inner: int = 10) -> float:
     fails, the same calls eagerly."""
     fn()
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
     try:
+        graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             for _ in range(inner):
                 fn()
@@ -271,6 +273,7 @@ def cuda_timer(weight: torch.Tensor, bias: torch.Tensor | None):
             else:
                 skinny_linear(x, w, bias, candidate)
 
-        return time_call(run)
+        with torch.cuda.device(weight.device):  # the graph and the events on the weight's device
+            return time_call(run)
 
     return timer
