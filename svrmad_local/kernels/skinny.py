@@ -1,8 +1,8 @@
 """A linear for few rows (a decode step's M <= 8): y = x @ W^T (+ bias), reading W once for every row.
 
 Why: at decode a linear streams its weight once per step and does almost no arithmetic, so its time is
-the weight's bytes over the memory's bandwidth. cuBLAS reads the weights at these shapes at about half
-of an H200's bandwidth (docs/kernels.md, "Skinny linears"); a kernel written for few rows reads them
+the weight's bytes over the memory's bandwidth. cuBLAS reads the weights at these shapes well below
+the card's bandwidth (docs/kernels.md, "Skinny linears"); a kernel written for few rows may read them
 closer to the copy rate. The engine takes it per shape only where it measured faster than `F.linear`
 (engine/choices.py `gemv_choice`), and `F.linear` everywhere else.
 
