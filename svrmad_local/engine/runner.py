@@ -162,7 +162,7 @@ class ModelRunner:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits of the raw distribution for a few rows."""
-        head = self.decoder.head if self.decoder is not None and self.decoder.head is not None else self.lm_head
+        head = getattr(self.decoder, "head", None) or self.lm_head  # our decoder's skinny LM head where it has one
         logits = head(hidden.to(self.lm_head.weight.device)).float()
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
