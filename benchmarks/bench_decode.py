@@ -338,7 +338,7 @@ def main() -> int:
     engine = Engine(lm.model, lm.tokenizer, EngineConfig(**{"block_size": args.block_size, "max_num_seqs": max(batches),
                                                             **engine_overrides(args.engine)}))
     print(f"engine: {engine.info['decoder']}; linear {engine.info['linear']}; {engine.info['attention']} attention; "
-          f"cuda graphs {engine.info['cuda_graphs']}; overlap {engine.execution.overlap}")
+          f"cuda graphs {engine.info['cuda_graphs']}; overlap {engine.execution.overlap}; gemv {engine.execution.gemv.value}")
 
     def engine_generate(prompts, params):
         outs = engine.generate_sync(prompts, [SamplingParams(**p) for p in params])
@@ -381,7 +381,7 @@ def main() -> int:
         print(f"batch {B:3d}: engine {tps:7.1f} tok/s   weight-streaming limit {limit:7.1f} tok/s ({tps / limit:.0%} of it)"
               f"   the step's matmuls alone {gemm:7.1f} tok/s ({tps / gemm:.0%} of it)   threads {row['threads']}")
     result = {"dtype": args.dtype, "engine": args.engine or "", "decoder": engine.info["decoder"],
-              "overlap": engine.execution.overlap.value, "linear": engine.info["linear"], "linear_run": (engine.info.get("linear_calibration") or {}).get("run"),
+              "overlap": engine.execution.overlap.value, "gemv": engine.execution.gemv.value, "linear": engine.info["linear"], "linear_run": (engine.info.get("linear_calibration") or {}).get("run"),
               "bandwidth_gb_s": round(bw / 1e9, 2), "weight_bytes_per_step": w_bytes,
               "kv_bytes_per_token": kv_tok, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
               "greedy": args.greedy, "rows": rows}

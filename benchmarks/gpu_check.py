@@ -48,9 +48,9 @@ FIRST = ["env", "deps", "package", "models"]  # every call runs these first (eac
 # against the total, the profiled forward against the plan's estimate). Part 6, `decode-peer`, times decode
 # beside the peer that needs no install: transformers' generate with its static cache under torch.compile
 # (bench_decode --hf-compile), at batch 1, 8 and 32, in the same run.
-GPU_STEPS = ["tests", "graphs", "bf16", "flash", "run", "kernels", "fused", "engine", "decode", "decode-peer",
+GPU_STEPS = ["tests", "graphs", "bf16", "flash", "run", "kernels", "fused", "skinny", "engine", "decode", "decode-peer",
              "profile", "quant", "mla", "long", "memory"]
-PARTS = {"1": FIRST + ["tests", "graphs", "bf16", "flash", "run"], "2": FIRST + ["kernels", "fused", "decode"],
+PARTS = {"1": FIRST + ["tests", "graphs", "bf16", "flash", "run"], "2": FIRST + ["kernels", "fused", "skinny", "decode"],
          "3": FIRST + ["engine"], "4": FIRST + ["quant", "mla"], "5": FIRST + ["long", "memory"],
          "6": FIRST + ["decode-peer"]}
 PEER_MODELS = ["qwen3-1.7b"]
@@ -376,7 +376,7 @@ def main(argv=None) -> int:
     ap.add_argument("out", type=Path, help="where summary.json and logs/ go")
     ap.add_argument("--dry-run", action="store_true", help="a CPU machine: everything but CUDA")
     ap.add_argument("--steps", help="comma-separated step names, or a part: 1 (tests, graphs, bf16, flash), "
-                                    "2 (kernels, fused, decode), 3 (engine), 4 (quant, mla), 5 (long, memory) or 6 "
+                                    "2 (kernels, fused, skinny, decode), 3 (engine), 4 (quant, mla), 5 (long, memory) or 6 "
                                     "(decode-peer); default: all. env, deps, package, models always run")
     ap.add_argument("--budget-s", type=float, default=570.0, help="time this call may take (default 570)")
     ap.add_argument("--engine-models", default=",".join(ENGINE_MODELS),
@@ -444,6 +444,8 @@ def main(argv=None) -> int:
         plan.append(("kernels", [py, "benchmarks/bench_kernels.py", "--device", "cuda"], 60, _last_json))
     if "fused" in wanted:  # the decoder's small ops in Triton against their torch references, eager and graphed
         plan.append(("fused", [py, "benchmarks/bench_fused.py", "--json"], 60, _last_json))
+    if "skinny" in wanted:  # the few-row linear against cuBLAS at Qwen3-1.7B's decode shapes, every config
+        plan.append(("skinny", [py, "benchmarks/bench_skinny.py", "--json"], 120, _last_json))
     wl = ["--questions", "4", "--initial-tokens", "128", "--debate-tokens", "64"]
     if "engine" in wanted:
         for model in args.engine_models.split(","):

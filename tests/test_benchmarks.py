@@ -430,6 +430,29 @@ def test_bench_fused_checks_each_op_against_its_reference_or_says_it_needs_cuda(
 
 
 
+def test_bench_skinny_times_every_config_against_f_linear_or_says_it_needs_cuda(interp, capsys, monkeypatch):
+    """Without CUDA the script says so and exits 0; --dry-run runs every shape, row count and config through
+    Triton's interpreter, each config checked against F.linear (within a bf16 rounding of the largest value)."""
+    import json
+
+    import bench_skinny
+
+    from svrmad_local.kernels import skinny
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench_skinny.main([]) == 0
+    assert "needs CUDA" in capsys.readouterr().out
+    assert bench_skinny.main(["--dry-run", "--json", "--rows", "1,8"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(out["shapes"]) == set(bench_skinny.TINY)
+    for shape in out["shapes"].values():
+        assert set(shape["checks"]) == {str(c) for c in skinny.CONFIGS}
+        assert all(0 <= c["max_diff"] <= 2**-7 for c in shape["checks"].values()), shape["checks"]
+        assert set(shape["rows"]) == {"1", "8"}
+        for row in shape["rows"].values():
+            assert row["torch_us"] > 0 and len(row["configs_us"]) == len(skinny.CONFIGS) and row["best"] in shape["checks"]
+
+
 def test_bench_step_broadcast_sends_a_long_context_step_in_the_bytes_of_a_short_one(capsys):
     """benchmarks/bench_step_broadcast.py over gloo, two processes: the follower gets every step equal to
     the leader's in each of the three ways, and the channel's steps (each run's new blocks only) weigh the

@@ -167,7 +167,7 @@ def build(model, cfg: EngineConfig) -> Built:
     # the static path's padding rows write a scratch block that no sequence may own: the last one
     blocks = BlockManager(num_blocks - (plan is not None), cfg.block_size)
     execution = choices.record(model, spec, cfg, device, head, group, watch, {
-        "linear": made.linear, "decoder": made.decoder_choice, **made.attention, "graphs": graphs_made,
+        "linear": made.linear, "gemv": made.gemv, "decoder": made.decoder_choice, **made.attention, "graphs": graphs_made,
         "overlap": choices.overlap_choice(cfg.overlap, plan)}, paths)
     log.info("svrmad: %s", execution.line())
     budget = KVBudget(pool.bytes, pool.rule, block_bytes, {str(d): n for d, n in held.items()},

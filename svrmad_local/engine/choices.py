@@ -22,21 +22,21 @@ from __future__ import annotations
 import inspect
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from svrmad_local import kernels
-from svrmad_local.kernels._backend import FORCE_ENV
-from svrmad_local.kernels import cpu_decode
+from svrmad_local.kernels._backend import FORCE_ENV, choose
+from svrmad_local.kernels import cpu_decode, skinny
 from svrmad_local.models import calibrate
 from svrmad_local.models.linear import select_linear
 from svrmad_local.models.loader import describe_dtype
 
-from . import graphs, mla
+from . import gemv, graphs, mla
 from .attention import FLASH_PAGE, HAS_FLASH_ATTN, flash_attn_varlen_func
-from .config import EngineConfig
-from .decoder import select_decoder
+from .config import GEMV, EngineConfig
+from .decoder import ALIASES, select_decoder, why_not
 from .execution import AttentionPaths, Choice, Execution
 from .spec import ModelSpec
 from .threads import StepWatch, threads_choice
@@ -47,11 +47,12 @@ SHORT_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "f
 @dataclass(frozen=True)
 class ForForward:
     """The choices a forward needs (`forward_choices`): the linears' record choice and the calibration
-    it measured (None where `auto` measured nothing), the attention switches and their record choices,
-    our decoder (None: the model's own modules) and its record choice."""
+    it measured (None where `auto` measured nothing), the few-row linears' record choice, the attention
+    switches and their record choices, our decoder (None: the model's own modules) and its record choice."""
 
     linear: Choice
     calibration: Any
+    gemv: Choice
     paths: AttentionPaths
     attention: dict[str, Choice]
     decoder: Any
@@ -60,18 +61,66 @@ class ForForward:
 
 def forward_choices(model, spec: ModelSpec, cfg: EngineConfig, device: torch.device, dtype: torch.dtype) -> ForForward:
     """How a forward runs, in the order the choices depend on each other: the linears first (repacked in
-    place by models/linear.select_linear, before anything is timed), the attention paths
+    place by models/linear.select_linear, before anything is timed), which of them take the skinny kernel
+    at decode's few rows (`gemv_choice`, timed over the linears as they will run), the attention paths
     (`choose_attention`), then our decoder (decoder.select_decoder) over what they made; MLA's absorbed
     weights are installed before it, where the model has latent layers (engine/mla.py)."""
     sel = select_linear(model, cfg.linear, workload=calibrate.Workload.for_engine(
         cfg.max_num_seqs, cfg.max_num_batched_tokens), cache=cfg.cache_dir)
     linear = Choice("linear", sel.value, sel.line, fell_back=sel.fell_back)
+    ours = ALIASES.get(cfg.decoder, cfg.decoder) != "modules" and why_not(model, spec) is None
+    picks, few_rows = gemv_choice(model, cfg.gemv, cfg.kernel_impl, device, cache=cfg.cache_dir, ours=ours)
     paths, attention = choose_attention(cfg.attention, cfg.cascade, cfg.kernel_impl, cfg.mla, device, dtype, spec,
                                         cfg.block_size)
     if spec.has_latent:
         mla.install(model)  # absorbed steps hand kv_b_proj nothing to expand (engine/mla.py)
-    decoder, decoder_choice = select_decoder(model, spec, cfg.decoder, cfg.kernel_impl)
-    return ForForward(linear, calibrate.recorded(model), paths, attention, decoder, decoder_choice)
+    decoder, decoder_choice = select_decoder(model, spec, cfg.decoder, cfg.kernel_impl, picks)
+    return ForForward(linear, calibrate.recorded(model), few_rows, paths, attention, decoder, decoder_choice)
+
+
+def gemv_choice(model, mode: str, kernel_impl: str, device: torch.device, timer_for: Callable | None = None,
+                cache: str | None = None, ours: bool = True) -> tuple[dict, Choice]:
+    """Which decode linears take the skinny kernel (kernels/skinny.py) instead of F.linear, at which row
+    counts, and the record's gemv choice. "torch": none. "skinny": every plain linear at every row count
+    up to 8, with the default config (tests, A/B runs; its Triton must run here). "auto": on a CUDA device
+    through Triton, timed against F.linear (engine/gemv.py; the figures kept per machine under `cache`, the
+    --cache-dir, so later engines pick the same configs), or through `timer_for`, which a test injects;
+    taken per shape and row count where faster by gemv.MARGIN; none elsewhere. Rows above 8 always take
+    F.linear. `ours`: our decoder will run the layers (only its calls look the picks up; the model's own
+    modules call F.linear). Made once at build, before any graph is captured."""
+    if mode not in GEMV:
+        raise ValueError(f"gemv must be one of {', '.join(GEMV)}, got {mode!r}")
+    linears = gemv.decode_linears(model)
+    if mode == "torch":
+        return {}, Choice("gemv", "torch", "as asked")
+    if not ours:
+        if mode == "skinny":
+            raise ValueError("gemv='skinny' needs our decoder (engine/decoder.py): the model's own modules call F.linear")
+        return {}, Choice("gemv", "torch", "the model's own modules run the layers: F.linear")
+    if mode == "skinny":
+        try:
+            choose("triton", device, "skinny_linear")
+        except RuntimeError as exc:
+            raise ValueError(f"gemv='skinny' cannot run here: {exc}") from None
+        picks = {shape: dict.fromkeys(skinny.ROWS, skinny.DEFAULT) for shape in linears}
+        return picks, Choice("gemv", gemv.line(picks, len(linears)), f"as asked, config {skinny.DEFAULT}")
+    impl = kernels.select_impl(kernel_impl, device, "skinny_linear")
+    gpu = device.type == "cuda" and impl == "triton"
+    if timer_for is None and not gpu:
+        why = f"kernel_impl={kernel_impl!r}" if kernel_impl != "auto" else \
+            f"F.linear off a GPU ({device.type})" if device.type != "cuda" else \
+            choose(kernel_impl, device, "skinny_linear").why
+        return {}, Choice("gemv", "torch", why, fell_back=device.type == "cuda" and kernel_impl == "auto")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    figures, kept = gemv.measured(linears, name, cache, timer_for or (lambda m: skinny.cuda_timer(m.weight, m.bias)))
+    if gpu:
+        torch.cuda.empty_cache()  # the timing's copies of the weights go back before the KV pool is sized
+    picks = gemv.pick(figures)
+    said = gemv.detail(picks)
+    why = (f"timed against F.linear{' (kept from an earlier build)' if kept else ' at build'}, taken where "
+           f"{gemv.MARGIN:.0%} faster; rows above {skinny.MAX_ROWS} take F.linear"
+           + (f"; {said}" if said else f": F.linear as fast at every shape ({len(linears)})"))
+    return picks, Choice("gemv", gemv.line(picks, len(linears)), why)
 
 
 def choose_attention(attention: str, cascade: str, kernel_impl: str, mla_mode: str, device: torch.device,

@@ -113,6 +113,11 @@ class EngineConfig:
     graphs (under tensor parallel too: the followers take the ids from the leader's device), "on" wherever the static path runs (cuda_graphs="static"
     too: the same tokens, checkable on the CPU), "off" reads each step's tokens before the next.
 
+    gemv: "auto" | "skinny" | "torch", how decode's linears of up to 8 rows run (kernels/skinny.py):
+    "auto" times, at build on a GPU, F.linear against the skinny Triton kernel for each linear's shape at
+    1, 2, 4 and 8 rows and takes the kernel where it is 5% faster (F.linear off a GPU); "skinny" takes it
+    at every shape (its Triton must run: a GPU, or the interpreter); "torch" never. More rows: F.linear.
+
     adapt_threads: on the CPU, run the steps on fewer of torch's threads while other processes take
     cores, and take them back when the cores are free (engine/threads.py); False keeps torch's count, so
     the log-probs' last bits never depend on the machine's load (default: SVRMAD_ADAPT_THREADS, else on)."""
@@ -129,6 +134,7 @@ class EngineConfig:
     mla: str = "absorbed"
     cuda_graphs: str = "auto"
     overlap: str = "auto"
+    gemv: str = "auto"
     adapt_threads: bool = field(default_factory=lambda: os.environ.get("SVRMAD_ADAPT_THREADS", "1") != "0")
     score_chunk: int = 1024
     signals: SignalConfig = field(default_factory=SignalConfig)
@@ -141,6 +147,8 @@ class EngineConfig:
         checks["seed"] = _integer(self.seed)
         if self.overlap not in OVERLAP:
             checks["overlap"] = f"must be one of {', '.join(OVERLAP)}, got {self.overlap!r}"
+        if self.gemv not in GEMV:
+            checks["gemv"] = f"must be one of {', '.join(GEMV)}, got {self.gemv!r}"
         try:  # the same parser the build sizes the pool with, against a nominal amount available
             parse_memory(self.kv_cache_memory, available=1 << 40, default=1)
         except ValueError as exc:
@@ -151,6 +159,7 @@ class EngineConfig:
 
 
 OVERLAP = ("auto", "on", "off")  # EngineConfig.overlap
+GEMV = ("auto", "skinny", "torch")  # EngineConfig.gemv
 
 
 @dataclass

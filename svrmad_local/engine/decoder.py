@@ -33,8 +33,8 @@ from . import tp
 from .attention import StepContext, paged_attention
 from .context import get_context
 from .execution import Choice
-from .families import (ACT_CLASSES, DENSE_MLPS, LAYERS, MOE_BLOCKS, NORMS, Dense, FastRMSNorm, Layer, Rotary, norm_parts,
-                       rope_latent, swap_norms)
+from .families import (ACT_CLASSES, DENSE_MLPS, LAYERS, MOE_BLOCKS, NORMS, Dense, FastRMSNorm, Layer, Rotary, linear_call,
+                       norm_parts, rope_latent, swap_norms)
 from .spec import ModelSpec
 
 CHOICES = ("auto", "ours", "modules")
@@ -45,13 +45,17 @@ class Decoder:
     """The model body's forward for one engine step: ids [1, T], positions [1, T] -> final hidden [T, H].
     Runs inside the runner's step (its StepContext holds the slots and the cache)."""
 
-    def __init__(self, model: nn.Module, spec: ModelSpec, ops: Ops):
+    def __init__(self, model: nn.Module, spec: ModelSpec, ops: Ops, gemv: dict | None = None):
         body = model.base_model
         self.family = LAYERS[type(body.layers[0]).__name__]
-        self.ops, self.group = ops, tp.group_of(model)
+        self.ops, self.group, self.gemv = ops, tp.group_of(model), gemv
         self.embed, self.norm = body.embed_tokens, norm_parts(body.norm)
-        self.layers = [Layer(layer, self.family, spec.layers[i])
+        self.layers = [Layer(layer, self.family, spec.layers[i], gemv)
                        for i, layer in enumerate(body.layers[: body.config.num_hidden_layers])]
+        # the LM head through the skinny kernel where `gemv` picked its shape (the runner's logits call it), else None
+        head = model.get_output_embeddings()
+        self.head = linear_call(head, gemv) if gemv and type(head) is nn.Linear and tuple(head.weight.shape) in gemv \
+            else None
         self.rotary = Rotary(body, self.family, {L.rope for L in self.layers})
 
     def __call__(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -187,11 +191,12 @@ def why_not(model: nn.Module, spec: ModelSpec) -> str | None:
 
 
 def select_decoder(model: nn.Module, spec: ModelSpec, choice: str = "auto",
-                   kernel_impl: str = "auto") -> tuple[Decoder | None, Choice]:
+                   kernel_impl: str = "auto", gemv: dict | None = None) -> tuple[Decoder | None, Choice]:
     """Our decoder where it applies (swapping the model's RMSNorms for FastRMSNorm, in place), else None;
     and the record's decoder choice, saying which and why. "auto" takes ours for every ported architecture,
     over the compiled ops on the CPU (where they take the dtype) and Triton on CUDA, else the torch
-    references."""
+    references. `gemv`: the linears' shapes and row counts that take the skinny kernel
+    (engine/choices.py `gemv_choice`; the model's modules, where our decoder does not run, call F.linear)."""
     choice = ALIASES.get(choice, choice)
     if choice not in CHOICES:
         raise ValueError(f"decoder must be one of {', '.join(CHOICES)} (or 'lean', the old name of 'ours'), "
@@ -206,7 +211,7 @@ def select_decoder(model: nn.Module, spec: ModelSpec, choice: str = "auto",
         return None, Choice("decoder", "the model's modules", why, fell_back=device.type in ("cpu", "cuda"))
     ops = Ops(device, spec.dtype, kernel_impl)
     swap_norms(model, ops)
-    decoder = Decoder(model, spec, ops)
+    decoder = Decoder(model, spec, ops, gemv)
     # a fallback where a faster implementation was meant to run: the compiled CPU ops for their dtypes, Triton on CUDA
     wanted = kernel_impl == "auto" and ops.impl == "torch" and (
         (device.type == "cpu" and spec.dtype in cpu_ops.DTYPES) or device.type == "cuda")

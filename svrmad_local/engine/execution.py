@@ -69,6 +69,7 @@ class Execution:
     device: Choice
     quantization: Choice
     linear: Choice
+    gemv: Choice
     decoder: Choice
     attention: Choice
     decode: Choice

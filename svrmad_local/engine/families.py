@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from svrmad_local.kernels import cpu_linear
+from svrmad_local.kernels import cpu_linear, skinny
 from svrmad_local.kernels.fused import CAST_LAST, GEMMA, PLAIN, NormStyle, Ops
 from svrmad_local.models.layouts import PANELS
 
@@ -84,29 +84,34 @@ def swap_norms(model: nn.Module, ops: Ops) -> None:
                 child.ops = ops
 
 
-def linear_call(m: nn.Module):
+def linear_call(m: nn.Module, gemv: dict | None = None):
     """y [T, K] -> m(y): the panel kernel called directly where m holds panels (the same call its forward
-    makes, without the module's and the layout's Python around it), else the module."""
+    makes, without the module's and the layout's Python around it); for a plain nn.Linear whose shape
+    `gemv` picked the skinny kernel at some row counts (engine/choices.py `gemv_choice`: {(N, K): {rows:
+    Config}}), that kernel at those rows and F.linear at the others; else the module."""
     if getattr(m, "layout", None) is PANELS and getattr(m, "packed", True):
         return cpu_linear.bound(m.weight, m.out_features, m.bias)
+    picks = gemv.get(tuple(m.weight.shape)) if gemv and type(m) is nn.Linear else None
+    if picks:
+        return skinny.bound(m.weight, m.bias, picks)
     return m
 
 
-def columns(linears: list[nn.Module]):
+def columns(linears: list[nn.Module], gemv: dict | None = None):
     """A function y -> the outputs of `linears` (siblings reading y): one GEMM when they are the parts of
     one fused group in order (models/linear.FusedGroup), else one call each."""
     group = getattr(linears[0], "group", None)
     if group is not None and [getattr(m, "group", None) for m in linears] == [group] * len(linears) \
             and [m.i for m in linears] == list(range(len(group.bounds))):
-        cuts, mm = [slice(lo, hi) for lo, hi in group.bounds], linear_call(group)
+        cuts, mm = [slice(lo, hi) for lo, hi in group.bounds], linear_call(group, gemv)
         return lambda y: [out[:, c] for out in (mm(y),) for c in cuts]
-    calls = [linear_call(m) for m in linears]
+    calls = [linear_call(m, gemv) for m in linears]
     return lambda y: [f(y) for f in calls]
 
 
-def split_call(linear: nn.Module, sizes: list[int]):
+def split_call(linear: nn.Module, sizes: list[int], gemv: dict | None = None):
     """A function y -> the column blocks of one linear's output (Phi-3's qkv_proj and gate_up_proj)."""
-    mm = linear_call(linear)
+    mm = linear_call(linear, gemv)
     return lambda y: mm(y).split(sizes, dim=-1)
 
 
@@ -154,14 +159,14 @@ class Dense:
 
     __slots__ = ("gate_up", "act", "down")
 
-    def __init__(self, m: nn.Module):
+    def __init__(self, m: nn.Module, gemv: dict | None = None):
         self.act = ACT_CLASSES[type(m.act_fn if hasattr(m, "act_fn") else m.activation_fn).__name__]
         if hasattr(m, "gate_up_proj"):  # Phi-3: one projection, gate first
             half = m.gate_up_proj.out_features // 2
-            self.gate_up = split_call(m.gate_up_proj, [half, half])
+            self.gate_up = split_call(m.gate_up_proj, [half, half], gemv)
         else:
-            self.gate_up = columns([m.gate_proj, m.up_proj])
-        self.down = linear_call(m.down_proj)
+            self.gate_up = columns([m.gate_proj, m.up_proj], gemv)
+        self.down = linear_call(m.down_proj, gemv)
 
 
 class Experts:
@@ -171,11 +176,11 @@ class Experts:
 
     __slots__ = ("router", "route", "experts", "shared")
 
-    def __init__(self, m: nn.Module):
+    def __init__(self, m: nn.Module, gemv: dict | None = None):
         name, self.route = ROUTERS[type(m).__name__]
         self.router, self.experts = getattr(m, name), m.experts
         shared = getattr(m, "shared_experts", None)
-        self.shared = Dense(shared) if shared is not None else None
+        self.shared = Dense(shared, gemv) if shared is not None else None
 
 
 class Layer:
@@ -184,7 +189,7 @@ class Layer:
     __slots__ = ("index", "kind", "attn", "in_norm", "attn_out", "mlp_in", "mlp_out", "qkv", "q_norm", "k_norm",
                  "head_dim", "scaling", "sinks", "window", "rope", "o_proj", "latent", "dense", "moe")
 
-    def __init__(self, layer: nn.Module, family: str, spec: LayerSpec):
+    def __init__(self, layer: nn.Module, family: str, spec: LayerSpec, gemv: dict | None = None):
         a = layer.self_attn
         self.index, self.attn, self.kind = a.layer_idx, a, spec.kind
         self.window, self.scaling = spec.window, a.scaling
@@ -196,23 +201,23 @@ class Layer:
             self.attn_out = self.mlp_out = None
             self.mlp_in = norm_parts(layer.post_attention_layernorm)
         self.rope = getattr(a, "layer_type", None) if family == "gemma3" else None  # the rotary table it reads
-        self.o_proj = linear_call(a.o_proj)
+        self.o_proj = linear_call(a.o_proj, gemv)
         self.qkv = self.q_norm = self.k_norm = self.head_dim = self.sinks = self.latent = None
         if spec.kind == "latent":
-            self.latent = Latent(a)
+            self.latent = Latent(a, gemv)
         else:
             self.head_dim = a.head_dim
             if hasattr(a, "qkv_proj"):  # Phi-3: one projection
                 q = a.config.num_attention_heads * a.head_dim
                 kv = (a.qkv_proj.out_features - q) // 2
-                self.qkv = split_call(a.qkv_proj, [q, kv, kv])
+                self.qkv = split_call(a.qkv_proj, [q, kv, kv], gemv)
             else:
-                self.qkv = columns([a.q_proj, a.k_proj, a.v_proj])
+                self.qkv = columns([a.q_proj, a.k_proj, a.v_proj], gemv)
             if getattr(a, "q_norm", None) is not None:
                 self.q_norm, self.k_norm = norm_parts(a.q_norm), norm_parts(a.k_norm)
             self.sinks = a.sinks if spec.sinks else None
         moe = type(layer.mlp).__name__ in MOE_BLOCKS
-        self.moe, self.dense = (Experts(layer.mlp), None) if moe else (None, Dense(layer.mlp))
+        self.moe, self.dense = (Experts(layer.mlp, gemv), None) if moe else (None, Dense(layer.mlp, gemv))
 
 
 class Latent:
@@ -222,17 +227,17 @@ class Latent:
     __slots__ = ("module", "q_a_kv_a", "q_a_norm", "q_b", "q_proj", "kv_a", "kv_a_norm", "kv_b", "nope", "rope",
                  "rank", "v_dim", "interleave")
 
-    def __init__(self, a: nn.Module):
+    def __init__(self, a: nn.Module, gemv: dict | None = None):
         self.module = a
         self.nope, self.rope, self.rank, self.v_dim = a.qk_nope_head_dim, a.qk_rope_head_dim, a.kv_lora_rank, a.v_head_dim
         self.interleave = bool(getattr(a.config, "rope_interleave", False))
         self.q_a_kv_a = self.q_a_norm = self.q_b = self.q_proj = self.kv_a = None
         if a.q_lora_rank is not None:
-            self.q_a_kv_a = columns([a.q_a_proj, a.kv_a_proj_with_mqa])
-            self.q_a_norm, self.q_b = norm_parts(a.q_a_layernorm), linear_call(a.q_b_proj)
+            self.q_a_kv_a = columns([a.q_a_proj, a.kv_a_proj_with_mqa], gemv)
+            self.q_a_norm, self.q_b = norm_parts(a.q_a_layernorm), linear_call(a.q_b_proj, gemv)
         else:
-            self.q_proj, self.kv_a = linear_call(a.q_proj), linear_call(a.kv_a_proj_with_mqa)
-        self.kv_a_norm, self.kv_b = norm_parts(a.kv_a_layernorm), linear_call(a.kv_b_proj)
+            self.q_proj, self.kv_a = linear_call(a.q_proj, gemv), linear_call(a.kv_a_proj_with_mqa, gemv)
+        self.kv_a_norm, self.kv_b = norm_parts(a.kv_a_layernorm), linear_call(a.kv_b_proj, gemv)
 
 
 def rope_latent(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:

@@ -47,11 +47,12 @@ class RunLinears:
         """Repack the linears as `choice`, between steps (on the worker thread), and rebuild what holds them."""
         eng, t0, cost = self.eng, time.perf_counter(), self.mix.cost()
         ours = eng.runner.decoder is not None
+        gemv = eng.runner.decoder.gemv if ours else None
         eng.runner.decoder = None  # its closures hold the old layout's weights: let them go first
         sel = relayout(eng.model, choice)
         eng.runner.lm_head = eng.model.get_output_embeddings()
         if ours:
-            eng.runner.decoder, _ = select_decoder(eng.model, eng.spec, eng.cfg.decoder, eng.cfg.kernel_impl)
+            eng.runner.decoder, _ = select_decoder(eng.model, eng.spec, eng.cfg.decoder, eng.cfg.kernel_impl, gemv)
         self.mix.current = choice
         took = time.perf_counter() - t0
         self.mix.switches.append({"after_steps": self.mix.steps, "to": choice, "cost_ms": cost, "seconds": round(took, 3),

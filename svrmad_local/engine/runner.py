@@ -164,7 +164,8 @@ class ModelRunner:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits of the raw distribution for a few rows."""
-        logits = self.lm_head(hidden.to(self.lm_head.weight.device)).float()
+        head = getattr(self.decoder, "head", None) or self.lm_head  # our decoder's skinny LM head where it has one
+        logits = head(hidden.to(self.lm_head.weight.device)).float()
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits

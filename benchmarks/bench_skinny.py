@@ -1,0 +1,149 @@
+"""The few-row linear (kernels/skinny.py) against F.linear (cuBLAS) at Qwen3-1.7B's decode shapes, bf16 (a script).
+
+    python benchmarks/bench_skinny.py [--rows 1,2,4,8] [--dtype bf16|fp16|fp32] [--json]
+    python benchmarks/bench_skinny.py --dry-run   # CPU: tiny shapes through Triton's interpreter
+
+Qwen3-1.7B: hidden 2,048, 16 query heads and 8 KV heads of 128 dims, MLP 6,144, vocabulary 151,936. The
+shapes (N x K): q/k/v fused 4,096 x 2,048 and apart (q and o_proj 2,048 x 2,048, k and v 1,024 x 2,048:
+the engine runs them apart on a GPU), gate/up fused 12,288 x 2,048 and apart 6,144 x 2,048, down 2,048 x
+6,144, the LM head 151,936 x 2,048. Per shape and row count M, microseconds of a call (10 calls captured in
+a CUDA graph, replayed 5 times between CUDA events, the median: the device's time as a captured decode step
+pays it, without the host's launch cost; each call reads another copy of the weight so that none is read
+from the L2 cache: a decode step reads every weight once, cold; skinny.time_call, what the engine times) for F.linear and for every config of skinny.CONFIGS,
+and GB/s of weight read (N x K x the element size over the time); `best` is the fastest config, `engine`
+whether the engine's gemv="auto" would take it (5% faster than F.linear, engine/gemv.py). Each config
+is also checked once: its output against F.linear's in fp32 (`max_diff`, relative to the largest value)
+and, captured in a CUDA graph and replayed, the same bits as eager (`graph_ok`: no host sync, and the
+split-K sum does not depend on scheduling). First line: the card's copy bandwidth (a 1 GiB device copy,
+bytes read + written over the time) for reference. With --json the last line is one JSON object.
+On a machine without CUDA it says so and exits 0 (--dry-run runs the script on the CPU, interpreted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+H, I, V, Q, KV = 2048, 6144, 151936, 16 * 128, 8 * 128  # Qwen3-1.7B
+SHAPES = {"qkv": (Q + 2 * KV, H), "q/o_proj": (H, H), "k/v": (KV, H), "gate_up": (2 * I, H), "gate/up": (I, H),
+          "down": (H, I), "lm_head": (V, H)}
+TINY = {"qkv": (48, 40), "down": (40, 72)}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def copy_bandwidth(device, gib: float = 1.0) -> float:
+    """GB/s of a device-to-device copy, bytes read plus written, best of 5."""
+    n = int(gib * 2**30) // 4
+    src, dst = torch.empty(n, device=device), torch.empty(n, device=device)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return round(2 * n * 4 / best / 1e9, 1)
+
+
+def cpu_timer(weight, bias):
+    """The dry run's timer: wall seconds of one interpreted call (checks the script, not the kernel's speed)."""
+    from svrmad_local.kernels import skinny
+
+    def timer(m, candidate):
+        x = torch.randn(m, weight.shape[1], dtype=weight.dtype)
+        t0 = time.perf_counter()
+        (torch.nn.functional.linear(x, weight, bias) if candidate == "torch" else
+         skinny.skinny_linear(x, weight, bias, candidate))
+        return time.perf_counter() - t0
+    return timer
+
+
+def check(weight, cfg, graphs: bool) -> dict:
+    """The config's output at 3 rows against F.linear in fp32, and (on a GPU) replayed from a graph against eager."""
+    from svrmad_local.kernels import skinny
+
+    x = torch.randn(3, weight.shape[1], device=weight.device, dtype=weight.dtype)
+    eager = skinny.skinny_linear(x, weight, None, cfg)
+    ref = torch.nn.functional.linear(x.float(), weight.float())
+    out = {"max_diff": float(((eager.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item())}
+    if graphs:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            captured = skinny.skinny_linear(x, weight, None, cfg)
+        g.replay()
+        torch.cuda.synchronize()
+        out["graph_ok"] = bool(torch.equal(captured, eager))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default="1,2,4,8")
+    ap.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    ap.add_argument("--shapes", help=f"comma-separated names of {', '.join(SHAPES)} (default: all)")
+    ap.add_argument("--json", action="store_true", help="end with one JSON line of every figure")
+    ap.add_argument("--dry-run", action="store_true", help="CPU: tiny shapes through Triton's interpreter")
+    args = ap.parse_args(argv)
+    if args.dry_run:
+        os.environ["TRITON_INTERPRET"] = "1"
+    elif not torch.cuda.is_available():
+        print("bench_skinny: needs CUDA (--dry-run checks the script on the CPU)")
+        return 0
+    from svrmad_local.engine.gemv import MARGIN as GEMV_MARGIN
+    from svrmad_local.kernels import skinny
+
+    device = torch.device("cpu" if args.dry_run else "cuda")
+    dtype = DTYPES[args.dtype]
+    rows = [int(r) for r in args.rows.split(",")]
+    shapes = TINY if args.dry_run else {k: SHAPES[k] for k in (args.shapes.split(",") if args.shapes else SHAPES)}
+    result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreted)",
+              "dtype": args.dtype, "margin": GEMV_MARGIN, "shapes": {}}
+    if device.type == "cuda":
+        result["copy_gbps"] = copy_bandwidth(device)
+        print(f"{result['device']}: copy {result['copy_gbps']} GB/s (read + write)")
+    torch.manual_seed(0)
+    for name, (n, k) in shapes.items():
+        w = torch.randn(n, k, device=device, dtype=dtype) / k ** 0.5
+        timer = cpu_timer(w, None) if args.dry_run else skinny.cuda_timer(w, None)
+        gb = n * k * w.element_size() / 1e9
+        shape = result["shapes"][name] = {"n": n, "k": k, "checks": {}, "rows": {}}
+        for cfg in skinny.CONFIGS:
+            try:
+                shape["checks"][str(cfg)] = check(w, cfg, graphs=device.type == "cuda")
+            except Exception as exc:  # noqa: BLE001 - a config that fails here is one line of the table
+                shape["checks"][str(cfg)] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
+        for m in rows:
+            torch_s = timer(m, "torch")
+            times = {str(c): timer(m, c) for c in skinny.CONFIGS if "error" not in shape["checks"][str(c)]}
+            best = min(times, key=times.get) if times else None
+            row = shape["rows"][m] = {
+                "torch_us": round(torch_s * 1e6, 2), "torch_gbps": round(gb / torch_s, 1),
+                "configs_us": {c: round(t * 1e6, 2) for c, t in times.items()}, "best": best}
+            if best is not None:
+                row.update(best_us=round(times[best] * 1e6, 2), best_gbps=round(gb / times[best], 1),
+                           speedup=round(torch_s / times[best], 3), engine=times[best] < torch_s * (1 - GEMV_MARGIN))
+            print(f"{name:9s} {n:>6d}x{k:<5d} M={m}: F.linear {row['torch_us']:8.2f} us {row['torch_gbps']:7.1f} GB/s"
+                  + (f" | skinny {row['best_us']:8.2f} us {row['best_gbps']:7.1f} GB/s ({best}) x{row['speedup']:.2f}"
+                     f"{' taken' if row['engine'] else ''}" if best else " | skinny: no config ran"))
+        bad = {c: v for c, v in shape["checks"].items() if "error" in v or not v.get("graph_ok", True)
+               or v["max_diff"] > 2e-2}
+        if bad:
+            print(f"{name}: configs that failed their check: {bad}")
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

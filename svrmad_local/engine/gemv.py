@@ -1,0 +1,151 @@
+"""Which decode linears take the skinny kernel (kernels/skinny.py) instead of F.linear: timed once per
+machine, the figures kept, the picks made from them (engine/choices.py `gemv_choice` calls this).
+
+Why keep the figures: the choice is timed, and two timings of configs that run close can pick different
+ones, whose outputs differ in the last bits (fp32 sums in another order). Kept per machine, software,
+model shapes and kernel source (the key), every later engine on that machine picks the same configs, so
+its log-probs are the same bits from run to run, and it compiles and times nothing it need not.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from svrmad_local.kernels import skinny
+from svrmad_local.kernels._backend import HAS_TRITON, triton
+from svrmad_local.models.default import cache_dir
+
+from .families import ROUTERS
+
+log = logging.getLogger("svrmad_local")
+
+MARGIN = 0.05  # the skinny kernel is taken for a shape and row count only where this much faster
+
+
+def decode_linears(model) -> dict[tuple[int, int], nn.Linear]:
+    """The plain linears our decoder calls in its layers, and the LM head, one per (N, K) shape (the first
+    found: the others of that shape hold other weights of the same size), in the kernel's dtypes. A
+    mixture-of-experts router is left out: the decoder calls it as a module (families.ROUTERS)."""
+    layers = getattr(model.base_model, "layers", [])
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    routers = {id(getattr(layer.mlp, ROUTERS[type(layer.mlp).__name__][0])) for layer in layers
+               if type(getattr(layer, "mlp", None)).__name__ in ROUTERS}
+    shapes: dict[tuple[int, int], nn.Linear] = {}
+    for m in [m for layer in layers for m in layer.modules()] + ([head] if head is not None else []):
+        if type(m) is nn.Linear and m.weight.dtype in skinny.DTYPES and id(m) not in routers:
+            shapes.setdefault(tuple(m.weight.shape), m)
+    return shapes
+
+
+def time_all(linears: dict[tuple[int, int], nn.Linear], timer_for: Callable, rows=skinny.ROWS,
+             configs=skinny.CONFIGS) -> dict[str, dict[str, dict[str, float]]]:
+    """{"NxK": {rows: {"torch": s, config: s}}}: seconds a call, F.linear and each config that runs.
+    `timer_for(linear)` gives a timer (rows, "torch" | Config) -> seconds (`skinny.cuda_timer` on a GPU; a
+    test passes made-up figures); a config that raises (cannot compile here) is left out."""
+    figures = {}
+    for (n, k), m in linears.items():
+        timer = timer_for(m)
+        per_rows = figures[f"{n}x{k}"] = {}
+        for r in rows:
+            times = per_rows[str(r)] = {"torch": timer(r, "torch")}
+            for cfg in configs:
+                try:
+                    times[str(cfg)] = timer(r, cfg)
+                except Exception:  # noqa: BLE001 - a config this device cannot compile: not a candidate
+                    continue
+    return figures
+
+
+def pick(figures: dict, configs=skinny.CONFIGS, margin: float = MARGIN) -> dict[tuple[int, int], dict[int, skinny.Config]]:
+    """{(N, K): {rows: Config}}: for each shape and row count, the fastest config where it beats F.linear
+    by `margin`; none elsewhere."""
+    by_name = {str(c): c for c in configs}
+    picks = {}
+    for shape, per_rows in figures.items():
+        n, k = (int(v) for v in shape.split("x"))
+        for r, times in per_rows.items():
+            timed = {c: t for c, t in times.items() if c in by_name}
+            best = min(timed, key=timed.get, default=None)
+            if best is not None and timed[best] < times["torch"] * (1 - margin):
+                picks.setdefault((n, k), {})[int(r)] = by_name[best]
+    return picks
+
+
+def line(picks: dict, shapes: int, rows=skinny.ROWS) -> str:
+    """The record's value: how many of the shapes take the skinny kernel at each row count."""
+    if not picks:
+        return "torch"
+    counts = [sum(r in p for p in picks.values()) for r in rows]
+    return "skinny for " + ", ".join(f"{c} of {shapes} shapes at {r} row{'s' if r > 1 else ''}"
+                                     for c, r in zip(counts, rows))
+
+
+def detail(picks: dict) -> str:
+    """Each picked shape's configs by row count, for the record's reason."""
+    return "; ".join(f"{n}x{k}: " + ", ".join(f"{r}:{c}" for r, c in sorted(p.items()))
+                     for (n, k), p in sorted(picks.items()))
+
+
+def key(linears: dict, device: str) -> dict:
+    """What the figures depend on: the device (its name), the software, the shapes (with their dtype and
+    bias), the candidates and the kernel's source."""
+    return {"device": device, "torch": torch.__version__, "triton": triton.__version__ if HAS_TRITON else None,
+            "linears": sorted(f"{n}x{k} {str(m.weight.dtype).removeprefix('torch.')}{' bias' if m.bias is not None else ''}"
+                              for (n, k), m in linears.items()),
+            "rows": list(skinny.ROWS), "configs": [str(c) for c in skinny.CONFIGS],
+            "kernel": hashlib.sha256(Path(skinny.__file__).read_bytes()).hexdigest()[:16]}
+
+
+def cache_path(k: dict, cache: str | Path | None = None) -> Path:
+    digest = hashlib.sha256(json.dumps(k, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_dir(cache) / "calibration" / f"gemv-{digest}.json"
+
+
+def read(path: Path, k: dict) -> dict | None:
+    """The kept figures for key `k`, or None (absent, another key, or unreadable: said in one line)."""
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        if data.get("key") != k:
+            return None
+        figures = data["figures"]
+        if not all(isinstance(t, (int, float)) and math.isfinite(t) and t > 0 and "torch" in times
+                   for per_rows in figures.values() for times in per_rows.values() for t in times.values()):
+            raise ValueError("a figure is not a finite positive number of seconds")
+        return figures
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        log.warning("svrmad: ignoring the unreadable GEMV timings %s (%s: %s); timing again", path, type(e).__name__, e)
+        return None
+
+
+def write(path: Path, k: dict, figures: dict) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"key": k, "figures": figures}, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError as e:
+        log.warning("svrmad: could not keep the GEMV timings in %s (%s); the next engine times again", path, e)
+
+
+def measured(linears: dict, device: str, cache: str | Path | None, timer_for: Callable) -> tuple[dict, bool]:
+    """(figures, whether they were kept from an earlier engine): the kept ones for this key (`device` the
+    device's name), else timed now through `timer_for` (see `time_all`) and kept under `cache`."""
+    k = key(linears, device)
+    path = cache_path(k, cache)
+    figures = read(path, k)
+    if figures is not None:
+        return figures, True
+    figures = time_all(linears, timer_for)
+    write(path, k, figures)
+    return figures, False

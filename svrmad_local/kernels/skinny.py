@@ -1,0 +1,279 @@
+"""A linear for few rows (a decode step's M <= 8): y = x @ W^T (+ bias), reading W once for every row.
+
+Why: at decode a linear streams its weight once per step and does almost no arithmetic, so its time is
+the weight's bytes over the memory's bandwidth. cuBLAS reads the weights at these shapes well below
+the card's bandwidth (docs/kernels.md, "Skinny linears"); a kernel written for few rows may read them
+closer to the copy rate. The engine takes it per shape only where it measured faster than `F.linear`
+(engine/choices.py `gemv_choice`), and `F.linear` everywhere else.
+
+What: program (j, s) owns a strip of BLOCK_N output columns and the s-th of `split_k` shares of K. It
+walks its share BLOCK_K at a time, loading the [BLOCK_N, BLOCK_K] weight tile once (contiguous along K)
+and the [BLOCK_M, BLOCK_K] rows of x, and accumulates in fp32 either by broadcast products summed along K
+(`dot=False`, no tensor cores, BLOCK_M the rows rounded up to a power of two; where the products fit
+LATE_VALUES registers a thread, kept element-wise and summed along K once at the end) or by one `tl.dot`
+on a row tile padded to 16 (`dot=True`). With one share it writes the output (bias added, cast to x's dtype); with
+several it writes fp32 partials, which a second small kernel sums in share order, adds the bias to and
+casts: the result never depends on which program ran first (no atomics), so a step's log-probs are the
+same bits on every run with the same configuration.
+
+Configurations (`Config`) are chosen per (rows, N, K) by timing at engine build, never by
+`triton.autotune`: autotuning would time inside the first call, and the engine's first call of a shape
+may be inside a CUDA graph's capture.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ._backend import HAS_TRITON, cdiv, interpreting, next_pow2, tl, triton
+
+MAX_ROWS = 8  # rows above this are prefill or a wide batch: F.linear (a GEMM) always
+ROWS = (1, 2, 4, 8)  # the decode graphs' padded row counts (engine/graphs.batch_sizes), timed at build
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+DOT_ROWS = 16  # tl.dot's smallest row tile on a GPU
+# Products kept per thread (fp32) up to which a tile's products accumulate element-wise and are summed
+# along K once at the end (as inductor's looped reductions do); above it, summed per tile (registers)
+LATE_VALUES = 32
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _skinny_kernel(X, W, B, O, M, N, K, K_SHARE, s_xm, s_xk, s_wn, s_wk, s_os, s_om, s_on,
+                       HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, DOT: tl.constexpr, DOT_F32: tl.constexpr, LATE: tl.constexpr):
+        """Program (j, s): columns j*BLOCK_N.. over K's s-th share, into O's s-th slice (the output
+        itself where there is one share; the bias only in share 0). LATE: the products accumulate
+        element-wise and are summed along K once at the end (no reduction across threads per tile)."""
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        share = tl.program_id(1)
+        rows = tl.arange(0, BLOCK_M)
+        nmask, rmask = n < N, rows < M
+        kk = tl.arange(0, BLOCK_K)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        if LATE:
+            acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
+        k_lo = share * K_SHARE
+        k_hi = tl.minimum(K, k_lo + K_SHARE)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            k = k0 + kk
+            kmask = k < k_hi
+            w = tl.load(W + n[:, None] * s_wn + k[None, :] * s_wk, mask=nmask[:, None] & kmask[None, :], other=0.0,
+                        eviction_policy="evict_first")  # read once: keep x in the cache instead
+            x = tl.load(X + rows[:, None] * s_xm + k[None, :] * s_xk, mask=rmask[:, None] & kmask[None, :], other=0.0)
+            if DOT:
+                if DOT_F32:
+                    acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(x, tl.trans(w), acc)
+            elif LATE:
+                acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+            else:
+                acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        if LATE:
+            acc = tl.sum(acc3, axis=2)
+        if HAS_BIAS:
+            if share == 0:
+                acc += tl.load(B + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        tl.store(O + share * s_os + rows[:, None] * s_om + n[None, :] * s_on, acc,
+                 mask=rmask[:, None] & nmask[None, :])
+
+    @triton.jit
+    def _sum_shares_kernel(P, B, O, N, SHARES, s_ps, s_pm, s_pn, s_om, s_on,
+                           HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+        """Row m, columns j*BLOCK..: the shares' fp32 partials summed in share order, plus the bias."""
+        m = tl.program_id(0)
+        n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        nmask = n < N
+        acc = tl.zeros([BLOCK], tl.float32)
+        for s in range(0, SHARES):
+            acc += tl.load(P + s * s_ps + m * s_pm + n * s_pn, mask=nmask, other=0.0)
+        if HAS_BIAS:
+            acc += tl.load(B + n, mask=nmask, other=0.0).to(tl.float32)
+        tl.store(O + m * s_om + n * s_on, acc, mask=nmask)
+
+
+@dataclass(frozen=True)
+class Config:
+    """One launch's shape: output strips of block_n columns, K walked block_k at a time, split over
+    split_k programs a strip (0: as many as fill the GPU, `shares`), the kernel's warps and pipeline
+    stages, and whether the rows go through tl.dot (padded to 16) or broadcast products."""
+
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    dot: bool = False
+
+    def __str__(self) -> str:
+        split = "auto" if self.split_k == 0 else self.split_k
+        return (f"n{self.block_n}k{self.block_k}s{split}w{self.num_warps}p{self.num_stages}"
+                + ("dot" if self.dot else ""))
+
+
+# The candidates timed at build: narrow strips with long K tiles (each row of a tile a long contiguous read;
+# the broadcast product holds rows x block_n x block_k values, so these suit 1-2 rows), wider strips with
+# shorter tiles (4-8 rows), split-K for narrow outputs, and the tensor-core tile (rows padded to 16, the
+# product off the registers). Chosen, not yet timed on a GPU: benchmarks/bench_skinny.py times each.
+CONFIGS = (
+    Config(8, 512, 1, 4, 3),
+    Config(16, 256, 1, 4, 3),
+    Config(32, 128, 1, 8, 3),
+    Config(16, 256, 0, 4, 3),
+    Config(16, 64, 0, 4, 4),
+    Config(64, 128, 1, 4, 4, dot=True),
+    Config(32, 256, 0, 4, 3, dot=True),
+)
+DEFAULT = CONFIGS[1]  # gemv="skinny" without timing (tests, A/B runs)
+SMS_DEFAULT = 132  # an H100's SMs, where the device cannot be asked (the interpreter)
+
+
+def shares(cfg: Config, n: int, k: int, sms: int) -> int:
+    """Programs a strip's K is split over: cfg.split_k where fixed; for 0, about two programs an SM,
+    each walking at least four K tiles; 1 where the strips alone fill the GPU."""
+    if cfg.split_k:
+        return max(1, min(cfg.split_k, cdiv(k, cfg.block_k)))
+    strips = cdiv(n, cfg.block_n)
+    if strips >= sms:
+        return 1
+    return max(1, min(cdiv(2 * sms, strips), cdiv(k, cfg.block_k) // 4))
+
+
+def sums_late(cfg: Config, block_m: int) -> bool:
+    """Whether the broadcast products of `block_m` rows fit LATE_VALUES fp32 registers a thread, so that they
+    are summed along K once at the end rather than per tile."""
+    return not cfg.dot and block_m * cfg.block_n * cfg.block_k <= LATE_VALUES * 32 * cfg.num_warps
+
+
+@functools.lru_cache(maxsize=None)  # asked per call
+def _sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return SMS_DEFAULT
+
+
+def check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """ValueError naming what does not fit: x [M <= 8, K], weight [N, K] of x's dtype, bias [N]."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"skinny_linear: x must be [M, K] and weight [N, K], got {list(x.shape)} and "
+                         f"{list(weight.shape)}")
+    if x.shape[0] > MAX_ROWS:
+        raise ValueError(f"skinny_linear: at most {MAX_ROWS} rows, got {x.shape[0]}: use F.linear")
+    if x.dtype != weight.dtype or x.dtype not in DTYPES:
+        raise ValueError(f"skinny_linear: x and weight must share one of fp32/fp16/bf16, got {x.dtype} and "
+                         f"{weight.dtype}")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"skinny_linear: bias must be [{weight.shape[0]}], got {list(bias.shape)}")
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  cfg: Config = DEFAULT) -> torch.Tensor:
+    """x [M, K] (M <= 8) @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype, fp32 accumulation.
+    Launches one kernel (two where K is split); nothing returns to the host, so a CUDA graph captures it."""
+    check(x, weight, bias)
+    m, k = x.shape
+    n = weight.shape[0]
+    # the interpreter truncates fp32 -> bf16/fp16 on store where a GPU rounds to nearest: round in torch there
+    out_dtype = torch.float32 if interpreting() else x.dtype
+    out = torch.empty(m, n, device=x.device, dtype=out_dtype)
+    if m == 0 or n == 0:
+        return out.to(x.dtype)
+    split = shares(cfg, n, k, _sms(x.device))
+    k_share = cdiv(cdiv(k, split), cfg.block_k) * cfg.block_k
+    split = cdiv(k, k_share)  # every share non-empty
+    parts = out if split == 1 else torch.empty(split, m, n, device=x.device, dtype=torch.float32)
+    part_strides = (0, *parts.stride()) if split == 1 else parts.stride()
+    block_m = DOT_ROWS if cfg.dot else next_pow2(m)
+    b = bias if bias is not None else weight
+    _skinny_kernel[(cdiv(n, cfg.block_n), split)](
+        x, weight, b, parts, m, n, k, k_share, *x.stride(), *weight.stride(), *part_strides,
+        HAS_BIAS=bias is not None and split == 1, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        DOT=cfg.dot, DOT_F32=x.dtype == torch.float32 or interpreting(), LATE=sums_late(cfg, block_m), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
+    if split > 1:
+        block = 1024
+        _sum_shares_kernel[(m, cdiv(n, block))](parts, b, out, n, split, *parts.stride(), *out.stride(),
+                                                HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
+    return out.to(x.dtype)
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The same product in fp32 (the kernel's accumulation), cast to x's dtype: what the tests compare with."""
+    out = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    return out.to(x.dtype)
+
+
+def bound(weight: torch.Tensor, bias: torch.Tensor | None, picks: dict[int, Config]):
+    """x [M, K] -> linear(x, weight, bias): the skinny kernel with `picks[next_pow2(M)]` where it holds one
+    (M <= 8: a decode step's rows, padded by the graphs to 1, 2, 4, 8), else F.linear. A dict lookup at
+    call time: nothing a CUDA graph cannot capture, and a graph is per row count, so it records one path."""
+    by_rows = [picks.get(next_pow2(m)) if m else None for m in range(MAX_ROWS + 1)]
+
+    def call(x: torch.Tensor) -> torch.Tensor:
+        m = x.shape[0] if x.dim() == 2 else MAX_ROWS + 1
+        cfg = by_rows[m] if m <= MAX_ROWS else None
+        if cfg is None:
+            return F.linear(x, weight, bias)
+        return skinny_linear(x, weight, bias, cfg)
+
+    call.picks = picks  # what this call runs at each row count (tests, the record)
+    return call
+
+
+def time_call(fn, reps: int = 5, inner: int = 10) -> float:
+    """Seconds a call of `fn` takes on the device: `inner` calls captured in one CUDA graph (after an eager
+    call, which compiles), the graph replayed between two events `reps` times, the median over the calls.
+    In a graph, as a captured decode step runs it: the device's time, not the host's launch cost (a Triton
+    launch costs the host more than cuBLAS's, which would otherwise decide between them). Where a capture
+    fails, the same calls eagerly."""
+    fn()
+    torch.cuda.synchronize()
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(inner):
+                fn()
+        run = graph.replay
+    except RuntimeError:
+        def run():
+            for _ in range(inner):
+                fn()
+    run()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / inner)
+    return sorted(times)[len(times) // 2]
+
+
+def cuda_timer(weight: torch.Tensor, bias: torch.Tensor | None):
+    """A timer for `gemv_choice`: (m, candidate) -> seconds of one call at m rows, the candidate "torch"
+    (F.linear) or a Config. The weight is rotated through copies that overflow the L2 cache (a decode step
+    reads every layer's weights once, cold), so neither side is timed out of the cache."""
+    props = torch.cuda.get_device_properties(weight.device)
+    size = weight.numel() * weight.element_size()
+    copies = max(1, min(16, cdiv(2 * int(getattr(props, "L2_cache_size", 50 << 20)), size)))
+    weights = [weight] + [weight.clone() for _ in range(copies - 1)]
+
+    def timer(m: int, candidate) -> float:
+        x = torch.randn(m, weight.shape[1], device=weight.device, dtype=weight.dtype)
+        turn = iter(range(1 << 62))
+
+        def run():
+            w = weights[next(turn) % copies]
+            if candidate == "torch":
+                F.linear(x, w, bias)
+            else:
+                skinny_linear(x, w, bias, candidate)
+
+        with torch.cuda.device(weight.device):  # the graph and the events on the weight's device
+            return time_call(run)
+
+    return timer

@@ -1,0 +1,169 @@
+"""Which decode linears take the skinny kernel (engine/choices.py `gemv_choice`), and the engine over it.
+
+The choice is driven here by made-up timings (the timer is injected: no GPU needed): a shape and row count
+takes the kernel only where its best config beats F.linear by the margin; rows above 8 are never timed
+and always take F.linear; the record says how many shapes took it at each row count. Then the engine with
+the kernel forced, in Triton's interpreter: the same greedy tokens as a cache-free loop, log-probs within
+1e-4 of F.linear's.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton (see conftest)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from svrmad_local.engine import choices, gemv  # noqa: E402
+from svrmad_local.engine.engine import Engine, EngineConfig  # noqa: E402
+from svrmad_local.engine.families import linear_call  # noqa: E402
+from svrmad_local.engine.params import SamplingParams  # noqa: E402
+from svrmad_local.kernels import _backend, skinny  # noqa: E402
+
+from .model_zoo import loop_greedy, make_zoo_model, rand_prompt  # noqa: E402
+
+CPU = torch.device("cpu")
+
+
+def fake_timer_for(table, asked):
+    """timer_for(linear) -> timer(rows, candidate): F.linear takes 1.0; a config takes table[(N, K)][rows]
+    scaled by its place in CONFIGS (the first the fastest); None: the configs raise (cannot compile)."""
+    def timer_for(m):
+        shape = tuple(m.weight.shape)
+
+        def timer(rows, candidate):
+            asked.append(rows)
+            if candidate == "torch":
+                return 1.0
+            t = table[shape].get(rows)
+            if t is None:
+                raise RuntimeError("does not compile here")
+            return t * (1 + 0.01 * skinny.CONFIGS.index(candidate))
+        return timer
+    return timer_for
+
+
+def test_the_choice_follows_the_timings(tmp_path):
+    model = make_zoo_model("llama")
+    shapes = sorted(gemv.decode_linears(model))
+    assert len(shapes) >= 3, shapes
+    fast, even, broken = shapes[:3]
+    table = {shape: dict.fromkeys(skinny.ROWS, 1.5) for shape in shapes}  # slower everywhere...
+    table[fast] = {1: 0.6, 2: 0.7, 4: 0.97, 8: 1.2}  # ...but here at 1 and 2 rows (4: inside the 5% margin)
+    table[even] = dict.fromkeys(skinny.ROWS, 0.96)  # never 5% faster
+    table[broken] = {}  # no config compiles
+    asked = []
+    picks, choice = choices.gemv_choice(model, "auto", "auto", CPU, fake_timer_for(table, asked), tmp_path)
+    assert picks == {fast: {1: skinny.CONFIGS[0], 2: skinny.CONFIGS[0]}}
+    assert set(asked) == set(skinny.ROWS)  # rows above 8 are never timed
+    n = len(shapes)
+    assert choice.value == f"skinny for 1 of {n} shapes at 1 row, 1 of {n} shapes at 2 rows, 0 of {n} shapes at " \
+                           f"4 rows, 0 of {n} shapes at 8 rows"
+    assert "5% faster" in choice.reason and f"{fast[0]}x{fast[1]}: 1:{skinny.CONFIGS[0]}" in choice.reason
+    # the decoder's call of a linear of that shape: the kernel at 1 and 2 rows, F.linear at 4 and above 8
+    linear = next(m for m in model.modules() if type(m) is torch.nn.Linear and tuple(m.weight.shape) == fast)
+    assert linear_call(linear, picks).picks == picks[fast]
+    other = next(m for m in model.modules() if type(m) is torch.nn.Linear and tuple(m.weight.shape) == even)
+    assert linear_call(other, picks) is other
+
+
+def test_slower_everywhere_takes_f_linear_and_says_so(tmp_path):
+    model = make_zoo_model("llama")
+    table = {shape: dict.fromkeys(skinny.ROWS, 1.2) for shape in gemv.decode_linears(model)}
+    picks, choice = choices.gemv_choice(model, "auto", "auto", CPU, fake_timer_for(table, []), tmp_path)
+    assert picks == {} and choice.value == "torch" and "as fast at every shape" in choice.reason
+
+
+def test_the_figures_are_kept_so_a_later_engine_picks_the_same_without_timing(tmp_path):
+    """A second choice on the same machine and shapes reads the first's figures: the same picks (the same
+    bits run to run) and nothing timed; another cache folder, or an unreadable file, times again."""
+    model = make_zoo_model("llama")
+    table = {shape: {1: 0.5, 2: 0.9, 4: 1.3, 8: 1.3} for shape in gemv.decode_linears(model)}
+    first, second = [], []
+    picks, choice = choices.gemv_choice(model, "auto", "auto", CPU, fake_timer_for(table, first), tmp_path)
+    again, kept = choices.gemv_choice(model, "auto", "auto", CPU, fake_timer_for(table, second), tmp_path)
+    assert first and second == [] and again == picks and "kept from an earlier build" in kept.reason
+    assert kept.value == choice.value
+    (path,) = (tmp_path / "calibration").glob("gemv-*.json")
+    path.write_text("{not json")
+    third = []
+    assert choices.gemv_choice(model, "auto", "auto", CPU, fake_timer_for(table, third), tmp_path)[0] == picks and third
+
+
+def test_off_a_gpu_auto_is_f_linear_and_torch_is_never_timed():
+    model = make_zoo_model("llama")
+    picks, choice = choices.gemv_choice(model, "auto", "auto", CPU)
+    assert picks == {} and choice.value == "torch" and "off a GPU" in choice.reason and not choice.fell_back
+    timed = []
+    picks, choice = choices.gemv_choice(model, "torch", "auto", CPU, fake_timer_for({}, timed))
+    assert picks == {} and timed == [] and choice.reason == "as asked"
+
+
+def test_where_the_models_modules_run_the_layers_nothing_is_timed_or_claimed(tmp_path):
+    """The model's own modules call F.linear: "auto" times nothing and says so; "skinny" is refused."""
+    model, timed = make_zoo_model("llama"), []
+    picks, choice = choices.gemv_choice(model, "auto", "auto", CPU, fake_timer_for({}, timed), tmp_path, ours=False)
+    assert picks == {} and timed == [] and choice.value == "torch" and "modules" in choice.reason
+    with pytest.raises(ValueError, match="gemv='skinny' needs our decoder"):
+        choices.gemv_choice(model, "skinny", "auto", CPU, ours=False)
+    eng = Engine(model, None, EngineConfig(kv_cache_memory=4 * 2**20, block_size=4, linear="aten", decoder="modules"))
+    assert eng.execution.gemv.value == "torch" and "modules" in eng.execution.gemv.reason
+    eng.close()
+
+
+def test_a_routers_shape_is_not_timed():
+    """A mixture-of-experts router is called as a module, never through the picks: left out of the shapes."""
+    model = make_zoo_model("qwen3-moe")
+    routers = {tuple(layer.mlp.gate.weight.shape) for layer in model.model.layers}
+    others = {tuple(m.weight.shape) for m in model.modules() if type(m) is torch.nn.Linear
+              and all(m is not layer.mlp.gate for layer in model.model.layers)}
+    only_routers = routers - others
+    assert only_routers and not only_routers & set(gemv.decode_linears(model)), routers
+
+
+def test_a_bad_gemv_setting_is_refused_in_one_line():
+    with pytest.raises(ValueError, match="gemv must be one of auto, skinny, torch"):
+        EngineConfig(gemv="fast")
+
+
+GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+
+
+def run(model, prompts, gemv, **kw):
+    eng = Engine(model, None, EngineConfig(kv_cache_memory=4 * 2**20, block_size=4, linear="aten", gemv=gemv, **kw))
+    try:
+        return [r.completions[0] for r in eng.generate_sync(prompts, GREEDY)], eng.execution.gemv
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("graphs", ["off", "static"])
+def test_forced_skinny_in_the_interpreter_is_token_exact(graphs, monkeypatch):
+    """Every decode linear and the LM head through the kernel (interpreted), on the dynamic path and on the
+    static one (rows padded to the graphs' sizes): the same greedy tokens as a cache-free loop of the model,
+    log-probs within 1e-4 of the engine over F.linear; and the kernel did run, the head's shape included."""
+    if not (_backend.HAS_TRITON and _backend.interpreter_ready()):
+        pytest.skip("Triton's interpreter is not available in this process")
+    calls = []
+    real = skinny.skinny_linear
+    monkeypatch.setattr(skinny, "skinny_linear", lambda x, w, *a: calls.append((x.shape[0], w.shape[0])) or real(x, w, *a))
+    model = make_zoo_model("llama")
+    prompts = [rand_prompt(11, 3), rand_prompt(6, 4)]
+    got, record = run(model, prompts, "skinny", cuda_graphs=graphs)
+    assert record.value.startswith("skinny for") and calls
+    assert {m for m, _ in calls} <= set(range(1, 9)) and model.config.vocab_size in {n for _, n in calls}
+    for p, out in zip(prompts, got):
+        assert out.token_ids == loop_greedy(model, p, GREEDY.max_tokens)
+    ref, plain = run(model, prompts, "torch", cuda_graphs=graphs)
+    assert plain.value == "torch"
+    for a, b in zip(got, ref):
+        assert a.token_ids == b.token_ids
+        assert (torch.tensor(a.logprobs) - torch.tensor(b.logprobs)).abs().max() < 1e-4
+
+
+def test_forced_skinny_where_triton_cannot_run_is_refused(monkeypatch):
+    monkeypatch.setattr(_backend, "interpreter_ready", lambda: False)  # a CPU process without the interpreter
+    with pytest.raises(ValueError, match="gemv='skinny' cannot run here"):
+        choices.gemv_choice(make_zoo_model("llama"), "skinny", "auto", CPU)

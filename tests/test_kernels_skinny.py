@@ -1,0 +1,111 @@
+"""kernels/skinny.py (the few-row linear) against its fp32 reference, run on the CPU by Triton's interpreter.
+
+Every configuration the engine may pick, plus split-K ones small enough to split here, at every row count
+1..8, odd N and K (no multiple of any tile), with and without bias: fp32 within 1e-5 relative (the sums
+run in another order than F.linear's); fp16/bf16 within one rounding of the output (both sides accumulate
+in fp32 and round once: a difference of a few fp32 ulps moves a rounding only near a boundary); and the
+same bits on two calls (no atomics: the shares are summed in order).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton (see conftest)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from svrmad_local.kernels import skinny  # noqa: E402
+from svrmad_local.kernels._backend import interpreter_ready  # noqa: E402
+from svrmad_local.kernels.skinny import Config, reference, skinny_linear  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not interpreter_ready(), reason="triton was imported before TRITON_INTERPRET=1")
+
+# split-K with tiles small enough that K = 301 splits into several shares (one of them short)
+SPLITS = (Config(16, 32, 3), Config(16, 64, 2, dot=True), Config(32, 16, 5))
+N, K = 37, 301
+
+
+def operands(m: int, dtype: torch.dtype, bias: bool, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, K, generator=g).to(dtype)
+    w = torch.randn(N, K, generator=g).to(dtype)
+    b = torch.randn(N, generator=g).to(dtype) if bias else None
+    return x, w, b
+
+
+@pytest.mark.parametrize("cfg", skinny.CONFIGS + SPLITS, ids=str)
+@pytest.mark.parametrize("bias", [False, True])
+def test_every_config_matches_the_reference_in_fp32(cfg, bias):
+    for m in range(1, skinny.MAX_ROWS + 1):
+        x, w, b = operands(m, torch.float32, bias, seed=m)
+        got, ref = skinny_linear(x, w, b, cfg), reference(x, w, b)
+        assert got.shape == (m, N) and got.dtype == torch.float32
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("cfg", skinny.CONFIGS + SPLITS, ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_every_config_matches_the_reference_in_half_precision(cfg, dtype):
+    for m in (1, 2, 5, 8):
+        x, w, b = operands(m, dtype, bias=m % 2 == 1, seed=m)
+        got, ref = skinny_linear(x, w, b, cfg), reference(x, w, b)
+        assert got.dtype == dtype
+        # one rounding of the output: the larger of the two values' ulps
+        ulp = (ref.float().abs() * torch.finfo(dtype).eps).clamp_min(torch.finfo(dtype).tiny)
+        assert ((got.float() - ref.float()).abs() <= ulp).all(), (cfg, m, dtype)
+
+
+@pytest.mark.parametrize("cfg", (skinny.DEFAULT, SPLITS[0], SPLITS[1]), ids=str)
+def test_two_calls_give_the_same_bits(cfg):
+    x, w, b = operands(7, torch.float32, bias=True)
+    assert torch.equal(skinny_linear(x, w, b, cfg), skinny_linear(x, w, b, cfg))
+
+
+def test_both_ways_of_summing_are_covered_above():
+    """Products summed once at the end (few rows) and per tile (more rows): the configs above take both."""
+    ways = {skinny.sums_late(c, m) for c in skinny.CONFIGS + SPLITS if not c.dot for m in (1, 2, 4, 8)}
+    assert ways == {True, False}
+    assert skinny.sums_late(skinny.CONFIGS[0], 1) and not skinny.sums_late(skinny.CONFIGS[0], 8)
+
+
+def test_split_configs_do_split_here():
+    """The split cases above exercise the two-pass sum only if their shares come out above one."""
+    assert [skinny.shares(c, N, K, skinny.SMS_DEFAULT) for c in SPLITS] == [3, 2, 5]
+
+
+def test_auto_split_fills_the_gpu_only_for_narrow_outputs():
+    cfg = Config(16, 256, 0)
+    # Qwen3-1.7B's o_proj (2048 columns: 128 strips) on 132 SMs: split about two programs an SM
+    assert skinny.shares(cfg, 2048, 2048, 132) == 2
+    # the LM head's 151,936 columns fill any GPU alone
+    assert skinny.shares(cfg, 151936, 2048, 132) == 1
+    # never below four K tiles a share
+    assert skinny.shares(cfg, 64, 2048, 132) == 2
+
+
+def test_bound_takes_the_kernel_only_at_the_rows_it_was_picked_for(monkeypatch):
+    """The engine's call: the picked config at M (by its padded row count), F.linear at other M and above 8."""
+    seen = []
+    monkeypatch.setattr(skinny, "skinny_linear", lambda x, w, b, cfg: (seen.append((x.shape[0], cfg)), w)[1])
+    x8, w, b = operands(8, torch.float32, bias=True)
+    call = skinny.bound(w, b, {1: SPLITS[0], 4: SPLITS[1]})
+    for m in (1, 2, 3, 4, 8):
+        call(x8[:m])
+    call(torch.randn(9, K))
+    assert seen == [(1, SPLITS[0]), (3, SPLITS[1]), (4, SPLITS[1])]
+
+
+def test_bad_operands_are_refused_in_one_line():
+    x, w, b = operands(2, torch.float32, bias=True)
+    with pytest.raises(ValueError, match="at most 8 rows"):
+        skinny_linear(torch.randn(9, K), w)
+    with pytest.raises(ValueError, match=r"x must be \[M, K\]"):
+        skinny_linear(x[:, :-1], w)
+    with pytest.raises(ValueError, match="share one of"):
+        skinny_linear(x.bfloat16(), w)
+    with pytest.raises(ValueError, match="bias must be"):
+        skinny_linear(x, w, b[:-1])
