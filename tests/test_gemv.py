@@ -101,6 +101,14 @@ def test_off_a_gpu_auto_is_f_linear_and_torch_is_never_timed():
     assert picks == {} and timed == [] and choice.reason == "as asked"
 
 
+def test_on_a_gpu_a_small_model_keeps_f_linear_without_timing(monkeypatch, tmp_path):
+    # the test models are kilobytes: a GPU engine of them compiles and times nothing
+    monkeypatch.setattr(choices.kernels, "select_impl", lambda impl, device, name: "triton")
+    monkeypatch.setattr(gemv, "measured", lambda *a, **k: pytest.fail("timed a model of kilobytes"))
+    picks, made = choices.gemv_choice(make_zoo_model("llama"), "auto", "auto", torch.device("cuda"), cache=str(tmp_path))
+    assert picks == {} and made.value == "torch" and "MiB of weights" in made.reason and "launches" in made.reason
+
+
 def test_where_the_models_modules_run_the_layers_nothing_is_timed_or_claimed(tmp_path):
     """The model's own modules call F.linear: "auto" times nothing and says so; "skinny" is refused."""
     model, timed = make_zoo_model("llama"), []

@@ -111,6 +111,10 @@ def gemv_choice(model, mode: str, kernel_impl: str, device: torch.device, timer_
             f"F.linear off a GPU ({device.type})" if device.type != "cuda" else \
             choose(kernel_impl, device, "skinny_linear").why
         return {}, Choice("gemv", "torch", why, fell_back=device.type == "cuda" and kernel_impl == "auto")
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    if timer_for is None and weights < gemv.MIN_BYTES:
+        return {}, Choice("gemv", "torch", f"{weights / 2**20:.1f} MiB of weights: a step this small is bound by its "
+                                           f"launches, not its reads (timed from {gemv.MIN_BYTES // 2**20} MiB)")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     figures, kept = gemv.measured(linears, name, cache, timer_for or (lambda m: skinny.cuda_timer(m.weight, m.bias)))
     if gpu:

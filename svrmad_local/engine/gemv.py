@@ -29,6 +29,10 @@ from .families import ROUTERS
 log = logging.getLogger("svrmad_local")
 
 MARGIN = 0.05  # the skinny kernel is taken for a shape and row count only where this much faster
+# Below this many bytes of weights a decode step is bound by its launches, not by reading the weights
+# (SmolLM2-135M's 270 MB step already is, on an H200: measurements.md), so "auto" times nothing and keeps
+# F.linear: the test models would otherwise compile and time the kernel at every engine built
+MIN_BYTES = 64 * 2**20
 
 
 def decode_linears(model) -> dict[tuple[int, int], nn.Linear]:
