@@ -110,12 +110,14 @@ class EngineConfig:
     before it reads step N's tokens, which step N+1 takes on the device, so the host's work for a step
     (scheduling, its inputs, the graph's launch) hides behind the device's previous step; a sequence that
     step N ends computes one row in step N+1 for nothing. "auto" takes it where decode steps replay CUDA
-    graphs (under tensor parallel too: the followers take the ids from the leader's device), "on" wherever the static path runs (cuda_graphs="static"
-    too: the same tokens, checkable on the CPU), "off" reads each step's tokens before the next.
+    graphs (under tensor parallel too: the followers take the ids from the leader's device), "on"
+    wherever the static path runs (cuda_graphs="static" too: the same tokens, checkable on the CPU),
+    "off" reads each step's tokens before the next.
 
     gemv: "auto" | "skinny" | "torch", how decode's linears of up to 8 rows run (kernels/skinny.py):
     "auto" times, at build on a GPU, F.linear against the skinny Triton kernel for each linear's shape at
-    1, 2, 4 and 8 rows and takes the kernel where it is 5% faster (F.linear off a GPU); "skinny" takes it
+    1, 2, 4 and 8 rows and takes the kernel where it is 5% faster (F.linear off a GPU, and for a model of
+    less than 64 MiB of weights, whose steps are bound by launches); "skinny" takes it
     at every shape (its Triton must run: a GPU, or the interpreter); "torch" never. More rows: F.linear.
 
     adapt_threads: on the CPU, run the steps on fewer of torch's threads while other processes take
