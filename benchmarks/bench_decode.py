@@ -16,7 +16,9 @@ bandwidth is measured with a large tensor sum (best of several), so
 Beside it, what the step's matmuls alone allow: B / (seconds of every linear of the model, LM head
 included, on B rows in its dtype, called as the engine's forward calls them, on its worker thread),
 i.e. a step with no attention, no sampling and no overhead; on a
-CPU without bf16 instructions this, not the bandwidth, bounds bf16. With --vllm-python the same prompts run through vLLM (bench_vs_vllm's worker) too.
+CPU without bf16 instructions this, not the bandwidth, bounds bf16. `host_ms_per_step`: the host's own work
+in a decode step that samples inside the static step (`HostShare`; with `--engine cuda_graphs=static` on a
+CPU, what `overlap` would run beside the device's step on a GPU). With --vllm-python the same prompts run through vLLM (bench_vs_vllm's worker) too.
 With --hf-compile they run through the peer that needs no install (hf_peer.py): transformers' own `generate`
 with its static cache and the decode forward under torch.compile, on its own copy of the same weights,
 measured the same way after an untimed warm-up (its compile) at each batch size; `engine_over_hf_compile`
@@ -202,6 +204,46 @@ def profile_decode(engine: Engine, B: int, args, vocab: int, top: int = 12) -> d
                                      for e in sorted(host, key=lambda e: -e.self_cpu_time_total)[:top]]}
 
 
+class HostShare:
+    """The host's own work in the decode steps that sample inside the static step: each such `Step.run`'s
+    wall time less its `runner.execute`'s (both on the engine's worker), in ms a step. Where a step is
+    computed as it is called (the CPU, `--engine cuda_graphs=static`) that remainder is the scheduling, the
+    step's numbers, the sampling's host part, the one read and the stop rules: the work that, on a GPU,
+    `overlap` runs while the device computes the step before. Steps that sample after the forward (a
+    prefill, a fork) are left out: their LM head and sampling run outside `execute`."""
+
+    def __init__(self, engine: Engine):
+        self.ms, self.steps = 0.0, 0
+        stepper, runner = engine.stepper, engine.runner
+        run, execute = stepper.run, runner.execute
+        current = {}
+
+        def timed_execute(step, *rest):
+            t = time.perf_counter()
+            out = execute(step, *rest)
+            current["execute"] = current.get("execute", 0.0) + time.perf_counter() - t
+            current["inside"] = current.get("inside", True) and getattr(out, "packed", None) is not None
+            return out
+
+        def timed_run():
+            current.clear()
+            t = time.perf_counter()
+            done = run()
+            took = time.perf_counter() - t
+            if current.get("inside"):
+                self.ms += 1e3 * (took - current["execute"])
+                self.steps += 1
+            return done
+
+        stepper.run, runner.execute = timed_run, timed_execute
+
+    def take(self) -> float | None:
+        """ms a step since the last take (None: no such step), and start again."""
+        ms = self.ms / self.steps if self.steps else None
+        self.ms, self.steps = 0.0, 0
+        return ms
+
+
 def random_prompts(gen: torch.Generator, count: int, length: int, vocab: int) -> list[list[int]]:
     return torch.randint(100, vocab, (count, length), generator=gen).tolist()
 
@@ -363,10 +405,13 @@ def main() -> int:
         return 0
     gen = torch.Generator().manual_seed(0)  # the timed prompts: the same for every side
     warm_up(engine_generate, args, vocab)
+    host = HostShare(engine)
     rows = []
     for B in batches:
         steps0, overlapped0 = engine.totals.steps, engine.totals.overlapped_steps
+        host.take()
         pairs = [timed_pair(engine_generate, gen, B, args, vocab) for _ in range(args.repeat)]
+        host_ms = host.take()
         tps = statistics.median(B * args.new_tokens / (t_full - t_pre) for t_pre, t_full in pairs)
         t_pre = statistics.median(t for t, _ in pairs)
         limit = B * bw / (w_bytes + B * mean_ctx * kv_tok)
@@ -376,10 +421,13 @@ def main() -> int:
                "overlapped_steps": (engine.totals.overlapped_steps - overlapped0) // args.repeat,
                "limit_bandwidth_tok_s": round(limit, 1), "fraction_of_limit": round(tps / limit, 3),
                "linears_only_tok_s": round(gemm, 1), "fraction_of_linears_only": round(tps / gemm, 3),
-               "prefill_s": round(t_pre, 3), "threads": (engine.info["threads"] or {}).get("now")}
+               "prefill_s": round(t_pre, 3), "threads": (engine.info["threads"] or {}).get("now"),
+               # the host's own ms a decode step that samples inside the static step (HostShare)
+               "host_ms_per_step": None if host_ms is None else round(host_ms, 3)}
         rows.append(row)
         print(f"batch {B:3d}: engine {tps:7.1f} tok/s   weight-streaming limit {limit:7.1f} tok/s ({tps / limit:.0%} of it)"
-              f"   the step's matmuls alone {gemm:7.1f} tok/s ({tps / gemm:.0%} of it)   threads {row['threads']}")
+              f"   the step's matmuls alone {gemm:7.1f} tok/s ({tps / gemm:.0%} of it)   threads {row['threads']}"
+              + (f"   the host's own {host_ms:.2f} ms a step" if host_ms is not None else ""))
     result = {"dtype": args.dtype, "engine": args.engine or "", "decoder": engine.info["decoder"],
               "overlap": engine.execution.overlap.value, "gemv": engine.execution.gemv.value, "linear": engine.info["linear"], "linear_run": (engine.info.get("linear_calibration") or {}).get("run"),
               "bandwidth_gb_s": round(bw / 1e9, 2), "weight_bytes_per_step": w_bytes,

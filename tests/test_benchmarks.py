@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import textwrap
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -161,6 +162,25 @@ def test_weight_bytes_read_per_decode_step(tiny_model):
     cfg = tiny_model.config  # 2 layers, 2 KV heads of 16 dims
     assert kv_bytes_per_token(cfg, torch.float32) == 2 * 2 * 2 * 16 * 4
     assert kv_bytes_per_token(cfg, torch.bfloat16) == 2 * 2 * 2 * 16 * 2
+
+
+def test_host_share_counts_the_steps_that_sample_inside_and_what_runs_around_their_forward(tiny_model):
+    from bench_decode import HostShare
+
+    from svrmad_local.engine.params import SamplingParams
+
+    engine = Engine(tiny_model, None, EngineConfig(kv_cache_memory=4 * 2**20, block_size=4, cuda_graphs="static"))
+    try:
+        host = HostShare(engine)
+        t0 = time.perf_counter()
+        engine.generate_sync([[5, 6, 7], [8, 9, 10, 11]], SamplingParams(max_tokens=6, seed=1, ignore_eos=True))
+        wall_ms = 1e3 * (time.perf_counter() - t0)
+        steps = host.steps
+        ms = host.take()
+    finally:
+        engine.close()
+    assert steps == 5  # the prefill step samples after its forward: left out; the five decode steps in
+    assert 0 < ms * steps < wall_ms and host.take() is None
 
 
 def test_linears_seconds_times_every_projection_and_the_lm_head(tiny_model, monkeypatch):
