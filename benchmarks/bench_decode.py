@@ -210,11 +210,14 @@ class HostShare:
     computed as it is called (the CPU, `--engine cuda_graphs=static`) that remainder is the scheduling, the
     step's numbers, the sampling's host part, the one read and the stop rules: the work that, on a GPU,
     `overlap` runs while the device computes the step before. Steps that sample after the forward (a
-    prefill, a fork) are left out: their LM head and sampling run outside `execute`."""
+    prefill, a fork) are left out: their LM head and sampling run outside `execute`. Not on a GPU, where
+    `execute` only queues the step and the remainder holds the wait for it: there, take() says None."""
 
     def __init__(self, engine: Engine):
         self.ms, self.steps = 0.0, 0
         stepper, runner = engine.stepper, engine.runner
+        if torch.device(runner.device).type != "cpu":
+            return
         run, execute = stepper.run, runner.execute
         current = {}
 
