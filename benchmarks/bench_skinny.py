@@ -100,7 +100,7 @@ def main(argv=None) -> int:
     elif not torch.cuda.is_available():
         print("bench_skinny: needs CUDA (--dry-run checks the script on the CPU)")
         return 0
-    from svrmad_local.engine.gemv import MARGIN as GEMV_MARGIN
+    from svrmad_local.engine import gemv
     from svrmad_local.kernels import skinny
 
     device = torch.device("cpu" if args.dry_run else "cuda")
@@ -108,7 +108,7 @@ def main(argv=None) -> int:
     rows = [int(r) for r in args.rows.split(",")]
     shapes = TINY if args.dry_run else {k: SHAPES[k] for k in (args.shapes.split(",") if args.shapes else SHAPES)}
     result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreted)",
-              "dtype": args.dtype, "margin": GEMV_MARGIN, "shapes": {}}
+              "dtype": args.dtype, "margin": gemv.MARGIN, "shapes": {}}
     if device.type == "cuda":
         result["copy_gbps"] = copy_bandwidth(device)
         print(f"{result['device']}: copy {result['copy_gbps']} GB/s (read + write)")
@@ -132,7 +132,9 @@ def main(argv=None) -> int:
                 "configs_us": {c: round(t * 1e6, 2) for c, t in times.items()}, "best": best}
             if best is not None:
                 row.update(best_us=round(times[best] * 1e6, 2), best_gbps=round(gb / times[best], 1),
-                           speedup=round(torch_s / times[best], 3), engine=times[best] < torch_s * (1 - GEMV_MARGIN))
+                           speedup=round(torch_s / times[best], 3),
+                           # what the engine's choice would take here: its own rule over these figures
+                           engine=bool(gemv.pick({f"{n}x{k}": {str(m): {"torch": torch_s, **times}}})))
             print(f"{name:9s} {n:>6d}x{k:<5d} M={m}: F.linear {row['torch_us']:8.2f} us {row['torch_gbps']:7.1f} GB/s"
                   + (f" | skinny {row['best_us']:8.2f} us {row['best_gbps']:7.1f} GB/s ({best}) x{row['speedup']:.2f}"
                      f"{' taken' if row['engine'] else ''}" if best else " | skinny: no config ran"))

@@ -30,7 +30,7 @@ from svrmad_local import kernels
 from svrmad_local.kernels._backend import FORCE_ENV, choose
 from svrmad_local.kernels import cpu_decode, skinny
 from svrmad_local.models import calibrate
-from svrmad_local.models.linear import select_linear
+from svrmad_local.models.linear import select_linear, weight_bytes
 from svrmad_local.models.loader import describe_dtype
 
 from . import gemv, graphs, mla
@@ -90,13 +90,13 @@ def gemv_choice(model, mode: str, kernel_impl: str, device: torch.device, timer_
     modules call F.linear). Made once at build, before any graph is captured."""
     if mode not in GEMV:
         raise ValueError(f"gemv must be one of {', '.join(GEMV)}, got {mode!r}")
-    linears = gemv.decode_linears(model)
     if mode == "torch":
         return {}, Choice("gemv", "torch", "as asked")
     if not ours:
         if mode == "skinny":
             raise ValueError("gemv='skinny' needs our decoder (engine/decoder.py): the model's own modules call F.linear")
         return {}, Choice("gemv", "torch", "the model's own modules run the layers: F.linear")
+    linears = gemv.decode_linears(model)
     if mode == "skinny":
         try:
             choose("triton", device, "skinny_linear")
@@ -111,7 +111,7 @@ def gemv_choice(model, mode: str, kernel_impl: str, device: torch.device, timer_
             f"F.linear off a GPU ({device.type})" if device.type != "cuda" else \
             choose(kernel_impl, device, "skinny_linear").why
         return {}, Choice("gemv", "torch", why, fell_back=device.type == "cuda" and kernel_impl == "auto")
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights = weight_bytes(model)
     if timer_for is None and weights < gemv.MIN_BYTES:
         return {}, Choice("gemv", "torch", f"{weights / 2**20:.1f} MiB of weights: a step this small is bound by its "
                                            f"launches, not its reads (timed from {gemv.MIN_BYTES // 2**20} MiB)")

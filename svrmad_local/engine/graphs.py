@@ -394,10 +394,10 @@ class StaticDecode:
             self._decide(hidden, 1)
         return check.found
 
-    def fits(self, draws) -> bool:
-        """Whether the step can sample `draws` (sampler.Draws, None: not to be sampled in the step) inside: the
-        widths it holds, the head inside."""
-        return self.sampling and draws is not None and (draws.K, draws.topk) == (self.K, self.topk)
+    def fits(self, widths: tuple[int, int]) -> bool:
+        """Whether the step can sample inside rows whose sampling has these widths ((K, topk): sampler.widths,
+        a Draws' K and topk): the widths it holds, the head inside."""
+        return self.sampling and widths == (self.K, self.topk)
 
     def run(self, step, shape: tuple[int, int], draws=None, fed=None) -> Decoded:
         """A decode-only step (rows in the step's order) at `shape`: the shape's graph replayed, or (no
@@ -407,7 +407,7 @@ class StaticDecode:
         step's packed rows at rows[i] (EngineConfig.overlap: step.ids hold placeholders, `step.fed`); under
         tensor parallel the followers, given none, take the leader's."""
         B, (P, W) = step.num_decode, shape
-        fits = self.fits(draws)
+        fits = draws is not None and self.fits((draws.K, draws.topk))
         self._load(step, P, W, draws if fits else None, fed)
         hit = self.graphs.get((P, W))
         if hit is not None:

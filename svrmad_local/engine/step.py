@@ -152,11 +152,12 @@ class Step:
             return None
         step = self.runner.prepare(batch)
         seqs = [w.seq for w in batch.decode]
-        vocab = self.runner.lm_head.out_features
-        if (static.shape(step) is None or not static.sampling
-                or sampler.widths([s.params for s in seqs], vocab) != (static.K, static.topk)):
+        if static.shape(step) is None or not static.fits(sampler.widths([s.params for s in seqs],
+                                                                        self.runner.lm_head.out_features)):
             return None
-        draws = sampler.prepare([s.params for s in seqs], [s.generator for s in seqs], vocab)
+        draws = self._draws(batch)  # the first thing here to move a stream: after every check that can say no
+        if draws is None:
+            return None
         self.totals.steps += 1
         self.totals.overlapped_steps += 1
         out = self.runner.forward(batch, draws, fed=(prev.packed, [rows[s] for s in seqs]), step=step)
