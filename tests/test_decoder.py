@@ -166,6 +166,7 @@ def test_decode_steps_call_the_kernels_themselves(name, monkeypatch):
     eng = engine(model, linear="panels")
     if not (cpu_linear.available() and cpu_decode.available()):
         pytest.skip("the panel or the CPU decode kernel did not build")
+    eng.runner.decoder.stack = None  # the loop itself (else its decode steps are one compiled call: test_stack.py)
     calls = {"dispatch": 0, "kernel": 0}
     for fn, key in ((decoder_mod.paged_attention, "dispatch"), (decoder_mod.paged_decode_cpu, "kernel")):
         monkeypatch.setattr(decoder_mod, fn.__name__,

@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from svrmad_local.engine import attention, choices, decoder
+from svrmad_local.engine import attention, choices, decoder, stack
 from svrmad_local.engine.engine import Engine, EngineConfig
 from svrmad_local.engine.execution import Choice, Execution
 from svrmad_local.engine.params import SamplingParams
@@ -57,6 +57,8 @@ def test_what_runs_is_what_the_record_says(monkeypatch):
     real = attention.paged_decode_cpu
     for module in (attention, decoder):  # our decoder calls the kernel itself in decode-only steps
         monkeypatch.setattr(module, "paged_decode_cpu", lambda *a, **k: calls.append(1) or real(*a, **k))
+    stacked = stack.Stack.__call__  # or, its layers in one compiled call, the stack calls it (engine/stack.py)
+    monkeypatch.setattr(stack.Stack, "__call__", lambda *a: calls.append(1) or stacked(*a))
     model = make_zoo_model("llama")
     prompt = rand_prompt(11, 3)
     want = loop_greedy(model, prompt, GREEDY.max_tokens)

@@ -284,12 +284,12 @@ calibrate.time_step = time_step
 """
 
 
-@pytest.mark.parametrize("point", ["cpu_decode", "cpu_linear", "cpu_ops", "calibration"])
+@pytest.mark.parametrize("point", ["cpu_decode", "cpu_linear", "cpu_ops", "cpu_stack", "calibration"])
 def test_kill_9_at_each_point_of_the_first_start_then_a_run_completes(tiny_run, point, monkeypatch):
     """kill -9 of `svrmad run` during one kernel's build (every other kernel built) or during the linear
     calibration (every kernel built), then the same run again: it completes, with at most one line
     about what it cleaned up."""
-    from svrmad_local.kernels import cpu_decode, cpu_linear, cpu_ops  # noqa: F401  (defines the kernels)
+    from svrmad_local.kernels import cpu_decode, cpu_linear, cpu_ops, cpu_stack  # noqa: F401  (defines the kernels)
 
     env, argv, ext = tiny_run
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)

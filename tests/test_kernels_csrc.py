@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 
-from svrmad_local.kernels import _backend, _cpu_build, cpu_decode, cpu_linear, cpu_ops  # noqa: F401  (defines the kernels)
+from svrmad_local.kernels import _backend, _cpu_build, cpu_decode, cpu_linear, cpu_ops, cpu_stack  # noqa: F401  (defines the kernels)
 
 KERNELS = {k.source.name: k for k in _cpu_build._KERNELS if k.source.parent == _cpu_build.CSRC}
 NO_CXX = pytest.mark.skipif(_cpu_build.compiler() is None, reason="no C++ compiler on PATH")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from svrmad_local.kernels import _backend, cpu_decode, cpu_linear, cpu_ops
+from svrmad_local.kernels import _backend, cpu_decode, cpu_linear, cpu_ops, cpu_stack
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -48,7 +48,7 @@ def test_a_triton_kernel_says_why_it_takes_the_reference(monkeypatch):
 
 
 @pytest.mark.parametrize("module,env", [(cpu_decode, "SVRMAD_CPU_DECODE"), (cpu_linear, "SVRMAD_CPU_LINEAR"),
-                                        (cpu_ops, "SVRMAD_CPU_OPS")])
+                                        (cpu_ops, "SVRMAD_CPU_OPS"), (cpu_stack, "SVRMAD_CPU_STACK")])
 def test_the_cpu_kernels_are_registered_and_answer_through_the_selector(module, env, monkeypatch):
     assert module.NAME in _backend._CPU
     monkeypatch.setenv(env, "0")  # off: nothing is built to answer

@@ -29,7 +29,7 @@ from svrmad_local.kernels import cpu_ops
 from svrmad_local.kernels.cpu_decode import paged_decode_cpu
 from svrmad_local.kernels.fused import Ops
 
-from . import tp
+from . import stack, tp
 from .attention import StepContext, paged_attention
 from .context import get_context
 from .execution import Choice
@@ -57,6 +57,8 @@ class Decoder:
         self.head = linear_call(head, gemv) if gemv and type(head) is nn.Linear and tuple(head.weight.shape) in gemv \
             else None
         self.rotary = Rotary(body, self.family, {L.rope for L in self.layers})
+        # decode steps as one compiled call on the CPU where every layer is a dense Llama-shaped one (engine/stack.py)
+        self.stack, self.stack_note = stack.build(model, self)
 
     def __call__(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         ops, ctx = self.ops, get_context()
@@ -64,6 +66,10 @@ class Decoder:
         tables = self.rotary(h, pos)
         x, res = h[0].contiguous(), None
         direct = _decode_in_place(ctx, x.shape[0])
+        if direct is not None and self.stack is not None:
+            out = self.stack(x, tables[None], ctx, direct)
+            if out is not None:
+                return out
         for L in self.layers:
             if res is None:
                 y, res = ops.rms_norm(x, *L.in_norm), x
@@ -215,5 +221,6 @@ def select_decoder(model: nn.Module, spec: ModelSpec, choice: str = "auto",
     # a fallback where a faster implementation was meant to run: the compiled CPU ops for their dtypes, Triton on CUDA
     wanted = kernel_impl == "auto" and ops.impl == "torch" and (
         (device.type == "cpu" and spec.dtype in cpu_ops.DTYPES) or device.type == "cuda")
-    return decoder, Choice("decoder", "ours", f"{decoder.family}, engine/decoder.py; fused ops: {ops.describe()}",
+    steps = "" if decoder.stack_note is None else f"; {decoder.stack_note}"
+    return decoder, Choice("decoder", "ours", f"{decoder.family}, engine/decoder.py; fused ops: {ops.describe()}{steps}",
                            fell_back=wanted and choice == "auto")

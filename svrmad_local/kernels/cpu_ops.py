@@ -96,9 +96,13 @@ def silu_mul_is_torchs(gate: torch.Tensor, up: torch.Tensor) -> bool:
     must fall on a loop step of its row (else the caller runs torch's own ops)."""
     if gate.dim() != 2 or gate.stride(-1) != 1 or up.stride(-1) != 1:
         return False
-    rows, inter = gate.shape
-    vec = _VEC[gate.dtype]
-    if not (rows == 1 or gate.stride(0) != inter or inter % vec == 0):
+    return silu_mul_fits(*gate.shape, gate.stride(0), gate.dtype)
+
+
+def silu_mul_fits(rows: int, inter: int, row_stride: int, dtype: torch.dtype) -> bool:
+    """`silu_mul_is_torchs` for a gate of `rows` x `inter` with contiguous rows `row_stride` apart."""
+    vec = _VEC[dtype]
+    if not (rows == 1 or row_stride != inter or inter % vec == 0):
         return False
     return all(cut % inter % vec == 0 for cut in _thread_splits(rows * inter))
 

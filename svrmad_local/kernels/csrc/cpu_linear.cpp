@@ -472,6 +472,8 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t n, c10
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("panel_linear", torch::wrap_pybind_function(panel_linear), "panel_linear");
+  m.def("addresses", []() { return std::vector<int64_t>{reinterpret_cast<int64_t>(&panel_linear)}; },
+        "panel_linear's address, for a C++ caller (cpu_stack.cpp)");
   m.def("isa_level", []() { return svrmad::isa_level(); }, "the run-time ISA level the kernel takes");
   m.def("set_isa_level", [](int level) { return svrmad::set_isa_level(level); }, "caps it; returns the one before");
   m.def("set_amx_min_rows", [](int64_t rows) {

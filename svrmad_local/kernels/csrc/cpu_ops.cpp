@@ -213,4 +213,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", torch::wrap_pybind_function(add_rms_norm), "add_rms_norm");
   m.def("rope_store", torch::wrap_pybind_function(rope_store), "rope_store");
   m.def("silu_mul", torch::wrap_pybind_function(silu_mul), "silu_mul");
+  m.def("addresses", []() {
+    return std::vector<int64_t>{reinterpret_cast<int64_t>(&rms_norm), reinterpret_cast<int64_t>(&add_rms_norm),
+                                reinterpret_cast<int64_t>(&rope_store), reinterpret_cast<int64_t>(&silu_mul)};
+  }, "rms_norm's, add_rms_norm's, rope_store's and silu_mul's addresses, for a C++ caller (cpu_stack.cpp)");
 }

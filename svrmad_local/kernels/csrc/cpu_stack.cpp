@@ -1,0 +1,132 @@
+// A decode step's layers in one call: the layer loop of engine/decoder.py for dense Llama-shaped layers,
+// written in C++ over the same compiled kernels, called in the same order on the same tensors, so the step
+// computes the loop's bits. Built by _cpu_build.py, driven by kernels/cpu_stack.py.
+//
+// Why: at batch 1 the loop makes ~9 kernel calls a layer from Python, and a call from Python costs
+// microseconds the kernel does not (argument parsing, views, closures): on a 2-core Xeon a third of a bf16
+// decode step went around the kernels. Here a call is a C++ call.
+//
+// The kernels are the other modules' own functions (cpu_linear, cpu_ops, cpu_decode), reached through their
+// addresses (each module's `address` entry), not compiled again: one copy of each, with its settings (the
+// ISA cap, the AMX row threshold) where the engine set them.
+#include <torch/extension.h>
+#include <cstdint>
+#include <vector>
+
+using Tensor = torch::Tensor;
+using Opt = c10::optional<Tensor>;
+using LinearFn = Tensor (*)(Tensor, Tensor, int64_t, Opt, int64_t, int64_t);
+using NormFn = Tensor (*)(Tensor, Tensor, double);
+using AddNormFn = std::vector<Tensor> (*)(Tensor, Tensor, Tensor, double);
+using RopeFn = Tensor (*)(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor);
+using SiluMulFn = Tensor (*)(Tensor, Tensor, int64_t);
+using DecodeFn = Tensor (*)(Tensor, Tensor, Tensor, Tensor, Tensor, int64_t, double, int64_t, Opt);
+
+struct Linear {  // panels and their output width (cpu_linear.py pack), the bias or none
+  Tensor panels;
+  int64_t n;
+  Opt bias;
+};
+
+struct Layer {
+  Tensor in_w, post_w;
+  double in_eps, post_eps;
+  Linear qkv, o, gate_up, down;
+  Opt q_norm, k_norm;  // Qwen3's per-head norms
+  double q_eps, k_eps;
+  int64_t q_width, kv_width, head_dim, inter;  // q's and k's (= v's) columns of the qkv output; the MLP's width
+  double scaling;
+  int64_t window;  // -1: none
+};
+
+class Stack {
+ public:
+  // addresses: panel_linear, rms_norm, add_rms_norm, rope_store, silu_mul, paged_decode
+  Stack(std::vector<int64_t> addresses, int64_t kblock, int64_t row_width, int64_t vec, Tensor final_w,
+        double final_eps)
+      : kblock_(kblock), row_width_(row_width), vec_(vec), final_w_(std::move(final_w)), final_eps_(final_eps) {
+    TORCH_CHECK(addresses.size() == 6, "Stack: six kernel addresses");
+    for (int64_t a : addresses) TORCH_CHECK(a != 0, "Stack: a kernel address is null");
+    linear_ = reinterpret_cast<LinearFn>(addresses[0]);
+    norm_ = reinterpret_cast<NormFn>(addresses[1]);
+    add_norm_ = reinterpret_cast<AddNormFn>(addresses[2]);
+    rope_ = reinterpret_cast<RopeFn>(addresses[3]);
+    silu_mul_ = reinterpret_cast<SiluMulFn>(addresses[4]);
+    decode_ = reinterpret_cast<DecodeFn>(addresses[5]);
+  }
+
+  void add_layer(Tensor in_w, double in_eps, Tensor post_w, double post_eps, Tensor qkv, int64_t qkv_n, Opt qkv_bias,
+                 Tensor o, int64_t o_n, Opt o_bias, Tensor gate_up, int64_t gate_up_n, Opt gate_up_bias, Tensor down,
+                 int64_t down_n, Opt down_bias, Opt q_norm, double q_eps, Opt k_norm, double k_eps, int64_t q_width,
+                 int64_t kv_width, int64_t head_dim, double scaling, int64_t window) {
+    TORCH_CHECK(q_width + 2 * kv_width == qkv_n && gate_up_n % 2 == 0 && head_dim > 0,
+                "Stack.add_layer: q/k/v and gate/up widths disagree with their GEMMs");
+    TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "Stack.add_layer: q and k norms go together");
+    layers_.push_back(Layer{in_w, post_w, in_eps, post_eps, {qkv, qkv_n, qkv_bias}, {o, o_n, o_bias},
+                            {gate_up, gate_up_n, gate_up_bias}, {down, down_n, down_bias}, q_norm, k_norm, q_eps,
+                            k_eps, q_width, kv_width, head_dim, gate_up_n / 2, scaling, window});
+  }
+
+  int64_t size() const { return static_cast<int64_t>(layers_.size()); }
+
+  // x [T, H]: the embedded decode rows; cos/sin [T, head_dim]; slots [T]; table [T, blocks], lens [T] (the
+  // decode kernel's, as engine/decoder.py passes them); the caches of every layer. Returns the final norm's
+  // output [T, H]: what engine/decoder.Decoder returns for the same step.
+  Tensor run(Tensor x, Tensor cos, Tensor sin, Tensor slots, Tensor table, Tensor lens, int64_t block_size,
+             const std::vector<Tensor>& k_caches, const std::vector<Tensor>& v_caches) const {
+    TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(),
+                "Stack.run: one K and one V cache a layer");
+    const int64_t T = x.size(0);
+    Tensor y, res;
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const Layer& L = layers_[i];
+      if (i == 0) {
+        y = norm_(x.contiguous(), L.in_w, L.in_eps);
+        res = x;
+      } else {
+        auto out = add_norm_(x.contiguous(), res.contiguous(), L.in_w, L.in_eps);
+        y = out[0];
+        res = out[1];
+      }
+      const Tensor qkv = linear(y, L.qkv);
+      Tensor q = qkv.narrow(1, 0, L.q_width).view({T, -1, L.head_dim});
+      Tensor k = qkv.narrow(1, L.q_width, L.kv_width).view({T, -1, L.head_dim});
+      const Tensor v = qkv.narrow(1, L.q_width + L.kv_width, L.kv_width).view({T, -1, L.head_dim});
+      if (L.q_norm.has_value()) {
+        q = norm_(q.reshape({-1, L.head_dim}).contiguous(), *L.q_norm, L.q_eps).view(q.sizes());
+        k = norm_(k.reshape({-1, L.head_dim}).contiguous(), *L.k_norm, L.k_eps).view(k.sizes());
+      }
+      q = rope_(q, k, v, cos, sin, k_caches[i], v_caches[i], slots);
+      const Tensor a = decode_(q.contiguous(), k_caches[i], v_caches[i], table, lens, block_size, L.scaling,
+                               L.window, c10::nullopt);
+      auto out = add_norm_(linear(a.reshape({T, -1}), L.o).contiguous(), res.contiguous(), L.post_w, L.post_eps);
+      res = out[1];
+      const Tensor gu = linear(out[0], L.gate_up);
+      x = linear(silu_mul_(gu.narrow(1, 0, L.inter), gu.narrow(1, L.inter, L.inter), vec_), L.down);
+    }
+    return add_norm_(x.contiguous(), res.contiguous(), final_w_, final_eps_)[0];
+  }
+
+ private:
+  Tensor linear(const Tensor& x, const Linear& m) const { return linear_(x, m.panels, m.n, m.bias, kblock_, row_width_); }
+
+  LinearFn linear_;
+  NormFn norm_;
+  AddNormFn add_norm_;
+  RopeFn rope_;
+  SiluMulFn silu_mul_;
+  DecodeFn decode_;
+  int64_t kblock_, row_width_, vec_;
+  Tensor final_w_;
+  double final_eps_;
+  std::vector<Layer> layers_;
+};
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
+  py::class_<Stack>(m, "Stack")
+      .def(py::init<std::vector<int64_t>, int64_t, int64_t, int64_t, Tensor, double>())
+      .def("add_layer", &Stack::add_layer)
+      .def("__len__", &Stack::size)
+      .def("run", &Stack::run, py::call_guard<py::gil_scoped_release>());
+}
