@@ -587,3 +587,25 @@ def test_a_failing_hf_peer_is_one_line_in_the_table_and_the_json(tmp_path, tiny_
     assert result["hf_peer"]["compile"]["mode"] == "default"
     table = [line for line in out if line.lstrip().startswith(("1 ", "2 "))]
     assert len(table) == 2 and all(line.endswith(f"failed: {why}") for line in table), out
+
+
+def test_bench_stack_times_both_sides_at_each_batch_size(tmp_path, tiny_tokenizer, capsys):
+    """bench_stack on a tiny checkpoint: each round times the stack and the loop at each batch size,
+    and the row's medians and ratio are those runs'."""
+    import json
+
+    import bench_stack
+
+    from svrmad_local.kernels import cpu_stack
+
+    if not cpu_stack.available():
+        pytest.skip(f"the compiled kernels did not build: {cpu_stack.unavailable_reason()}")
+    ck, _ = tiny_run_inputs(tmp_path, tiny_tokenizer)
+    assert bench_stack.main(["--model", str(ck), "--dtype", "fp32", "--batches", "1,2", "--new-tokens", "3",
+                             "--rounds", "2"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert "decode steps in one compiled call" in out["decoder"]
+    assert [r["batch"] for r in out["rows"]] == [1, 2]
+    for r in out["rows"]:
+        assert len(r["runs"]["stack"]) == len(r["runs"]["loop"]) == 2
+        assert r["ratio"] == round(r["stack_tok_s"] / r["loop_tok_s"], 3)
