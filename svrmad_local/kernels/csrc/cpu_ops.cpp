@@ -172,6 +172,15 @@ static inline __m256 silu8(__m256 g) {
   return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e));
 }
 
+// o[0..8) = s * u[0..8), s rounded to T first (F.silu's output), the product rounded to T
+template <typename T> static inline void mul_store8(T* o, __m256 s, const T* u);
+template <> inline void mul_store8<float>(float* o, __m256 s, const float* u) {
+  _mm256_storeu_ps(o, _mm256_mul_ps(s, load8<float>(u)));
+}
+template <> inline void mul_store8<uint16_t>(uint16_t* o, __m256 s, const uint16_t* u) {
+  store_bf16x8(o, _mm256_mul_ps(round_bf16x8(s), load8<uint16_t>(u)));
+}
+
 // out = silu(gate) * up, rows of I: gate [R, I] and up [R, I] with any row stride (the two halves of one
 // fused gate/up output), out contiguous. `vec`: the elements torch's vectorised loop takes at once on this
 // machine; the last I % vec of a row it computes with std::exp instead, and so does this. In bf16 the SiLU
@@ -189,15 +198,11 @@ torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up, int64_t vec) {
     T* O = data<T>(out);
     const int64_t gs = gate.stride(0), us = up.stride(0);
     at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
-      alignas(32) float lanes[8];
       for (int64_t r = r0; r < r1; ++r) {
         const T *g = G + r * gs, *u = U + r * us;
         T* o = O + r * I;
         int64_t j = 0;
-        for (; j + 8 <= full; j += 8) {
-          _mm256_store_ps(lanes, silu8(load8<T>(g + j)));
-          for (int l = 0; l < 8; ++l) o[j + l] = from_f<T>(round_as<T>(lanes[l]) * to_f<T>(u[j + l]));
-        }
+        for (; j + 8 <= full; j += 8) mul_store8<T>(o + j, silu8(load8<T>(g + j)), u + j);  // the tail's arithmetic, 8 at once
         for (; j < I; ++j) {
           const float x = to_f<T>(g[j]);
           o[j] = from_f<T>(round_as<T>(x / (1.0f + std::exp(-x))) * to_f<T>(u[j]));
