@@ -116,9 +116,10 @@ def test_bf16_rms_norm_takes_transformers_steps(hidden):
         cpu_ops.rms_norm(x, norm.weight.float(), 1e-5)
 
 
-def test_bf16_rope_and_cache_writes_are_bitwise_transformers_rope():
-    torch.manual_seed(0)
-    T, H, KVH, D = 5, 6, 2, 16
+@pytest.mark.parametrize("D", [16, 64, 12])  # eight lanes at once over each half; a half of 6, one at a time
+def test_bf16_rope_and_cache_writes_are_bitwise_transformers_rope(D):
+    torch.manual_seed(D)
+    T, H, KVH = 5, 6, 2
     qkv = (torch.randn(T, (H + 2 * KVH) * D) * 4).bfloat16()
     q, k, v = (qkv[:, a:b].view(T, -1, D) for a, b in ((0, H * D), (H * D, (H + KVH) * D), ((H + KVH) * D, None)))
     half = torch.randn(T, D // 2) * 30
