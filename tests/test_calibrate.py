@@ -483,6 +483,11 @@ def test_the_engine_moves_its_linears_when_its_steps_want_another_backend(cache,
         eng.generate_sync([rand_prompt(5, 1)], params)
         run = eng.info["linear_calibration"]["run"]
         assert [s["to"] for s in run["switches"]] == ["panels"] and run["switches"][0]["after_steps"] == 32
+        from svrmad_local.kernels import cpu_stack
+
+        if cpu_stack.available():  # the rebuilt decoder runs decode steps as one call over the new panels
+            assert run["switches"][0]["decode_steps"] == "decode steps in one compiled call"
+            assert eng.runner.decoder.stack is not None
         assert next(m for m in model.modules() if isinstance(m, PackedLinear)).layout is PANELS
         assert eng.runner.decoder is not None and eng.runner.lm_head is model.get_output_embeddings()
         prompts = [rand_prompt(n, 7 + n) for n in (3, 11)]

@@ -31,6 +31,19 @@ def test_silu_mul_is_bitwise_silu_times_up(dtype, inter):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_meets_infinities_nans_and_extremes_as_torch_does(dtype):
+    """The vector loop's rounding of the SiLU and of the product (csrc `mul_store8`) on what a diverging model
+    hands it: NaN where torch gives NaN, infinities and the largest and smallest values as torch rounds them."""
+    big, tiny = torch.finfo(dtype).max, torch.finfo(dtype).tiny
+    special = torch.tensor([float("inf"), float("-inf"), float("nan"), big, -big, tiny, -tiny, 0.0, -0.0, 88.0,
+                            -88.0, 1e-30, 3.0, -3.0, 0.5, -0.5])
+    gate_up = torch.cat([special.repeat(4), special.flip(0).repeat(4)]).view(1, -1).repeat(3, 1).to(dtype)
+    inter = gate_up.shape[1] // 2
+    gate, up = gate_up[:, :inter], gate_up[:, inter:]
+    torch.testing.assert_close(cpu_ops.silu_mul(gate, up), F.silu(gate) * up, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("threads", [1, 2, 4])
 @pytest.mark.parametrize("rows,inter", [(3, 11000), (7, 6013), (13, 4000), (1, 70001), (33, 1536), (9, 8960)])
 def test_silu_mul_is_torchs_where_its_rule_says_so_at_any_split_between_threads(dtype, threads, rows, inter):
@@ -103,9 +116,10 @@ def test_bf16_rms_norm_takes_transformers_steps(hidden):
         cpu_ops.rms_norm(x, norm.weight.float(), 1e-5)
 
 
-def test_bf16_rope_and_cache_writes_are_bitwise_transformers_rope():
-    torch.manual_seed(0)
-    T, H, KVH, D = 5, 6, 2, 16
+@pytest.mark.parametrize("D", [16, 64, 12])  # eight lanes at once over each half; a half of 6, one at a time
+def test_bf16_rope_and_cache_writes_are_bitwise_transformers_rope(D):
+    torch.manual_seed(D)
+    T, H, KVH = 5, 6, 2
     qkv = (torch.randn(T, (H + 2 * KVH) * D) * 4).bfloat16()
     q, k, v = (qkv[:, a:b].view(T, -1, D) for a, b in ((0, H * D), (H * D, (H + KVH) * D), ((H + KVH) * D, None)))
     half = torch.randn(T, D // 2) * 30

@@ -55,7 +55,8 @@ class RunLinears:
             eng.runner.decoder, _ = select_decoder(eng.model, eng.spec, eng.cfg.decoder, eng.cfg.kernel_impl, gemv)
         self.mix.current = choice
         took = time.perf_counter() - t0
+        decode_steps = getattr(eng.runner.decoder, "stack_note", None)  # the rebuilt decoder's (engine/stack.py)
         self.mix.switches.append({"after_steps": self.mix.steps, "to": choice, "cost_ms": cost, "seconds": round(took, 3),
-                                  "linear": sel.line})
+                                  "linear": sel.line, "decode_steps": decode_steps})
         log.info("svrmad: after %d steps the run's own mix wants %s (ms of linears so far: %s); repacked in %.2f s",
                  self.mix.steps, sel.value, ", ".join(f"{calibrate.NAMES[b]} {v:.0f}" for b, v in cost.items()), took)

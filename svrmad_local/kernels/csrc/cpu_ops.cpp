@@ -31,6 +31,13 @@ template <typename T> static inline float round_as(float v) { return to_f<T>(fro
 template <typename T> static inline __m256 load8(const T* p);
 template <> inline __m256 load8<float>(const float* p) { return _mm256_loadu_ps(p); }
 template <> inline __m256 load8<uint16_t>(const uint16_t* p) { return load_bf16x8(p); }
+// round_as and from_f, eight lanes at once (the same bits: simd.h rounds as float_to_bf16 does)
+template <typename T> static inline __m256 round8(__m256 v);
+template <> inline __m256 round8<float>(__m256 v) { return v; }
+template <> inline __m256 round8<uint16_t>(__m256 v) { return round_bf16x8(v); }
+template <typename T> static inline void store8(T* p, __m256 v);
+template <> inline void store8<float>(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+template <> inline void store8<uint16_t>(uint16_t* p, __m256 v) { store_bf16x8(p, v); }
 
 // one row: y = w * (x * (1 / sqrt(mean(x^2) + eps))); in bf16 the normalised x is rounded to bf16 before
 // the weight multiplies it (transformers' `weight * hidden_states.to(input_dtype)`)
@@ -45,7 +52,10 @@ static inline void norm_row(const T* x, const T* w, T* y, int64_t h, float eps) 
   float s = sum_lanes_in_order(acc);
   for (; i < h; ++i) s += to_f<T>(x[i]) * to_f<T>(x[i]);
   const float r = 1.0f / std::sqrt(s / static_cast<float>(h) + eps);
-  for (int64_t j = 0; j < h; ++j) y[j] = from_f<T>(to_f<T>(w[j]) * round_as<T>(to_f<T>(x[j]) * r));
+  const __m256 rv = _mm256_set1_ps(r);
+  int64_t j = 0;
+  for (; j + 8 <= h; j += 8) store8<T>(y + j, _mm256_mul_ps(load8<T>(w + j), round8<T>(_mm256_mul_ps(load8<T>(x + j), rv))));
+  for (; j < h; ++j) y[j] = from_f<T>(to_f<T>(w[j]) * round_as<T>(to_f<T>(x[j]) * r));
 }
 
 static void check_rows(const torch::Tensor& x, const torch::Tensor& w, const char* what) {
@@ -97,7 +107,9 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual,
     T *Y = data<T>(y), *S = data<T>(s);
     at::parallel_for(0, R, 64, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
-        for (int64_t j = 0; j < H; ++j) S[r * H + j] = from_f<T>(to_f<T>(Res[r * H + j]) + to_f<T>(X[r * H + j]));
+        int64_t j = 0;
+        for (; j + 8 <= H; j += 8) store8<T>(S + r * H + j, _mm256_add_ps(load8<T>(Res + r * H + j), load8<T>(X + r * H + j)));
+        for (; j < H; ++j) S[r * H + j] = from_f<T>(to_f<T>(Res[r * H + j]) + to_f<T>(X[r * H + j]));
         norm_row<T>(S + r * H, W, Y + r * H, H, (float)eps);
       }
     });
@@ -110,6 +122,20 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual,
 template <typename T>
 static inline void rope_head(const T* x, const T* c, const T* s, T* out, int64_t d) {
   const int64_t h = d / 2;
+  if (h % 8 == 0) {  // eight lanes at once, the same arithmetic
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t j = 0; j < h; j += 8) {
+      const __m256 a = round8<T>(_mm256_mul_ps(load8<T>(x + j), load8<T>(c + j)));
+      const __m256 b = round8<T>(_mm256_mul_ps(_mm256_xor_ps(load8<T>(x + j + h), sign), load8<T>(s + j)));
+      store8<T>(out + j, _mm256_add_ps(a, b));
+    }
+    for (int64_t j = h; j < d; j += 8) {
+      const __m256 a = round8<T>(_mm256_mul_ps(load8<T>(x + j), load8<T>(c + j)));
+      const __m256 b = round8<T>(_mm256_mul_ps(load8<T>(x + j - h), load8<T>(s + j)));
+      store8<T>(out + j, _mm256_add_ps(a, b));
+    }
+    return;
+  }
   for (int64_t j = 0; j < h; ++j) {
     const float a = round_as<T>(to_f<T>(x[j]) * to_f<T>(c[j]));
     const float b = round_as<T>((-to_f<T>(x[j + h])) * to_f<T>(s[j]));
@@ -189,15 +215,12 @@ torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up, int64_t vec) {
     T* O = data<T>(out);
     const int64_t gs = gate.stride(0), us = up.stride(0);
     at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
-      alignas(32) float lanes[8];
       for (int64_t r = r0; r < r1; ++r) {
         const T *g = G + r * gs, *u = U + r * us;
         T* o = O + r * I;
         int64_t j = 0;
-        for (; j + 8 <= full; j += 8) {
-          _mm256_store_ps(lanes, silu8(load8<T>(g + j)));
-          for (int l = 0; l < 8; ++l) o[j + l] = from_f<T>(round_as<T>(lanes[l]) * to_f<T>(u[j + l]));
-        }
+        for (; j + 8 <= full; j += 8)  // the tail's arithmetic, eight lanes at once
+          store8<T>(o + j, _mm256_mul_ps(round8<T>(silu8(load8<T>(g + j))), load8<T>(u + j)));
         for (; j < I; ++j) {
           const float x = to_f<T>(g[j]);
           o[j] = from_f<T>(round_as<T>(x / (1.0f + std::exp(-x))) * to_f<T>(u[j]));

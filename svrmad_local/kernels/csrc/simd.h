@@ -159,6 +159,16 @@ static inline void store_bf16x8(uint16_t* p, __m256 v) {
   const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
 }
+// eight floats rounded to bf16 as float_to_bf16 does, widened back to floats (exact): a bf16 op's result
+// that the next op reads in fp32
+static inline __m256 round_bf16x8(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb);
+  r = _mm256_and_si256(r, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  return _mm256_castsi256_ps(_mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC00000), nan));
+}
 #endif
 
 // dot and axpy over float rows: explicit AVX2 where built for it (the compiler's reduction
