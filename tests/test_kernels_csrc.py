@@ -44,6 +44,23 @@ def test_each_source_compiles_without_the_sections_above_avx2(name):
 
 
 @NO_CXX
+def test_a_kernel_whose_signature_moves_fails_to_compile_instead_of_being_called_wrongly(tmp_path):
+    """cpu_stack.cpp calls the other kernels through their addresses; each module casts its functions to
+    kernel_api.h's types, so a kernel given another parameter no longer compiles."""
+    csrc = tmp_path / "csrc"
+    shutil.copytree(_cpu_build.CSRC, csrc)
+    source = csrc / "cpu_ops.cpp"
+    text = source.read_text()
+    old = "torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up, int64_t vec) {"
+    assert text.count(old) == 1
+    source.write_text(text.replace(old, "torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up, int64_t vec, "
+                                        "int64_t extra) {"))
+    kernel = KERNELS["cpu_ops.cpp"]
+    error = _cpu_build.check_syntax(source, kernel.extra_cflags)
+    assert error is not None and "cpu_ops.cpp" in error, error
+
+
+@NO_CXX
 def test_the_compile_only_check_names_the_file_and_line(tmp_path):
     bad = tmp_path / "bad.cpp"
     bad.write_text(BAD)

@@ -34,7 +34,7 @@ def panel_parts(linears: list) -> tuple[torch.Tensor, int, torch.Tensor | None] 
     return m.weight, m.out_features, m.bias
 
 
-def _why_not_layer(layer, L) -> str | None:
+def _why_not_layer(L) -> str | None:
     if L.latent is not None or L.moe is not None:
         return "latent attention" if L.latent is not None else "experts"
     if L.attn_out is not None or L.sinks is not None or L.rope is not None or L.dense.act != "silu":
@@ -82,7 +82,7 @@ def build(model, decoder) -> tuple[Stack | None, str | None]:
     body = model.base_model
     parts = []
     for i, (layer, L) in enumerate(zip(body.layers, decoder.layers)):
-        why = _why_not_layer(layer, L) or (None if L.index == i else "layers out of order")
+        why = _why_not_layer(L) or (None if L.index == i else "layers out of order")
         linears = None if why else _linears(layer)
         if why or linears is None:
             return None, f"layer by layer (layer {i}: {why or 'linears not held as panels'})"

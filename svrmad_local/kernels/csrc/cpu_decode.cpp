@@ -8,6 +8,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kernel_api.h"
 #include "simd.h"
 
 using namespace svrmad;
@@ -319,6 +320,6 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, to
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", torch::wrap_pybind_function(paged_decode), "paged_decode");
-  m.def("addresses", []() { return std::vector<int64_t>{reinterpret_cast<int64_t>(&paged_decode)}; },
+  m.def("addresses", []() { return std::vector<int64_t>{svrmad::address<svrmad::DecodeFn>(&paged_decode)}; },
         "paged_decode's address, for a C++ caller (cpu_stack.cpp)");
 }

@@ -6,6 +6,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kernel_api.h"
 #include "simd.h"
 
 #ifndef SVRMAD_AVX2
@@ -472,7 +473,7 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t n, c10
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("panel_linear", torch::wrap_pybind_function(panel_linear), "panel_linear");
-  m.def("addresses", []() { return std::vector<int64_t>{reinterpret_cast<int64_t>(&panel_linear)}; },
+  m.def("addresses", []() { return std::vector<int64_t>{svrmad::address<svrmad::LinearFn>(&panel_linear)}; },
         "panel_linear's address, for a C++ caller (cpu_stack.cpp)");
   m.def("isa_level", []() { return svrmad::isa_level(); }, "the run-time ISA level the kernel takes");
   m.def("set_isa_level", [](int level) { return svrmad::set_isa_level(level); }, "caps it; returns the one before");

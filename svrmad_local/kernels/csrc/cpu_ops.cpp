@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "kernel_api.h"
 #include "simd.h"
 
 #ifndef SVRMAD_AVX2
@@ -237,7 +238,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_store", torch::wrap_pybind_function(rope_store), "rope_store");
   m.def("silu_mul", torch::wrap_pybind_function(silu_mul), "silu_mul");
   m.def("addresses", []() {
-    return std::vector<int64_t>{reinterpret_cast<int64_t>(&rms_norm), reinterpret_cast<int64_t>(&add_rms_norm),
-                                reinterpret_cast<int64_t>(&rope_store), reinterpret_cast<int64_t>(&silu_mul)};
+    return std::vector<int64_t>{svrmad::address<svrmad::NormFn>(&rms_norm), svrmad::address<svrmad::AddNormFn>(&add_rms_norm),
+                                svrmad::address<svrmad::RopeFn>(&rope_store), svrmad::address<svrmad::SiluMulFn>(&silu_mul)};
   }, "rms_norm's, add_rms_norm's, rope_store's and silu_mul's addresses, for a C++ caller (cpu_stack.cpp)");
 }

@@ -7,20 +7,17 @@
 // decode step went around the kernels. Here a call is a C++ call.
 //
 // The kernels are the other modules' own functions (cpu_linear, cpu_ops, cpu_decode), reached through their
-// addresses (each module's `address` entry), not compiled again: one copy of each, with its settings (the
+// addresses (each module's `addresses` entry, typed by kernel_api.h), not compiled again: one copy of each, with its settings (the
 // ISA cap, the AMX row threshold) where the engine set them.
 #include <torch/extension.h>
 #include <cstdint>
 #include <vector>
 
+#include "kernel_api.h"
+
 using Tensor = torch::Tensor;
 using Opt = c10::optional<Tensor>;
-using LinearFn = Tensor (*)(Tensor, Tensor, int64_t, Opt, int64_t, int64_t);
-using NormFn = Tensor (*)(Tensor, Tensor, double);
-using AddNormFn = std::vector<Tensor> (*)(Tensor, Tensor, Tensor, double);
-using RopeFn = Tensor (*)(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor);
-using SiluMulFn = Tensor (*)(Tensor, Tensor, int64_t);
-using DecodeFn = Tensor (*)(Tensor, Tensor, Tensor, Tensor, Tensor, int64_t, double, int64_t, Opt);
+using namespace svrmad;
 
 struct Linear {  // panels and their output width (cpu_linear.py pack), the bias or none
   Tensor panels;
