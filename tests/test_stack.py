@@ -33,8 +33,13 @@ def run(model, monkeypatch, off: bool = False, **kw):
             eng.runner.decoder.stack = None
         else:
             call = stack_mod.Stack.__call__
-            monkeypatch.setattr(stack_mod.Stack, "__call__",
-                                lambda self, *a: (lambda out: (taken.append(out is not None), out)[1])(call(self, *a)))
+
+            def counted(self, *args):
+                out = call(self, *args)
+                taken.append(out is not None)
+                return out
+
+            monkeypatch.setattr(stack_mod.Stack, "__call__", counted)
     try:
         out = [(c.token_ids, c.logprobs, c.entropies) for o in eng.generate_sync(PROMPTS, SAMPLED) for c in o.completions]
         return out, sum(taken), eng.execution.decoder

@@ -89,7 +89,7 @@ def linear_call(m: nn.Module, gemv: dict | None = None):
     makes, without the module's and the layout's Python around it); for a plain nn.Linear whose shape
     `gemv` picked the skinny kernel at some row counts (engine/choices.py `gemv_choice`: {(N, K): {rows:
     Config}}), that kernel at those rows and F.linear at the others; else the module."""
-    if getattr(m, "layout", None) is PANELS and getattr(m, "packed", True):
+    if holds_panels(m):
         return cpu_linear.bound(m.weight, m.out_features, m.bias)
     picks = gemv.get(tuple(m.weight.shape)) if gemv and type(m) is nn.Linear else None
     if picks:
@@ -97,12 +97,35 @@ def linear_call(m: nn.Module, gemv: dict | None = None):
     return m
 
 
-def columns(linears: list[nn.Module], gemv: dict | None = None):
-    """A function y -> the outputs of `linears` (siblings reading y): one GEMM when they are the parts of
-    one fused group in order (models/linear.FusedGroup), else one call each."""
+def holds_panels(m: nn.Module) -> bool:
+    """Whether `m` keeps its weight as the panel kernel's panels (kernels/cpu_linear.py)."""
+    return getattr(m, "layout", None) is PANELS and getattr(m, "packed", True)
+
+
+def fused_group(linears: list[nn.Module]):
+    """The fused group (models/linear.FusedGroup) whose parts `linears` are, in order; else None."""
     group = getattr(linears[0], "group", None)
     if group is not None and [getattr(m, "group", None) for m in linears] == [group] * len(linears) \
             and [m.i for m in linears] == list(range(len(group.bounds))):
+        return group
+    return None
+
+
+def qkv_linears(attn: nn.Module) -> list[nn.Module]:
+    """The projections that make q, k and v: Phi-3's one qkv_proj, else q_proj, k_proj, v_proj."""
+    return [attn.qkv_proj] if hasattr(attn, "qkv_proj") else [attn.q_proj, attn.k_proj, attn.v_proj]
+
+
+def gate_up_linears(mlp: nn.Module) -> list[nn.Module]:
+    """The projections that make gate and up: Phi-3's one gate_up_proj (gate first), else gate_proj, up_proj."""
+    return [mlp.gate_up_proj] if hasattr(mlp, "gate_up_proj") else [mlp.gate_proj, mlp.up_proj]
+
+
+def columns(linears: list[nn.Module], gemv: dict | None = None):
+    """A function y -> the outputs of `linears` (siblings reading y): one GEMM when they are the parts of
+    one fused group in order (models/linear.FusedGroup), else one call each."""
+    group = fused_group(linears)
+    if group is not None:
         cuts, mm = [slice(lo, hi) for lo, hi in group.bounds], linear_call(group, gemv)
         return lambda y: [out[:, c] for out in (mm(y),) for c in cuts]
     calls = [linear_call(m, gemv) for m in linears]
@@ -161,11 +184,12 @@ class Dense:
 
     def __init__(self, m: nn.Module, gemv: dict | None = None):
         self.act = ACT_CLASSES[type(m.act_fn if hasattr(m, "act_fn") else m.activation_fn).__name__]
-        if hasattr(m, "gate_up_proj"):  # Phi-3: one projection, gate first
-            half = m.gate_up_proj.out_features // 2
-            self.gate_up = split_call(m.gate_up_proj, [half, half], gemv)
+        linears = gate_up_linears(m)
+        if len(linears) == 1:  # Phi-3: one projection, gate first
+            half = linears[0].out_features // 2
+            self.gate_up = split_call(linears[0], [half, half], gemv)
         else:
-            self.gate_up = columns([m.gate_proj, m.up_proj], gemv)
+            self.gate_up = columns(linears, gemv)
         self.down = linear_call(m.down_proj, gemv)
 
 
@@ -207,12 +231,13 @@ class Layer:
             self.latent = Latent(a, gemv)
         else:
             self.head_dim = a.head_dim
-            if hasattr(a, "qkv_proj"):  # Phi-3: one projection
+            linears = qkv_linears(a)
+            if len(linears) == 1:  # Phi-3: one projection
                 q = a.config.num_attention_heads * a.head_dim
-                kv = (a.qkv_proj.out_features - q) // 2
-                self.qkv = split_call(a.qkv_proj, [q, kv, kv], gemv)
+                kv = (linears[0].out_features - q) // 2
+                self.qkv = split_call(linears[0], [q, kv, kv], gemv)
             else:
-                self.qkv = columns([a.q_proj, a.k_proj, a.v_proj], gemv)
+                self.qkv = columns(linears, gemv)
             if getattr(a, "q_norm", None) is not None:
                 self.q_norm, self.k_norm = norm_parts(a.q_norm), norm_parts(a.k_norm)
             self.sinks = a.sinks if spec.sinks else None

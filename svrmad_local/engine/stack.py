@@ -17,21 +17,15 @@ import torch
 
 from svrmad_local.kernels import cpu_ops, cpu_stack
 from svrmad_local.kernels.fused import PLAIN
-from svrmad_local.models.layouts import PANELS
+
+from .families import fused_group, gate_up_linears, holds_panels, qkv_linears
 
 
 def panel_parts(linears: list) -> tuple[torch.Tensor, int, torch.Tensor | None] | None:
     """(panels, out_features, bias) where `linears` (siblings reading one input, in order) are one panel
     GEMM: a fused group's parts in order, or a single linear; else None."""
-    m = linears[0]
-    if len(linears) > 1:
-        m = getattr(m, "group", None)
-        if m is None or [getattr(x, "group", None) for x in linears] != [m] * len(linears) \
-                or [x.i for x in linears] != list(range(len(m.bounds))):
-            return None
-    if getattr(m, "layout", None) is not PANELS or not getattr(m, "packed", True):
-        return None
-    return m.weight, m.out_features, m.bias
+    m = linears[0] if len(linears) == 1 else fused_group(linears)
+    return (m.weight, m.out_features, m.bias) if m is not None and holds_panels(m) else None
 
 
 def _why_not_layer(L) -> str | None:
@@ -46,10 +40,8 @@ def _why_not_layer(L) -> str | None:
 
 def _linears(layer) -> dict | None:
     a, m = layer.self_attn, layer.mlp
-    parts = {"qkv": panel_parts([a.qkv_proj] if hasattr(a, "qkv_proj") else [a.q_proj, a.k_proj, a.v_proj]),
-             "o": panel_parts([a.o_proj]),
-             "gate_up": panel_parts([m.gate_up_proj] if hasattr(m, "gate_up_proj") else [m.gate_proj, m.up_proj]),
-             "down": panel_parts([m.down_proj])}
+    parts = {"qkv": panel_parts(qkv_linears(a)), "o": panel_parts([a.o_proj]),
+             "gate_up": panel_parts(gate_up_linears(m)), "down": panel_parts([m.down_proj])}
     return parts if all(parts.values()) else None
 
 

@@ -149,18 +149,8 @@ static inline __m256 exp_neg8(__m256 x) {
 static inline __m256 load_bf16x8(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
 }
-// eight floats rounded to bf16 as float_to_bf16 does (nearest even, NaN -> 0x7FC0), into p[0..8)
-static inline void store_bf16x8(uint16_t* p, __m256 v) {
-  const __m256i u = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
-  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
-}
-// eight floats rounded to bf16 as float_to_bf16 does, widened back to floats (exact): a bf16 op's result
-// that the next op reads in fp32
+// eight floats rounded to bf16 as float_to_bf16 does (nearest even, NaN -> 0x7FC0), widened back to floats
+// (exact): a bf16 op's result that the next op reads in fp32
 static inline __m256 round_bf16x8(__m256 v) {
   const __m256i u = _mm256_castps_si256(v);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
@@ -168,6 +158,12 @@ static inline __m256 round_bf16x8(__m256 v) {
   r = _mm256_and_si256(r, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
   const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
   return _mm256_castsi256_ps(_mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC00000), nan));
+}
+// the same eight rounded values stored as bf16 into p[0..8)
+static inline void store_bf16x8(uint16_t* p, __m256 v) {
+  const __m256i r = _mm256_srli_epi32(_mm256_castps_si256(round_bf16x8(v)), 16);
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
 }
 #endif
 
