@@ -132,3 +132,50 @@ def test_bf16_rope_and_cache_writes_are_bitwise_transformers_rope(D):
     assert torch.equal(kc[slots], k_ref[0].transpose(0, 1)) and torch.equal(vc[slots], v)
     with pytest.raises(RuntimeError, match="in one dtype"):
         cpu_ops.rope_store(q, k, v, cos.float(), sin, kc, vc, slots)
+
+
+def _rows_with_ties(kind: str, R: int, V: int, gen: torch.Generator) -> torch.Tensor:
+    """Logit-like rows: bf16-rounded (ties near the top, as a bf16 LM head gives), few values (ties
+    everywhere), NaN and infinities among them, or a constant row."""
+    if kind == "bf16":
+        return (torch.randn(R, V, generator=gen) * 3).bfloat16().float()
+    if kind == "few":
+        return torch.randint(-3, 3, (R, V), generator=gen).float()
+    if kind == "specials":
+        x = torch.randn(R, V, generator=gen).bfloat16().float()
+        u = torch.rand(R, V, generator=gen)
+        x[u < 0.3] = float("-inf")
+        x[(u > 0.5) & (u < 0.51)] = float("inf")
+        x[u > 0.99] = float("nan")
+        return x
+    if kind == "sparse":  # -inf but a few equal values: the heap's top stays -inf for a long walk
+        x = torch.full((R, V), float("-inf"))
+        x[:, ::97] = 1.0
+        return x
+    return torch.zeros(R, V)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "few", "specials", "sparse", "constant"])
+@pytest.mark.parametrize("R,V", [(1, 49152), (5, 2560), (32, 4099), (3, 151936)])
+def test_topk_and_argmax_are_torchs_values_and_indices_ties_included(kind, R, V):
+    """The sampler and the statistics select through cpu_ops: a sampled token and the recorded top
+    log-probs must not depend on whether the compiled selection or torch's ran."""
+    x = _rows_with_ties(kind, R, V, torch.Generator().manual_seed(R * V))
+    for k in sorted({1, 20, 40, V // 64, V // 64 + 1}):  # the last is past torch's partial sort: torch's own
+        ours, theirs = cpu_ops.topk(x, k), torch.topk(x, k, dim=-1)
+        assert torch.equal(ours.indices, theirs.indices), (kind, k)
+        assert torch.equal(ours.values.nan_to_num(0.5), theirs.values.nan_to_num(0.5)), (kind, k)
+        assert torch.isnan(ours.values).equal(torch.isnan(theirs.values))
+    assert torch.equal(cpu_ops.argmax(x), x.argmax(-1)), kind
+
+
+def test_topk_runs_compiled_where_torch_partial_sorts_and_refuses_elsewhere():
+    """The compiled top-k replays torch's partial sort, which torch takes only where k * 64 <= V."""
+    mod = cpu_ops._KERNEL.module()
+    x = torch.randn(2, 640)
+    assert torch.equal(mod.topk_rows(x, 10)[1], x.topk(10, -1).indices)
+    with pytest.raises(RuntimeError, match="k must be in"):
+        mod.topk_rows(x, 11)
+    with pytest.raises(RuntimeError, match="contiguous fp32"):
+        mod.topk_rows(x.double(), 10)
+    assert torch.equal(cpu_ops.topk(x.t().contiguous().t(), 10).indices, x.topk(10, -1).indices)  # made contiguous

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from svrmad_local.kernels import cpu_ops
 from svrmad_local.kernels._backend import staged
 
 from .config import SamplingParams
@@ -81,8 +82,8 @@ def draw(logits: torch.Tensor, temps: torch.Tensor, ks: torch.Tensor, ps: torch.
     a row's token depends on its own row only. `K`: the top-k width (V: a full sort)."""
     V = logits.shape[1]
     lg = logits / temps.unsqueeze(1)
-    # top-k first (a partial sort): sorting 150k logits is the cost
-    vals, idx = lg.topk(K, dim=-1) if K < V else lg.sort(dim=-1, descending=True)
+    # top-k first (a partial sort): sorting 150k logits is the cost; on the CPU a compiled one, torch's bits
+    vals, idx = cpu_ops.topk(lg, K) if K < V else lg.sort(dim=-1, descending=True)
     ranks = torch.arange(vals.shape[1], device=vals.device)
     vals = vals.masked_fill(ranks.unsqueeze(0) >= ks.unsqueeze(1), float("-inf"))
     probs = torch.softmax(vals, dim=-1)
@@ -94,7 +95,7 @@ def draw(logits: torch.Tensor, temps: torch.Tensor, ks: torch.Tensor, ps: torch.
     # never land on a masked-out token (float rounding at the very top of the CDF)
     pos = torch.minimum(pos, (probs > 0).sum(-1, keepdim=True) - 1)
     picked = idx.gather(1, pos).squeeze(1)
-    return picked if greedy is None else torch.where(greedy, logits.argmax(-1), picked)
+    return picked if greedy is None else torch.where(greedy, cpu_ops.argmax(logits), picked)
 
 
 def columns(table: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
@@ -108,7 +109,7 @@ def sample_rows(logits: torch.Tensor, draws: Draws) -> torch.Tensor:
     device through `staged` (pinned, never a blocking copy: the host is not held up by the step still
     running on the GPU)."""
     if draws.greedy:
-        return logits.argmax(-1)
+        return cpu_ops.argmax(logits)
     temps, ks, ps, u, greedy = columns(staged(draws.table, torch.float64, logits.device), logits.dtype)
     return draw(logits, temps, ks, ps, u, greedy if draws.table[4].any() else None, draws.K)
 

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from svrmad_local.kernels import cpu_ops
+
 from .config import SamplingParams, SignalConfig
 
 # the top-k width of every step's statistics, at least (the default topk_logprobs): a batch of default
@@ -47,7 +49,7 @@ def stats_from_logits(logits: torch.Tensor, chosen: torch.Tensor, topk: int) -> 
     entropy = -row_sum(logp.exp() * logp)
     lp = logp.gather(1, chosen.view(-1, 1).to(logp.device)).squeeze(1)
     k = min(topk, logp.shape[-1])
-    top = logp.topk(k, dim=-1) if k > 0 else None
+    top = cpu_ops.topk(logp, k) if k > 0 else None  # torch.topk's bits, compiled on the CPU
     return StepStats(
         logprob=lp,
         entropy=entropy,

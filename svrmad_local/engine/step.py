@@ -250,9 +250,12 @@ class Step:
         if draws is not None and len(draws) != len(samples):
             raise RuntimeError(f"the step prepared {len(draws)} draws for {len(samples)} samples")
         if packed is None:
-            # row indices reach the device pinned, without blocking (kernels._backend.staged)
-            logits = self.runner.logits(hidden[staged([r for _, r in to_sample], torch.long, hidden.device)])
-            logits = logits[staged(rows, torch.long, logits.device)]
+            # row indices reach the device pinned, without blocking (kernels._backend.staged); a decode step's
+            # rows are already in order (the copy of [R, V] fp32 logits would cost a tenth of a step's sampling)
+            at = [r for _, r in to_sample]
+            logits = self.runner.logits(hidden if at == list(range(hidden.shape[0])) else hidden[staged(at, torch.long, hidden.device)])
+            if rows != list(range(len(to_sample))):  # a leader's n first tokens draw from its one row
+                logits = logits[staged(rows, torch.long, logits.device)]
             if draws is None:
                 draws = sampler.prepare([s.params for s, _ in samples], gens, logits.shape[1])
             toks = sampler.sample_rows(logits, draws)

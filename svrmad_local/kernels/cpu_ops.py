@@ -1,5 +1,6 @@
 """The small fused ops of a Llama-shaped decoder layer on the CPU, fp32 and bf16: RMSNorm (with the
-residual add before it), RoPE with the new K/V written to their cache slots, and SiLU-and-multiply.
+residual add before it), RoPE with the new K/V written to their cache slots, and SiLU-and-multiply;
+and the row selections of sampling and the token statistics (`topk`, `argmax`).
 
 Why: at decode these are ~20 tiny torch ops a layer, each ~5-20 us of dispatch on a 2-core EPYC for
 a few hundred floats of work: transformers' RMSNorm alone took 86 us a call (8 ops) against ~3 us
@@ -25,6 +26,9 @@ Numerics:
   transformers (`hidden_states.to(torch.float32)`), the normalised row is rounded to bf16 and then
   multiplied by the bf16 weight (rounded again): transformers' own steps, only the sum's order differs.
   A row's result never depends on the other rows (batch-invariant).
+- `topk` and `argmax` select, they compute nothing: torch.topk's and torch.argmax's values and indices,
+  ties in torch's order (csrc/cpu_ops.cpp says how), 4-8x faster on a 49k vocabulary. A sampled token
+  and the recorded top log-probs therefore do not depend on which of the two ran.
 """
 
 from __future__ import annotations
@@ -110,3 +114,23 @@ def silu_mul_fits(rows: int, inter: int, row_stride: int, dtype: torch.dtype) ->
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """F.silu(gate) * up in one call, bit for bit where `silu_mul_is_torchs` says so."""
     return _KERNEL.module().silu_mul(gate, up, _VEC[gate.dtype])
+
+
+def _selects(x: torch.Tensor) -> bool:
+    """Whether the compiled selections take `x`: a [rows, V] fp32 tensor on the CPU, the module built."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and available()
+
+
+def topk(x: torch.Tensor, k: int):
+    """torch.topk(x, k, dim=-1) over [rows, V], bit for bit (the values, the indices, their order among
+    ties); compiled where torch takes its partial sort (k * 64 <= V) and `_selects`, else torch's own."""
+    if 0 < k and k * 64 <= x.shape[-1] and _selects(x):
+        return torch.return_types.topk(_KERNEL.module().topk_rows(x.contiguous(), k))
+    return x.topk(k, dim=-1)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, -1) over [rows, V], bit for bit (a NaN first, then the first of equal greatest)."""
+    if x.shape[-1] > 0 and _selects(x):
+        return _KERNEL.module().argmax_rows(x.contiguous())
+    return x.argmax(-1)

@@ -24,6 +24,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from ._backend import HAS_TRITON, cdiv, fall_back, interpreting, next_pow2, resolve_impl, tl, triton
+from . import cpu_ops
 
 
 class TokenStats(NamedTuple):
@@ -104,7 +105,7 @@ def _token_stats_torch(hidden, weight, targets, topk, chunk_tokens, softcap) -> 
         lse[s:e] = torch.logsumexp(logp, -1)
         logp.sub_(lse[s:e, None])  # ...turned into log-probs in place
         if topk:
-            top_v[s:e], top_i[s:e] = logp.topk(topk, dim=-1)
+            top_v[s:e], top_i[s:e] = cpu_ops.topk(logp, topk)  # torch.topk's bits, compiled on the CPU
         if lp is not None:
             lp[s:e] = _pick_target(logp, targets[s:e])
         p = logp.exp()  # second (and last) [chunk, V] buffer

@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <utility>
+#include <vector>
 
 #include "kernel_api.h"
 #include "simd.h"
@@ -232,11 +234,122 @@ torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up, int64_t vec) {
   return out;
 }
 
+// ---- The row selections of sampling and the token statistics (engine/sampler.py, engine/stats.py) ----
+//
+// torch.topk on the CPU, where k * 64 <= V (aten TopKImpl.h), copies a row into (value, index) pairs and
+// runs std::partial_sort with "NaN first, then greater": a heap of the first k pairs, each later pair that
+// compares before the heap's top taking its place (libstdc++'s __heap_select), then the heap sorted. Its
+// order among equal values is that algorithm's, and bf16 logits tie often near the top. `topk_rows` runs
+// the same heap operations on the same pairs in the same order through the same std:: algorithms
+// (std::pop_heap over k + 1 pairs is __heap_select's replacement step), so it returns torch's values and
+// indices, ties included. It is fast because it skips, sixteen at a time, the values the heap would not
+// take (none greater than its top, none NaN): those leave the heap as it was. torch also writes the
+// 786 KB of pairs of a 49,152-token row first; this writes the k + 1 of the heap.
+using Scored = std::pair<float, int64_t>;
+
+struct FirstOf {  // torch's comparator: a NaN before any number, then the greater value
+  bool operator()(const Scored& x, const Scored& y) const {
+    return (std::isnan(x.first) && !std::isnan(y.first)) || (x.first > y.first);
+  }
+};
+
+// whether any of x[0..16) could enter a heap whose top is `top`: greater than it, or NaN
+static inline bool any_enters(const float* x, float top) {
+  const __m256 t = _mm256_set1_ps(top);
+  const __m256 a = _mm256_loadu_ps(x), b = _mm256_loadu_ps(x + 8);
+  const __m256 hit = _mm256_or_ps(_mm256_or_ps(_mm256_cmp_ps(a, t, _CMP_GT_OQ), _mm256_cmp_ps(a, a, _CMP_UNORD_Q)),
+                                  _mm256_or_ps(_mm256_cmp_ps(b, t, _CMP_GT_OQ), _mm256_cmp_ps(b, b, _CMP_UNORD_Q)));
+  return _mm256_movemask_ps(hit) != 0;
+}
+
+static void topk_row(const float* x, int64_t V, int64_t k, Scored* heap, float* vals, int64_t* idx) {
+  const FirstOf first;
+  for (int64_t j = 0; j < k; ++j) heap[j] = Scored(x[j], j);
+  std::make_heap(heap, heap + k, first);
+  auto offer = [&](int64_t j) {
+    const Scored p(x[j], j);
+    if (first(p, heap[0])) {  // __pop_heap(heap, heap + k, p): p sifted in from the top, the top let go
+      heap[k] = p;
+      std::pop_heap(heap, heap + k + 1, first);
+    }
+  };
+  int64_t j = k;
+  for (; j + 16 <= V; j += 16)
+    if (any_enters(x + j, heap[0].first))
+      for (int64_t i = j; i < j + 16; ++i) offer(i);
+  for (; j < V; ++j) offer(j);
+  std::sort_heap(heap, heap + k, first);
+  for (int64_t i = 0; i < k; ++i) {
+    vals[i] = heap[i].first;
+    idx[i] = heap[i].second;
+  }
+}
+
+// torch.topk(x, k, dim=-1) of a contiguous fp32 [R, V] with 0 < k and k * 64 <= V: (values [R, k], indices [R, k])
+std::vector<torch::Tensor> topk_rows(torch::Tensor x, int64_t k) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
+              "topk_rows: x must be a contiguous fp32 [rows, V] tensor");
+  const int64_t R = x.size(0), V = x.size(1);
+  TORCH_CHECK(k > 0 && k * 64 <= V, "topk_rows: k must be in [1, V / 64] (torch sorts otherwise)");
+  auto vals = torch::empty({R, k}, x.options());
+  auto idx = torch::empty({R, k}, x.options().dtype(torch::kInt64));
+  const float* X = x.data_ptr<float>();
+  float* Vo = vals.data_ptr<float>();
+  int64_t* Io = idx.data_ptr<int64_t>();
+  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<Scored> heap(k + 1);
+    for (int64_t r = r0; r < r1; ++r) topk_row(X + r * V, V, k, heap.data(), Vo + r * k, Io + r * k);
+  });
+  return {vals, idx};
+}
+
+// torch.argmax(x, -1) of a contiguous fp32 [R, V]: the first NaN's index where a row has one, else the
+// first index of its greatest value (aten's ArgMaxOps: ties go to the lower index)
+torch::Tensor argmax_rows(torch::Tensor x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() && x.size(1) > 0,
+              "argmax_rows: x must be a contiguous fp32 [rows, V] tensor, V > 0");
+  const int64_t R = x.size(0), V = x.size(1);
+  auto out = torch::empty({R}, x.options().dtype(torch::kInt64));
+  const float* X = x.data_ptr<float>();
+  int64_t* O = out.data_ptr<int64_t>();
+  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* row = X + r * V;
+      __m256 best = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
+      int64_t j = 0;
+      for (; j + 8 <= V; j += 8) {
+        const __m256 v = _mm256_loadu_ps(row + j);
+        best = _mm256_max_ps(best, v);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+      }
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, best);
+      float m = -INFINITY;
+      bool has_nan = _mm256_movemask_ps(nan) != 0;
+      for (float l : lanes) m = std::max(m, l);
+      for (; j < V; ++j) {
+        has_nan = has_nan || std::isnan(row[j]);
+        if (row[j] > m) m = row[j];
+      }
+      int64_t at = 0;
+      for (int64_t i = 0; i < V; ++i)
+        if (has_nan ? std::isnan(row[i]) : row[i] == m) {
+          at = i;
+          break;
+        }
+      O[r] = at;
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", torch::wrap_pybind_function(rms_norm), "rms_norm");
   m.def("add_rms_norm", torch::wrap_pybind_function(add_rms_norm), "add_rms_norm");
   m.def("rope_store", torch::wrap_pybind_function(rope_store), "rope_store");
   m.def("silu_mul", torch::wrap_pybind_function(silu_mul), "silu_mul");
+  m.def("topk_rows", torch::wrap_pybind_function(topk_rows), "topk_rows");
+  m.def("argmax_rows", torch::wrap_pybind_function(argmax_rows), "argmax_rows");
   m.def("addresses", []() {
     return std::vector<int64_t>{svrmad::address<svrmad::NormFn>(&rms_norm), svrmad::address<svrmad::AddNormFn>(&add_rms_norm),
                                 svrmad::address<svrmad::RopeFn>(&rope_store), svrmad::address<svrmad::SiluMulFn>(&silu_mul)};
