@@ -1,15 +1,15 @@
 """How fast the CPU decode kernel reads the paged cache, against a plain read of the same bytes (a script).
 
-    python benchmarks/bench_decode_read.py [--threads 1,2] [--repeat 7] [--against OLD.cpp]
+    python benchmarks/bench_decode_read.py [--threads 1,2] [--repeat 7] [--dtype fp32|bf16] [--against OLD.cpp]
 
-The default model's attention (9 query heads, 3 KV heads, 64 dims, fp32, blocks of 16 at random places
+The default model's attention (9 query heads, 3 KV heads, 64 dims, fp32 or bf16, blocks of 16 at random places
 in the cache), one cache per layer for 30 layers so that the K/V come from memory, as in a step. For
 each case (the lengths of a step's sequences): the K/V bytes the kernel reads per second over the 30
 calls (best of --repeat), the same bytes read by torch's sum over one tensor, and the ratio
 (docs/kernels.md: what a read through 16-token paged blocks can reach). The sum is timed right after
 the kernel in each case: a shared machine's bandwidth moves with its neighbours. --against builds another revision of csrc/cpu_decode.cpp
 (`git show REV:svrmad_local/kernels/csrc/cpu_decode.cpp > old.cpp`) and times it in the same run, its
-outputs checked within 1e-5 of ours. The last line is one JSON object with every figure.
+outputs checked within 1e-5 of ours (the line says where they are the same bits). The last line is one JSON object with every figure.
 """
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ from svrmad_local.kernels import cpu_decode  # noqa: E402
 
 HEADS, KV_HEADS, DIM, BLOCK, SCALE = 9, 3, 64, 16, 0.125
 CASES = {"one of 300": [300], "one of 1,500": [1500], "8 of 2,000": [2000] * 8, "12 of 500": [500] * 12,
-         "9 of 150-3,000": [3000, 200, 300, 2500, 400, 1800, 600, 900, 150]}
+         "9 of 150-3,000": [3000, 200, 300, 2500, 400, 1800, 600, 900, 150], "32 of 232": [232] * 32}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def _against(src: str):
@@ -47,23 +48,26 @@ def _best(fn, repeat: int) -> float:
     return best_of(fn, repeat, torch.device("cpu"))
 
 
-def case(lens: list[int], layers: int, repeat: int, kernels: dict, g: torch.Generator) -> dict:
+def case(lens: list[int], layers: int, repeat: int, kernels: dict, g: torch.Generator,
+         dtype: torch.dtype = torch.float32) -> dict:
     width = -(-max(lens) // BLOCK)
     nblocks = width * len(lens)
-    k = [torch.randn(nblocks * BLOCK, KV_HEADS, DIM, generator=g) for _ in range(layers)]
-    v = [torch.randn(nblocks * BLOCK, KV_HEADS, DIM, generator=g) for _ in range(layers)]
+    k = [torch.randn(nblocks * BLOCK, KV_HEADS, DIM, generator=g).to(dtype) for _ in range(layers)]
+    v = [torch.randn(nblocks * BLOCK, KV_HEADS, DIM, generator=g).to(dtype) for _ in range(layers)]
     table = torch.randperm(nblocks, generator=g).view(len(lens), width)
-    L, q = torch.tensor(lens), torch.randn(len(lens), HEADS, DIM, generator=g)
-    nbytes = sum(lens) * KV_HEADS * DIM * 4 * 2 * layers
+    L, q = torch.tensor(lens), torch.randn(len(lens), HEADS, DIM, generator=g).to(dtype)
+    nbytes = sum(lens) * KV_HEADS * DIM * k[0].element_size() * 2 * layers
     row, outs = {}, {}
     for name, fn in kernels.items():
         outs[name] = fn(q, k[0], v[0], table, L, BLOCK, SCALE, -1, None)
         row[name] = nbytes / _best(lambda: [fn(q, k[i], v[i], table, L, BLOCK, SCALE, -1, None) for i in range(layers)],
                                    repeat) / 1e9
     for name, out in outs.items():
-        err = (out - outs["kernel"]).abs().max().item()
-        if err > 1e-5:
+        err = (out.float() - outs["kernel"].float()).abs().max().item()
+        if err > 1e-5 * (1 if dtype == torch.float32 else 1e3):  # bf16: one rounding of the output apart
             raise SystemExit(f"bench_decode_read: {name} differs from the kernel by {err:.2e}")
+        row.setdefault("same_bits", True)
+        row["same_bits"] = row["same_bits"] and torch.equal(out, outs["kernel"])
     flat = torch.randn(nbytes // 4, generator=g)
     row["sum"] = nbytes / _best(flat.sum, repeat) / 1e9
     return row
@@ -75,13 +79,14 @@ def main():
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--against", help="another revision's csrc/cpu_decode.cpp, timed in the same run")
+    ap.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="the cache's dtype (default fp32)")
     args = ap.parse_args()
     if not cpu_decode.available():
         raise SystemExit(f"bench_decode_read: the kernel is not built: {cpu_decode.unavailable_reason()}")
     kernels = {"kernel": cpu_decode._KERNEL.module().paged_decode}
     if args.against:
         kernels["against"] = _against(args.against)
-    print(f"{platform.processor() or platform.machine()}, torch {torch.__version__}; GB/s of K/V read, "
+    print(f"{platform.processor() or platform.machine()}, torch {torch.__version__}, {args.dtype}; GB/s of K/V read, "
           f"{args.layers} layers' caches, best of {args.repeat}")
     g = torch.Generator().manual_seed(0)
     rows, before = [], torch.get_num_threads()
@@ -89,13 +94,15 @@ def main():
         for threads in (int(t) for t in args.threads.split(",")):
             torch.set_num_threads(threads)
             for label, lens in CASES.items():
-                row = {"threads": threads, "case": label, **case(lens, args.layers, args.repeat, kernels, g)}
+                row = {"threads": threads, "case": label, **case(lens, args.layers, args.repeat, kernels, g, DTYPES[args.dtype])}
                 rows.append(row)
                 line = "  ".join(f"{n} {row[n]:5.1f} ({row[n] / row['sum']:4.0%})" for n in kernels)
+                if args.against:
+                    line += "  same bits" if row["same_bits"] else "  NOT the same bits"
                 print(f"{threads} thread(s), {label:>15}: {line}  sum {row['sum']:5.1f}", flush=True)
     finally:  # a caller in the same process (the tests) keeps its thread count
         torch.set_num_threads(before)
-    print(json.dumps({"shape": {"heads": HEADS, "kv_heads": KV_HEADS, "dim": DIM, "block": BLOCK},
+    print(json.dumps({"shape": {"heads": HEADS, "kv_heads": KV_HEADS, "dim": DIM, "block": BLOCK}, "dtype": args.dtype,
                       "layers": args.layers, "against": args.against, "rows": rows}))
 
 

@@ -163,13 +163,14 @@ def test_the_triton_decode_path_is_token_exact_under_the_interpreter(name):
 
 
 @pytest.mark.parametrize("heads,kv_heads,window", [(9, 3, None), (6, 2, 5), (4, 4, None)])
-def test_a_bf16_cache_gives_the_bits_of_its_fp32_copy(heads, kv_heads, window):
-    """bf16 K/V rows are widened to fp32 once and take the fp32 path (eight keys a reduction, the heads of
+@pytest.mark.parametrize("lens", [[1, 37, 300, 129], [300, 290, 1000, 77]])  # one KV head an item; all of them
+def test_a_bf16_cache_gives_the_bits_of_its_fp32_copy(heads, kv_heads, window, lens):
+    """bf16 K/V rows are widened to fp32 as the fp32 loops read them (eight keys a reduction, the heads of
     a KV group sharing each row): the output is the fp32 kernel's on the widened cache, rounded to bf16."""
     g = torch.Generator().manual_seed(heads)
-    bs, nblocks, D = 16, 60, 64
-    lens = torch.tensor([1, 37, 300, 129])
-    table = torch.stack([torch.randperm(nblocks, generator=g)[:19] for _ in lens])
+    bs, nblocks, D = 16, 80, 64
+    lens = torch.tensor(lens)
+    table = torch.stack([torch.randperm(nblocks, generator=g)[:63] for _ in lens])
     k, v = (torch.randn(nblocks * bs, kv_heads, D, generator=g).bfloat16() for _ in range(2))
     q = torch.randn(len(lens), heads, D, generator=g).bfloat16()
     out = cpu_decode.paged_decode_cpu(q, k, v, table, lens, bs, 0.125, window)

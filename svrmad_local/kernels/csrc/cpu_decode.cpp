@@ -66,23 +66,32 @@ static inline void dots8(const float* q, const float* rows, int64_t stride, int6
 }
 
 #ifdef SVRMAD_AVX2
+// eight elements of a cache row as floats: fp32 as they are, bf16 widened (exact, so a bf16 cache gives
+// the bits of its fp32 copy); the inner loops read a bf16 cache through this, in place
+static inline __m256 row8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 row8(const c10::BFloat16* p) { return load_bf16x8(reinterpret_cast<const uint16_t*>(p)); }
+
+// the cache dtypes the inner loops read in place (others are widened into a buffer first)
+template <typename T>
+constexpr bool kReadsInPlace = std::is_same<T, float>::value || std::is_same<T, c10::BFloat16>::value;
+
 // scores of 8 tokens (rows `stride` apart) for NHT <= 3 query heads of one KV group (q rows D apart, out
 // rows `ostride` apart): each score is dots8's, lane for lane and through the same hsum8 tree, so the
 // results are bit-identical; the heads share each row load and twelve FMA chains run at once where
 // dots8 runs eight (in cache ~20% fewer cycles a token on a Zen 3: docs/kernels.md)
-template <int NHT>
-static inline void dots8_heads(const float* q, const float* rows, int64_t stride, int64_t D, float scale, float* out,
+template <int NHT, typename R>
+static inline void dots8_heads(const float* q, const R* rows, int64_t stride, int64_t D, float scale, float* out,
                                int64_t ostride) {
   __m256 sums[NHT][8];
   for (int half = 0; half < 2; ++half) {
-    const float* r = rows + half * 4 * stride;
+    const R* r = rows + half * 4 * stride;
     __m256 acc[NHT][4];
     for (int h = 0; h < NHT; ++h)
       for (int j = 0; j < 4; ++j) acc[h][j] = _mm256_setzero_ps();
     for (int64_t d = 0; d < D; d += 8) {
       for (int h = 0; h < NHT; ++h) {
         const __m256 qv = _mm256_loadu_ps(q + h * D + d);
-        for (int j = 0; j < 4; ++j) acc[h][j] = _mm256_fmadd_ps(_mm256_loadu_ps(r + j * stride + d), qv, acc[h][j]);
+        for (int j = 0; j < 4; ++j) acc[h][j] = _mm256_fmadd_ps(row8(r + j * stride + d), qv, acc[h][j]);
       }
     }
     for (int h = 0; h < NHT; ++h)
@@ -95,19 +104,19 @@ static inline void dots8_heads(const float* q, const float* rows, int64_t stride
 // acc[h][0..Dv) += w[h][p] * row_p for the tokens of a block, NHT <= 3 heads of one KV group sharing each
 // row, a quarter of Dv (32) at a time so that the accumulators stay in registers: per output the same
 // fmadds in the same token order as one head at a time, bit for bit
-template <int NHT>
-static inline void axpy_heads(const float* const* w, const float* rows, int64_t stride, int64_t cnt, int64_t Dv,
+template <int NHT, typename R>
+static inline void axpy_heads(const float* const* w, const R* rows, int64_t stride, int64_t cnt, int64_t Dv,
                               float* acc, int64_t astride) {
   for (int64_t c = 0; c < Dv; c += 32) {
     __m256 r[NHT][4];
     for (int h = 0; h < NHT; ++h)
       for (int j = 0; j < 4; ++j) r[h][j] = _mm256_loadu_ps(acc + h * astride + c + 8 * j);
-    const float* row = rows + c;
+    const R* row = rows + c;
     for (int64_t p = 0; p < cnt; ++p, row += stride) {
       __m256 wv[NHT];
       for (int h = 0; h < NHT; ++h) wv[h] = _mm256_set1_ps(w[h][p]);
       for (int j = 0; j < 4; ++j) {
-        const __m256 x = _mm256_loadu_ps(row + 8 * j);
+        const __m256 x = row8(row + 8 * j);
         for (int h = 0; h < NHT; ++h) r[h][j] = _mm256_fmadd_ps(wv[h], x, r[h][j]);
       }
     }
@@ -211,28 +220,39 @@ static void run(const T* q, const T* k, const T* v, const int64_t* table, const 
         const int64_t p1 = std::max(p0, s), pe = std::min(p0 + bs, e);
         const T* kb = k + (table[b * maxb + p0 / bs] * bs * KVH + g0) * D;
         const int64_t ld = row_stride<T>(KVH * D, per * D);  // the rows [p1, pe) of this item's heads as floats
-        const float* krows = rows_as_float(kb, p1 - p0, pe - p0, KVH * D, per * D, kbuf.data());
+#ifdef SVRMAD_AVX2
+        // fp32 and bf16 rows are read in place by the eight-token loops (a bf16 row widened in registers)
+        const bool in_place = kReadsInPlace<T> && D % 8 == 0;
+#else
+        const bool in_place = false;
+#endif
+        const float* krows = in_place ? nullptr : rows_as_float(kb, p1 - p0, pe - p0, KVH * D, per * D, kbuf.data());
         for (int64_t p = p1; p < pe; p += 8) {  // eight tokens a reduction
           const int64_t cnt = std::min<int64_t>(8, pe - p), t = p - s;
-          const float* rows = krows + (p - p1) * ld;
           if (p0 + PF_AHEAD * bs < L)  // these rows of the block PF_AHEAD on, towards L2, spread over the block
             prefetch_rows(k + ((table[b * maxb + p0 / bs + PF_AHEAD] * bs + (p - p0)) * KVH + g0) * D, cnt,
                           KVH * D * sizeof(T), per * D * sizeof(T));
 #ifdef SVRMAD_AVX2
-          if (cnt == 8 && D % 8 == 0) {  // the heads of each KV group share the row loads
-            for (int64_t h = 0; h < NH;) {
-              const int64_t take = std::min<int64_t>(3, G - h % G);
-              const float* qh = qf.data() + h * D;
-              const float* rh = rows + (h / G) * D;
-              float* oh = scores.data() + h * C + t;
-              if (take == 3) dots8_heads<3>(qh, rh, ld, D, scale, oh, C);
-              else if (take == 2) dots8_heads<2>(qh, rh, ld, D, scale, oh, C);
-              else dots8_heads<1>(qh, rh, ld, D, scale, oh, C);
-              h += take;
+          if (in_place && cnt == 8) {  // the heads of each KV group share the row loads
+            if constexpr (kReadsInPlace<T>) {
+              const T* rows = kb + (p - p0) * KVH * D;
+              for (int64_t h = 0; h < NH;) {
+                const int64_t take = std::min<int64_t>(3, G - h % G);
+                const float* qh = qf.data() + h * D;
+                const T* rh = rows + (h / G) * D;
+                float* oh = scores.data() + h * C + t;
+                if (take == 3) dots8_heads<3>(qh, rh, KVH * D, D, scale, oh, C);
+                else if (take == 2) dots8_heads<2>(qh, rh, KVH * D, D, scale, oh, C);
+                else dots8_heads<1>(qh, rh, KVH * D, D, scale, oh, C);
+                h += take;
+              }
             }
             continue;
           }
 #endif
+          // fewer than eight tokens (or no AVX2): their rows as floats, one head at a time
+          const float* rows = in_place ? rows_as_float(kb, p - p0, p - p0 + cnt, KVH * D, per * D, kbuf.data())
+                                       : krows + (p - p1) * ld;
           for (int64_t h = 0; h < NH; ++h)
             dots8(qf.data() + h * D, rows + (h / G) * D, ld, cnt, D, scale, scores.data() + h * C + t);
         }
@@ -249,26 +269,28 @@ static void run(const T* q, const T* k, const T* v, const int64_t* table, const 
         const T* vb = v + (table[b * maxb + p0 / bs] * bs * KVH + g0) * Dv;
         const int64_t p1 = std::max(p0, s), pe = std::min(p0 + bs, e);
         const int64_t ld = row_stride<T>(KVH * Dv, per * Dv);
-        const float* vrows = rows_as_float(vb, p1 - p0, pe - p0, KVH * Dv, per * Dv, vbuf.data());
 #ifdef SVRMAD_AVX2
-        if (Dv % 32 == 0) {  // the heads of a KV group share each row; accumulators in registers
-          for (int64_t h = 0; h < NH;) {
-            const int64_t take = std::min<int64_t>(3, G - h % G);
-            if (h % G == 0 && p0 + PF_AHEAD * bs < L)
-              prefetch_rows(v + ((table[b * maxb + p0 / bs + PF_AHEAD] * bs + (p1 - p0)) * KVH + g0 + h / G) * Dv,
-                            pe - p1, KVH * Dv * sizeof(T), Dv * sizeof(T));
-            const float* w[3];
-            for (int64_t j = 0; j < take; ++j) w[j] = scores.data() + (h + j) * C + (p1 - s);
-            const float* row = vrows + (h / G) * Dv;
-            float* a = acc + h * Dv;
-            if (take == 3) axpy_heads<3>(w, row, ld, pe - p1, Dv, a, Dv);
-            else if (take == 2) axpy_heads<2>(w, row, ld, pe - p1, Dv, a, Dv);
-            else axpy_heads<1>(w, row, ld, pe - p1, Dv, a, Dv);
-            h += take;
+        if (kReadsInPlace<T> && Dv % 32 == 0) {  // the heads of a KV group share each row; accumulators in registers
+          if constexpr (kReadsInPlace<T>) {
+            for (int64_t h = 0; h < NH;) {
+              const int64_t take = std::min<int64_t>(3, G - h % G);
+              if (h % G == 0 && p0 + PF_AHEAD * bs < L)
+                prefetch_rows(v + ((table[b * maxb + p0 / bs + PF_AHEAD] * bs + (p1 - p0)) * KVH + g0 + h / G) * Dv,
+                              pe - p1, KVH * Dv * sizeof(T), Dv * sizeof(T));
+              const float* w[3];
+              for (int64_t j = 0; j < take; ++j) w[j] = scores.data() + (h + j) * C + (p1 - s);
+              const T* row = vb + (p1 - p0) * KVH * Dv + (h / G) * Dv;  // in place, rows KVH * Dv apart
+              float* a = acc + h * Dv;
+              if (take == 3) axpy_heads<3>(w, row, KVH * Dv, pe - p1, Dv, a, Dv);
+              else if (take == 2) axpy_heads<2>(w, row, KVH * Dv, pe - p1, Dv, a, Dv);
+              else axpy_heads<1>(w, row, KVH * Dv, pe - p1, Dv, a, Dv);
+              h += take;
+            }
           }
           continue;
         }
 #endif
+        const float* vrows = rows_as_float(vb, p1 - p0, pe - p0, KVH * Dv, per * Dv, vbuf.data());
         for (int64_t p = p1; p < pe; ++p) {
           const float* vp = vrows + (p - p1) * ld;
           const int64_t t = p - s;
