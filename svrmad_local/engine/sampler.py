@@ -74,14 +74,15 @@ def widths(params: list[SamplingParams], vocab: int) -> tuple[int, int]:
     return min(kmax, vocab), min(topk, vocab)
 
 
-def draw(logits: torch.Tensor, temps: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor, u: torch.Tensor,
+def draw(logits: torch.Tensor, temps: torch.Tensor | None, ks: torch.Tensor, ps: torch.Tensor, u: torch.Tensor,
          greedy: torch.Tensor | None, K: int) -> torch.Tensor:
-    """Token ids [R] from `logits` [R, V] fp32 and the rows' temperature [R] (fp32), top-k [R] (long),
+    """Token ids [R] from `logits` [R, V] fp32 and the rows' temperature [R] (fp32; None where every row's
+    is 1: x / 1 is x, so the [R, V] division is skipped), top-k [R] (long),
     top-p [R] (fp32), uniform draw [R] (float64) and greedy mask [R] (bool; None: no row is greedy, and
     no argmax is taken, which costs as much as the rest on a CPU at a large vocabulary): row by row, so
     a row's token depends on its own row only. `K`: the top-k width (V: a full sort)."""
     V = logits.shape[1]
-    lg = logits / temps.unsqueeze(1)
+    lg = logits if temps is None else logits / temps.unsqueeze(1)
     # top-k first (a partial sort): sorting 150k logits is the cost; on the CPU a compiled one, torch's bits
     vals, idx = cpu_ops.topk(lg, K) if K < V else lg.sort(dim=-1, descending=True)
     ranks = torch.arange(vals.shape[1], device=vals.device)
@@ -111,7 +112,8 @@ def sample_rows(logits: torch.Tensor, draws: Draws) -> torch.Tensor:
     if draws.greedy:
         return cpu_ops.argmax(logits)
     temps, ks, ps, u, greedy = columns(staged(draws.table, torch.float64, logits.device), logits.dtype)
-    return draw(logits, temps, ks, ps, u, greedy if draws.table[4].any() else None, draws.K)
+    return draw(logits, None if (draws.table[0] == 1).all() else temps, ks, ps, u,
+                greedy if draws.table[4].any() else None, draws.K)
 
 
 def sample(logits: torch.Tensor, temperature: list[float], top_k: list[int], top_p: list[float],
