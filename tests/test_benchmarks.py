@@ -3,6 +3,7 @@ fake vllm package), the decode-limit arithmetic and the bf16 drift summary."""
 
 from __future__ import annotations
 
+import os
 import sys
 import textwrap
 import time
@@ -412,6 +413,43 @@ def test_bench_decode_read_times_the_kernel_against_a_plain_read_and_another_rev
     rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
     assert [(r["threads"], r["case"]) for r in rows] == [(1, "two")]
     assert all(rows[0][k] > 0 for k in ("kernel", "against", "sum"))
+    assert rows[0]["same_bits"] is True  # the same source: the same bits
+
+
+def test_bench_decode_read_reads_a_bf16_cache(capsys, monkeypatch):
+    import json
+
+    import bench_decode_read
+
+    from svrmad_local.kernels import cpu_decode
+
+    if not cpu_decode.available():
+        pytest.skip(f"no kernel: {cpu_decode.unavailable_reason()}")
+    monkeypatch.setattr(bench_decode_read, "CASES", {"one": [300]})
+    monkeypatch.setattr(sys, "argv", ["bench_decode_read.py", "--threads", "1", "--repeat", "1", "--layers", "2",
+                                      "--dtype", "bf16"])
+    bench_decode_read.main()
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["dtype"] == "bf16" and out["rows"][0]["kernel"] > 0
+
+
+def test_bench_sampling_times_both_sides_and_checks_they_agree(capsys):
+    """bench_sampling: each row's medians are of the alternating runs, and the two sides' bits agree (it
+    exits otherwise)."""
+    import json
+
+    import bench_sampling
+
+    from svrmad_local.kernels import cpu_ops
+
+    if not cpu_ops.available():
+        pytest.skip(f"the compiled ops did not build: {cpu_ops.unavailable_reason()}")
+    assert bench_sampling.main(["--batches", "1,3", "--vocabs", "5000", "--rounds", "2"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [(r["vocab"], r["batch"]) for r in out["rows"]] == [(5000, 1), (5000, 3)]
+    for r in out["rows"]:
+        assert r["ratio"] == round(r["torch_ms"] / r["compiled_ms"], 2)
+    assert os.environ.get("SVRMAD_CPU_OPS") is None  # the torch side's switch does not outlive it
 
 
 def test_bench_memory_reports_the_pool_and_the_plans_estimate_on_the_cpu():
