@@ -164,18 +164,20 @@ def test_the_triton_decode_path_is_token_exact_under_the_interpreter(name):
 
 @pytest.mark.parametrize("heads,kv_heads,window", [(9, 3, None), (6, 2, 5), (4, 4, None)])
 @pytest.mark.parametrize("lens", [[1, 37, 300, 129], [300, 290, 1000, 77]])  # one KV head an item; all of them
-def test_a_bf16_cache_gives_the_bits_of_its_fp32_copy(heads, kv_heads, window, lens):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])  # read in place; widened into a buffer
+def test_a_bf16_cache_gives_the_bits_of_its_fp32_copy(heads, kv_heads, window, lens, dtype):
     """bf16 K/V rows are widened to fp32 as the fp32 loops read them (eight keys a reduction, the heads of
-    a KV group sharing each row): the output is the fp32 kernel's on the widened cache, rounded to bf16."""
+    a KV group sharing each row), fp16 rows into a buffer first for the same loops: the output is the fp32
+    kernel's on the widened cache, rounded to the cache's dtype."""
     g = torch.Generator().manual_seed(heads)
     bs, nblocks, D = 16, 80, 64
     lens = torch.tensor(lens)
     table = torch.stack([torch.randperm(nblocks, generator=g)[:63] for _ in lens])
-    k, v = (torch.randn(nblocks * bs, kv_heads, D, generator=g).bfloat16() for _ in range(2))
-    q = torch.randn(len(lens), heads, D, generator=g).bfloat16()
+    k, v = (torch.randn(nblocks * bs, kv_heads, D, generator=g).to(dtype) for _ in range(2))
+    q = torch.randn(len(lens), heads, D, generator=g).to(dtype)
     out = cpu_decode.paged_decode_cpu(q, k, v, table, lens, bs, 0.125, window)
     wide = cpu_decode.paged_decode_cpu(q.float(), k.float(), v.float(), table, lens, bs, 0.125, window)
-    assert out.dtype == torch.bfloat16 and torch.equal(out, wide.bfloat16())
+    assert out.dtype == dtype and torch.equal(out, wide.to(dtype))
 
 
 def test_slots_no_token_wrote_never_reach_the_output():

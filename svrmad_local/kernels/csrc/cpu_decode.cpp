@@ -71,7 +71,7 @@ static inline void dots8(const float* q, const float* rows, int64_t stride, int6
 static inline __m256 row8(const float* p) { return _mm256_loadu_ps(p); }
 static inline __m256 row8(const c10::BFloat16* p) { return load_bf16x8(reinterpret_cast<const uint16_t*>(p)); }
 
-// the cache dtypes the inner loops read in place (others are widened into a buffer first)
+// the cache dtypes the inner loops read in place (fp16 is widened into a buffer first, then takes the same loops)
 template <typename T>
 constexpr bool kReadsInPlace = std::is_same<T, float>::value || std::is_same<T, c10::BFloat16>::value;
 
@@ -233,20 +233,21 @@ static void run(const T* q, const T* k, const T* v, const int64_t* table, const 
             prefetch_rows(k + ((table[b * maxb + p0 / bs + PF_AHEAD] * bs + (p - p0)) * KVH + g0) * D, cnt,
                           KVH * D * sizeof(T), per * D * sizeof(T));
 #ifdef SVRMAD_AVX2
-          if (in_place && cnt == 8) {  // the heads of each KV group share the row loads
-            if constexpr (kReadsInPlace<T>) {
-              const T* rows = kb + (p - p0) * KVH * D;
+          if (cnt == 8 && D % 8 == 0) {  // the heads of each KV group share the row loads
+            const auto heads = [&](const auto* rows, int64_t stride) {  // rows: this token's, in place or widened
               for (int64_t h = 0; h < NH;) {
                 const int64_t take = std::min<int64_t>(3, G - h % G);
                 const float* qh = qf.data() + h * D;
-                const T* rh = rows + (h / G) * D;
+                const auto* rh = rows + (h / G) * D;
                 float* oh = scores.data() + h * C + t;
-                if (take == 3) dots8_heads<3>(qh, rh, KVH * D, D, scale, oh, C);
-                else if (take == 2) dots8_heads<2>(qh, rh, KVH * D, D, scale, oh, C);
-                else dots8_heads<1>(qh, rh, KVH * D, D, scale, oh, C);
+                if (take == 3) dots8_heads<3>(qh, rh, stride, D, scale, oh, C);
+                else if (take == 2) dots8_heads<2>(qh, rh, stride, D, scale, oh, C);
+                else dots8_heads<1>(qh, rh, stride, D, scale, oh, C);
                 h += take;
               }
-            }
+            };
+            if constexpr (kReadsInPlace<T>) heads(kb + (p - p0) * KVH * D, KVH * D);
+            else heads(krows + (p - p1) * ld, ld);
             continue;
           }
 #endif
@@ -270,8 +271,8 @@ static void run(const T* q, const T* k, const T* v, const int64_t* table, const 
         const int64_t p1 = std::max(p0, s), pe = std::min(p0 + bs, e);
         const int64_t ld = row_stride<T>(KVH * Dv, per * Dv);
 #ifdef SVRMAD_AVX2
-        if (kReadsInPlace<T> && Dv % 32 == 0) {  // the heads of a KV group share each row; accumulators in registers
-          if constexpr (kReadsInPlace<T>) {
+        if (Dv % 32 == 0) {  // the heads of a KV group share each row; accumulators in registers
+          const auto heads = [&](const auto* rows, int64_t stride) {  // rows [p1, pe): in place or widened
             for (int64_t h = 0; h < NH;) {
               const int64_t take = std::min<int64_t>(3, G - h % G);
               if (h % G == 0 && p0 + PF_AHEAD * bs < L)
@@ -279,14 +280,16 @@ static void run(const T* q, const T* k, const T* v, const int64_t* table, const 
                               pe - p1, KVH * Dv * sizeof(T), Dv * sizeof(T));
               const float* w[3];
               for (int64_t j = 0; j < take; ++j) w[j] = scores.data() + (h + j) * C + (p1 - s);
-              const T* row = vb + (p1 - p0) * KVH * Dv + (h / G) * Dv;  // in place, rows KVH * Dv apart
+              const auto* row = rows + (h / G) * Dv;
               float* a = acc + h * Dv;
-              if (take == 3) axpy_heads<3>(w, row, KVH * Dv, pe - p1, Dv, a, Dv);
-              else if (take == 2) axpy_heads<2>(w, row, KVH * Dv, pe - p1, Dv, a, Dv);
-              else axpy_heads<1>(w, row, KVH * Dv, pe - p1, Dv, a, Dv);
+              if (take == 3) axpy_heads<3>(w, row, stride, pe - p1, Dv, a, Dv);
+              else if (take == 2) axpy_heads<2>(w, row, stride, pe - p1, Dv, a, Dv);
+              else axpy_heads<1>(w, row, stride, pe - p1, Dv, a, Dv);
               h += take;
             }
-          }
+          };
+          if constexpr (kReadsInPlace<T>) heads(vb + (p1 - p0) * KVH * Dv, KVH * Dv);
+          else heads(rows_as_float(vb, p1 - p0, pe - p0, KVH * Dv, per * Dv, vbuf.data()), ld);
           continue;
         }
 #endif
