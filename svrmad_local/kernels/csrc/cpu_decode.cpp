@@ -219,14 +219,7 @@ static void run(const T* q, const T* k, const T* v, const int64_t* table, const 
       for (int64_t p0 = s - s % bs; p0 < e; p0 += bs) {
         const int64_t p1 = std::max(p0, s), pe = std::min(p0 + bs, e);
         const T* kb = k + (table[b * maxb + p0 / bs] * bs * KVH + g0) * D;
-        const int64_t ld = row_stride<T>(KVH * D, per * D);  // the rows [p1, pe) of this item's heads as floats
-#ifdef SVRMAD_AVX2
-        // fp32 and bf16 rows are read in place by the eight-token loops (a bf16 row widened in registers)
-        const bool in_place = kReadsInPlace<T> && D % 8 == 0;
-#else
-        const bool in_place = false;
-#endif
-        const float* krows = in_place ? nullptr : rows_as_float(kb, p1 - p0, pe - p0, KVH * D, per * D, kbuf.data());
+        const int64_t ld = row_stride<T>(KVH * D, per * D);  // a group's rows of this item's heads as floats
         for (int64_t p = p1; p < pe; p += 8) {  // eight tokens a reduction
           const int64_t cnt = std::min<int64_t>(8, pe - p), t = p - s;
           if (p0 + PF_AHEAD * bs < L)  // these rows of the block PF_AHEAD on, towards L2, spread over the block
@@ -246,14 +239,13 @@ static void run(const T* q, const T* k, const T* v, const int64_t* table, const 
                 h += take;
               }
             };
-            if constexpr (kReadsInPlace<T>) heads(kb + (p - p0) * KVH * D, KVH * D);
-            else heads(krows + (p - p1) * ld, ld);
+            if constexpr (kReadsInPlace<T>) heads(kb + (p - p0) * KVH * D, KVH * D);  // bf16 widened in registers
+            else heads(rows_as_float(kb, p - p0, p - p0 + 8, KVH * D, per * D, kbuf.data()), ld);
             continue;
           }
 #endif
           // fewer than eight tokens (or no AVX2): their rows as floats, one head at a time
-          const float* rows = in_place ? rows_as_float(kb, p - p0, p - p0 + cnt, KVH * D, per * D, kbuf.data())
-                                       : krows + (p - p1) * ld;
+          const float* rows = rows_as_float(kb, p - p0, p - p0 + cnt, KVH * D, per * D, kbuf.data());
           for (int64_t h = 0; h < NH; ++h)
             dots8(qf.data() + h * D, rows + (h / G) * D, ld, cnt, D, scale, scores.data() + h * C + t);
         }
