@@ -253,7 +253,9 @@ class Step:
             # row indices reach the device pinned, without blocking (kernels._backend.staged); a decode step's
             # rows are already in order (the copy of [R, V] fp32 logits would cost a tenth of a step's sampling)
             at = [r for _, r in to_sample]
-            logits = self.runner.logits(hidden if at == list(range(hidden.shape[0])) else hidden[staged(at, torch.long, hidden.device)])
+            if at != list(range(hidden.shape[0])):
+                hidden = hidden[staged(at, torch.long, hidden.device)]
+            logits = self.runner.logits(hidden)
             if rows != list(range(len(to_sample))):  # a leader's n first tokens draw from its one row
                 logits = logits[staged(rows, torch.long, logits.device)]
             if draws is None:
