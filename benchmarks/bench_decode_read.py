@@ -9,11 +9,14 @@ calls (best of --repeat), the same bytes read by torch's sum over one tensor, an
 (docs/kernels.md: what a read through 16-token paged blocks can reach). The sum is timed right after
 the kernel in each case: a shared machine's bandwidth moves with its neighbours. --against builds another revision of csrc/cpu_decode.cpp
 (`git show REV:svrmad_local/kernels/csrc/cpu_decode.cpp > old.cpp`) and times it in the same run, its
-outputs checked within 1e-5 of ours (the line says where they are the same bits). The last line is one JSON object with every figure.
+outputs checked within 1e-5 of ours (the line says where they are the same bits). On a CPU with AVX-512 the kernel also runs
+capped at its eight-lane AVX2 loops ("avx2 loops"), whose bits its sixteen-lane ones must give. The last line is one JSON
+object with every figure.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import sys
@@ -43,6 +46,22 @@ def _against(src: str):
                 extra_include_paths=[str(csrc)], verbose=False).paged_decode
 
 
+class AtLevel:
+    """The kernel capped at ISA level `level` while a case runs it (`with`; the module's level restored after)."""
+
+    def __init__(self, mod, level: int):
+        self.mod, self.level, self.full = mod, level, None
+
+    def __call__(self, *args):
+        return self.mod.paged_decode(*args)
+
+    def __enter__(self):
+        self.full = self.mod.set_isa_level(self.level)
+
+    def __exit__(self, *exc):
+        self.mod.set_isa_level(self.full)
+
+
 def _best(fn, repeat: int) -> float:
     fn()  # a first call compiles nothing here, but pages the inputs in
     return best_of(fn, repeat, torch.device("cpu"))
@@ -59,9 +78,10 @@ def case(lens: list[int], layers: int, repeat: int, kernels: dict, g: torch.Gene
     nbytes = sum(lens) * KV_HEADS * DIM * k[0].element_size() * 2 * layers
     row, outs = {}, {}
     for name, fn in kernels.items():
-        outs[name] = fn(q, k[0], v[0], table, L, BLOCK, SCALE, -1, None)
-        row[name] = nbytes / _best(lambda: [fn(q, k[i], v[i], table, L, BLOCK, SCALE, -1, None) for i in range(layers)],
-                                   repeat) / 1e9
+        with fn if isinstance(fn, AtLevel) else contextlib.nullcontext():
+            outs[name] = fn(q, k[0], v[0], table, L, BLOCK, SCALE, -1, None)
+            row[name] = nbytes / _best(lambda: [fn(q, k[i], v[i], table, L, BLOCK, SCALE, -1, None)
+                                                for i in range(layers)], repeat) / 1e9
     for name, out in outs.items():
         err = (out.float() - outs["kernel"].float()).abs().max().item()
         if err > 1e-5 * (1 if dtype == torch.float32 else 1e3):  # bf16: one rounding of the output apart
@@ -82,7 +102,10 @@ def main():
     args = ap.parse_args()
     if not cpu_decode.available():
         raise SystemExit(f"bench_decode_read: the kernel is not built: {cpu_decode.unavailable_reason()}")
-    kernels = {"kernel": cpu_decode._KERNEL.module().paged_decode}
+    mod = cpu_decode._KERNEL.module()
+    kernels = {"kernel": mod.paged_decode}
+    if mod.isa_level() >= 1:  # AVX-512 here: its eight-lane loops too, for the same bits at their speed
+        kernels["avx2 loops"] = AtLevel(mod, 0)
     if args.against:
         kernels["against"] = _against(args.against)
     print(f"{platform.processor() or platform.machine()}, torch {torch.__version__}, {args.dtype}; GB/s of K/V read, "
@@ -96,7 +119,7 @@ def main():
                 row = {"threads": threads, "case": label, **case(lens, args.layers, args.repeat, kernels, g, DTYPES[args.dtype])}
                 rows.append(row)
                 line = "  ".join(f"{n} {row[n]:5.1f} ({row[n] / row['sum']:4.0%})" for n in kernels)
-                if args.against:
+                if len(kernels) > 1:
                     line += "  same bits" if row["same_bits"] else "  NOT the same bits"
                 print(f"{threads} thread(s), {label:>15}: {line}  sum {row['sum']:5.1f}", flush=True)
     finally:  # a caller in the same process (the tests) keeps its thread count

@@ -180,6 +180,38 @@ def test_a_bf16_cache_gives_the_bits_of_its_fp32_copy(heads, kv_heads, window, l
     assert out.dtype == dtype and torch.equal(out, wide.to(dtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads,kv_heads,D,Dv,window,with_sinks", [(9, 3, 64, 64, None, False), (8, 2, 64, 128, 200, True),
+                                                                 (6, 2, 32, 32, None, False), (4, 4, 40, 96, 37, False)])
+def test_the_avx512_loops_give_the_avx2_loops_bits(dtype, heads, kv_heads, D, Dv, window, with_sinks):
+    """Where the CPU has AVX-512 the kernel runs sixteen-lane loops (two keys' eight-lane chains in one
+    vector, 64 value columns at a time, sixteen exponentials at once): every lane does the eight-lane
+    loops' arithmetic in their order, so the output is the AVX2 build's, bit for bit. Lengths with tails of
+    every size (fewer than eight keys, eight to fifteen past a multiple of sixteen), one KV head an item
+    and whole rows, a window and sinks."""
+    mod = cpu_decode._KERNEL.module()
+    full = mod.set_isa_level(99)
+    if mod.isa_level() < 1:
+        pytest.skip("this CPU has no AVX-512")
+    g = torch.Generator().manual_seed(D + Dv)
+    bs, nblocks = 16, 200
+    lens = torch.tensor([1, 7, 8, 23, 300, 129, 1000, 77, 250, 16])
+    table = torch.stack([torch.randperm(nblocks, generator=g)[:63] for _ in lens])
+    k = torch.randn(nblocks * bs, kv_heads, D, generator=g).to(dtype)
+    v = torch.randn(nblocks * bs, kv_heads, Dv, generator=g).to(dtype)
+    sinks = torch.randn(heads, generator=g) if with_sinks else None
+    outs = {}
+    try:
+        for level, batch in ((1, lens), (0, lens), (1, lens[:1]), (0, lens[:1])):  # whole rows; one KV head an item
+            mod.set_isa_level(level)
+            q = torch.randn(len(batch), heads, D, generator=torch.Generator().manual_seed(len(batch))).to(dtype)
+            outs[level, len(batch)] = cpu_decode.paged_decode_cpu(q, k, v, table[:len(batch)], batch, bs, 0.125,
+                                                                   window, sinks)
+    finally:
+        mod.set_isa_level(full)
+    assert torch.equal(outs[1, len(lens)], outs[0, len(lens)]) and torch.equal(outs[1, 1], outs[0, 1])
+
+
 def test_slots_no_token_wrote_never_reach_the_output():
     g = torch.Generator().manual_seed(3)
     bs, lens = 4, torch.tensor([2, 7])

@@ -126,6 +126,145 @@ static inline void axpy_heads(const float* const* w, const R* rows, int64_t stri
 }
 #endif
 
+#ifdef SVRMAD_X86_TARGETS
+SVRMAD_TARGET_BEGIN(SVRMAD_AVX512_FEATURES)
+// sixteen lanes for the loops above where the CPU has AVX-512 (isa_level()): each lane does what a lane of
+// the eight-lane loops does, in the same order, so the results are the same bits with half the instructions
+
+// row8(a) in the low half, row8(b) in the high one
+static inline __m512 rows16(const float* a, const float* b) {
+  return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(a)), _mm256_loadu_ps(b), 1);
+}
+static inline __m512 rows16(const c10::BFloat16* a, const c10::BFloat16* b) {
+  const __m256i h = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
+                                            _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+// sixteen elements of one cache row as floats (row8 of p and of p + 8)
+static inline __m512 row16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 row16(const c10::BFloat16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// _mm256_hadd_ps on each half of a and b: [a1 + a0, a3 + a2, b1 + b0, b3 + b2] in every 128-bit lane
+static inline __m512 hadd16(__m512 a, __m512 b) {
+  return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0xDD), _mm512_shuffle_ps(a, b, 0x88));
+}
+// hsum8 of the eight halves of a[0..4) taken as (low halves, then high halves): hsum8's additions, two at a time
+static inline __m256 hsum8x2(const __m512* a) {
+  const __m512 u = hadd16(hadd16(a[0], a[1]), hadd16(a[2], a[3]));  // [hsum8's u0 | u1]
+  const __m512 lo = _mm512_shuffle_f32x4(u, u, 0x08), hi = _mm512_shuffle_f32x4(u, u, 0x0D);  // 128-bit lanes 0, 2 and 1, 3
+  return _mm512_castps512_ps256(_mm512_add_ps(lo, hi));
+}
+
+// exp_neg8 on sixteen lanes, the same operations lane for lane
+static inline __m512 exp_neg16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+// exp_sub_sum sixteen at a time: the eight-lane sum takes each half in turn, as it took them there
+static float exp_sub_sum512(float* x, int64_t n, float m) {
+  const __m512 mv = _mm512_set1_ps(m);
+  __m256 acc = _mm256_setzero_ps();
+  int64_t t = 0;
+  for (; t + 16 <= n; t += 16) {
+    const __m512 e = exp_neg16(_mm512_sub_ps(_mm512_loadu_ps(x + t), mv));
+    _mm512_storeu_ps(x + t, e);
+    acc = _mm256_add_ps(_mm256_add_ps(acc, _mm512_castps512_ps256(e)), _mm512_extractf32x8_ps(e, 1));
+  }
+  if (t + 8 <= n) {
+    const __m256 e = exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(x + t), _mm256_set1_ps(m)));
+    _mm256_storeu_ps(x + t, e);
+    acc = _mm256_add_ps(acc, e);
+    t += 8;
+  }
+  float sum = hsum(acc);
+  for (; t < n; ++t) { x[t] = std::exp(x[t] - m); sum += x[t]; }
+  return sum;
+}
+
+// dots8_heads with tokens j and j + 4 in one vector's halves: the same eight chains a head, then the same hsum8
+template <int NHT, typename R>
+static void dots8_heads512(const float* q, const R* rows, int64_t stride, int64_t D, float scale, float* out,
+                           int64_t ostride) {
+  __m512 acc[NHT][4];
+  for (int h = 0; h < NHT; ++h)
+    for (int j = 0; j < 4; ++j) acc[h][j] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) {
+    __m512 x[4];
+    for (int j = 0; j < 4; ++j) x[j] = rows16(rows + j * stride + d, rows + (j + 4) * stride + d);
+    for (int h = 0; h < NHT; ++h) {
+      const __m512 qv = _mm512_broadcast_f32x8(_mm256_loadu_ps(q + h * D + d));
+      for (int j = 0; j < 4; ++j) acc[h][j] = _mm512_fmadd_ps(x[j], qv, acc[h][j]);
+    }
+  }
+  const __m256 sv = _mm256_set1_ps(scale);
+  for (int h = 0; h < NHT; ++h) _mm256_storeu_ps(out + h * ostride, _mm256_mul_ps(hsum8x2(acc[h]), sv));
+}
+
+// axpy_heads 64 columns at a time (Dv a multiple of 64): each column's FMAs as there
+template <int NHT, typename R>
+static void axpy_heads512(const float* const* w, const R* rows, int64_t stride, int64_t cnt, int64_t Dv, float* acc,
+                          int64_t astride) {
+  for (int64_t c = 0; c < Dv; c += 64) {
+    __m512 r[NHT][4];
+    for (int h = 0; h < NHT; ++h)
+      for (int j = 0; j < 4; ++j) r[h][j] = _mm512_loadu_ps(acc + h * astride + c + 16 * j);
+    const R* row = rows + c;
+    for (int64_t p = 0; p < cnt; ++p, row += stride) {
+      __m512 wv[NHT];
+      for (int h = 0; h < NHT; ++h) wv[h] = _mm512_set1_ps(w[h][p]);
+      for (int j = 0; j < 4; ++j) {
+        const __m512 x = row16(row + 16 * j);
+        for (int h = 0; h < NHT; ++h) r[h][j] = _mm512_fmadd_ps(wv[h], x, r[h][j]);
+      }
+    }
+    for (int h = 0; h < NHT; ++h)
+      for (int j = 0; j < 4; ++j) _mm512_storeu_ps(acc + h * astride + c + 16 * j, r[h][j]);
+  }
+}
+SVRMAD_TARGET_END
+#endif
+
+#ifdef SVRMAD_AVX2
+// the loops above on the widest vectors the run may take (`wide`: AVX-512), the same bits either way
+template <int NHT, typename R>
+static inline void dots8_any(bool wide, const float* q, const R* rows, int64_t stride, int64_t D, float scale, float* out,
+                             int64_t ostride) {
+#ifdef SVRMAD_X86_TARGETS
+  if (wide) return dots8_heads512<NHT>(q, rows, stride, D, scale, out, ostride);
+#endif
+  dots8_heads<NHT>(q, rows, stride, D, scale, out, ostride);
+}
+template <int NHT, typename R>
+static inline void axpy_any(bool wide, const float* const* w, const R* rows, int64_t stride, int64_t cnt, int64_t Dv,
+                            float* acc, int64_t astride) {
+#ifdef SVRMAD_X86_TARGETS
+  if (wide && Dv % 64 == 0) return axpy_heads512<NHT>(w, rows, stride, cnt, Dv, acc, astride);
+#endif
+  axpy_heads<NHT>(w, rows, stride, cnt, Dv, acc, astride);
+}
+#endif
+static inline float exp_sum_any(bool wide, float* x, int64_t n, float m) {
+#ifdef SVRMAD_X86_TARGETS
+  if (wide) return exp_sub_sum512(x, n, m);
+#endif
+  return exp_sub_sum(x, n, m);
+}
+
 // pulls `rows` rows of `bytes` each, `stride` bytes apart, towards L2 (the rows of a block PF_AHEAD on,
 // while this one computes: a block table scatters a context, so the hardware's prefetch stops at every
 // block edge)
@@ -176,6 +315,7 @@ template <typename T>
 static void run(const T* q, const T* k, const T* v, const int64_t* table, const int64_t* lens, const float* sinks,
                 T* out, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t Dv, int64_t maxb, int64_t bs,
                 float scale, int64_t window) {
+  const bool wide = isa_level() >= ISA_AVX512;  // the sixteen-lane loops (the same bits)
   const int64_t G = H / KVH, C = bs * std::max<int64_t>(1, CHUNK_TOKENS / bs);
   // every sequence's keys cut at multiples of C; chunks of sequence b are first[b] .. first[b + 1]
   std::vector<int64_t> first(B + 1, 0), chunk_lo;
@@ -233,9 +373,9 @@ static void run(const T* q, const T* k, const T* v, const int64_t* table, const 
                 const float* qh = qf.data() + h * D;
                 const auto* rh = rows + (h / G) * D;
                 float* oh = scores.data() + h * C + t;
-                if (take == 3) dots8_heads<3>(qh, rh, stride, D, scale, oh, C);
-                else if (take == 2) dots8_heads<2>(qh, rh, stride, D, scale, oh, C);
-                else dots8_heads<1>(qh, rh, stride, D, scale, oh, C);
+                if (take == 3) dots8_any<3>(wide, qh, rh, stride, D, scale, oh, C);
+                else if (take == 2) dots8_any<2>(wide, qh, rh, stride, D, scale, oh, C);
+                else dots8_any<1>(wide, qh, rh, stride, D, scale, oh, C);
                 h += take;
               }
             };
@@ -254,7 +394,7 @@ static void run(const T* q, const T* k, const T* v, const int64_t* table, const 
         float* sh = scores.data() + h * C;
         const float m = max_of(sh, n, sinks ? sinks[h0 + h] : -std::numeric_limits<float>::infinity());
         mx[it.chunk * H + h0 + h] = m;
-        den[it.chunk * H + h0 + h] = exp_sub_sum(sh, n, m);
+        den[it.chunk * H + h0 + h] = exp_sum_any(wide, sh, n, m);
       }
       float* acc = part_acc.data() + (it.chunk * H + h0) * Dv;
       std::fill(acc, acc + NH * Dv, 0.f);
@@ -274,9 +414,9 @@ static void run(const T* q, const T* k, const T* v, const int64_t* table, const 
               for (int64_t j = 0; j < take; ++j) w[j] = scores.data() + (h + j) * C + (p1 - s);
               const auto* row = rows + (h / G) * Dv;
               float* a = acc + h * Dv;
-              if (take == 3) axpy_heads<3>(w, row, stride, pe - p1, Dv, a, Dv);
-              else if (take == 2) axpy_heads<2>(w, row, stride, pe - p1, Dv, a, Dv);
-              else axpy_heads<1>(w, row, stride, pe - p1, Dv, a, Dv);
+              if (take == 3) axpy_any<3>(wide, w, row, stride, pe - p1, Dv, a, Dv);
+              else if (take == 2) axpy_any<2>(wide, w, row, stride, pe - p1, Dv, a, Dv);
+              else axpy_any<1>(wide, w, row, stride, pe - p1, Dv, a, Dv);
               h += take;
             }
           };
@@ -339,4 +479,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", torch::wrap_pybind_function(paged_decode), "paged_decode");
   m.def("addresses", []() { return std::vector<int64_t>{svrmad::address<svrmad::DecodeFn>(&paged_decode)}; },
         "paged_decode's address, for a C++ caller (cpu_stack.cpp)");
+  m.def("isa_level", []() { return isa_level(); }, "the run-time ISA level the kernel takes");
+  m.def("set_isa_level", [](int level) { return set_isa_level(level); }, "caps it; returns the one before");
 }
