@@ -159,12 +159,14 @@ def test_bf16_avx2_path_gives_the_bf16_instructions_bits_and_every_row_its_own(n
 
 def test_bf16_amx_rows_are_batch_invariant():
     """AMX sums in an order of its own; every call takes the tiles where the CPU has them, one row too,
-    so a row's output is the same at any batch size there as well."""
-    w, b, x = bf16_case(300, 576, 70, 3)
+    so a row's output is the same at any batch size there as well, across the 64-row blocks a call walks
+    the panels in too."""
+    w, b, x = bf16_case(300, 576, 300, 3)
     panels = cpu_linear.pack(w)
     with isa("amx"):
         full = cpu_linear.linear(x, panels, 300, b)
-        for lo, hi in [(0, 16), (5, 37), (40, 70), (0, 33), (7, 8), (69, 70), (3, 5)]:
+        for lo, hi in [(0, 16), (5, 37), (40, 70), (0, 33), (7, 8), (69, 70), (3, 5), (60, 200), (128, 129),
+                       (250, 300), (1, 300)]:
             assert torch.equal(cpu_linear.linear(x[lo:hi], panels, 300, b), full[lo:hi]), (lo, hi)
             for width in (4, 1):
                 assert torch.equal(cpu_linear.linear(x[lo:lo + 1], panels, 300, b, row_width=width), full[lo:lo + 1])
