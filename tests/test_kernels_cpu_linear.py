@@ -138,6 +138,28 @@ def test_bf16_panels_match_float64_within_one_rounding(level, n, k):
             assert ((got.double() - want).abs() <= 2**-8 * want.abs() + 1e-3 * (k / 64) ** 0.5).all(), (level, m)
 
 
+@pytest.mark.parametrize("level", ["avx2", "avx512_bf16", "amx"])
+def test_bf16_outputs_are_the_exact_sums_rounded_to_nearest_even(level):
+    """Small integers: every product and partial sum is exact in fp32, so any summation order (AMX's
+    included) reaches the exact sum, and the output must be that sum plus the bias rounded to bf16 to
+    nearest even (many ties above 256), a NaN row 0x7FC0: the epilogue's rounding, bit for bit, on
+    whole panels and on a ragged last one, at decode and prefill sizes."""
+    g = torch.Generator().manual_seed(7)
+    n, k, m = 300, 576, 200
+    w = torch.randint(-8, 9, (n, k), generator=g).bfloat16()
+    x = torch.randint(-8, 9, (m, k), generator=g).bfloat16()
+    b = (torch.randint(-64, 65, (n,), generator=g) / 2).bfloat16()
+    x[3, 5] = float("nan")
+    want = (x.double() @ w.double().T + b.double()).float().bfloat16()
+    want[3] = float("nan")
+    panels = cpu_linear.pack(w)
+    with isa(level):
+        for rows in (1, 5, 16, 40, 200):
+            got = cpu_linear.linear(x[:rows], panels, n, b)
+            assert torch.equal(got.view(torch.int16), want[:rows].view(torch.int16)), (level, rows)
+    assert (want.double().abs() > 256).float().mean() > 0.5  # most outputs need rounding
+
+
 @pytest.mark.parametrize("n,k", [(200, 576), (70, 2101), (33, 8)])
 def test_bf16_avx2_path_gives_the_bf16_instructions_bits_and_every_row_its_own(n, k):
     """The AVX2 path (two FMAs a pair under DAZ/FTZ) computes what vdpbf16ps does, denormals included, and
