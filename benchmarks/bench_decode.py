@@ -11,8 +11,11 @@ top-p 0.95, top-k 40, a seed per request) unless --greedy; lengths are fixed (ig
 
 The limit: a decode step reads every weight once whatever B is (the body's matrices and the LM
 head; of the input embedding only B rows), plus each sequence's KV so far. The machine's read
-bandwidth is measured with a large tensor sum (best of several), so
+bandwidth is measured with a large tensor sum (best of several) right before and right after each batch
+size's timed pairs (a shared machine's bandwidth moves with its neighbours: a figure taken once at the
+start can be minutes old), and their mean sets that row's limit:
     limit tokens/s = B * bandwidth / (weight bytes + B * KV bytes at the mean context).
+Each row keeps both reads (`bandwidth_gb_s_around`); a row whose two reads differ by over 20% says so.
 Beside it, what the step's matmuls alone allow: B / (seconds of every linear of the model, LM head
 included, on B rows in its dtype, called as the engine's forward calls them, on its worker thread),
 i.e. a step with no attention, no sampling and no overhead; on a
@@ -389,7 +392,8 @@ def main() -> int:
         outs = engine.generate_sync(prompts, [SamplingParams(**p) for p in params])
         return [len(o.completions[0].token_ids) for o in outs]
 
-    bw = read_bandwidth(device=lm.model.get_input_embeddings().weight.device)
+    device = lm.model.get_input_embeddings().weight.device
+    bw = read_bandwidth(device=device)
     w_bytes = weight_bytes_per_step(lm.model)
     kv_tok = kv_bytes_per_token(lm.model.config, dtype)
     mean_ctx = args.prompt_tokens + args.new_tokens / 2
@@ -413,16 +417,20 @@ def main() -> int:
     for B in batches:
         steps0, overlapped0 = engine.totals.steps, engine.totals.overlapped_steps
         host.take()
+        bw_before = read_bandwidth(device=device)
         pairs = [timed_pair(engine_generate, gen, B, args, vocab) for _ in range(args.repeat)]
         host_ms = host.take()
+        bw_after = read_bandwidth(device=device)
+        bw_row = (bw_before + bw_after) / 2
         tps = statistics.median(B * args.new_tokens / (t_full - t_pre) for t_pre, t_full in pairs)
         t_pre = statistics.median(t for t, _ in pairs)
-        limit = B * bw / (w_bytes + B * mean_ctx * kv_tok)
+        limit = B * bw_row / (w_bytes + B * mean_ctx * kv_tok)
         gemm = B / linears_seconds(engine, B)
         row = {"batch": B, "engine_tok_s": round(tps, 1), "engine_steps": (engine.totals.steps - steps0) // args.repeat,
                # steps launched before the previous one's tokens were read (EngineConfig.overlap)
                "overlapped_steps": (engine.totals.overlapped_steps - overlapped0) // args.repeat,
                "limit_bandwidth_tok_s": round(limit, 1), "fraction_of_limit": round(tps / limit, 3),
+               "bandwidth_gb_s_around": [round(bw_before / 1e9, 2), round(bw_after / 1e9, 2)],
                "linears_only_tok_s": round(gemm, 1), "fraction_of_linears_only": round(tps / gemm, 3),
                "prefill_s": round(t_pre, 3), "threads": (engine.info["threads"] or {}).get("now"),
                # the host's own ms a decode step that samples inside the static step (HostShare)
@@ -430,7 +438,10 @@ def main() -> int:
         rows.append(row)
         print(f"batch {B:3d}: engine {tps:7.1f} tok/s   weight-streaming limit {limit:7.1f} tok/s ({tps / limit:.0%} of it)"
               f"   the step's matmuls alone {gemm:7.1f} tok/s ({tps / gemm:.0%} of it)   threads {row['threads']}"
-              + (f"   the host's own {host_ms:.2f} ms a step" if host_ms is not None else ""))
+              + (f"   the host's own {host_ms:.2f} ms a step" if host_ms is not None else "")
+              + f"   read {bw_before / 1e9:.1f} / {bw_after / 1e9:.1f} GB/s before / after"
+              + ("  (the bandwidth moved over 20% meanwhile: this row's limit is uncertain)"
+                 if abs(bw_after - bw_before) > 0.2 * min(bw_before, bw_after) else ""))
     result = {"dtype": args.dtype, "engine": args.engine or "", "decoder": engine.info["decoder"],
               "overlap": engine.execution.overlap.value, "gemv": engine.execution.gemv.value, "linear": engine.info["linear"], "linear_run": (engine.info.get("linear_calibration") or {}).get("run"),
               "bandwidth_gb_s": round(bw / 1e9, 2), "weight_bytes_per_step": w_bytes,
