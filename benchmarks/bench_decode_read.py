@@ -16,10 +16,13 @@ object with every figure.
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import json
 import platform
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,12 +40,16 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def _against(src: str):
+    """The other revision's kernel, built in a directory of its own: torch's build lock in a shared cache
+    directory outlives a build that was killed, and the next build there waits on it for ever."""
     from torch.utils.cpp_extension import load
 
     from svrmad_local.kernels._cpu_build import cflags
 
     csrc = ROOT / "svrmad_local" / "kernels" / "csrc"
-    return load(name="bench_decode_read_against", sources=[src], extra_cflags=cflags(),
+    build = tempfile.mkdtemp(prefix="bench_decode_read_")
+    atexit.register(shutil.rmtree, build, ignore_errors=True)
+    return load(name="bench_decode_read_against", sources=[src], extra_cflags=cflags(), build_directory=build,
                 extra_include_paths=[str(csrc)], verbose=False).paged_decode
 
 
