@@ -15,19 +15,21 @@ using namespace svrmad;
 
 constexpr int64_t PF_AHEAD = 2;  // blocks ahead that prefetch_rows reads
 
-// x[t] = e^(x[t] - m) in place; returns their sum
-static inline float exp_sub_sum(float* x, int64_t n, float m) {
-  int64_t t = 0;
-  float sum = 0.f;
+// x[t] = e^(x[t] - m) in place for t in [t, n); returns their sum. `acc`: the eight-lane sum of the
+// exponentials before t (exp_sub_sum512 continues here after its sixteen-lane part)
 #ifdef SVRMAD_AVX2
+static inline float exp_sub_sum(float* x, int64_t n, float m, int64_t t = 0, __m256 acc = _mm256_setzero_ps()) {
   const __m256 mv = _mm256_set1_ps(m);
-  __m256 acc = _mm256_setzero_ps();
   for (; t + 8 <= n; t += 8) {
     const __m256 e = exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(x + t), mv));
     _mm256_storeu_ps(x + t, e);
     acc = _mm256_add_ps(acc, e);
   }
-  sum = hsum(acc);
+  float sum = hsum(acc);
+#else
+static inline float exp_sub_sum(float* x, int64_t n, float m) {
+  int64_t t = 0;
+  float sum = 0.f;
 #endif
   for (; t < n; ++t) { x[t] = std::exp(x[t] - m); sum += x[t]; }
   return sum;
@@ -178,15 +180,7 @@ static float exp_sub_sum512(float* x, int64_t n, float m) {
     _mm512_storeu_ps(x + t, e);
     acc = _mm256_add_ps(_mm256_add_ps(acc, _mm512_castps512_ps256(e)), _mm512_extractf32x8_ps(e, 1));
   }
-  if (t + 8 <= n) {
-    const __m256 e = exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(x + t), _mm256_set1_ps(m)));
-    _mm256_storeu_ps(x + t, e);
-    acc = _mm256_add_ps(acc, e);
-    t += 8;
-  }
-  float sum = hsum(acc);
-  for (; t < n; ++t) { x[t] = std::exp(x[t] - m); sum += x[t]; }
-  return sum;
+  return exp_sub_sum(x, n, m, t, acc);
 }
 
 // dots8_heads with tokens j and j + 4 in one vector's halves: the same eight chains a head, then the same hsum8
