@@ -1,15 +1,17 @@
-"""A decode step's sampling and token statistics on the CPU: the compiled top-k and argmax
-(kernels/cpu_ops.py) against torch's own, side by side in one process (a script).
+"""A decode step's sampling and token statistics on the CPU: the compiled step (kernels/cpu_ops.py
+`sample_pack`: torch's ops called from C++, its top-k and argmax compiled selections) against the same
+torch ops called one by one from Python, side by side in one process (a script).
 
     python benchmarks/bench_sampling.py [--batches 1,8,32] [--vocabs 49152,151936] [--rounds 7] [--greedy]
 
 For each vocabulary and batch size, the rows' fp32 logits (bf16-rounded random values, as a bf16 LM head
-gives: ties near the top) go through what `Step._sample` runs after the LM head: `sampler.sample_rows`
-(top-k 40, top-p 0.95, a seeded draw per row; `--greedy`: the argmax) and `stats.stats_from_logits`
-(log-softmax, entropy, the chosen token's log-prob, the top 20). Each round times both sides once,
-alternating (SVRMAD_CPU_OPS=0 for torch's side), so both meet the machine's same moments; prints the
-medians in ms and their ratio (> 1: the compiled selections are faster), and fails if the two sides'
-tokens, top ids or statistics differ in any bit. Last line: one JSON object.
+gives: ties near the top) go through what `Step._sample` runs after the LM head, `sampler.sample_packed`:
+the sampling (top-k 40, top-p 0.95, a seeded draw per row; `--greedy`: the argmax), the statistics
+(log-softmax, entropy, the chosen token's log-prob, the top 20) and their packing for the host. Each round
+times both sides once, alternating (SVRMAD_CPU_OPS=0 for torch's side: `sample_rows`, `stats_from_logits`
+and `pack` from Python, torch's own top-k and argmax), so both meet the machine's same moments; prints the
+medians in ms and their ratio (> 1: the compiled side is faster), and fails if the two sides' packed rows
+differ in any bit. Last line: one JSON object.
 """
 
 from __future__ import annotations
@@ -26,18 +28,15 @@ import torch
 
 from svrmad_local.engine import sampler
 from svrmad_local.engine.config import SamplingParams
-from svrmad_local.engine.stats import stats_from_logits
 from svrmad_local.kernels import cpu_ops
 
 
-def step(logits: torch.Tensor, params: list[SamplingParams], seed: int) -> tuple:
+def step(logits: torch.Tensor, params: list[SamplingParams], seed: int) -> torch.Tensor:
     draws = sampler.prepare(params, [random.Random(seed + i) for i in range(len(params))], logits.shape[1])
-    toks = sampler.sample_rows(logits, draws)
-    st = stats_from_logits(logits, toks, draws.topk)
-    return toks, st.logprob, st.entropy, st.topk_logprobs, st.topk_ids
+    return sampler.sample_packed(logits, draws)
 
 
-def timed(logits, params, seed: int, compiled: bool) -> tuple[float, tuple]:
+def timed(logits, params, seed: int, compiled: bool) -> tuple[float, torch.Tensor]:
     if compiled:
         os.environ.pop("SVRMAD_CPU_OPS", None)
     else:
@@ -68,9 +67,8 @@ def main(argv: list[str] | None = None) -> int:
             for r in range(args.rounds + 1):  # round 0 warms both sides up, untimed
                 logits = (torch.randn(B, V, generator=gen) * 3).bfloat16().float()
                 (t_c, out_c), (t_t, out_t) = (timed(logits, params, r, c) for c in (True, False))
-                for a, b in zip(out_c, out_t):
-                    if not torch.equal(a, b):
-                        raise SystemExit(f"bench_sampling: the two sides differ at vocab {V}, batch {B}")
+                if not torch.equal(out_c, out_t):
+                    raise SystemExit(f"bench_sampling: the two sides differ at vocab {V}, batch {B}")
                 if r:
                     ms["compiled"].append(t_c)
                     ms["torch"].append(t_t)

@@ -179,3 +179,89 @@ def test_topk_runs_compiled_where_torch_partial_sorts_and_refuses_elsewhere():
     with pytest.raises(RuntimeError, match="contiguous fp32"):
         mod.topk_rows(x.double(), 10)
     assert torch.equal(cpu_ops.topk(x.t().contiguous().t(), 10).indices, x.topk(10, -1).indices)  # made contiguous
+
+
+def _torch_step(logits, draws):
+    """What a step ran before the compiled call: the sampler's and the statistics' torch ops from Python."""
+    from svrmad_local.engine import sampler, stats
+
+    toks = sampler.sample_rows(logits, draws)
+    return stats.pack(toks, stats.stats_from_logits(logits, toks, draws.topk))
+
+
+def _same_bits(a, b):
+    torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("V", [30, 400, 5000, 49152, 262144])  # a full sort (K >= V), torch's own top-k (k * 64 > V),
+# the compiled top-k; 262,144 takes the statistics 16 rows at a time through the kept buffers
+def test_the_compiled_step_samples_and_packs_the_torch_ops_bits(V):
+    """cpu_ops.sample_pack is sample_rows, stats_from_logits and pack called from C++: the tokens, log-probs,
+    entropies and top alternatives bit for bit, greedy rows, temperatures, widths and ties included; and
+    nothing it returns is one of the buffers it keeps (a later call leaves an earlier result as it was)."""
+    import random
+
+    from svrmad_local.engine import sampler
+    from svrmad_local.engine.config import SamplingParams
+
+    D = SamplingParams()
+    cases = [[D] * 20, [D, SamplingParams(temperature=0), D, SamplingParams(temperature=0.7, top_p=0.5, top_k=7)],
+             [SamplingParams(temperature=t) for t in (0.3, 0.7, 1.0, 1.3)], [SamplingParams(temperature=0)] * 3,
+             [SamplingParams(top_k=0, topk_logprobs=30), D], [SamplingParams(topk_logprobs=0)] * 2]
+    gen = torch.Generator().manual_seed(V)
+    kept = []
+    for c, params in enumerate(cases):
+        for step in range(4):
+            logits = torch.randn(len(params), V, generator=gen) * (1 + step)  # flat and peaked
+            if step % 2:
+                logits = logits.bfloat16().float()  # ties near the top, as a bf16 LM head gives
+            draws = sampler.prepare(params, [random.Random(100 * c + 10 * step + i) for i in range(len(params))], V)
+            got = cpu_ops.sample_pack(logits, torch.from_numpy(draws.table), draws.K, draws.topk)
+            _same_bits(got, _torch_step(logits, draws))
+            kept.append((got, got.clone()))
+    for got, copy in kept:
+        _same_bits(got, copy)
+
+
+def test_the_compiled_step_keeps_torchs_bits_on_nan_and_infinite_logits():
+    """Sampled rows that are mostly, or all but one, -inf; a greedy step's rows with a NaN or +inf (torch.argmax
+    takes the NaN's index; a step that samples any row cannot draw from such a row, in torch's ops as here)."""
+    import random
+
+    from svrmad_local.engine import sampler
+    from svrmad_local.engine.config import SamplingParams
+
+    logits = torch.randn(4, 5000)
+    logits[0, 100:] = float("-inf")
+    logits[1, :] = float("-inf")
+    logits[1, 3] = 2.0
+    logits[2, 7] = float("nan")
+    logits[3, 11] = float("inf")
+    for rows, params in ((slice(0, 2), [SamplingParams(), SamplingParams(temperature=0.5)]),
+                         (slice(0, 4), [SamplingParams(temperature=0)] * 4)):
+        draws = sampler.prepare(params, [random.Random(i) for i in range(len(params))], 5000)
+        x = logits[rows].contiguous()
+        _same_bits(cpu_ops.sample_pack(x, torch.from_numpy(draws.table), draws.K, draws.topk), _torch_step(x, draws))
+
+
+def test_the_engines_sampling_takes_the_compiled_step_on_the_cpu(monkeypatch):
+    """sampler.sample_packed calls the compiled step where it runs, and torch's ops where it does not
+    (SVRMAD_CPU_OPS=0 here): the same packed rows either way."""
+    import random
+
+    from svrmad_local.engine import sampler
+    from svrmad_local.engine.config import SamplingParams
+
+    logits = torch.randn(3, 4096) * 4
+    params = [SamplingParams(), SamplingParams(temperature=0), SamplingParams(temperature=0.6, top_k=5)]
+    draws = lambda: sampler.prepare(params, [random.Random(i) for i in range(3)], 4096)  # noqa: E731
+    calls = []
+    monkeypatch.setattr(cpu_ops, "sample_pack", lambda *a: calls.append(1) or _KERNEL_SAMPLE_PACK(*a))
+    compiled = sampler.sample_packed(logits, draws())
+    assert calls == [1]
+    monkeypatch.setenv("SVRMAD_CPU_OPS", "0")
+    _same_bits(sampler.sample_packed(logits, draws()), compiled)
+    assert calls == [1]
+
+
+_KERNEL_SAMPLE_PACK = cpu_ops.sample_pack

@@ -70,6 +70,7 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from svrmad_local.kernels import cpu_ops
 from svrmad_local.kernels._backend import staged
 
 from . import sampler, stats, tp
@@ -495,6 +496,8 @@ class StaticDecode:
         """The rows' tokens and statistics, packed (stats.pack): the head's fp32 logits, sampled from the
         loaded draws at the widths the step holds."""
         logits = self.runner.logits(hidden)
+        if cpu_ops.samples(logits):  # on the CPU, where nothing is captured: the same ops in one compiled call
+            return cpu_ops.sample_pack(logits, self.draws[:, :P], self.K, self.topk)
         toks = sampler.draw(logits, *sampler.columns(self.draws[:, :P], logits.dtype), self.K)
         return stats.pack(toks, stats.stats_from_logits(logits, toks, self.topk))
 

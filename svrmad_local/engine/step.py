@@ -24,7 +24,7 @@ from .config import SignalConfig
 from .graphs import Decoded
 from .scheduler import Batch, Work
 from .sequence import Completion, Request, RequestOutput, ScoreOutput, Sequence
-from .stats import pack, sequence_signals, stats_from_logits, unpack
+from .stats import sequence_signals, stats_from_logits, unpack
 
 
 def seed_for(seed: int, index: int) -> int:
@@ -260,8 +260,7 @@ class Step:
                 logits = logits[staged(rows, torch.long, logits.device)]
             if draws is None:
                 draws = sampler.prepare([s.params for s, _ in samples], gens, logits.shape[1])
-            toks = sampler.sample_rows(logits, draws)
-            packed = pack(toks, stats_from_logits(logits, toks, draws.topk))
+            packed = sampler.sample_packed(logits, draws)
         read = packed.tolist()  # the step's one read back from the device
         for i, (seq, j) in enumerate(samples):
             target = seq

@@ -26,6 +26,8 @@ Numerics:
   transformers (`hidden_states.to(torch.float32)`), the normalised row is rounded to bf16 and then
   multiplied by the bf16 weight (rounded again): transformers' own steps, only the sum's order differs.
   A row's result never depends on the other rows (batch-invariant).
+- `sample_pack` runs a step's sampling, statistics and packing (engine/sampler.py `sample_packed`) as the
+  same ATen ops in the same order, called from C++: their bits, without ~25 Python dispatches a step.
 - `topk` and `argmax` select, they compute nothing: torch.topk's and torch.argmax's values and indices,
   ties in torch's order (csrc/cpu_ops.cpp says how), 4-8x faster on a 49k vocabulary. A sampled token
   and the recorded top log-probs therefore do not depend on which of the two ran.
@@ -134,3 +136,14 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     if x.shape[-1] > 0 and _selects(x):
         return _KERNEL.module().argmax_rows(x.contiguous())
     return x.argmax(-1)
+
+
+def samples(logits: torch.Tensor) -> bool:
+    """Whether `sample_pack` takes these logits (`_selects`: fp32 [rows, V] on the CPU, the module built)."""
+    return logits.shape[-1] > 0 and _selects(logits)
+
+
+def sample_pack(logits: torch.Tensor, table: torch.Tensor, K: int, topk: int) -> torch.Tensor:
+    """stats.pack(toks, stats.stats_from_logits(logits, toks, topk)) with toks = sampler.sample_rows(logits, draws)
+    for draws of `table` ([5, R] float64, sampler.Draws.table on the CPU) and widths K, topk: bit for bit, one call."""
+    return _KERNEL.module().sample_pack(logits.contiguous(), table, K, topk)

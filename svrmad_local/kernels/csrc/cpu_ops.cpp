@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -343,6 +344,110 @@ torch::Tensor argmax_rows(torch::Tensor x) {
   return out;
 }
 
+// ---- A step's sampling, statistics and packing in one call (engine/sampler.py `sample_packed`) ----
+//
+// The torch ops of sampler.sample_rows, then stats.stats_from_logits, then stats.pack, one for one and in
+// their order, called from here: each op is the same ATen kernel on the same inputs, so the bits are
+// theirs. The selections are topk_rows and argmax_rows, as cpu_ops.topk and cpu_ops.argmax call them.
+// What changes is the cost around each op: ~25 ops a step from Python took ~0.5 ms at batch 1 (each
+// ~10-20 us of dispatch on the engine's worker thread); from C++ a few us each.
+
+// cpu_ops.topk: the compiled selection where torch takes its partial sort (k * 64 <= V), torch's own else
+static std::tuple<torch::Tensor, torch::Tensor> select_top(const torch::Tensor& x, int64_t k) {
+  if (k * 64 <= x.size(1)) {
+    auto vi = topk_rows(x.contiguous(), k);
+    return {vi[0], vi[1]};
+  }
+  return x.topk(k, -1);
+}
+
+// sampler.draw's arithmetic after the temperature (the rows' top-K, masks, softmax, CDF and draw)
+static torch::Tensor draw_rows(const torch::Tensor& lg, const torch::Tensor& ks, const torch::Tensor& ps,
+                               const torch::Tensor& u, int64_t K) {
+  torch::Tensor vals, idx;
+  if (K < lg.size(1)) {
+    std::tie(vals, idx) = select_top(lg, K);
+  } else {
+    std::tie(vals, idx) = lg.sort(-1, true);
+  }
+  auto ranks = torch::arange(vals.size(1), ks.options());
+  vals = vals.masked_fill(ranks.unsqueeze(0).ge(ks.unsqueeze(1)), -INFINITY);
+  auto probs = torch::softmax(vals, -1);
+  auto cum = probs.cumsum(-1);
+  probs = probs.masked_fill((cum - probs).ge(ps.unsqueeze(1)), 0.0);
+  cum = probs.cumsum(-1);
+  auto target = (u * cum.select(1, -1).to(torch::kFloat64)).to(cum.scalar_type()).unsqueeze(1);
+  auto pos = torch::searchsorted(cum, target, /*out_int32=*/false, /*right=*/true).clamp_max(vals.size(1) - 1);
+  pos = torch::minimum(pos, probs.gt(0).sum(-1, /*keepdim=*/true) - 1);
+  return idx.gather(1, pos).squeeze(1);
+}
+
+// A [rows, cols] fp32 buffer the calling thread keeps between calls (`which`: one of two). torch's own
+// log_softmax and exp returned fresh [R, V] tensors each step: at 32 rows of a 49k vocabulary, 6 MB that the
+// allocator handed back to the system and took again, ~2 ms a step of page faults, more than the arithmetic.
+static torch::Tensor scratch(int which, int64_t rows, int64_t cols) {
+  thread_local torch::Tensor bufs[2];
+  torch::Tensor& b = bufs[which];
+  if (!b.defined() || b.numel() < rows * cols) b = torch::empty({rows * cols}, torch::kFloat);
+  return b.narrow(0, 0, rows * cols).view({rows, cols});
+}
+
+// stats.pack(tokens, stats.stats_from_logits(logits, tokens, topk)), `rows` rows at a time through the two
+// scratch buffers (every op is row by row, and stats.row_sum's sums do not depend on the rows: the same bits)
+static torch::Tensor stats_packed(const torch::Tensor& logits, const torch::Tensor& toks, int64_t topk) {
+  const int64_t R = logits.size(0), V = logits.size(1), chunk = 128, Vp = (V + chunk - 1) / chunk * chunk;
+  const int64_t k = std::min(topk, V), rows = std::max<int64_t>(1, (int64_t{1} << 22) / Vp);  // 16 MB a buffer
+  auto lp = torch::empty({R}, logits.options()), entropy = torch::empty({R}, logits.options());
+  auto top_v = torch::empty({R, k}, logits.options()), top_i = torch::empty({R, k}, toks.options());
+  for (int64_t r0 = 0; r0 < R; r0 += rows) {
+    const int64_t n = std::min(rows, R - r0);
+    auto logp = scratch(0, n, V);
+    at::_log_softmax_out(logp, logits.narrow(0, r0, n), -1, false);
+    auto padded = scratch(1, n, Vp);  // stats.row_sum's zero padding to whole chunks
+    auto prod = padded.narrow(1, 0, V);
+    at::exp_out(prod, logp);
+    prod.mul_(logp);
+    if (Vp > V) padded.narrow(1, V, Vp - V).zero_();
+    entropy.narrow(0, r0, n).copy_(padded.view({n, -1, chunk}).sum(-1).sum(-1).neg());
+    lp.narrow(0, r0, n).copy_(logp.gather(1, toks.narrow(0, r0, n).view({-1, 1})).squeeze(1));
+    if (k > 0) {
+      auto [v, i] = select_top(logp, k);
+      top_v.narrow(0, r0, n).copy_(v);
+      top_i.narrow(0, r0, n).copy_(i);
+    }
+  }
+  return torch::cat({toks.to(torch::kFloat64).unsqueeze(1), lp.unsqueeze(1), entropy.unsqueeze(1), top_v, top_i}, 1);
+}
+
+// sampler.sample_rows(logits, draws) and the statistics, packed: logits [R, V] fp32, `table` the draws' [5, R]
+// float64 table (temperature, top-k, top-p, u, greedy), K and topk their widths
+torch::Tensor sample_pack(torch::Tensor logits, torch::Tensor table, int64_t K, int64_t topk) {
+  TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 && logits.is_contiguous() && logits.size(1) > 0,
+              "sample_pack: logits must be a contiguous fp32 [rows, V] tensor, V > 0");
+  const int64_t R = logits.size(0);
+  TORCH_CHECK(table.scalar_type() == at::kDouble && table.dim() == 2 && table.size(0) == 5 && table.size(1) == R &&
+                  table.device().is_cpu(), "sample_pack: table must be float64 [5, rows] on the CPU");
+  TORCH_CHECK(K > 0 && topk >= 0, "sample_pack: K must be positive and topk not negative");
+  auto t = table.contiguous();
+  const double* T = t.data_ptr<double>();
+  bool all_greedy = true, any_greedy = false, all_unit = true;
+  for (int64_t r = 0; r < R; ++r) {
+    const bool g = T[4 * R + r] != 0;
+    all_greedy = all_greedy && g;
+    any_greedy = any_greedy || g;
+    all_unit = all_unit && T[r] == 1;
+  }
+  torch::Tensor toks;
+  if (all_greedy) {
+    toks = argmax_rows(logits);
+  } else {  // sampler.columns, then sampler.draw (x / 1 is x: no division where every temperature is 1)
+    auto lg = all_unit ? logits : logits / t[0].to(torch::kFloat).unsqueeze(1);
+    toks = draw_rows(lg, t[1].to(torch::kLong), t[2].to(torch::kFloat), t[3], K);
+    if (any_greedy) toks = torch::where(t[4].ne(0), argmax_rows(logits), toks);
+  }
+  return stats_packed(logits, toks, topk);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", torch::wrap_pybind_function(rms_norm), "rms_norm");
   m.def("add_rms_norm", torch::wrap_pybind_function(add_rms_norm), "add_rms_norm");
@@ -350,6 +455,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", torch::wrap_pybind_function(silu_mul), "silu_mul");
   m.def("topk_rows", torch::wrap_pybind_function(topk_rows), "topk_rows");
   m.def("argmax_rows", torch::wrap_pybind_function(argmax_rows), "argmax_rows");
+  m.def("sample_pack", torch::wrap_pybind_function(sample_pack), "sample_pack");
   m.def("addresses", []() {
     return std::vector<int64_t>{svrmad::address<svrmad::NormFn>(&rms_norm), svrmad::address<svrmad::AddNormFn>(&add_rms_norm),
                                 svrmad::address<svrmad::RopeFn>(&rope_store), svrmad::address<svrmad::SiluMulFn>(&silu_mul)};
