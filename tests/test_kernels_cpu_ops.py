@@ -193,8 +193,9 @@ def _same_bits(a, b):
     torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
 
 
-@pytest.mark.parametrize("V", [30, 400, 5000, 49152, 262144])  # a full sort (K >= V), torch's own top-k (k * 64 > V),
-# the compiled top-k; 262,144 takes the statistics 16 rows at a time through the kept buffers
+@pytest.mark.parametrize("V", [30, 400, 5000, 49152, 262152])  # a full sort (K >= V), torch's own top-k (k * 64 > V),
+# the compiled top-k; 262,152 takes the statistics 15 rows at a time through the kept buffers, each row padded
+# for the entropy's sums and ending in a partial vector
 def test_the_compiled_step_samples_and_packs_the_torch_ops_bits(V):
     """cpu_ops.sample_pack is sample_rows, stats_from_logits and pack called from C++: the tokens, log-probs,
     entropies and top alternatives bit for bit, greedy rows, temperatures, widths and ties included; and
