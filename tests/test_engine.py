@@ -387,3 +387,34 @@ def test_a_context_set_after_build_reaches_the_stop_rule(tiny_model):
     eng.max_model_len = len(prompt) + 3
     out = eng.generate_sync([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0]
     assert len(out.completions[0].token_ids) == 3 and out.completions[0].finish_reason == "length"
+
+
+def test_steps_run_back_to_back_and_a_finished_request_returns_at_once(tiny_model, monkeypatch):
+    """The worker runs steps until a request finishes (each hand-off to the event loop costs a thread wake each
+    way): a lone request's steps take one call; a request that arrives while another runs is admitted at a
+    step of that call, and its result comes back as soon as it finishes, before the longer one's."""
+    from svrmad_local.engine import engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "STEPS_FOR_S", 60.0)
+    eng = engine(tiny_model)
+    calls = []
+    steps = eng._steps
+    monkeypatch.setattr(eng, "_steps", lambda: calls.append(eng.totals.steps) or steps())
+    eng.generate_sync([rand_prompt(6, 3)], GREEDY)
+    assert len(calls) == 1 and eng.totals.steps == 12  # the prompt and its first token, then 11 tokens
+
+    async def both():
+        order = []
+        long = asyncio.ensure_future(eng.generate(rand_prompt(5, 4), SamplingParams(temperature=0, max_tokens=60,
+                                                                                    ignore_eos=True)))
+        long.add_done_callback(lambda _: order.append("long"))
+        while eng.totals.steps < 16:  # the long request is decoding, inside one call to the worker
+            await asyncio.sleep(0.001)
+        short = await eng.generate(rand_prompt(5, 5), GREEDY)
+        order.append("short")
+        await long
+        return order, short
+
+    order, short = asyncio.run(both())
+    assert order == ["short", "long"] and len(short.completions[0].token_ids) == 12
+    assert short.completions[0].token_ids == eng.generate_sync([rand_prompt(5, 5)], GREEDY)[0].completions[0].token_ids
