@@ -68,6 +68,8 @@ def test_pack_unpack_and_row_lookups_are_exact_copies():
     assert torch.equal(cpu_linear.unpack(panels, 37), w)
     ids = torch.tensor([[0, 36, 16, 16], [15, 17, 1, 2]])
     assert torch.equal(cpu_linear.rows_of(panels, ids), w[ids])
+    with pytest.raises(RuntimeError, match="panel_rows: id 48 outside the panels' 48 rows"):
+        cpu_linear.rows_of(panels, torch.tensor([3, 48]))
 
 
 def test_bad_inputs_are_refused_in_one_line():
@@ -204,6 +206,7 @@ def test_bf16_pack_unpack_and_row_lookups_are_exact_copies():
     assert torch.equal(cpu_linear.unpack(panels, 37, 11), flushed)
     ids = torch.tensor([[0, 36, 16, 16], [15, 17, 1, 2]])
     assert torch.equal(cpu_linear.rows_of(panels, ids, 11), flushed[ids])
+    assert torch.equal(cpu_linear.rows_of(panels, ids[0]), cpu_linear.unpack(panels, 48)[ids[0]])  # every pair held
 
 
 def test_the_isa_cap_is_read_from_the_environment(monkeypatch):

@@ -108,11 +108,8 @@ def unpack(panels: torch.Tensor, n: int, k: int | None = None) -> torch.Tensor:
 
 def rows_of(panels: torch.Tensor, ids: torch.Tensor, k: int | None = None) -> torch.Tensor:
     """Rows `ids` of the dense weight, read from the panels (an embedding lookup): a copy of exactly those values
-    (bf16: the first `k` of each row)."""
-    if panels.dtype == torch.bfloat16:
-        rows = panels.view(panels.shape[0], panels.shape[1], NR, 2)[ids // NR, :, ids % NR]
-        return rows.flatten(-2)[..., :k]
-    return panels[ids // NR, :, ids % NR]
+    (bf16: the first `k` of each row), in one compiled call (see `pack` for where each value sits)."""
+    return _KERNEL.module().panel_rows(panels, ids, -1 if k is None else k)
 
 
 ISA_NAMES = ("avx2", "avx512", "avx512_bf16", "amx")
