@@ -269,3 +269,44 @@ def test_a_model_our_decoder_ran_saves_and_reloads_with_its_norm_weights(tmp_pat
         for k, v in make_zoo_model(name).state_dict().items():
             if "norm" in k:
                 assert torch.equal(back.state_dict()[k], v), k
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_rope_tables_give_the_rotary_modules_rows_at_any_positions(dtype, head_dim):
+    """On the CPU a static rope type's cos/sin come from tables filled once (and grown past 256 positions):
+    bit for bit the module's own rows for the same positions, one at a time or several at once."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaModel
+
+    from svrmad_local.engine.families import Rotary
+
+    body = LlamaModel(LlamaConfig(vocab_size=32, hidden_size=4 * head_dim, intermediate_size=32, num_hidden_layers=1,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                                  rope_theta=100000.0))
+    rot = Rotary(body, "llama", {None})
+    h = torch.zeros(1, 1, 4 * head_dim, dtype=dtype)
+    for positions in ([0], [5], [255], [256], [700], [3, 9, 300, 301, 1023], list(range(40, 47))):
+        pos = torch.tensor([positions])
+        got = rot(h.expand(1, len(positions), -1), pos)[None]
+        want = rot._rows(None, h.expand(1, len(positions), -1), pos)
+        assert got[0].dtype == dtype and all(torch.equal(g, w) for g, w in zip(got, want)), positions
+    assert rot.tables is not None and rot.tables[(None, dtype)][0].shape[0] == 1024  # grown by doubling
+
+
+def test_rope_without_a_table_where_rows_depend_on_more_than_the_position():
+    """A dynamic rope type (its frequencies follow the longest position of the call) and a width whose values
+    torch's cos/sin would split between its vectorised loop and its scalar tail run the module every step."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaModel
+
+    from svrmad_local.engine.families import Rotary
+
+    common = dict(vocab_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64)
+    dynamic = LlamaModel(LlamaConfig(hidden_size=64, rope_scaling={"rope_type": "dynamic", "factor": 2.0}, **common))
+    assert Rotary(dynamic, "llama", {None}).tables is None
+    narrow = Rotary(LlamaModel(LlamaConfig(hidden_size=32, **common)), "llama", {None})  # head_dim 8
+    h, pos = torch.zeros(1, 2, 32), torch.tensor([[3, 100]])
+    got, want = narrow(h, pos)[None], narrow._rows(None, h, pos)
+    assert narrow.tables is None and all(torch.equal(g, w) for g, w in zip(got, want))
