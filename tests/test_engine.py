@@ -418,3 +418,37 @@ def test_steps_run_back_to_back_and_a_finished_request_returns_at_once(tiny_mode
     order, short = asyncio.run(both())
     assert order == ["short", "long"] and len(short.completions[0].token_ids) == 12
     assert short.completions[0].token_ids == eng.generate_sync([rand_prompt(5, 5)], GREEDY)[0].completions[0].token_ids
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_logits_fail_their_request_in_one_line_and_the_others_go_on(tiny_model, monkeypatch, bad):
+    """A NaN or an infinity in a sampled row's logits (an overflow in the forward) once made the draw index
+    position -1 and failed every request in flight; now that request fails, saying why in one line, its
+    blocks go back, and the request beside it computes what it computes alone."""
+    from svrmad_local.engine.step import NonFiniteLogits
+
+    other = rand_prompt(7, 8)
+    alone = engine(tiny_model).generate_sync([other], GREEDY)[0].completions[0].token_ids
+    eng = engine(tiny_model)
+    logits, poisoned = eng.runner.logits, []
+
+    def poison(hidden):
+        out = logits(hidden)
+        if eng.totals.steps == 4 and not poisoned:  # a decode step of both: row 0 is the sampled request's
+            out[0, 5] = bad
+            poisoned.append(out.shape[0])
+        return out
+
+    monkeypatch.setattr(eng.runner, "logits", poison)
+    sampled = SamplingParams(temperature=1.0, top_k=50, max_tokens=12, ignore_eos=True, seed=3, n=2)
+
+    async def both():
+        return await asyncio.gather(eng.generate(rand_prompt(6, 7), sampled), eng.generate(other, GREEDY),
+                                    return_exceptions=True)
+
+    failed, fine = asyncio.run(both())
+    assert poisoned == [3]  # the two samples of the first request and the greedy one
+    assert isinstance(failed, NonFiniteLogits) and "NaN or infinity" in str(failed) and "\n" not in str(failed)
+    assert fine.completions[0].token_ids == alone
+    assert eng.blocks.num_free == eng.blocks.num_blocks and not eng.scheduler.running and not eng.scheduler.waiting
+    assert eng.generate_sync([other], GREEDY)[0].completions[0].token_ids == alone

@@ -107,3 +107,25 @@ def test_the_widths_a_step_needs():
     assert sampler.prepare([SamplingParams(top_k=0, temperature=0)], [random.Random(0)], 1000).K == 40  # greedy: no draw
     assert sampler.prepare([DEFAULT], [random.Random(0)], 30).K == 30  # a vocabulary narrower than 40: a full sort
     assert sampler.prepare([SamplingParams(topk_logprobs=30)], [random.Random(0)], 1000).topk == 30
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_row_of_non_finite_logits_draws_an_index_and_leaves_the_other_rows_alone(bad):
+    """Torch's ops (the path on a GPU) and the compiled step alike: such a row once gathered position -1, an
+    IndexError on the CPU and a device assert inside a CUDA graph. It takes its first place now; its
+    statistics (NaN) tell the step to fail its request, and the other rows draw what they draw alone."""
+    from svrmad_local.kernels import cpu_ops
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, 500)
+    logits[1, 7] = bad
+    params = [SamplingParams(temperature=1.0, top_k=50, top_p=0.9)] * 3
+    draws = sampler.prepare(params, [random.Random(i) for i in range(3)], 500)
+    toks = sampler.sample_rows(logits, draws)
+    assert 0 <= int(toks[1]) < 500
+    for r in (0, 2):
+        alone = sampler.prepare(params[:1], [random.Random(r)], 500)
+        assert int(sampler.sample_rows(logits[r : r + 1], alone)[0]) == int(toks[r])
+    if cpu_ops.samples(logits):
+        packed = sampler.sample_packed(logits, sampler.prepare(params, [random.Random(i) for i in range(3)], 500))
+        assert packed[:, 0].tolist() == toks.double().tolist() and packed[1, 2].isnan() and not packed[0, 2].isnan()

@@ -93,8 +93,9 @@ def draw(logits: torch.Tensor, temps: torch.Tensor | None, ks: torch.Tensor, ps:
     cum = probs.cumsum(-1)
     target = (u * cum[:, -1].double()).to(cum.dtype).unsqueeze(1)
     pos = torch.searchsorted(cum, target, right=True).clamp(max=vals.shape[1] - 1)
-    # never land on a masked-out token (float rounding at the very top of the CDF)
-    pos = torch.minimum(pos, (probs > 0).sum(-1, keepdim=True) - 1)
+    # never land on a masked-out token (float rounding at the very top of the CDF); a row of NaN or infinite
+    # logits has no positive probability and takes its first place: the step fails its request (engine/step.py)
+    pos = torch.minimum(pos, (probs > 0).sum(-1, keepdim=True) - 1).clamp(min=0)
     picked = idx.gather(1, pos).squeeze(1)
     return picked if greedy is None else torch.where(greedy, cpu_ops.argmax(logits), picked)
 

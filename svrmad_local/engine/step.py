@@ -10,6 +10,7 @@ the device computes the one before (docs/engine.md, "Overlap").
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from svrmad_local import kernels
+from svrmad_local.errors import UserError
 from svrmad_local.kernels._backend import staged
 
 from . import sampler
@@ -31,6 +33,11 @@ def seed_for(seed: int, index: int) -> int:
     """The seed of sample `index` of a request seeded `seed`: each sample draws from its own stream,
     so its tokens do not depend on what else shares the batch."""
     return (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9 + 1) % (2**63 - 1)
+
+
+class NonFiniteLogits(UserError, RuntimeError):
+    """The model's logits for a request's next token held NaN or infinity: no distribution to sample or to
+    take statistics of. The request fails; the others in its steps go on."""
 
 
 # the token a sequence holds between the step that samples it and the host's read of that step: the next step
@@ -263,6 +270,8 @@ class Step:
             packed = sampler.sample_packed(logits, draws)
         read = packed.tolist()  # the step's one read back from the device
         for i, (seq, j) in enumerate(samples):
+            if seq.request.error is not None:  # its first row's logits were not finite (`_take`): no forks
+                continue
             target = seq
             if j:  # a new sample forks from the leader's prompt KV
                 target = Sequence(seq.request, j, list(seq.tokens[: seq.num_prompt]), seq.num_prompt, gens[i])
@@ -273,7 +282,20 @@ class Step:
     def _take(self, seq: Sequence, row: list[float], finished: list[Request], at: int | None = None) -> None:
         """A sampled row (stats.pack's layout) into `seq`: its token appended (or put at `at`, the place a
         step in flight held for it), its statistics; then the stop rules."""
+        req = seq.request
+        if req.error is not None:  # a row of a request that failed earlier in this step (an n>1 sibling's)
+            return
         tok, lp, ent, top_lp, top_ids = unpack(row, seq.params.topk_logprobs)
+        if math.isnan(ent):  # the statistics of NaN or infinite logits (finite ones give a finite entropy)
+            req.error = NonFiniteLogits(
+                f"request {req.id}: the model's logits for its generated token {seq.num_generated + (at is None)} "
+                f"hold NaN or infinity (a numerical overflow in the forward; --dtype fp32 avoids most); this request "
+                f"stops here, the others go on")
+            for s in req.sequences:  # ended: a step launched before this read drops their rows (`run`)
+                s.finish_reason = s.finish_reason or "error"
+            self.scheduler.abort(req)
+            finished.append(req)
+            return
         if at is None:
             seq.tokens.append(tok)
         else:

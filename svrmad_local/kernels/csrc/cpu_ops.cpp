@@ -378,7 +378,7 @@ static torch::Tensor draw_rows(const torch::Tensor& lg, const torch::Tensor& ks,
   cum = probs.cumsum(-1);
   auto target = (u * cum.select(1, -1).to(torch::kFloat64)).to(cum.scalar_type()).unsqueeze(1);
   auto pos = torch::searchsorted(cum, target, /*out_int32=*/false, /*right=*/true).clamp_max(vals.size(1) - 1);
-  pos = torch::minimum(pos, probs.gt(0).sum(-1, /*keepdim=*/true) - 1);
+  pos = torch::minimum(pos, probs.gt(0).sum(-1, /*keepdim=*/true) - 1).clamp_min(0);
   return idx.gather(1, pos).squeeze(1);
 }
 
