@@ -647,3 +647,25 @@ def test_bench_stack_times_both_sides_at_each_batch_size(tmp_path, tiny_tokenize
     for r in out["rows"]:
         assert len(r["runs"]["stack"]) == len(r["runs"]["loop"]) == 2
         assert r["ratio"] == round(r["stack_tok_s"] / r["loop_tok_s"], 3)
+
+
+def test_bench_handoff_times_both_sides_and_restores_the_setting(tmp_path, tiny_tokenizer, capsys):
+    """bench_handoff on a tiny checkpoint: each round times steps back to back and one step a hand-off, the
+    row's medians and ratio are those runs', the gaps between steps are measured on both sides, and the
+    engine's setting is back where it was."""
+    import json
+
+    import bench_handoff
+
+    from svrmad_local.engine import engine as engine_mod
+
+    before = engine_mod.STEPS_FOR_S
+    ck, _ = tiny_run_inputs(tmp_path, tiny_tokenizer)
+    assert bench_handoff.main(["--model", str(ck), "--dtype", "fp32", "--batches", "1,2", "--new-tokens", "3",
+                               "--rounds", "2"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [r["batch"] for r in out["rows"]] == [1, 2] and engine_mod.STEPS_FOR_S == before == out["steps_for_s"]
+    for r in out["rows"]:
+        assert len(r["runs"]["back to back"]) == len(r["runs"]["one a hand-off"]) == 2
+        assert r["ratio"] == round(r["back_to_back_tok_s"] / r["one_a_handoff_tok_s"], 3)
+        assert all(g >= 0 for g in r["gap_ms"].values())
