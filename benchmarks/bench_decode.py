@@ -283,6 +283,30 @@ def timed_pair(generate, gen, B: int, args, vocab: int) -> tuple[float, float]:
     return times[0], times[1]
 
 
+def alternating_args(description: str, argv: list[str] | None) -> tuple[argparse.Namespace, list[int]]:
+    """The flags of a benchmark that times two sides of one engine in alternating rounds of bench_decode
+    pairs (bench_stack.py, bench_handoff.py), parsed; and the batch sizes."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--model", help="checkpoint folder (default: the embedded SmolLM2-135M-Instruct)")
+    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--prompt-tokens", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args(argv)
+    args.greedy, args.random_weights = False, False
+    return args, [int(b) for b in args.batches.split(",")]
+
+
+def lengths_of(engine: Engine):
+    """generate(prompts, params) -> each output's token count, through `engine` (params: SamplingParams fields)."""
+    def generate(prompts, params):
+        outs = engine.generate_sync(prompts, [SamplingParams(**p) for p in params])
+        return [len(o.completions[0].token_ids) for o in outs]
+
+    return generate
+
+
 def warm_up(generate, args, vocab: int) -> None:
     """One short untimed pair at batch 2 (first-call costs: kernel builds, graph captures, a worker's start),
     from prompts of its own."""
@@ -388,9 +412,7 @@ def main() -> int:
     print(f"engine: {engine.info['decoder']}; linear {engine.info['linear']}; {engine.info['attention']} attention; "
           f"cuda graphs {engine.info['cuda_graphs']}; overlap {engine.execution.overlap}; gemv {engine.execution.gemv.value}")
 
-    def engine_generate(prompts, params):
-        outs = engine.generate_sync(prompts, [SamplingParams(**p) for p in params])
-        return [len(o.completions[0].token_ids) for o in outs]
+    engine_generate = lengths_of(engine)
 
     device = lm.model.get_input_embeddings().weight.device
     bw = read_bandwidth(device=device)

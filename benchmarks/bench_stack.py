@@ -12,29 +12,18 @@ it, alternating, so both sides meet the machine's same moments. Prints the media
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 
 import torch
 
-from bench_decode import load, timed_pair, warm_up
-from svrmad_local.engine.config import SamplingParams
+from bench_decode import alternating_args, lengths_of, load, timed_pair, warm_up
 from svrmad_local.engine.engine import Engine, EngineConfig
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", help="checkpoint folder (default: the embedded SmolLM2-135M-Instruct)")
-    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16")
-    ap.add_argument("--batches", default="1,8,32")
-    ap.add_argument("--prompt-tokens", type=int, default=32)
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=5)
-    args = ap.parse_args(argv)
-    args.greedy, args.random_weights = False, False
-    batches = [int(b) for b in args.batches.split(",")]
+    args, batches = alternating_args(__doc__.splitlines()[0], argv)
     lm = load(args)
     engine = Engine(lm.model, lm.tokenizer, EngineConfig(max_num_seqs=max(batches), linear="panels"))
     decoder = engine.runner.decoder
@@ -43,9 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"the stack does not run here: {engine.info['decoder']}")
     vocab = lm.model.get_output_embeddings().out_features
 
-    def generate(prompts, params):
-        outs = engine.generate_sync(prompts, [SamplingParams(**p) for p in params])
-        return [len(o.completions[0].token_ids) for o in outs]
+    generate = lengths_of(engine)
 
     warm_up(generate, args, vocab)
     gen = torch.Generator().manual_seed(0)
