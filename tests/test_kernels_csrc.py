@@ -51,10 +51,10 @@ def test_a_kernel_whose_signature_moves_fails_to_compile_instead_of_being_called
     shutil.copytree(_cpu_build.CSRC, csrc)
     source = csrc / "cpu_ops.cpp"
     text = source.read_text()
-    old = "torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up, int64_t vec) {"
+    old = "void silu_mul_into(torch::Tensor gate, torch::Tensor up, int64_t vec, torch::Tensor out) {"
     assert text.count(old) == 1
-    source.write_text(text.replace(old, "torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up, int64_t vec, "
-                                        "int64_t extra) {"))
+    source.write_text(text.replace(old, "void silu_mul_into(torch::Tensor gate, torch::Tensor up, int64_t vec, "
+                                        "torch::Tensor out, int64_t extra = 0) {"))
     kernel = KERNELS["cpu_ops.cpp"]
     error = _cpu_build.check_syntax(source, kernel.extra_cflags)
     assert error is not None and "cpu_ops.cpp" in error, error

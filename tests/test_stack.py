@@ -88,3 +88,30 @@ def test_a_step_the_stack_cannot_take_runs_the_loop(monkeypatch):
     monkeypatch.setattr(stack_mod.cpu_ops, "silu_mul_fits", lambda *a: False)
     ours, taken, _ = run(model, monkeypatch)
     assert taken == 0 and ours == loop
+
+
+@pytest.mark.parametrize("layers", [2, 6])
+def test_a_decode_step_makes_one_tensor_whatever_its_layers(layers, monkeypatch):
+    """Every kernel of the compiled step writes into the stack's kept activations (made again only when the
+    step's row count changes): a decode step makes its output and nothing else, at any depth (each layer made
+    and freed ~11 tensors before); its bits are the loop's (above)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from .conftest import make_model
+
+    eng = engine(make_model("llama", layers=layers), linear="panels")
+    made: list[int] = []
+    call = stack_mod.Stack.__call__
+
+    def counted(self, *args):
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            out = call(self, *args)
+        made.append(sum(1 for e in prof.events() if e.name in ("aten::empty", "aten::empty_strided")))
+        return out
+
+    monkeypatch.setattr(stack_mod.Stack, "__call__", counted)
+    try:
+        eng.generate_sync([rand_prompt(5, 1)], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    finally:
+        eng.close()
+    assert len(made) == 5 and made[1:] == [1] * 4, made  # the first decode step makes the buffers too

@@ -85,8 +85,8 @@ def build(model, decoder) -> tuple[Stack | None, str | None]:
     w, eps, style = decoder.norm
     if style != PLAIN:
         return None, "layer by layer (a final norm other than plain RMSNorm)"
-    head_dim, inter = parts[0][0].head_dim, parts[0][1]["gate_up"][1] // 2
-    if any(L.head_dim != head_dim or lin["gate_up"][1] // 2 != inter for L, lin in parts):
+    head_dim, inter, qkv = parts[0][0].head_dim, parts[0][1]["gate_up"][1] // 2, parts[0][1]["qkv"][1]
+    if any(L.head_dim != head_dim or lin["gate_up"][1] // 2 != inter or lin["qkv"][1] != qkv for L, lin in parts):
         return None, "layer by layer (layers of different widths)"
     compiled = cpu_stack.new_stack(decoder.ops.dtype, (w, eps))
     for L, lin in parts:

@@ -442,8 +442,10 @@ static void run(const T* q, const T* k, const T* v, const int64_t* table, const 
   });
 }
 
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor table, torch::Tensor lens,
-                           int64_t block_size, double scale, int64_t window, c10::optional<torch::Tensor> sinks) {
+// into `out` [B, H, Dv] (contiguous, q's dtype): the compiled decode step (cpu_stack.cpp) keeps it between steps
+void paged_decode_into(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor table, torch::Tensor lens,
+                       int64_t block_size, double scale, int64_t window, c10::optional<torch::Tensor> sinks,
+                       torch::Tensor out) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q [B,H,D], k/v [slots,KVH,D]");
   TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "contiguous q, k, v");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(), "one dtype");
@@ -451,7 +453,8 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, to
   auto len = lens.to(torch::kLong).contiguous();
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(1), Dv = v.size(2);
   TORCH_CHECK(H % KVH == 0, "heads must be a multiple of KV heads");
-  auto out = torch::empty({B, H, Dv}, q.options());
+  TORCH_CHECK(out.is_contiguous() && out.dim() == 3 && out.size(0) == B && out.size(1) == H && out.size(2) == Dv &&
+              out.scalar_type() == q.scalar_type(), "the output must be a contiguous [B, H, Dv] tensor of q's dtype");
   torch::Tensor sk;
   if (sinks.has_value()) sk = sinks->to(torch::kFloat).contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
@@ -459,13 +462,20 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, to
                   len.data_ptr<int64_t>(), sinks.has_value() ? sk.data_ptr<float>() : nullptr, out.data_ptr<scalar_t>(),
                   B, H, KVH, D, Dv, tab.size(1), block_size, static_cast<float>(scale), window);
   });
+}
+
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor table, torch::Tensor lens,
+                           int64_t block_size, double scale, int64_t window, c10::optional<torch::Tensor> sinks) {
+  TORCH_CHECK(q.dim() == 3 && v.dim() == 3, "q [B,H,D], k/v [slots,KVH,D]");
+  auto out = torch::empty({q.size(0), q.size(1), v.size(2)}, q.options());
+  paged_decode_into(q, k, v, table, lens, block_size, scale, window, sinks, out);
   return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", torch::wrap_pybind_function(paged_decode), "paged_decode");
-  m.def("addresses", []() { return std::vector<int64_t>{svrmad::address<svrmad::DecodeFn>(&paged_decode)}; },
-        "paged_decode's address, for a C++ caller (cpu_stack.cpp)");
+  m.def("addresses", []() { return std::vector<int64_t>{svrmad::address<svrmad::DecodeFn>(&paged_decode_into)}; },
+        "paged_decode_into's address, for a C++ caller (cpu_stack.cpp)");
   m.def("isa_level", []() { return isa_level(); }, "the run-time ISA level the kernel takes");
   m.def("set_isa_level", [](int level) { return set_isa_level(level); }, "caps it; returns the one before");
 }

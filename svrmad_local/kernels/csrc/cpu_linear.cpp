@@ -162,8 +162,8 @@ SVRMAD_TARGET_END
 #endif
 
 // x [M, K], panels [P, K, 16] -> y [M, n]; `row_width`: panels at once where M = 1 (row_panels)
-static torch::Tensor panel_linear_f32(torch::Tensor x, torch::Tensor panels, int64_t n, c10::optional<torch::Tensor> bias,
-                                      int64_t kblock, int64_t row_width) {
+static void panel_linear_f32(torch::Tensor x, torch::Tensor panels, int64_t n, c10::optional<torch::Tensor> bias,
+                             int64_t kblock, int64_t row_width, torch::Tensor& y) {
   TORCH_CHECK(panels.size(2) == NR && x.size(1) == panels.size(1), "x [M, K] and panels [P, K, 16]");
   TORCH_CHECK(x.scalar_type() == at::kFloat, "fp32 panels take fp32 inputs");
   TORCH_CHECK(panels.is_contiguous() && n <= panels.size(0) * NR && kblock > 0, "contiguous panels covering n columns");
@@ -171,14 +171,13 @@ static torch::Tensor panel_linear_f32(torch::Tensor x, torch::Tensor panels, int
   torch::Tensor b;
   if (bias.has_value()) b = bias->contiguous();
   const int64_t M = x.size(0), K = x.size(1), P = panels.size(0);
-  auto y = torch::empty({M, n}, x.options());
   const float* X = x.data_ptr<float>();
   const float* W = panels.data_ptr<float>();
   const float* B = bias.has_value() ? b.data_ptr<float>() : nullptr;
   float* Y = y.data_ptr<float>();
   if (M == 1) {
     at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) { row_panels(X, K, W, kblock, B, Y, n, p0, p1, row_width); });
-    return y;
+    return;
   }
   // rows a tile, and the tiles' micro-kernels (first of a pass, middle, last): 16-lane ones where the CPU has them
   int64_t mr = MR;
@@ -200,7 +199,6 @@ static torch::Tensor panel_linear_f32(torch::Tensor x, torch::Tensor panels, int
       }
     });
   }
-  return y;
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -410,8 +408,8 @@ static void bf16_rows(int level, int64_t R, const uint16_t* X, int64_t ldx, int6
 }
 
 // x [M, K] bf16, panels [P, K2p, 32] bf16 -> y [M, n] bf16 (see above)
-static torch::Tensor panel_linear_bf16(torch::Tensor x, torch::Tensor panels, int64_t n,
-                                       c10::optional<torch::Tensor> bias, int64_t row_width) {
+static void panel_linear_bf16(torch::Tensor x, torch::Tensor panels, int64_t n, c10::optional<torch::Tensor> bias,
+                              int64_t row_width, torch::Tensor& y) {
   const int64_t M = x.size(0), K = x.size(1), P = panels.size(0), K2p = panels.size(1), K2 = (K + 1) / 2;
   TORCH_CHECK(panels.size(2) == 32 && K2 <= K2p && K2p % PAIRS_TILE == 0 && K2p - K2 < PAIRS_TILE,
               "x [M, K] and bf16 panels [P, ceil(K / 32) * 16, 32]");
@@ -423,7 +421,6 @@ static torch::Tensor panel_linear_bf16(torch::Tensor x, torch::Tensor panels, in
     bias_f.assign(b.data_ptr<float>(), b.data_ptr<float>() + n);
   }
   const float* B = bias.has_value() ? bias_f.data() : nullptr;
-  auto y = torch::empty({M, n}, x.options());
   uint16_t* Y = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const uint16_t* W = reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>());
   const int64_t pstride = K2p * 32, Pn = std::min<int64_t>(P, (n + NR - 1) / NR);
@@ -447,7 +444,7 @@ static torch::Tensor panel_linear_bf16(torch::Tensor x, torch::Tensor panels, in
     at::parallel_for(0, pairs, 1, [&](int64_t q0, int64_t q1) {
       amx_panels(X, Mp, Kp, W, pstride, 2 * q0, std::min(Pn, 2 * q1), B, Y, M, n);
     });
-    return y;
+    return;
   }
 #endif
   x = x.contiguous();
@@ -469,7 +466,7 @@ static torch::Tensor panel_linear_bf16(torch::Tensor x, torch::Tensor panels, in
         p += np;
       }
     });
-    return y;
+    return;
   }
   const int64_t rows_tile = level >= svrmad::ISA_AVX512_BF16 ? BF16_ROWS_DP : BF16_ROWS_EMU;
   at::parallel_for(0, Pn, 1, [&](int64_t p0, int64_t p1) {
@@ -483,19 +480,30 @@ static torch::Tensor panel_linear_bf16(torch::Tensor x, torch::Tensor panels, in
       }
     }
   });
-  return y;
 }
 
-// x [M, K] against panels of its dtype (fp32 [P, K, 16] or bf16 [P, K2p, 32]) -> y [M, n]
-torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t n, c10::optional<torch::Tensor> bias,
-                           int64_t kblock, int64_t row_width) {
+// x [M, K] against panels of its dtype (fp32 [P, K, 16] or bf16 [P, K2p, 32]) -> y [M, n], written into `y` (a
+// contiguous [M, n] tensor of x's dtype): the compiled decode step (cpu_stack.cpp) keeps its outputs between
+// steps rather than have a tensor made for each of its ~121 calls
+void panel_linear_into(torch::Tensor x, torch::Tensor panels, int64_t n, c10::optional<torch::Tensor> bias,
+                       int64_t kblock, int64_t row_width, torch::Tensor y) {
   TORCH_CHECK(x.dim() == 2 && panels.dim() == 3, "x [M, K] and panels [P, K, 16]");
   TORCH_CHECK(panels.scalar_type() == at::kFloat || panels.scalar_type() == at::kBFloat16,
               "fp32 or bf16 panels only");
   TORCH_CHECK(panels.is_contiguous() && n >= 0 && n <= panels.size(0) * NR && kblock > 0,
               "contiguous panels covering n columns");
-  if (panels.scalar_type() == at::kBFloat16) return panel_linear_bf16(x.contiguous(), panels, n, bias, row_width);
-  return panel_linear_f32(x, panels, n, bias, kblock, row_width);
+  TORCH_CHECK(y.is_contiguous() && y.dim() == 2 && y.size(0) == x.size(0) && y.size(1) == n &&
+              y.scalar_type() == x.scalar_type(), "the output must be a contiguous [M, n] tensor of x's dtype");
+  if (panels.scalar_type() == at::kBFloat16) return panel_linear_bf16(x.contiguous(), panels, n, bias, row_width, y);
+  panel_linear_f32(x, panels, n, bias, kblock, row_width, y);
+}
+
+torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t n, c10::optional<torch::Tensor> bias,
+                           int64_t kblock, int64_t row_width) {
+  TORCH_CHECK(x.dim() == 2, "x [M, K] and panels [P, K, 16]");
+  auto y = torch::empty({x.size(0), n}, x.options());
+  panel_linear_into(x, panels, n, bias, kblock, row_width, y);
+  return y;
 }
 
 // rows `ids` (any shape) of the dense weight the panels hold, an embedding lookup from a tied LM head's panels:
@@ -542,8 +550,8 @@ torch::Tensor panel_rows(torch::Tensor panels, torch::Tensor ids, int64_t k) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("panel_linear", torch::wrap_pybind_function(panel_linear), "panel_linear");
   m.def("panel_rows", torch::wrap_pybind_function(panel_rows), "rows of the dense weight, read from the panels");
-  m.def("addresses", []() { return std::vector<int64_t>{svrmad::address<svrmad::LinearFn>(&panel_linear)}; },
-        "panel_linear's address, for a C++ caller (cpu_stack.cpp)");
+  m.def("addresses", []() { return std::vector<int64_t>{svrmad::address<svrmad::LinearFn>(&panel_linear_into)}; },
+        "panel_linear_into's address, for a C++ caller (cpu_stack.cpp)");
   m.def("isa_level", []() { return svrmad::isa_level(); }, "the run-time ISA level the kernel takes");
   m.def("set_isa_level", [](int level) { return svrmad::set_isa_level(level); }, "caps it; returns the one before");
   m.def("set_amx_min_rows", [](int64_t rows) {

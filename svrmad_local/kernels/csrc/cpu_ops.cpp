@@ -69,6 +69,12 @@ static void check_rows(const torch::Tensor& x, const torch::Tensor& w, const cha
   TORCH_CHECK(w.dim() == 1 && w.is_contiguous() && w.size(0) == x.size(1), what, ": weight must be [hidden]");
 }
 
+// an output the caller made (the compiled decode step keeps its outputs between steps): its shape, x's dtype
+static void check_out(const torch::Tensor& out, at::IntArrayRef shape, const torch::Tensor& like, const char* what) {
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == shape && out.scalar_type() == like.scalar_type(), what,
+              ": the output must be a contiguous tensor of the input's dtype and the result's shape");
+}
+
 // the data of an fp32 tensor as float, of a bf16 one as its raw bits
 template <typename T> static inline T* data(const torch::Tensor& t) {
   if constexpr (std::is_same<T, float>::value) return t.data_ptr<float>();
@@ -84,10 +90,10 @@ template <typename T> static inline T* data(const torch::Tensor& t) {
     __VA_ARGS__                                         \
   }
 
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+void rms_norm_into(torch::Tensor x, torch::Tensor w, double eps, torch::Tensor y) {
   check_rows(x, w, "rms_norm");
+  check_out(y, x.sizes(), x, "rms_norm");
   const int64_t R = x.size(0), H = x.size(1);
-  auto y = torch::empty_like(x);
   SVRMAD_DISPATCH(x, {
     const T *X = data<T>(x), *W = data<T>(w);
     T* Y = data<T>(y);
@@ -95,17 +101,24 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
       for (int64_t r = r0; r < r1; ++r) norm_row<T>(X + r * H, W, Y + r * H, H, (float)eps);
     });
   })
+}
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  auto y = torch::empty_like(x);
+  rms_norm_into(x, w, eps, y);
   return y;
 }
 
-// s = residual + x (the layer's skip connection, rounded to x's dtype), y = rms_norm(s): returns (y, s)
-std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps) {
+// s = residual + x (the layer's skip connection, rounded to x's dtype), y = rms_norm(s), into y and s; s may be
+// the residual itself (each element is read before it is written)
+void add_rms_norm_into(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps, torch::Tensor y,
+                       torch::Tensor s) {
   check_rows(x, w, "add_rms_norm");
   TORCH_CHECK(residual.sizes() == x.sizes() && residual.is_contiguous() && residual.dtype() == x.dtype(),
               "add_rms_norm: residual must match x");
+  check_out(y, x.sizes(), x, "add_rms_norm");
+  check_out(s, x.sizes(), x, "add_rms_norm");
   const int64_t R = x.size(0), H = x.size(1);
-  auto y = torch::empty_like(x);
-  auto s = torch::empty_like(x);
   SVRMAD_DISPATCH(x, {
     const T *X = data<T>(x), *Res = data<T>(residual), *W = data<T>(w);
     T *Y = data<T>(y), *S = data<T>(s);
@@ -118,6 +131,12 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual,
       }
     });
   })
+}
+
+// returns (y, s)
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps) {
+  auto y = torch::empty_like(x), s = torch::empty_like(x);
+  add_rms_norm_into(x, residual, w, eps, y, s);
   return {y, s};
 }
 
@@ -154,9 +173,9 @@ static inline void rope_head(const T* x, const T* c, const T* s, T* out, int64_t
 
 // q [T, H, D], k [T, KVH, D], v [T, KVH, Dv] (any row and head strides, unit stride within a head);
 // cos/sin [T, D]; caches kc [S, KVH, D], vc [S, KVH, Dv] contiguous; slots [T]; one dtype throughout.
-// Returns the rotated q [T, H, D]; the rotated k and v go to rows slots[t] of the caches.
-torch::Tensor rope_store(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos, torch::Tensor sin,
-                         torch::Tensor kc, torch::Tensor vc, torch::Tensor slots) {
+// Writes the rotated q into `out` [T, H, D]; the rotated k and v go to rows slots[t] of the caches.
+void rope_store_into(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos, torch::Tensor sin,
+                     torch::Tensor kc, torch::Tensor vc, torch::Tensor slots, torch::Tensor out) {
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "rope_store: fp32 or bf16 only");
   for (auto* t : {&k, &v, &cos, &sin, &kc, &vc})
     TORCH_CHECK(t->scalar_type() == q.scalar_type(), "rope_store: q, k, v, cos, sin and the caches in one dtype");
@@ -171,7 +190,7 @@ torch::Tensor rope_store(torch::Tensor q, torch::Tensor k, torch::Tensor v, torc
               vc.size(1) == KVH && vc.size(2) == Dv, "rope_store: cache shapes disagree with k/v");
   TORCH_CHECK(slots.dtype() == torch::kInt64 && slots.is_contiguous() && slots.numel() == T_,
               "rope_store: slots must be [T] int64");
-  auto out = torch::empty({T_, H, D}, q.options());
+  check_out(out, {T_, H, D}, q, "rope_store");
   const int64_t* SL = slots.data_ptr<int64_t>();
   const int64_t S = kc.size(0);
   for (int64_t t = 0; t < T_; ++t)
@@ -192,6 +211,13 @@ torch::Tensor rope_store(torch::Tensor q, torch::Tensor k, torch::Tensor v, torc
       }
     });
   })
+}
+
+torch::Tensor rope_store(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos, torch::Tensor sin,
+                         torch::Tensor kc, torch::Tensor vc, torch::Tensor slots) {
+  TORCH_CHECK(q.dim() == 3, "rope_store: q, k, v must be [T, heads, dim]");
+  auto out = torch::empty(q.sizes(), q.options());
+  rope_store_into(q, k, v, cos, sin, kc, vc, slots, out);
   return out;
 }
 
@@ -206,14 +232,14 @@ static inline __m256 silu8(__m256 g) {
 // fused gate/up output), out contiguous. `vec`: the elements torch's vectorised loop takes at once on this
 // machine; the last I % vec of a row it computes with std::exp instead, and so does this. In bf16 the SiLU
 // is rounded to bf16 before the product, as F.silu's output is.
-torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up, int64_t vec) {
+void silu_mul_into(torch::Tensor gate, torch::Tensor up, int64_t vec, torch::Tensor out) {
   TORCH_CHECK(gate.scalar_type() == at::kFloat || gate.scalar_type() == at::kBFloat16, "silu_mul: fp32 or bf16 only");
   TORCH_CHECK(up.scalar_type() == gate.scalar_type(), "silu_mul: gate and up in one dtype");
   TORCH_CHECK(gate.dim() == 2 && up.sizes() == gate.sizes() && gate.stride(1) == 1 && up.stride(1) == 1,
               "silu_mul: gate and up must be [rows, I] with contiguous rows");
   TORCH_CHECK(vec >= 1, "silu_mul: vec must be positive");
   const int64_t R = gate.size(0), I = gate.size(1), full = I - I % vec;
-  auto out = torch::empty({R, I}, gate.options());
+  check_out(out, {R, I}, gate, "silu_mul");
   SVRMAD_DISPATCH(gate, {
     const T *G = data<T>(gate), *U = data<T>(up);
     T* O = data<T>(out);
@@ -232,6 +258,12 @@ torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up, int64_t vec) {
       }
     });
   })
+}
+
+torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up, int64_t vec) {
+  TORCH_CHECK(gate.dim() == 2, "silu_mul: gate and up must be [rows, I] with contiguous rows");
+  auto out = torch::empty(gate.sizes(), gate.options());
+  silu_mul_into(gate, up, vec, out);
   return out;
 }
 
@@ -457,7 +489,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", torch::wrap_pybind_function(argmax_rows), "argmax_rows");
   m.def("sample_pack", torch::wrap_pybind_function(sample_pack), "sample_pack");
   m.def("addresses", []() {
-    return std::vector<int64_t>{svrmad::address<svrmad::NormFn>(&rms_norm), svrmad::address<svrmad::AddNormFn>(&add_rms_norm),
-                                svrmad::address<svrmad::RopeFn>(&rope_store), svrmad::address<svrmad::SiluMulFn>(&silu_mul)};
-  }, "rms_norm's, add_rms_norm's, rope_store's and silu_mul's addresses, for a C++ caller (cpu_stack.cpp)");
+    return std::vector<int64_t>{svrmad::address<svrmad::NormFn>(&rms_norm_into),
+                                svrmad::address<svrmad::AddNormFn>(&add_rms_norm_into),
+                                svrmad::address<svrmad::RopeFn>(&rope_store_into),
+                                svrmad::address<svrmad::SiluMulFn>(&silu_mul_into)};
+  }, "rms_norm's, add_rms_norm's, rope_store's and silu_mul's addresses (their `_into` forms, writing into outputs "
+     "the caller keeps), for a C++ caller (cpu_stack.cpp)");
 }

@@ -8,7 +8,8 @@
 //
 // The kernels are the other modules' own functions (cpu_linear, cpu_ops, cpu_decode), reached through their
 // addresses (each module's `addresses` entry, typed by kernel_api.h), not compiled again: one copy of each, with its settings (the
-// ISA cap, the AMX row threshold) where the engine set them.
+// ISA cap, the AMX row threshold) where the engine set them. Each writes into an output the stack keeps
+// between steps (`Buffers`, made again when the step's row count changes): a layer made and freed ~11 tensors.
 #include <torch/extension.h>
 #include <cstdint>
 #include <vector>
@@ -59,6 +60,12 @@ class Stack {
     TORCH_CHECK(q_width + 2 * kv_width == qkv_n && gate_up_n % 2 == 0 && head_dim > 0,
                 "Stack.add_layer: q/k/v and gate/up widths disagree with their GEMMs");
     TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "Stack.add_layer: q and k norms go together");
+    TORCH_CHECK(q_width % head_dim == 0 && kv_width % head_dim == 0 && o_n == down_n && o_n == in_w.numel(),
+                "Stack.add_layer: heads, o_proj and down disagree with the hidden width");
+    TORCH_CHECK(layers_.empty() || (layers_[0].qkv.n == qkv_n && layers_[0].q_width == q_width &&
+                                    layers_[0].head_dim == head_dim && layers_[0].gate_up.n == gate_up_n &&
+                                    layers_[0].o.n == o_n),
+                "Stack.add_layer: every layer of one width (their outputs share the stack's buffers)");
     layers_.push_back(Layer{in_w, post_w, in_eps, post_eps, {qkv, qkv_n, qkv_bias}, {o, o_n, o_bias},
                             {gate_up, gate_up_n, gate_up_bias}, {down, down_n, down_bias}, q_norm, k_norm, q_eps,
                             k_eps, q_width, kv_width, head_dim, gate_up_n / 2, scaling, window});
@@ -71,40 +78,63 @@ class Stack {
   // output [T, H]: what engine/decoder.Decoder returns for the same step.
   Tensor run(Tensor x, Tensor cos, Tensor sin, Tensor slots, Tensor table, Tensor lens, int64_t block_size,
              const std::vector<Tensor>& k_caches, const std::vector<Tensor>& v_caches) const {
-    TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(),
+    TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size() && !layers_.empty(),
                 "Stack.run: one K and one V cache a layer");
-    const int64_t T = x.size(0);
-    Tensor y, res;
+    TORCH_CHECK(x.dim() == 2 && x.size(1) == layers_[0].o.n, "Stack.run: x must be [T, hidden]");
+    const Buffers& b = buffers(x);
+    b.res.copy_(x);  // the first layer's residual is its input
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& L = layers_[i];
-      if (i == 0) {
-        y = norm_(x.contiguous(), L.in_w, L.in_eps);
-        res = x;
-      } else {
-        auto out = add_norm_(x.contiguous(), res.contiguous(), L.in_w, L.in_eps);
-        y = out[0];
-        res = out[1];
+      if (i == 0) norm_(b.res, L.in_w, L.in_eps, b.y);
+      else add_norm_(b.h, b.res, L.in_w, L.in_eps, b.y, b.res);
+      linear(b.y, L.qkv, b.qkv);
+      Tensor q = columns(b.qkv, 0, L.q_width, L.head_dim);
+      Tensor k = columns(b.qkv, L.q_width, L.kv_width, L.head_dim);
+      const Tensor v = columns(b.qkv, L.q_width + L.kv_width, L.kv_width, L.head_dim);
+      if (L.q_norm.has_value()) {  // in place, each head's values read before it is written
+        q = q.reshape({-1, L.head_dim}).contiguous();
+        k = k.reshape({-1, L.head_dim}).contiguous();
+        norm_(q, *L.q_norm, L.q_eps, q);
+        norm_(k, *L.k_norm, L.k_eps, k);
+        q = q.view({b.q.size(0), -1, L.head_dim});
+        k = k.view({b.q.size(0), -1, L.head_dim});
       }
-      const Tensor qkv = linear(y, L.qkv);
-      Tensor q = columns(qkv, 0, L.q_width, L.head_dim);
-      Tensor k = columns(qkv, L.q_width, L.kv_width, L.head_dim);
-      const Tensor v = columns(qkv, L.q_width + L.kv_width, L.kv_width, L.head_dim);
-      if (L.q_norm.has_value()) {
-        q = norm_(q.reshape({-1, L.head_dim}).contiguous(), *L.q_norm, L.q_eps).view(q.sizes());
-        k = norm_(k.reshape({-1, L.head_dim}).contiguous(), *L.k_norm, L.k_eps).view(k.sizes());
-      }
-      q = rope_(q, k, v, cos, sin, k_caches[i], v_caches[i], slots);
-      const Tensor a = decode_(q.contiguous(), k_caches[i], v_caches[i], table, lens, block_size, L.scaling,
-                               L.window, c10::nullopt);
-      auto out = add_norm_(linear(rows(a), L.o).contiguous(), res.contiguous(), L.post_w, L.post_eps);
-      res = out[1];
-      const Tensor gu = linear(out[0], L.gate_up);
-      x = linear(silu_mul_(columns(gu, 0, L.inter), columns(gu, L.inter, L.inter), vec_), L.down);
+      rope_(q, k, v, cos, sin, k_caches[i], v_caches[i], slots, b.q);
+      decode_(b.q, k_caches[i], v_caches[i], table, lens, block_size, L.scaling, L.window, c10::nullopt, b.att);
+      linear(rows(b.att), L.o, b.h);
+      add_norm_(b.h, b.res, L.post_w, L.post_eps, b.y, b.res);
+      linear(b.y, L.gate_up, b.gu);
+      silu_mul_(columns(b.gu, 0, L.inter), columns(b.gu, L.inter, L.inter), vec_, b.m);
+      linear(b.m, L.down, b.h);
     }
-    return add_norm_(x.contiguous(), res.contiguous(), final_w_, final_eps_)[0];
+    auto out = torch::empty_like(b.y);  // the caller's: not a buffer the next step writes
+    add_norm_(b.h, b.res, final_w_, final_eps_, out, b.res);
+    return out;
   }
 
  private:
+  // a step's activations for its T rows: the residual, a norm's output, the q/k/v GEMM's, the rotated q, the
+  // attention's, o_proj's and down's, gate/up's and SiLU-and-multiply's. Kept while T stays (a run of decode
+  // steps); `run` is called by the engine's one worker thread, never by two threads at once.
+  struct Buffers {
+    int64_t T = -1;
+    Tensor res, y, h, qkv, q, att, gu, m;
+  };
+
+  const Buffers& buffers(const Tensor& x) const {
+    const int64_t T = x.size(0);
+    if (b_.T != T || b_.res.scalar_type() != x.scalar_type()) {
+      const Layer& L = layers_[0];
+      const auto o = x.options();
+      const int64_t hidden = x.size(1), heads = L.q_width / L.head_dim;
+      b_ = Buffers{T, torch::empty({T, hidden}, o), torch::empty({T, hidden}, o), torch::empty({T, hidden}, o),
+                   torch::empty({T, L.qkv.n}, o), torch::empty({T, heads, L.head_dim}, o),
+                   torch::empty({T, heads, L.head_dim}, o), torch::empty({T, L.gate_up.n}, o),
+                   torch::empty({T, L.inter}, o)};
+    }
+    return b_;
+  }
+
   // columns [c0, c0 + n) of a 2-d output, as [rows, n] or, with `head`, [rows, n / head, head]: one as_strided,
   // where narrow then view are two ops (~0.8 against ~0.3 us; ~5 such views a layer)
   static Tensor columns(const Tensor& t, int64_t c0, int64_t n, int64_t head = 0) {
@@ -120,7 +150,9 @@ class Stack {
     return t.as_strided({t.size(0), n}, {n, 1}, t.storage_offset());
   }
 
-  Tensor linear(const Tensor& x, const Linear& m) const { return linear_(x, m.panels, m.n, m.bias, kblock_, row_width_); }
+  void linear(const Tensor& x, const Linear& m, const Tensor& y) const {
+    linear_(x, m.panels, m.n, m.bias, kblock_, row_width_, y);
+  }
 
   LinearFn linear_;
   NormFn norm_;
@@ -132,6 +164,7 @@ class Stack {
   Tensor final_w_;
   double final_eps_;
   std::vector<Layer> layers_;
+  mutable Buffers b_;
 };
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -7,15 +7,16 @@
 #include <vector>
 
 namespace svrmad {
-using LinearFn = torch::Tensor (*)(torch::Tensor, torch::Tensor, int64_t, c10::optional<torch::Tensor>, int64_t,
-                                   int64_t);
-using NormFn = torch::Tensor (*)(torch::Tensor, torch::Tensor, double);
-using AddNormFn = std::vector<torch::Tensor> (*)(torch::Tensor, torch::Tensor, torch::Tensor, double);
-using RopeFn = torch::Tensor (*)(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
-                                 torch::Tensor, torch::Tensor, torch::Tensor);
-using SiluMulFn = torch::Tensor (*)(torch::Tensor, torch::Tensor, int64_t);
-using DecodeFn = torch::Tensor (*)(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t,
-                                   double, int64_t, c10::optional<torch::Tensor>);
+// each writes its result into the last argument(s), a contiguous tensor the caller made (and may keep)
+using LinearFn = void (*)(torch::Tensor, torch::Tensor, int64_t, c10::optional<torch::Tensor>, int64_t, int64_t,
+                          torch::Tensor);
+using NormFn = void (*)(torch::Tensor, torch::Tensor, double, torch::Tensor);
+using AddNormFn = void (*)(torch::Tensor, torch::Tensor, torch::Tensor, double, torch::Tensor, torch::Tensor);
+using RopeFn = void (*)(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
+                        torch::Tensor, torch::Tensor, torch::Tensor);
+using SiluMulFn = void (*)(torch::Tensor, torch::Tensor, int64_t, torch::Tensor);
+using DecodeFn = void (*)(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, double, int64_t,
+                          c10::optional<torch::Tensor>, torch::Tensor);
 
 template <typename Fn> inline int64_t address(Fn f) { return reinterpret_cast<int64_t>(f); }
 }  // namespace svrmad
