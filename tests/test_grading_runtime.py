@@ -176,3 +176,20 @@ def test_a_forked_child_starts_its_own_worker():
     assert os.waitstatus_to_exitcode(status) == 0
     assert worker._WORKER._proc is parent_proc and parent_proc.poll() is None
     assert worker.call("ping") is True
+
+
+def test_a_reply_left_unread_is_never_taken_for_the_next_requests():
+    """A call stopped between writing its request and reading the reply leaves that reply in the pipe; the next
+    request once read it as its own (a ping's True answered a sympy pair past its budget). Replies carry
+    their request's number, and the client skips any other."""
+    import json
+
+    w = worker.Worker()
+    try:
+        w.call("ping")
+        w._proc.stdin.write(json.dumps(["ping", [], -1]).encode() + b"\n")  # its reply is never read
+        w._proc.stdin.flush()
+        assert w.call("math", "x", "y") is False
+        assert w.call("ping") is True and w.restarts == 1
+    finally:
+        w.stop()

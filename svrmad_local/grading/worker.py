@@ -3,8 +3,8 @@
 Why a process: sympy work holds the GIL, so in a thread it would still stall the event loop that
 feeds the engine; and a process can be killed, a thread cannot. The child is started on first
 use with `python -c "...serve()"` (not multiprocessing, which would re-import the caller's
-__main__), speaks one JSON line per request over its stdin/stdout, and serves requests
-one at a time.
+__main__), speaks one JSON line per request over its stdin/stdout (each request numbered, its reply
+echoing the number), and serves requests one at a time.
 
 Budget: the work of each request is bounded before it starts (symbolic.py), so a request takes
 the same path to the same verdict on an idle or a saturated machine. The wall-clock budget is only
@@ -22,6 +22,7 @@ import select
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ class Worker:
         self._proc: subprocess.Popen | None = None
         self._lock = threading.Lock()
         self.restarts = 0
+        self._sent = 0  # requests written: each carries its number, which its reply echoes
 
     def call(self, op: str, *args):
         with self._lock:
@@ -65,12 +67,20 @@ class Worker:
     def _roundtrip(self, op: str, args: tuple, budget: float):
         if self._proc is None or self._proc.poll() is not None:
             self._start()
+        self._sent += 1
         try:
-            self._proc.stdin.write(json.dumps([op, list(args)]).encode() + b"\n")
+            self._proc.stdin.write(json.dumps([op, list(args), self._sent]).encode() + b"\n")
             self._proc.stdin.flush()
         except OSError as exc:
             raise _Lost(f"worker gone ({exc})") from None
-        reply = json.loads(self._readline(budget, f"no reply within {budget} s"))
+        # a reply to an earlier request left unread (a call stopped between its write and its read) is skipped,
+        # never taken for this one's: a ping's `true` once answered a sympy pair the budget had not allowed
+        deadline = time.monotonic() + budget
+        while True:
+            reply = json.loads(self._readline(max(0.0, deadline - time.monotonic()), f"no reply within {budget} s"))
+            if reply.get("id") == self._sent:
+                break
+            log.warning("grading worker: skipped an unread reply to an earlier request (%s)", reply.get("id"))
         if "error" in reply:
             raise WorkerError(f"grading worker failed on {op}: {reply['error']}")
         return reply["value"]
@@ -100,6 +110,7 @@ class Worker:
         """In a forked child: the parent's worker, pipes and lock are not this process's."""
         self._proc = None
         self._lock = threading.Lock()
+        self._sent = 0
 
     def stop(self) -> None:
         proc, self._proc = self._proc, None
@@ -147,10 +158,13 @@ def serve() -> None:
     out.write(b'{"value": "ready"}\n')
     out.flush()
     for line in sys.stdin.buffer:
+        rid = None
         try:
-            op, args = json.loads(line)
+            op, args, *rest = json.loads(line)
+            rid = rest[0] if rest else None
             reply = {"value": OPS[op](*args)}
         except Exception as exc:
             reply = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+        reply["id"] = rid
         out.write(json.dumps(reply).encode() + b"\n")
         out.flush()
