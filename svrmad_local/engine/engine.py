@@ -40,7 +40,7 @@ from .threads import release_team
 Prompt = Union[list[int], str, list[dict]]
 
 # One call to the worker thread runs steps back to back until a request finishes, the work runs out or this
-# many seconds pass. Each hand-off between the event loop and the worker wakes a thread each way: ~0.3 ms of
+# many seconds pass. Each hand-off between the event loop and the worker wakes a thread each way: 0.2-0.35 ms of
 # a ~13 ms batch-1 decode step on a 2-core Xeon (docs/engine.md, "Steps back to back"). The loop needs the
 # worker back only to resolve futures (a new request reaches the scheduler directly, at its next step) and,
 # within this bound, to stop when the program is interrupted.
