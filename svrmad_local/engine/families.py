@@ -314,8 +314,15 @@ class Rotary:
         return {key: self._rows(key, h, pos) for key in self.keys}
 
     def _rows(self, key, h: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._whole(*self._module(key, h, pos))
+
+    def _module(self, key, h: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The module's own cos/sin [T, w] for positions `pos` [1, T] (Gemma 3's for layer type `key`)."""
         cos, sin = self.module(h, pos) if key is None else self.module(h, pos, key)
-        cos, sin = cos[0], sin[0]
+        return cos[0], sin[0]
+
+    def _whole(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The module's rows as a layer reads them: GPT-OSS's half-width ones doubled, contiguous."""
         if self.double:
             cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
         return cos.contiguous(), sin.contiguous()
@@ -328,13 +335,9 @@ class Rotary:
             return have
         size = max(ROPE_CHUNK, 1 << (n - 1).bit_length())
         pos = torch.arange(size, device=h.device)[None]
-        parts = [self.module(h[:1, :1], pos[:, i:i + ROPE_CHUNK]) if key is None else
-                 self.module(h[:1, :1], pos[:, i:i + ROPE_CHUNK], key) for i in range(0, size, ROPE_CHUNK)]
+        parts = [self._module(key, h[:1, :1], pos[:, i:i + ROPE_CHUNK]) for i in range(0, size, ROPE_CHUNK)]
         if parts[0][0].shape[-1] % 16:
             self.tables = None
             return None
-        cos, sin = (torch.cat([p[j][0] for p in parts]) for j in (0, 1))
-        if self.double:
-            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
-        self.tables[(key, h.dtype)] = made = (cos.contiguous(), sin.contiguous())
+        self.tables[(key, h.dtype)] = made = self._whole(*(torch.cat([p[j] for p in parts]) for j in (0, 1)))
         return made
