@@ -117,17 +117,16 @@ class Stack {
   // attention's, o_proj's and down's, gate/up's and SiLU-and-multiply's. Kept while T stays (a run of decode
   // steps); `run` is called by the engine's one worker thread, never by two threads at once.
   struct Buffers {
-    int64_t T = -1;
     Tensor res, y, h, qkv, q, att, gu, m;
   };
 
   const Buffers& buffers(const Tensor& x) const {
     const int64_t T = x.size(0);
-    if (b_.T != T || b_.res.scalar_type() != x.scalar_type()) {
+    if (!b_.res.defined() || b_.res.size(0) != T || b_.res.scalar_type() != x.scalar_type()) {
       const Layer& L = layers_[0];
       const auto o = x.options();
       const int64_t hidden = x.size(1), heads = L.q_width / L.head_dim;
-      b_ = Buffers{T, torch::empty({T, hidden}, o), torch::empty({T, hidden}, o), torch::empty({T, hidden}, o),
+      b_ = Buffers{torch::empty({T, hidden}, o), torch::empty({T, hidden}, o), torch::empty({T, hidden}, o),
                    torch::empty({T, L.qkv.n}, o), torch::empty({T, heads, L.head_dim}, o),
                    torch::empty({T, heads, L.head_dim}, o), torch::empty({T, L.gate_up.n}, o),
                    torch::empty({T, L.inter}, o)};
