@@ -128,8 +128,8 @@ class HostOps:
         step, schedule = engine._step, engine.scheduler.schedule
         shape = []
 
-        def counted_schedule():
-            batch = schedule()
+        def counted_schedule(*args, **kwargs):  # overlap schedules with admit=False, skip=...
+            batch = schedule(*args, **kwargs)
             shape[:] = [len(batch.decode), len(batch.work)]
             return batch
 
