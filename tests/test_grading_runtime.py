@@ -78,6 +78,33 @@ def test_a_request_past_its_budget_is_an_error_not_a_cached_verdict(monkeypatch,
     assert equivalent(a, b, "math")  # decided by a fresh worker: the expiry was not remembered
 
 
+def test_a_reply_found_past_the_deadline_is_an_expiry(monkeypatch):
+    """The budget runs from the sending of a request to the reading of its reply. A caller held up in between
+    (descheduled on a busy machine, a GC pause) finds the reply waiting when it looks; the test above once got
+    its pair's verdict so under a 1e-4 s budget: the deadline was set after the sending, and a reply select saw
+    on a late wake was taken. Here the caller stalls right after sending a ping."""
+    w = worker.Worker()
+    try:
+        w.call("ping")
+        sent = w._proc.stdin
+
+        class Stalled:
+            write = sent.write
+
+            def flush(self):
+                sent.flush()
+                time.sleep(0.2)  # the ping's reply comes meanwhile
+
+        w._proc.stdin = Stalled()
+        monkeypatch.setattr(worker, "BUDGETS", (0.05,))
+        with pytest.raises(worker.GradingTimeout):
+            w.call("ping")
+        monkeypatch.setattr(worker, "BUDGETS", (20.0,))
+        assert w.call("ping") is True and w.restarts == 2  # a fresh worker
+    finally:
+        w.stop()
+
+
 def test_async_grading_keeps_the_event_loop_free():
     a, b, expected = r"\binom{2n}{n}", r"\frac{(2n)!}{(n!)^2}", True  # a few tenths of a second of sympy
     grading.clear_cache()
@@ -179,9 +206,9 @@ def test_a_forked_child_starts_its_own_worker():
 
 
 def test_a_reply_left_unread_is_never_taken_for_the_next_requests():
-    """A call stopped between writing its request and reading the reply leaves that reply in the pipe; the next
-    request once read it as its own (a ping's True answered a sympy pair past its budget). Replies carry
-    their request's number, and the client skips any other."""
+    """A call stopped between writing its request and reading the reply (by an exception other than an expiry,
+    which kills the worker) leaves that reply in the pipe, where the next request would read it as its own.
+    Replies carry their request's number, and the client skips any other."""
     import json
 
     w = worker.Worker()

@@ -8,9 +8,11 @@ echoing the number), and serves requests one at a time.
 
 Budget: the work of each request is bounded before it starts (symbolic.py), so a request takes
 the same path to the same verdict on an idle or a saturated machine. The wall-clock budget is only
-a safety net: a request that exceeds BUDGETS[0] seconds kills the child and is retried in a fresh
-one with BUDGETS[1], and so on; past the last budget the call raises GradingTimeout. An expiry is
-never turned into a verdict here (the caller decides what to do, and caches nothing).
+a safety net: a request whose reply is not read within BUDGETS[0] seconds of its sending kills the
+child and is retried in a fresh one with BUDGETS[1], and so on; past the last budget the call raises
+GradingTimeout. The budget runs from the sending to the reading, whatever the caller did between
+(descheduled on a busy machine, a GC pause): a reply found only after the deadline is not taken. An
+expiry is never turned into a verdict here (the caller decides what to do, and caches nothing).
 """
 
 from __future__ import annotations
@@ -68,16 +70,19 @@ class Worker:
         if self._proc is None or self._proc.poll() is not None:
             self._start()
         self._sent += 1
+        request = json.dumps([op, list(args), self._sent]).encode() + b"\n"
+        # set before the sending: a caller held up after it once found, past the deadline, a reply the budget had
+        # not allowed (stalled 8 ms on a busy 2-core machine, it read a 1e-4 s request's verdict as in time)
+        deadline = time.monotonic() + budget
         try:
-            self._proc.stdin.write(json.dumps([op, list(args), self._sent]).encode() + b"\n")
+            self._proc.stdin.write(request)
             self._proc.stdin.flush()
         except OSError as exc:
             raise _Lost(f"worker gone ({exc})") from None
-        # a reply to an earlier request left unread (a call stopped between its write and its read) is skipped,
-        # never taken for this one's: a ping's `true` once answered a sympy pair the budget had not allowed
-        deadline = time.monotonic() + budget
+        # a reply to an earlier request left unread (a call stopped between its write and its read, by an
+        # exception other than an expiry) is skipped, never taken for this one's
         while True:
-            reply = json.loads(self._readline(max(0.0, deadline - time.monotonic()), f"no reply within {budget} s"))
+            reply = json.loads(self._readline(deadline, f"no reply within {budget} s"))
             if reply.get("id") == self._sent:
                 break
             log.warning("grading worker: skipped an unread reply to an earlier request (%s)", reply.get("id"))
@@ -85,13 +90,16 @@ class Worker:
             raise WorkerError(f"grading worker failed on {op}: {reply['error']}")
         return reply["value"]
 
-    def _readline(self, timeout: float, what: str) -> bytes:
-        ready, _, _ = select.select([self._proc.stdout], [], [], timeout)
+    def _readline(self, deadline: float, what: str) -> bytes:
+        """The next line, read by `deadline` (time.monotonic()): one there only after it counts as none."""
+        ready, _, _ = select.select([self._proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
         if not ready:
             raise _Lost(what)
         line = self._proc.stdout.readline()
         if not line:
             raise _Lost("worker exited")
+        if time.monotonic() > deadline:  # select polls once more when woken late: a reply that came meanwhile
+            raise _Lost(what)
         return line
 
     def _start(self) -> None:
@@ -100,7 +108,7 @@ class Worker:
         code = f"import sys; sys.path.insert(0, {root!r}); from svrmad_local.grading.worker import serve; serve()"
         try:
             self._proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-            self._readline(START_TIMEOUT, f"not ready within {START_TIMEOUT} s")
+            self._readline(time.monotonic() + START_TIMEOUT, f"not ready within {START_TIMEOUT} s")
         except (OSError, _Lost) as exc:
             self.stop()
             raise WorkerError(f"grading worker could not start: {exc}") from None
