@@ -263,3 +263,60 @@ def test_the_engines_sampling_takes_the_compiled_step_on_the_cpu(monkeypatch):
     monkeypatch.setenv("SVRMAD_CPU_OPS", "0")
     _same_bits(sampler.sample_packed(logits, draws()), compiled)
     assert calls == [1]
+
+
+def test_the_steps_buffers_are_the_threads_and_go_with_it():
+    """sample_pack's two statistics buffers belong to the calling thread, in Python (cpu_ops._buffers), grown in
+    place where a step needs more, and freed while the thread still runs: none is a C++ thread_local, which is
+    freed after the interpreter let the thread go (tests/late_thread_end.py says what that did)."""
+    import random
+    import threading
+    import weakref
+
+    from svrmad_local.engine import sampler
+    from svrmad_local.engine.config import SamplingParams
+
+    def step(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        draws = sampler.prepare([SamplingParams()] * rows, [random.Random(i) for i in range(rows)], 400)
+        with torch.inference_mode():  # as the engine calls it
+            cpu_ops.sample_pack(torch.randn(rows, 400), torch.from_numpy(draws.table), draws.K, draws.topk)
+        return cpu_ops._buffers()
+
+    seen = {}
+
+    def thread() -> None:
+        first = step(2)
+        seen["sizes"] = [b.numel() for b in first]
+        again = step(5)
+        seen["grown"] = [b.numel() for b in again]
+        seen["same"] = all(a is b for a, b in zip(first, again))
+        seen["refs"] = [weakref.ref(b) for b in again]
+
+    t = threading.Thread(target=thread)
+    t.start()
+    t.join()
+    assert seen["sizes"] == [2 * 400, 2 * 512] and seen["grown"] == [5 * 400, 5 * 512] and seen["same"]
+    assert all(r() is None for r in seen["refs"])  # freed with the thread (a C++ thread_local outlived its Python)
+    assert all(b.numel() > 0 for b in step(1))  # this thread's own pair
+
+
+def test_a_thread_that_ran_the_step_may_end_after_the_interpreter_began_to_finalize():
+    """An engine's worker thread (its static path's probe step runs sample_pack under a dispatch mode, which
+    gives the buffers Python objects) whose OS thread ends only once the interpreter is finalizing, as a
+    tensor-parallel follower's did in CI: the process ends with status 0. With the buffers kept in a C++
+    thread_local, freeing them there took the interpreter's lock and the process aborted ("terminate called
+    without an active exception"), every time under tests/late_thread_end.py's timing."""
+    import ctypes
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if not hasattr(ctypes.CDLL(None), "__cxa_thread_atexit_impl"):
+        pytest.skip("the timing needs glibc's __cxa_thread_atexit_impl")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    res = subprocess.run([sys.executable, str(root / "tests" / "late_thread_end.py")], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0 and "terminate called" not in res.stderr, (res.returncode, res.stderr[-3000:])
+    assert res.stdout.strip() == "built"

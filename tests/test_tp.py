@@ -140,6 +140,7 @@ def test_overlap_under_tensor_parallel_gives_one_process_tokens(name, checkpoint
     on = run_worker(out, "--overlap", str(out), str(checkpoints[name]))[str(checkpoints[name])]
     st = two_ranks_static[str(checkpoints[name])]
     assert on["overlapped_steps"] > 0 and on["static_steps"][0] == on["static_steps"][1] > 0
+    assert on["worker_ended"] == [True, True]  # every rank's worker thread ended before the interpreter's exit
     assert on["greedy"] == st["greedy"] and on["forks"] == st["forks"] and on["computed"] == st["computed"]
     for a, b in zip(on["greedy_logprobs"], st["greedy_logprobs"]):
         assert a == pytest.approx(b, abs=1e-6)

@@ -199,10 +199,11 @@ def main(out: str, paths: list[str], device: str = "cpu", graphs: str = "auto", 
         else:
             engine.follow()
         sampling = engine.runner.static is not None and engine.runner.static.sampling
+        engine._worker.join(timeout=60)  # let go by close() (the leader) or at the end of follow() (the others)
         per_rank = [None] * dist.get_world_size()
-        dist.all_gather_object(per_rank, [*static, sampling])
-        results.setdefault(path, {}).update(zip(("static_steps", "sampled_inside", "head_calls", "sampling"),
-                                                map(list, zip(*per_rank))))
+        dist.all_gather_object(per_rank, [*static, sampling, not engine._worker.is_alive()])
+        results.setdefault(path, {}).update(zip(("static_steps", "sampled_inside", "head_calls", "sampling",
+                                                 "worker_ended"), map(list, zip(*per_rank))))
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(results, f)

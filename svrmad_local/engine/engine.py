@@ -260,11 +260,17 @@ class Engine:
         return self._executor.submit(fn, *args).result()
 
     def follow(self) -> None:
-        """Tensor-parallel ranks other than the leader: run its steps until it calls `close()`."""
+        """Tensor-parallel ranks other than the leader: run its steps until it calls `close()`. The steps run on
+        the calling thread; the worker thread (the build's) is let go at the end, as the leader's `close()` lets
+        its own go, so that it ends while the interpreter runs rather than at its exit."""
         if not self.built.sharded or self.built.rank == 0:
             raise RuntimeError("follow() is for tensor-parallel ranks other than 0")
-        while (step := self.built.channel.recv()) is not None:
-            self.runner.execute(step)
+        try:
+            while (step := self.built.channel.recv()) is not None:
+                self.runner.execute(step)
+        finally:
+            self.closed = True
+            self._release_worker()
 
     def close(self) -> None:
         """Release the worker thread; with tensor parallelism, rank 0 also lets the followers go."""

@@ -35,6 +35,8 @@ Numerics:
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from ._backend import choose
@@ -143,7 +145,25 @@ def samples(logits: torch.Tensor) -> bool:
     return logits.shape[-1] > 0 and _selects(logits)
 
 
+_scratch = threading.local()  # per thread, sample_pack's two statistics buffers (`_buffers`)
+
+
+def _buffers() -> tuple[torch.Tensor, torch.Tensor]:
+    """The calling thread's two fp32 buffers that sample_pack computes the statistics in (it grows them; a
+    step's [rows, vocab] log-probs and their products, kept between steps: csrc/cpu_ops.cpp `scratch`).
+    Python holds them, in a threading.local, so they are freed while the thread still runs: a C++
+    thread_local is freed after the interpreter let the thread go, and one that holds a Python object (a
+    tensor made under a dispatch mode, as the static path's probe step makes them) then takes the
+    interpreter's lock, which aborts the process where the interpreter is finalizing by then (a
+    tensor-parallel follower's worker thread, let go at the interpreter's exit)."""
+    bufs = getattr(_scratch, "bufs", None)
+    if bufs is None:
+        with torch.inference_mode(False):  # ordinary tensors: the kernel writes them in inference mode or out of it
+            bufs = _scratch.bufs = (torch.empty(0, dtype=torch.float32), torch.empty(0, dtype=torch.float32))
+    return bufs
+
+
 def sample_pack(logits: torch.Tensor, table: torch.Tensor, K: int, topk: int) -> torch.Tensor:
     """stats.pack(toks, stats.stats_from_logits(logits, toks, topk)) with toks = sampler.sample_rows(logits, draws)
     for draws of `table` ([5, R] float64, sampler.Draws.table on the CPU) and widths K, topk: bit for bit, one call."""
-    return _KERNEL.module().sample_pack(logits.contiguous(), table, K, topk)
+    return _KERNEL.module().sample_pack(logits.contiguous(), table, K, topk, *_buffers())

@@ -414,28 +414,32 @@ static torch::Tensor draw_rows(const torch::Tensor& lg, const torch::Tensor& ks,
   return idx.gather(1, pos).squeeze(1);
 }
 
-// A [rows, cols] fp32 buffer the calling thread keeps between calls (`which`: one of two). torch's own
-// log_softmax and exp returned fresh [R, V] tensors each step: at 32 rows of a 49k vocabulary, 6 MB that the
-// allocator handed back to the system and took again, ~2 ms a step of page faults, more than the arithmetic.
-static torch::Tensor scratch(int which, int64_t rows, int64_t cols) {
-  thread_local torch::Tensor bufs[2];
-  torch::Tensor& b = bufs[which];
-  if (!b.defined() || b.numel() < rows * cols) b = torch::empty({rows * cols}, torch::kFloat);
-  return b.narrow(0, 0, rows * cols).view({rows, cols});
+// A [rows, cols] fp32 view of `buf`, one of the two buffers the caller keeps between calls (cpu_ops.py keeps a
+// pair per thread), grown in place where it is short. torch's own log_softmax and exp returned fresh [R, V]
+// tensors each step: at 32 rows of a 49k vocabulary, 6 MB that the allocator handed back to the system and took
+// again, ~2 ms a step of page faults, more than the arithmetic. Not a C++ thread_local: a tensor made under a
+// Python dispatch mode (the static path's probe step runs this under graphs.HostSyncCheck) owns a Python object,
+// and a thread_local is freed after the interpreter has let the thread go, where the interpreter may already be
+// finalizing: taking its lock there ends the thread inside the destructor, and the process aborts
+// ("terminate called without an active exception"). Python frees the caller's while the thread still runs.
+static torch::Tensor scratch(torch::Tensor& buf, int64_t rows, int64_t cols) {
+  if (buf.numel() < rows * cols) buf.resize_({rows * cols});
+  return buf.narrow(0, 0, rows * cols).view({rows, cols});
 }
 
 // stats.pack(tokens, stats.stats_from_logits(logits, tokens, topk)), `rows` rows at a time through the two
 // scratch buffers (every op is row by row, and stats.row_sum's sums do not depend on the rows: the same bits)
-static torch::Tensor stats_packed(const torch::Tensor& logits, const torch::Tensor& toks, int64_t topk) {
+static torch::Tensor stats_packed(const torch::Tensor& logits, const torch::Tensor& toks, int64_t topk,
+                                  torch::Tensor& buf0, torch::Tensor& buf1) {
   const int64_t R = logits.size(0), V = logits.size(1), chunk = 128, Vp = (V + chunk - 1) / chunk * chunk;
   const int64_t k = std::min(topk, V), rows = std::max<int64_t>(1, (int64_t{1} << 22) / Vp);  // 16 MB a buffer
   auto lp = torch::empty({R}, logits.options()), entropy = torch::empty({R}, logits.options());
   auto top_v = torch::empty({R, k}, logits.options()), top_i = torch::empty({R, k}, toks.options());
   for (int64_t r0 = 0; r0 < R; r0 += rows) {
     const int64_t n = std::min(rows, R - r0);
-    auto logp = scratch(0, n, V);
+    auto logp = scratch(buf0, n, V);
     at::_log_softmax_out(logp, logits.narrow(0, r0, n), -1, false);
-    auto padded = scratch(1, n, Vp);  // stats.row_sum's zero padding to whole chunks
+    auto padded = scratch(buf1, n, Vp);  // stats.row_sum's zero padding to whole chunks
     auto prod = padded.narrow(1, 0, V);
     at::exp_out(prod, logp);
     prod.mul_(logp);
@@ -452,14 +456,20 @@ static torch::Tensor stats_packed(const torch::Tensor& logits, const torch::Tens
 }
 
 // sampler.sample_rows(logits, draws) and the statistics, packed: logits [R, V] fp32, `table` the draws' [5, R]
-// float64 table (temperature, top-k, top-p, u, greedy), K and topk their widths
-torch::Tensor sample_pack(torch::Tensor logits, torch::Tensor table, int64_t K, int64_t topk) {
+// float64 table (temperature, top-k, top-p, u, greedy), K and topk their widths; buf0 and buf1 the statistics'
+// buffers (`scratch`): 1-D fp32 on the CPU, grown here where short, never returned
+torch::Tensor sample_pack(torch::Tensor logits, torch::Tensor table, int64_t K, int64_t topk, torch::Tensor buf0,
+                          torch::Tensor buf1) {
   TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 && logits.is_contiguous() && logits.size(1) > 0,
               "sample_pack: logits must be a contiguous fp32 [rows, V] tensor, V > 0");
   const int64_t R = logits.size(0);
   TORCH_CHECK(table.scalar_type() == at::kDouble && table.dim() == 2 && table.size(0) == 5 && table.size(1) == R &&
                   table.device().is_cpu(), "sample_pack: table must be float64 [5, rows] on the CPU");
   TORCH_CHECK(K > 0 && topk >= 0, "sample_pack: K must be positive and topk not negative");
+  for (const auto* b : {&buf0, &buf1})
+    TORCH_CHECK(b->scalar_type() == at::kFloat && b->dim() == 1 && b->is_contiguous() && b->device().is_cpu(),
+                "sample_pack: its buffers must be 1-D contiguous fp32 tensors on the CPU");
+  TORCH_CHECK(!buf0.is_same(buf1), "sample_pack: its two buffers must be two tensors");
   auto t = table.contiguous();
   const double* T = t.data_ptr<double>();
   bool all_greedy = true, any_greedy = false, all_unit = true;
@@ -477,7 +487,7 @@ torch::Tensor sample_pack(torch::Tensor logits, torch::Tensor table, int64_t K, 
     toks = draw_rows(lg, t[1].to(torch::kLong), t[2].to(torch::kFloat), t[3], K);
     if (any_greedy) toks = torch::where(t[4].ne(0), argmax_rows(logits), toks);
   }
-  return stats_packed(logits, toks, topk);
+  return stats_packed(logits, toks, topk, buf0, buf1);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
