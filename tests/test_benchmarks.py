@@ -681,3 +681,20 @@ def test_bench_handoff_times_both_sides_and_restores_the_setting(tmp_path, tiny_
         assert len(r["runs"]["back to back"]) == len(r["runs"]["one a hand-off"]) == 2
         assert r["ratio"] == round(r["back_to_back_tok_s"] / r["one_a_handoff_tok_s"], 3)
         assert all(g >= 0 for g in r["gap_ms"].values())
+
+
+def test_bench_silu_mul_times_both_loop_widths_and_torch(capsys):
+    """bench_silu_mul's rows: each batch timed at this CPU's level, on the AVX2 loop and in torch, the two
+    compiled widths' outputs checked equal inside (the run stops otherwise)."""
+    import json
+
+    from bench_silu_mul import main
+
+    from svrmad_local.kernels import cpu_ops
+
+    if not cpu_ops.available():
+        pytest.skip(cpu_ops.unavailable_reason())
+    assert main(["--batches", "1,3", "--inter", "40", "--repeat", "3"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [r["batch"] for r in out["rows"]] == [1, 3] and out["inter"] == 40
+    assert all(r["level_us"] > 0 and r["avx2_loop_us"] > 0 and r["torch_us"] > 0 for r in out["rows"])

@@ -44,6 +44,33 @@ def test_silu_mul_meets_infinities_nans_and_extremes_as_torch_does(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_on_sixteen_lanes_gives_the_eight_lane_loops_bits(dtype):
+    """Where the build and the CPU have AVX-512, SiLU-and-multiply runs sixteen lanes at a time (Sleef's
+    sixteen-lane exponential): every lane computes what the eight-lane loop's does, so the bits are the AVX2
+    path's, special values included, for rows of every tail (a half step of sixteen, a scalar tail)."""
+    mod = cpu_ops._KERNEL.module()
+    full = mod.set_isa_level(99)
+    if mod.isa_level() < 1:
+        pytest.skip("this CPU has no AVX-512")
+    torch.manual_seed(16)
+    special = torch.tensor([float("inf"), float("-inf"), float("nan"), 88.0, -88.0, 1e-30, 0.0, -0.0, 3.0, -3.0])
+    outs = {}
+    try:
+        for inter in (1536, 1000, 37, 24):
+            gate_up = (torch.randn(5, 2 * inter) * 6)
+            gate_up[0, : min(inter, len(special))] = special[:inter]
+            gate_up = gate_up.to(dtype)
+            gate, up = gate_up[:, :inter], gate_up[:, inter:]
+            for level in (1, 0):
+                mod.set_isa_level(level)
+                outs[inter, level] = cpu_ops.silu_mul(gate, up)
+    finally:
+        mod.set_isa_level(full)
+    for inter in (1536, 1000, 37, 24):
+        torch.testing.assert_close(outs[inter, 1], outs[inter, 0], rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("threads", [1, 2, 4])
 @pytest.mark.parametrize("rows,inter", [(3, 11000), (7, 6013), (13, 4000), (1, 70001), (33, 1536), (9, 8960)])
 def test_silu_mul_is_torchs_where_its_rule_says_so_at_any_split_between_threads(dtype, threads, rows, inter):
