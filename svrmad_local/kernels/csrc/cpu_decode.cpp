@@ -144,9 +144,7 @@ static inline __m512 rows16(const c10::BFloat16* a, const c10::BFloat16* b) {
 }
 // sixteen elements of one cache row as floats (row8 of p and of p + 8)
 static inline __m512 row16(const float* p) { return _mm512_loadu_ps(p); }
-static inline __m512 row16(const c10::BFloat16* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
+static inline __m512 row16(const c10::BFloat16* p) { return load_bf16x16(reinterpret_cast<const uint16_t*>(p)); }
 
 // _mm256_hadd_ps on each half of a and b: [a1 + a0, a3 + a2, b1 + b0, b3 + b2] in every 128-bit lane
 static inline __m512 hadd16(__m512 a, __m512 b) {

@@ -313,8 +313,8 @@ constexpr int64_t PF_TILES = 4;
 // so the same bits.
 constexpr int64_t AMX_ROWS = 64, AMX_PANEL_BYTES = 4 << 20;
 
-// store_rows_bf16 sixteen columns at a time (a whole panel; fewer take store_rows_bf16): round_bf16x8's
-// operations on each lane, so the same bits; the epilogue of a 32 x 32 block at K = 576 took about a third
+// store_rows_bf16 sixteen columns at a time (a whole panel; fewer take store_rows_bf16): store_bf16x16 does
+// round_bf16x8's operations on each lane, so the same bits; the epilogue of a 32 x 32 block at K = 576 took about a third
 // as long as its tiles' products
 static inline void store_rows_bf16_16(const float* acc, int64_t lda, int64_t R, const float* bias, uint16_t* Y,
                                       int64_t ldy, int64_t nv) {
@@ -323,11 +323,7 @@ static inline void store_rows_bf16_16(const float* acc, int64_t lda, int64_t R, 
   for (int64_t r = 0; r < R; ++r) {
     __m512 v = _mm512_loadu_ps(acc + r * lda);
     if (bias) v = _mm512_add_ps(v, b);
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i h = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
-    h = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), h, _mm512_set1_epi32(0x7FC0));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(Y + r * ldy), _mm512_cvtepi32_epi16(h));
+    svrmad::store_bf16x16(Y + r * ldy, v);
   }
 }
 static void amx_panels(const uint16_t* X, int64_t Mp, int64_t Kp, const uint16_t* W, int64_t pstride, int64_t q0,

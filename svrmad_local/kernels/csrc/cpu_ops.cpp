@@ -236,25 +236,13 @@ static inline __m256 silu8(__m256 g) {
 #define SVRMAD_SILU16 1
 template <typename T> static inline __m512 load16(const T* p);
 template <> inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
-template <> inline __m512 load16<uint16_t>(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-// round8 and store8 on sixteen lanes (bf16: nearest even, NaN -> 0x7FC0, as round_bf16x8)
+template <> inline __m512 load16<uint16_t>(const uint16_t* p) { return load_bf16x16(p); }
 template <typename T> static inline __m512 round16(__m512 v);
 template <> inline __m512 round16<float>(__m512 v) { return v; }
-template <> inline __m512 round16<uint16_t>(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb);
-  r = _mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
-  return _mm512_castsi512_ps(_mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000)));
-}
+template <> inline __m512 round16<uint16_t>(__m512 v) { return round_bf16x16(v); }
 template <typename T> static inline void store16(T* p, __m512 v);
 template <> inline void store16<float>(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-template <> inline void store16<uint16_t>(uint16_t* p, __m512 v) {
-  const __m512i r = _mm512_srli_epi32(_mm512_castps_si512(round16<uint16_t>(v)), 16);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
-}
+template <> inline void store16<uint16_t>(uint16_t* p, __m512 v) { store_bf16x16(p, v); }
 static inline __m512 silu16(__m512 g) {
   const __m512 e = Sleef_expf16_u10avx512f(_mm512_sub_ps(_mm512_setzero_ps(), g));
   return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e));

@@ -164,6 +164,26 @@ static inline void store_bf16x8(uint16_t* p, __m256 v) {
 }
 #endif
 
+#ifdef SVRMAD_X86_TARGETS
+SVRMAD_TARGET_BEGIN(SVRMAD_AVX512_FEATURES)
+// load_bf16x8, round_bf16x8 and store_bf16x8 on sixteen lanes: each lane's operations as theirs, the same bits
+static inline __m512 load_bf16x16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+static inline __m512 round_bf16x16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb);
+  r = _mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  return _mm512_castsi512_ps(_mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000)));
+}
+static inline void store_bf16x16(uint16_t* p, __m512 v) {
+  const __m512i r = _mm512_srli_epi32(_mm512_castps_si512(round_bf16x16(v)), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+}
+SVRMAD_TARGET_END
+#endif
+
 // dot and axpy over float rows: explicit AVX2 where built for it (the compiler's reduction
 // vectorisation was measured ~3x slower in the decode kernel), scalar otherwise
 static inline float dotf(const float* a, const float* b, int64_t D) {
