@@ -6,6 +6,7 @@ Tolerance: |out - ref| <= ATOL[dtype]. fp32 runs exact fp32 dots (1e-5). fp16 an
 rounded to their dtype once; fp16 kernels also round the softmax weights to fp16 before P @ V, as
 flash attention does (values are O(1): 1e-2 for bf16's 8-bit mantissa, 5e-3 for fp16).
 """
+import importlib
 import math
 import os
 
@@ -119,3 +120,59 @@ def test_bad_input_is_one_line():
         paged_decode(q, k, v, table, lens, 4, 0.3, window=0)
     with pytest.raises(ValueError, match="sinks"):
         paged_decode(q, k, v, table, lens, 4, 0.3, sinks=torch.zeros(3))
+
+
+def _count_merges(monkeypatch):
+    """Counts the merge kernel's launches (its grid lookups) from here on."""
+    module = importlib.import_module("svrmad_local.kernels.paged_decode")  # (the package exports the function)
+    launches, kernel = [], module._decode_merge_kernel
+
+    class Counted:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(module, "_decode_merge_kernel", Counted())
+    return launches
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_one_split_without_sinks_stores_the_output_itself(interp, monkeypatch, dtype):
+    """One split and no sink: the split kernel stores the output and no merge is launched (a short-context
+    decode step's layer, one kernel fewer), with the bits the merge of that one partial gives: a sink of
+    -inf makes the merge run over the same math (its term is exp(-inf) = 0)."""
+    q, k, v, table, lens, _ = case(6, b=5, lens=(1, 9, 30, 22, 0), num_blocks=60, dtype=dtype)
+    launches = _count_merges(monkeypatch)
+    one = paged_decode(q, k, v, table, lens, 4, 0.3, kernel_impl="triton", num_splits=1)
+    assert launches == []
+    merged = paged_decode(q, k, v, table, lens, 4, 0.3, sinks=torch.full((4,), float("-inf")), kernel_impl="triton",
+                          num_splits=1)
+    assert len(launches) == 1
+    assert torch.equal(one, merged)
+    torch.testing.assert_close(one.double(), dense_f64(q, k, v, table, lens, 4, 0.3), atol=ATOL[dtype], rtol=0)
+    assert (one[4] == 0).all()  # an empty context
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("splits,sinks", [(1, False), (3, False), (3, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_out_is_written_in_place_whatever_its_strides(request, impl, splits, sinks, dtype):
+    """`out=`: the caller's tensor (here rows of a wider one, as the decode rows of a layer's attention
+    output are) receives the same bits a new output would, and nothing around it is touched."""
+    if impl == "triton":
+        request.getfixturevalue("interp")
+    q, k, v, table, lens, sk = case(7, lens=(3, 16, 5, 11), dtype=dtype, sinks=sinks)
+    new = paged_decode(q, k, v, table, lens, 4, 0.3, sinks=sk, kernel_impl=impl, num_splits=splits)
+    wide = torch.full((6, 4, 20), 7.0, dtype=dtype)
+    view = wide[1:5, :, 2:18]
+    got = paged_decode(q, k, v, table, lens, 4, 0.3, sinks=sk, kernel_impl=impl, num_splits=splits, out=view)
+    assert got.data_ptr() == view.data_ptr() and torch.equal(view, new)
+    wide[1:5, :, 2:18] = 7.0
+    assert (wide == 7.0).all()
+
+
+def test_a_wrong_out_is_refused_by_name():
+    q, k, v, table, lens, _ = case(8)
+    for out in (torch.empty(4, 4, 15), torch.empty(4, 4, 16, dtype=torch.float64)):
+        with pytest.raises(ValueError, match="paged_decode: out must be"):
+            paged_decode(q, k, v, table, lens, 4, 0.3, out=out)

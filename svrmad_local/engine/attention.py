@@ -376,8 +376,8 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
         if how == "cpu":
             out[:nd] = paged_decode_cpu(q[:nd], kc, vc, *t.as_long(), ctx.cache.block_size, scaling, spec.window, sinks)
         else:
-            out[:nd] = paged_decode(q[:nd], kc, vc, t.block_table, t.lens, ctx.cache.block_size, scaling,
-                                    window=spec.window, sinks=sinks, kernel_impl=ctx.paths.kernel_impl)
+            paged_decode(q[:nd], kc, vc, t.block_table, t.lens, ctx.cache.block_size, scaling, window=spec.window,
+                         sinks=sinks, kernel_impl=ctx.paths.kernel_impl, out=out[:nd])  # written in place: no copy
     elif how == "padded":
         _attend_padded(ctx, q, kc, vc, layer, view.decode, spec.kind, scaling, sinks, out)
     if view is _IN_PLACE:  # prefill runs, in place through their block tables (Triton)

@@ -15,7 +15,11 @@ the rows of one tile (GQA without copying heads), walks its split of the visible
 BLOCK_N tokens with an online softmax, and writes a partial (out, lse); a second small kernel
 merges the splits per (b, head), folding in the GPT-OSS sink logit. Splits are sized from the block
 table's width (a host shape), never from context_lens' values: no host sync, so the call can be
-captured in a CUDA graph.
+captured in a CUDA graph. Where the table is short enough for one split and no sink is folded in, the
+split kernel's output is already the answer (the merge of one partial multiplies it by 1 and divides
+by 1): it stores it straight into the output and the merge is not launched, one kernel a layer fewer in
+a short-context decode step. The output can be the caller's (``out=``, e.g. the decode rows of the
+layer's attention output), so no copy follows either.
 """
 from __future__ import annotations
 
@@ -30,23 +34,29 @@ from .prefix_attention import apply_sinks
 
 
 def paged_decode(q, k_cache, v_cache, block_table, context_lens, block_size: int, scale: float, window=None,
-                 sinks=None, kernel_impl: str = "auto", num_splits: int | None = None):
+                 sinks=None, kernel_impl: str = "auto", num_splits: int | None = None, out=None):
     """One decode query per sequence against its paged context.
 
     q [B, H, D]; k_cache [slots, Hkv, D], v_cache [slots, Hkv, Dv] (H a multiple of Hkv);
     block_table [B, max_blocks] int (entries past a sequence's blocks are never read);
     context_lens [B] int (0 gives an output of 0); ``window`` W or None; ``sinks`` [H] per-head sink
-    logits or None. Returns [B, H, Dv] in q's dtype. ``num_splits`` (triton) cuts the context into
-    that many parts; None chooses from the GPU size.
+    logits or None. Returns [B, H, Dv] in q's dtype: ``out`` where given (written in place; any strides),
+    else a new tensor. ``num_splits`` (triton) cuts the context into that many parts; None chooses from
+    the GPU size.
     """
     window = _check(q, k_cache, v_cache, block_table, context_lens, block_size, window, sinks)
+    if out is not None and (tuple(out.shape) != (*q.shape[:2], v_cache.shape[2]) or out.dtype != q.dtype
+                            or out.device != q.device):
+        raise ValueError(f"paged_decode: out must be {q.dtype} [B, H, Dv]={[*q.shape[:2], v_cache.shape[2]]} on "
+                         f"{q.device}, got {out.dtype} {list(out.shape)} on {out.device}")
     if resolve_impl(kernel_impl, q.device, "paged_decode") == "triton":
         try:
             return _paged_decode_triton(q, k_cache, v_cache, block_table, context_lens, block_size, scale,
-                                        window, sinks, num_splits)
+                                        window, sinks, num_splits, out)
         except Exception as err:
             fall_back("paged_decode", err, kernel_impl)
-    return reference_paged_decode(q, k_cache, v_cache, block_table, context_lens, block_size, scale, window, sinks)
+    ref = reference_paged_decode(q, k_cache, v_cache, block_table, context_lens, block_size, scale, window, sinks)
+    return ref if out is None else out.copy_(ref)
 
 
 def reference_paged_decode(q, k_cache, v_cache, block_table, context_lens, block_size, scale, window=None,
@@ -126,15 +136,16 @@ if HAS_TRITON:
 
     @triton.jit
     def _decode_split_kernel(
-        Q, K, V, BT, LENS, O_PART, L_PART, qk_scale, window, chunk, n_split,
-        s_qb, s_qh, s_qd, s_kt, s_kh, s_kd, s_vt, s_vh, s_vd, s_btb, s_btp,
+        Q, K, V, BT, LENS, O_PART, L_PART, O, qk_scale, window, chunk, n_split,
+        s_qb, s_qh, s_qd, s_kt, s_kh, s_kd, s_vt, s_vh, s_vd, s_btb, s_btp, s_ob, s_oh, s_od,
         BLOCK_SIZE: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-        WINDOW: tl.constexpr, DOT_F32: tl.constexpr,
+        WINDOW: tl.constexpr, DOT_F32: tl.constexpr, FINAL: tl.constexpr,
     ):
         """Program (b, kv head, split): the G query heads of that KV head against context tokens
         [lo, hi) of sequence b; writes the normalised partial output and its natural-log lse (-inf
-        when the split is empty). Online softmax in the exp2 domain."""
+        when the split is empty), or, FINAL (one split, no sinks), the output itself into O.
+        Online softmax in the exp2 domain."""
         bi = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -166,10 +177,14 @@ if HAS_TRITON:
             m_i, l_i, acc = softmax_update(s * qk_scale, pmask[None, :], v, m_i, l_i, acc, DOT_F32)
         has = l_i > 0.0
         out = acc / tl.where(has, l_i, 1.0)[:, None]
-        lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
-        row = (bi * (G * tl.num_programs(1)) + head) * n_split + split  # [B, H, S] layout
-        tl.store(O_PART + row[:, None] * DV + dv[None, :], out, mask=gmask[:, None] & dvmask[None, :])
-        tl.store(L_PART + row, lse, mask=gmask)
+        if FINAL:
+            tl.store(O + bi * s_ob + head[:, None] * s_oh + dv[None, :] * s_od, out.to(O.dtype.element_ty),
+                     mask=gmask[:, None] & dvmask[None, :])
+        else:
+            lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+            row = (bi * (G * tl.num_programs(1)) + head) * n_split + split  # [B, H, S] layout
+            tl.store(O_PART + row[:, None] * DV + dv[None, :], out, mask=gmask[:, None] & dvmask[None, :])
+            tl.store(L_PART + row, lse, mask=gmask)
 
     @triton.jit
     def _decode_merge_kernel(O_PART, L_PART, SINKS, O, n_split, s_ob, s_oh, s_od, H,
@@ -201,12 +216,13 @@ if HAS_TRITON:
 
 
 def _paged_decode_triton(q, k_cache, v_cache, block_table, context_lens, block_size, scale, window, sinks,
-                         num_splits):
+                         num_splits, out=None):
     b, h, d = q.shape
     hkv, dv = k_cache.shape[1], v_cache.shape[2]
     g = h // hkv
     dev = q.device
-    out = torch.empty(b, h, dv, device=dev, dtype=q.dtype)
+    if out is None:
+        out = torch.empty(b, h, dv, device=dev, dtype=q.dtype)
     if b == 0:
         return out
     # fp32 inputs (exact ieee dot), mixed dtypes, or bf16 under the interpreter (its bf16 dot is wrong)
@@ -223,20 +239,23 @@ def _paged_decode_triton(q, k_cache, v_cache, block_table, context_lens, block_s
         num_splits = min(cdiv(2 * sms, b * hkv), cdiv(span, 256))
     chunk = cdiv(cdiv(span, max(1, num_splits)), block_n) * block_n
     n_split = max(1, cdiv(span, chunk))
-    o_part = torch.empty(b, h, n_split, dv, device=dev, dtype=torch.float32)
-    l_part = torch.empty(b, h, n_split, device=dev, dtype=torch.float32)
+    final = n_split == 1 and sinks is None  # the one partial is the output: no merge
+    # the interpreter truncates fp32 -> bf16 on store (a GPU rounds to nearest): round in torch there
+    dst = torch.empty(out.shape, device=dev, dtype=torch.float32) if interpreting() and q.dtype == torch.bfloat16 \
+        else out
+    o_part = dst if final else torch.empty(b, h, n_split, dv, device=dev, dtype=torch.float32)
+    l_part = dst if final else torch.empty(b, h, n_split, device=dev, dtype=torch.float32)
     bt = block_table if block_table.device == dev else block_table.to(dev)
     lens = context_lens if context_lens.device == dev else context_lens.to(dev)
     _decode_split_kernel[(b, hkv, n_split)](
-        q, k_cache, v_cache, bt, lens, o_part, l_part, scale * 1.4426950408889634, window or 0, chunk, n_split,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), *bt.stride(),
+        q, k_cache, v_cache, bt, lens, o_part, l_part, dst, scale * 1.4426950408889634, window or 0, chunk, n_split,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *bt.stride(), *dst.stride(),
         BLOCK_SIZE=block_size, G=g, D=d, DV=dv, BLOCK_G=block_g, BLOCK_N=block_n,
         BLOCK_D=block_d, BLOCK_DV=block_dv, WINDOW=window is not None,
-        DOT_F32=dot_f32, num_stages=NUM_STAGES)
-    sk = sinks if sinks is not None else l_part
-    # the interpreter truncates fp32 -> bf16 on store (a GPU rounds to nearest): round in torch there
-    dst = out.float() if interpreting() and q.dtype == torch.bfloat16 else out
-    _decode_merge_kernel[(b, h)](o_part, l_part, sk, dst, n_split, *dst.stride(), h, DV=dv,
-                                 BLOCK_S=max(2, next_pow2(n_split)), BLOCK_DV=max(16, next_pow2(dv)),
-                                 HAS_SINKS=sinks is not None)
-    return dst.to(q.dtype) if dst is not out else out
+        DOT_F32=dot_f32, FINAL=final, num_stages=NUM_STAGES)
+    if not final:
+        sk = sinks if sinks is not None else l_part
+        _decode_merge_kernel[(b, h)](o_part, l_part, sk, dst, n_split, *dst.stride(), h, DV=dv,
+                                     BLOCK_S=max(2, next_pow2(n_split)), BLOCK_DV=max(16, next_pow2(dv)),
+                                     HAS_SINKS=sinks is not None)
+    return out.copy_(dst) if dst is not out else out
