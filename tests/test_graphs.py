@@ -437,6 +437,47 @@ def test_the_gpu_kernels_in_the_static_step_never_return_to_the_host(interp, nam
     assert [o.completions[0].token_ids for o in got] == [loop_greedy(model, p, 5) for p in prompts], name
 
 
+def test_on_a_gpu_the_step_samples_with_two_triton_kernels(interp, monkeypatch):
+    """What a GPU's steps sample with (emulated: the kernels in Triton's interpreter, the CPU's compiled
+    sampling set aside): the static step and the eager steps sample through kernels/sample_pack.py,
+    nothing returns to the host in the static step, and the tokens are the torch ops' (greedy: the
+    cache-free loop's), log-probs and entropies within float rounding of theirs. (Which steps take the
+    kernels: `fuses`, checked last.)"""
+    from svrmad_local.engine import sampler as sampler_mod
+    from svrmad_local.kernels import cpu_ops, sample_pack
+
+    model = make_zoo_model("qwen3")
+    monkeypatch.setattr(cpu_ops, "samples", lambda logits: False)
+    prompts = [rand_prompt(9 + 4 * i, 40 + i) for i in range(3)]
+    params = [GREEDY, replace(SAMPLED, seed=11, n=2, topk_logprobs=20)]
+    calls = []
+    inner = sample_pack.sample_pack
+    monkeypatch.setattr(sample_pack, "sample_pack", lambda *a: calls.append(a[0].shape[0]) or inner(*a))
+
+    def run(fused: bool):
+        monkeypatch.setattr(sampler_mod, "fuses", (lambda *a: True) if fused else (lambda *a: False))
+        eng = engine(model, cuda_graphs="static")
+        assert eng.runner.static.found == [], eng.runner.static.found
+        out = [[(c.token_ids, c.logprobs, c.entropies) for o in eng.generate_sync(prompts, p) for c in o.completions]
+               for p in params]
+        eng.close()
+        return out
+
+    fused, torch_ops = run(True), run(False)
+    assert len(calls) > 2 * NEW
+    for got, ref in zip(fused, torch_ops):
+        for (tok, lp, ent), (tok_r, lp_r, ent_r) in zip(got, ref):
+            assert tok == tok_r
+            torch.testing.assert_close(torch.tensor(lp), torch.tensor(lp_r), atol=2e-5, rtol=0)
+            torch.testing.assert_close(torch.tensor(ent), torch.tensor(ent_r), atol=1e-4, rtol=1e-5)
+    assert [c[0] for c in fused[0]] == [loop_greedy(model, p, NEW) for p in prompts]
+    monkeypatch.undo()
+    logits = torch.randn(2, 1000)
+    assert sampler_mod.fuses(logits, 40, 20, "triton") and not sampler_mod.fuses(logits, 40, 20, "torch")
+    assert not sampler_mod.fuses(logits, 40, 20, "auto")  # CPU tensors: the compiled sampling or the torch ops
+    assert not sampler_mod.fuses(logits, 1000, 20, "triton") and not sampler_mod.fuses(logits.double(), 40, 20, "triton")
+
+
 class StandIn:
     """torch.cuda's graph API replaced on the CPU: a "capture" runs the step once (as the real capture
     does, recording instead of computing) and its replay recomputes that shape from the static buffers

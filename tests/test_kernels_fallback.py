@@ -119,6 +119,30 @@ def test_the_quantized_matmuls_follow_the_same_rule(monkeypatch, fresh):
         _quant_common.run_triton("fp8_grouped_matmul", "triton", _boom)
 
 
+def test_the_sampling_kernels_follow_the_same_rule(monkeypatch, fresh):
+    """engine/sampler.py's two Triton kernels (kernels/sample_pack.py, a GPU's sampling): a failure while
+    capturing is raised, an eager one serves the step from the torch ops and turns them off."""
+    import numpy as np
+
+    from svrmad_local.engine import sampler
+    from svrmad_local.kernels import cpu_ops, sample_pack
+
+    logits = torch.randn(2, 300, generator=torch.Generator().manual_seed(4))
+    draws = sampler.Draws(np.array([[1.0, 0.8], [40, 40], [1.0, 0.9], [0.0, 0.4], [1, 0]]), 40, 20)
+    monkeypatch.setattr(cpu_ops, "samples", lambda t: False)
+    ref = sampler.sample_packed(logits, draws, "torch")
+    monkeypatch.setattr(sampler, "select_impl", lambda impl, t, n: "triton")  # as on a GPU under "auto"
+    monkeypatch.setattr(sample_pack, "sample_pack", _boom)
+    monkeypatch.setattr(_backend, "capturing", lambda: True)
+    with pytest.raises(Injected):
+        sampler.sample_packed(logits, draws)
+    assert fresh == {}
+    monkeypatch.setattr(_backend, "capturing", lambda: False)
+    with pytest.warns(RuntimeWarning, match="triton path failed"):
+        assert torch.equal(sampler.sample_packed(logits, draws), ref)
+    assert "Injected" in fresh["sample_pack"]
+
+
 def test_capturing_is_false_without_cuda():
     assert _backend.capturing() is (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 

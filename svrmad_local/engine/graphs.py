@@ -495,9 +495,13 @@ class StaticDecode:
     def _decide(self, hidden: torch.Tensor, P: int) -> torch.Tensor:
         """The rows' tokens and statistics, packed (stats.pack): the head's fp32 logits, sampled from the
         loaded draws at the widths the step holds."""
-        logits = self.runner.logits(hidden)
+        logits, impl = self.runner.logits(hidden), self.runner.paths.kernel_impl
         if cpu_ops.samples(logits):  # on the CPU, where nothing is captured: the same ops in one compiled call
             return cpu_ops.sample_pack(logits, self.draws[:, :P], self.K, self.topk)
+        if sampler.fuses(logits, self.K, self.topk, impl):  # on a GPU: two Triton kernels
+            out = sampler.fused(logits, self.draws[:, :P], self.K, self.topk, impl)
+            if out is not None:
+                return out
         toks = sampler.draw(logits, *sampler.columns(self.draws[:, :P], logits.dtype), self.K)
         return stats.pack(toks, stats.stats_from_logits(logits, toks, self.topk))
 

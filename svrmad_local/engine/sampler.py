@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from svrmad_local.kernels import cpu_ops
-from svrmad_local.kernels._backend import staged
+from svrmad_local.kernels import cpu_ops, sample_pack
+from svrmad_local.kernels._backend import fall_back, select_impl, staged
 
 from .config import SamplingParams
 from .stats import STATS_TOP_K, pack, stats_from_logits
@@ -117,15 +117,37 @@ def sample_rows(logits: torch.Tensor, draws: Draws) -> torch.Tensor:
                 greedy if draws.table[4].any() else None, draws.K)
 
 
-def sample_packed(logits: torch.Tensor, draws: Draws) -> torch.Tensor:
+def sample_packed(logits: torch.Tensor, draws: Draws, kernel_impl: str = "auto") -> torch.Tensor:
     """The rows' tokens (`sample_rows`) and their statistics (stats.stats_from_logits at width draws.topk),
     packed for the host's one read (stats.pack). On the CPU one compiled call runs those same torch ops
     (cpu_ops.sample_pack: their bits) without dispatching each from Python: ~0.46 ms of a batch-1 bf16 step
-    of the default on the engine's worker thread, where the ops from Python took ~0.73."""
+    of the default on the engine's worker thread, where the ops from Python took ~0.73. On a GPU two Triton
+    kernels do it (`fused`)."""
     if cpu_ops.samples(logits):
         return cpu_ops.sample_pack(logits, staged(draws.table, torch.float64, logits.device), draws.K, draws.topk)
+    if fuses(logits, draws.K, draws.topk, kernel_impl):
+        out = fused(logits, staged(draws.table, torch.float64, logits.device), draws.K, draws.topk, kernel_impl)
+        if out is not None:
+            return out
     toks = sample_rows(logits, draws)
     return pack(toks, stats_from_logits(logits, toks, draws.topk))
+
+
+def fuses(logits: torch.Tensor, K: int, topk: int, kernel_impl: str) -> bool:
+    """Whether a step's sampling at widths (K, topk) takes kernels/sample_pack.py's two Triton kernels: fp32
+    logits where the Triton kernels run (a GPU; kernel_impl='triton' under the interpreter), widths it keeps."""
+    return logits.dtype == torch.float32 and sample_pack.fits(K, topk, logits.shape[1]) \
+        and select_impl(kernel_impl, logits, "sample_pack") == "triton"
+
+
+def fused(logits: torch.Tensor, table: torch.Tensor, K: int, topk: int, kernel_impl: str) -> torch.Tensor | None:
+    """kernels/sample_pack.py's packed rows (where `fuses`), or None where its Triton path failed under
+    "auto" (the torch ops then serve this process: kernels._backend.fall_back)."""
+    try:
+        return sample_pack.sample_pack(logits, table, K, topk)
+    except Exception as err:
+        fall_back("sample_pack", err, kernel_impl)
+        return None
 
 
 def sample(logits: torch.Tensor, temperature: list[float], top_k: list[int], top_p: list[float],

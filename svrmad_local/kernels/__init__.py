@@ -7,6 +7,7 @@
   builds its Triton bookkeeping once for many calls (the layers of a step).
 * :func:`apply_sinks` - GPT-OSS attention sinks on any finished ``(out, lse)``.
 * :func:`paged_decode` - decode attention reading K/V in place through a block table (split-K).
+* ``kernels.sample_pack.sample_pack`` - a decode step's sampling and token statistics in two kernels.
 * :func:`paged_prefill` - causal prefill attention of varlen runs, reading K/V in place the same way.
 * :func:`dequantize_mxfp4`, :func:`mxfp4_matmul` - GPT-OSS's MXFP4 experts, from the packed bytes.
 * :func:`dequantize_fp8`, :func:`fp8_matmul` - DeepSeek-V3's block-scaled FP8 e4m3 weights.
