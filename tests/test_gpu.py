@@ -5,7 +5,8 @@
   cascade kernels (fp32, TF32 off: exactness is a statement about the same arithmetic, not about
   reduced-precision matmuls);
 * the compiled Triton kernels (cascade attention with windows and sinks, merge, token statistics, the
-  decoder's fused ops) against their torch references on CUDA tensors in fp32, fp16 and bf16;
+  decoder's fused ops, paged decode in one split and into the caller's output, the sampling kernels)
+  against their torch references on CUDA tensors in fp32, fp16 and bf16;
 * our decoder (engine/decoder.py) over the Triton fused ops, against the modules and a cache-free loop;
 * the few-row linear (kernels/skinny.py) against its reference and from a graph, and the engine over it.
 
@@ -271,6 +272,60 @@ def test_compiled_paged_kernels_fit_the_device_at_every_head_dim(dtype, head_dim
     got = paged_prefill(qp, k, v, table, cu, lens, bs, head_dim ** -0.5, kernel_impl="triton")
     ref = reference_paged_prefill(qp, k, v, table, cu, lens, bs, head_dim ** -0.5)
     assert ((got.float() - ref.float()).norm() / ref.float().norm()).item() < tol
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_compiled_paged_decode_in_one_split_and_into_the_callers_output(dtype):
+    """The one-split path (the split kernel stores the output, no merge) and `out=` (rows of a wider
+    tensor) compiled: the bits of the merged path (a -inf sink runs the merge over the same math)."""
+    _compiled_triton()
+    from svrmad_local.kernels.paged_decode import paged_decode, reference_paged_decode
+
+    dt, tol = DTYPES[dtype]
+    g = torch.Generator(device=CUDA).manual_seed(5)
+    bs, blocks, hq, hkv, d = 16, 64, 16, 8, 128
+    k = torch.randn(blocks * bs, hkv, d, generator=g, device=CUDA).to(dt)
+    v = torch.randn(blocks * bs, hkv, d, generator=g, device=CUDA).to(dt)
+    table = torch.randperm(blocks, generator=g, device=CUDA)[:16].view(1, 16).int()
+    q = torch.randn(1, hq, d, generator=g, device=CUDA).to(dt)
+    lens = torch.tensor([200], dtype=torch.int32, device=CUDA)
+    wide = torch.zeros(3, hq, d, dtype=dt, device=CUDA)
+    one = paged_decode(q, k, v, table, lens, bs, d ** -0.5, kernel_impl="triton", num_splits=1, out=wide[1:2])
+    merged = paged_decode(q, k, v, table, lens, bs, d ** -0.5, sinks=torch.full((hq,), float("-inf"), device=CUDA),
+                          kernel_impl="triton", num_splits=1)
+    assert one.data_ptr() == wide[1:2].data_ptr() and torch.equal(one, merged)
+    assert (wide[0] == 0).all() and (wide[2] == 0).all()
+    ref = reference_paged_decode(q, k, v, table, lens, bs, d ** -0.5)
+    assert ((one.float() - ref.float()).norm() / ref.float().norm()).item() < tol
+
+
+@pytest.mark.parametrize("rows,vocab", [(1, 151936), (32, 151936), (8, 49152)])
+def test_compiled_sampling_kernels_give_the_torch_ops_rows_and_replay_from_a_graph(rows, vocab):
+    """kernels/sample_pack.py compiled: tokens and top ids the torch ops' (engine/sampler.py `draw`,
+    engine/stats.py), log-probs within 2e-5, entropies 1e-4; the same rows replayed from a CUDA graph."""
+    _compiled_triton()
+    from svrmad_local.engine import sampler, stats
+    from svrmad_local.kernels.sample_pack import sample_pack
+
+    g = torch.Generator(device=CUDA).manual_seed(rows)
+    logits = torch.randn(rows, vocab, generator=g, device=CUDA) * 4
+    gen = torch.Generator().manual_seed(vocab)
+    table = torch.stack([torch.rand(rows, generator=gen) + 0.3, torch.randint(1, 41, (rows,), generator=gen).double(),
+                         torch.rand(rows, generator=gen) * 0.7 + 0.3, torch.rand(rows, generator=gen),
+                         (torch.arange(rows) % 4 == 0).double()]).double().to(CUDA)
+    toks = sampler.draw(logits, *sampler.columns(table, logits.dtype), 40)
+    ref = stats.pack(toks, stats.stats_from_logits(logits, toks, 20))
+    got = sample_pack(logits, table, 40, 20)
+    assert torch.equal(got[:, 0], ref[:, 0]) and torch.equal(got[:, 23:], ref[:, 23:])
+    torch.testing.assert_close(got[:, 1], ref[:, 1], atol=2e-5, rtol=0)
+    torch.testing.assert_close(got[:, 2], ref[:, 2], atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(got[:, 3:23], ref[:, 3:23], atol=2e-5, rtol=0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = sample_pack(logits, table, 40, 20)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, got)
 
 
 def test_the_check_sees_a_blocking_copy_from_the_host():
