@@ -444,6 +444,9 @@ def main(argv=None) -> int:
         plan.append(("kernels", [py, "benchmarks/bench_kernels.py", "--device", "cuda"], 60, _last_json))
     if "fused" in wanted:  # the decoder's small ops in Triton against their torch references, eager and graphed
         plan.append(("fused", [py, "benchmarks/bench_fused.py", "--json"], 60, _last_json))
+    if "fused" in wanted:  # a decode step's sampling and statistics: the two Triton kernels against torch's ops
+        plan.append(("sampling", [py, "benchmarks/bench_sampling.py", "--device", "cuda", "--rounds", "5"], 30,
+                     _last_json))
     if "skinny" in wanted:  # the few-row linear against cuBLAS at Qwen3-1.7B's decode shapes, every config
         plan.append(("skinny", [py, "benchmarks/bench_skinny.py", "--json"], 120, _last_json))
     wl = ["--questions", "4", "--initial-tokens", "128", "--debate-tokens", "64"]

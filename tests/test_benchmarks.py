@@ -464,6 +464,15 @@ def test_bench_sampling_times_both_sides_and_checks_they_agree(capsys):
     assert os.environ.get("SVRMAD_CPU_OPS") is None  # the torch side's switch does not outlive it
 
 
+def test_bench_sampling_on_a_gpu_is_refused_in_one_line_without_one():
+    import bench_sampling
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here")
+    with pytest.raises(SystemExit, match="--device cuda needs a CUDA device"):
+        bench_sampling.main(["--device", "cuda"])
+
+
 def test_bench_memory_reports_the_pool_and_the_plans_estimate_on_the_cpu():
     """benchmarks/bench_memory.py (the GPU check's memory step) runs on the CPU over a tiny model: every
     sequence completes and the report carries the budget, the pool per device and the plan's estimate."""
