@@ -60,17 +60,17 @@ def sample_pack(logits: torch.Tensor, table: torch.Tensor, K: int, topk: int) ->
     kp = next_pow2(max(K, topk))
     m, s, a = (torch.empty(R, n_split, device=dev) for _ in range(3))
     keys = torch.empty(R, n_split, kp, dtype=torch.int64, device=dev)
-    _vocab_kernel[(R, n_split)](x, m, s, a, keys, V, split, x.stride(0), n_split,
-                                KK=max(K, topk), KP=kp, BV=bv, **({} if interpreting() else {"num_warps": 8}))
+    warps = {} if interpreting() else {"num_warps": 8}  # the finish's sort: 80 registers a thread, not 128 at 4
+    _vocab_kernel[(R, n_split)](x, m, s, a, keys, V, split, x.stride(0), n_split, KK=max(K, topk), KP=kp, BV=bv, **warps)
     _finish_kernel[(R,)](x, tab, m, s, a, keys, out, R, x.stride(0), n_split, K, topk, out.stride(0),
-                         KP=kp, BS=max(2, next_pow2(n_split)), TOPK_P=max(2, next_pow2(topk)))
+                         KP=kp, BS=max(2, next_pow2(n_split)), TOPK_P=max(2, next_pow2(topk)), **warps)
     return out
 
 
 if HAS_TRITON:
     from .token_stats import _update_topk
 
-    MIN_KEY = -(2**63)  # below every packed key: unused slots and the lanes past a split's end
+    MIN_KEY = tl.constexpr(-(2**63))  # below every packed key: unused slots and the lanes past a split's end
 
     @triton.jit
     def _key(logit, idx):
