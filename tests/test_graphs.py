@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import re
+from collections import Counter
 from dataclasses import replace
 
 import pytest
@@ -476,6 +477,91 @@ def test_on_a_gpu_the_step_samples_with_two_triton_kernels(interp, monkeypatch):
     assert sampler_mod.fuses(logits, 40, 20, "triton") and not sampler_mod.fuses(logits, 40, 20, "torch")
     assert not sampler_mod.fuses(logits, 40, 20, "auto")  # CPU tensors: the compiled sampling or the torch ops
     assert not sampler_mod.fuses(logits, 1000, 20, "triton") and not sampler_mod.fuses(logits.double(), 40, 20, "triton")
+
+
+# torch ops that launch no kernel: views, metadata, allocations (an empty tensor is not computed)
+_NO_KERNEL = {"view", "unsqueeze", "squeeze", "select", "slice", "transpose", "t", "expand", "as_strided", "permute",
+              "split", "split_with_sizes", "detach", "_unsafe_view", "alias", "unbind", "lift_fresh", "narrow",
+              "_reshape_alias", "reshape", "empty", "empty_strided", "empty_like", "new_empty", "promote_types",
+              "result_type", "to", "contiguous", "sym_size", "sym_stride", "sym_numel", "is_same_size", "dim"}
+
+
+def _step_census(model, monkeypatch) -> tuple[Counter, Counter]:
+    """(Triton kernels, kernel-launching torch ops) of one static decode step over the GPU's kernels, run
+    here by Triton's interpreter: the fused ops, the in-place decode attention and the sampling kernels
+    (the CPU's compiled sampling set aside), one sequence after a 9-token prompt."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from triton.runtime import interpreter
+
+    from svrmad_local.kernels import cpu_ops
+
+    triton_calls, torch_ops, state = Counter(), Counter(), {"on": False, "inside": 0}
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.__name__.split(".")[0]
+            if state["on"] and not state["inside"] and name not in _NO_KERNEL:
+                torch_ops[name] += 1
+            return func(*args, **(kwargs or {}))
+
+    launch = interpreter.GridExecutor.__call__
+
+    def counted(self, *a, **k):
+        if state["on"] and not state["inside"]:
+            triton_calls[self.fn.__name__] += 1
+        state["inside"] += 1
+        try:
+            return launch(self, *a, **k)
+        finally:
+            state["inside"] -= 1
+
+    monkeypatch.setattr(interpreter.GridExecutor, "__call__", counted)
+    monkeypatch.setattr(cpu_ops, "samples", lambda logits: False)
+    eng = engine(model, cuda_graphs="static", kernel_impl="triton")
+    forward, seen = graphs.StaticDecode._forward, []
+
+    def first(self, P, W):
+        if seen:
+            return forward(self, P, W)
+        seen.append(P)
+        state["on"] = True
+        try:
+            with Count():
+                return forward(self, P, W)
+        finally:
+            state["on"] = False
+
+    monkeypatch.setattr(graphs.StaticDecode, "_forward", first)
+    eng.generate_sync([rand_prompt(9, 3)], SamplingParams(temperature=0.8, max_tokens=3, ignore_eos=True, seed=2))
+    eng.close()
+    assert seen, "no static decode step ran"
+    return triton_calls, torch_ops
+
+
+def test_a_decode_layer_on_the_gpu_path_is_five_kernels_beside_its_linears(interp, monkeypatch):
+    """What a GPU's decode step launches (the kernels in Triton's interpreter, counted in the static step): a
+    layer more is add + RMSNorm twice, q/k norm + RoPE + the cache write, the attention (one split at a short
+    context: no merge) and act x up, and nothing else besides its four linears (no copy of the attention's
+    output, no torch op at all); outside the layers, sampling and statistics are two kernels."""
+    from svrmad_local.kernels import _backend
+    from tests import model_zoo
+
+    if not _backend.interpreter_ready():
+        pytest.skip("Triton's interpreter is not available in this process")
+    counts = {}
+    for layers in (2, 4):
+        monkeypatch.setitem(model_zoo._COMMON, "num_hidden_layers", layers)
+        model = make_zoo_model("qwen3")
+        assert len(model.model.layers) == layers
+        counts[layers] = _step_census(model, monkeypatch)
+        monkeypatch.undo()
+    (t2, ops2), (t4, ops4) = counts[2], counts[4]
+    per_layer = {k: (t4[k] - t2[k]) // 2 for k in t4 | t2}
+    assert per_layer == {"_rms_norm_kernel": 2, "_rope_store_kernel": 1, "_decode_split_kernel": 1,
+                         "_act_mul_kernel": 1, "_vocab_kernel": 0, "_finish_kernel": 0}, per_layer
+    assert t2["_vocab_kernel"] == t2["_finish_kernel"] == 1 and t2["_rms_norm_kernel"] == 2 * 2 + 1  # + the final norm
+    assert ops4 == ops2, (ops2, ops4)  # no torch op grows with the layers
+    assert not {"topk", "sort", "softmax", "_softmax", "_log_softmax", "cumsum", "searchsorted", "copy_"} & set(ops2), ops2
 
 
 class StandIn:
