@@ -140,6 +140,42 @@ def test_fp8_grouped_matmul(dtype, block):
         qt.fp8_grouped_matmul_triton(x, offsets, weight, scale_inv[:, :2], (8, 16))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fp8_weights_read_as_bytes_give_the_same_bits(dtype, monkeypatch):
+    """A GPU before sm_89 (an A100) has no e4m3 type in Triton: the kernels read the weight's bytes and
+    decode them (`_e4m3`). Every finite code of the format decodes to torch's value (x the identity), and
+    both kernels give the e4m3 path's bits, dense (scale after the dot, and spanning blocks) and grouped."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes[(codes == 0x7F) | (codes == 0xFF)] = 0  # e4m3fn's NaNs: a NaN times 0 would fill its column
+    weight = codes.view(16, 16).view(torch.float8_e4m3fn)
+    ones = torch.ones(1, 1)
+    monkeypatch.setattr(qt, "FP8_BYTES", True)
+    decoded = qt.fp8_matmul_triton(torch.eye(16), weight, ones, (16, 16)).T
+    assert torch.equal(decoded, weight.float())
+    g = torch.Generator().manual_seed(4)
+    w = (torch.randn(19, 64, generator=g) * 50).to(torch.float8_e4m3fn)
+    x = torch.randn(5, 64, generator=g).to(dtype)
+    for block in ((16, 32), (8, 16)):
+        s = torch.rand(-(-19 // block[0]), -(-64 // block[1]), generator=g) * 0.02 + 1e-3
+        outs = {}
+        for raw in (True, False):
+            monkeypatch.setattr(qt, "FP8_BYTES", raw)
+            outs[raw] = qt.fp8_matmul_triton(x, w, s, block)
+        assert torch.equal(outs[True], outs[False]), block
+    we, se = w.view(1, 19, 64).expand(2, -1, -1).contiguous(), torch.rand(2, 3, 4, generator=g) + 0.5
+    offsets = torch.tensor([0, 2, 5])
+    grouped = {}
+    for raw in (True, False):
+        monkeypatch.setattr(qt, "FP8_BYTES", raw)
+        grouped[raw] = qt.fp8_grouped_matmul_triton(x, offsets, we, se, (8, 16))
+    assert torch.equal(grouped[True], grouped[False])
+
+
+def test_fp8_bytes_by_the_gpu():
+    """Off a GPU the e4m3 type is used (the interpreter has it); FP8_BYTES unset."""
+    assert qt.FP8_BYTES is None and qt.fp8_bytes("cpu") is False
+
+
 def test_bad_shapes_are_one_line_errors():
     blocks, scales = random_mxfp4(torch.Generator().manual_seed(0), (), 4, 32)
     with pytest.raises(ValueError, match="x must be"):

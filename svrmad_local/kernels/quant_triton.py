@@ -18,7 +18,8 @@ FP8 (DeepSeek's ``weight_scale_inv``): W = weight * scale_inv[n // bn, k // bk].
 inside one scale block (bk a multiple of BLOCK_K) the kernel takes the dot of the raw e4m3 values
 (exact in bf16/fp16) and scales the partial product per output column, as DeepSeek's own kernel does;
 otherwise it scales the weight tile element-wise before the dot. Ragged N and K (partial edge
-blocks) are masked.
+blocks) are masked. Triton has no e4m3 type before sm_89 (an A100 is sm_80): there the kernel reads
+the weight as bytes and decodes them itself (`_e4m3`, exact), the same values on every GPU.
 
 Tiles per shape (`tiles`): a short M tile at decode (a few rows: the GEMM streams the weights), larger
 ones at prefill, from a small table per GPU generation; and at decode, where the output is narrow (DeepSeek's
@@ -150,14 +151,32 @@ if HAS_TRITON:
         tl.store(O + rows[:, None] * s_om + n[None, :] * s_on, acc, mask=rmask[:, None] & nmask[None, :])
 
     @triton.jit
+    def _e4m3(code):
+        """float8_e4m3fn bytes -> fp32, exact: sign, 4 exponent bits (bias 7), 3 mantissa bits; exponent 0 is
+        subnormal (m x 2^-9), S.1111.111 NaN (e4m3fn has no infinity)."""
+        c = code.to(tl.int32) & 0xFF
+        sign = (c & 0x80) << 24
+        e = (c >> 3) & 0xF
+        m = c & 7
+        normal = (sign | ((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+        sub = m.to(tl.float32) * 0.001953125
+        value = tl.where(e == 0, tl.where(sign != 0, -sub, sub), normal)
+        return tl.where((e == 15) & (m == 7), float("nan"), value)
+
+    @triton.jit
     def _fp8_tile(acc, X, W, S, rows, rmask, n, nmask, k0, K, bn, bk, e_w, e_s,
                   s_xm, s_xk, s_wn, s_wk, s_sn, s_sk,
-                  SCALE_AFTER: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
-        """acc += x[rows, k0:k0+BLOCK_K] @ W[n, k0:k0+BLOCK_K]^T for one e4m3 weight tile and its scales."""
+                  SCALE_AFTER: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, BYTES: tl.constexpr):
+        """acc += x[rows, k0:k0+BLOCK_K] @ W[n, k0:k0+BLOCK_K]^T for one e4m3 weight tile and its scales (BYTES:
+        W is the weight's bytes, decoded here)."""
         k = k0 + tl.arange(0, BLOCK_K)
         kmask = k < K
         x = tl.load(X + rows[:, None] * s_xm + k[None, :] * s_xk, mask=rmask[:, None] & kmask[None, :], other=0.0)
-        w = tl.load(W + e_w + n[:, None] * s_wn + k[None, :] * s_wk, mask=nmask[:, None] & kmask[None, :], other=0.0)
+        at, wmask = W + e_w + n[:, None] * s_wn + k[None, :] * s_wk, nmask[:, None] & kmask[None, :]
+        if BYTES:
+            w = _e4m3(tl.load(at, mask=wmask, other=0))
+        else:
+            w = tl.load(at, mask=wmask, other=0.0)
         if DOT_F32:
             x = x.to(tl.float32)
         w = w.to(x.dtype)  # e4m3 is exact in fp16, bf16 and fp32
@@ -181,7 +200,7 @@ if HAS_TRITON:
     def _fp8_kernel(X, W, S, B, O, M, N, K, K_SPLIT, bn, bk,
                     s_xm, s_xk, s_wn, s_wk, s_sn, s_sk, s_os, s_om, s_on,
                     HAS_BIAS: tl.constexpr, SCALE_AFTER: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, BYTES: tl.constexpr):
         """Program (i, j, s): output tile (i, j) over K's s-th share, written to partial s (as the MXFP4 kernel)."""
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -190,7 +209,7 @@ if HAS_TRITON:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(split * K_SPLIT, tl.minimum(K, (split + 1) * K_SPLIT), BLOCK_K):
             acc = _fp8_tile(acc, X, W, S, rows, rmask, n, nmask, k0, K, bn, bk, 0, 0,
-                            s_xm, s_xk, s_wn, s_wk, s_sn, s_sk, SCALE_AFTER, BLOCK_K, DOT_F32)
+                            s_xm, s_xk, s_wn, s_wk, s_sn, s_sk, SCALE_AFTER, BLOCK_K, DOT_F32, BYTES)
         if HAS_BIAS:
             if split == 0:
                 acc += tl.load(B + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
@@ -201,14 +220,14 @@ if HAS_TRITON:
     def _fp8_grouped_kernel(X, TE, TR, TEND, W, S, O, N, K, bn, bk,
                             s_xm, s_xk, s_we, s_wn, s_wk, s_se, s_sn, s_sk, s_om, s_on,
                             SCALE_AFTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+                            BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, BYTES: tl.constexpr):
         """Program (t, j): the t-th row tile over all experts (from the tile map) against expert e's e4m3
         W [N, K]; a t past the last tile does nothing."""
         e_safe, rows, rmask, n, nmask, k_end = _grouped_tile(TE, TR, TEND, N, K, BLOCK_M, BLOCK_N)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, k_end, BLOCK_K):
             acc = _fp8_tile(acc, X, W, S, rows, rmask, n, nmask, k0, K, bn, bk, e_safe * s_we, e_safe * s_se,
-                            s_xm, s_xk, s_wn, s_wk, s_sn, s_sk, SCALE_AFTER, BLOCK_K, DOT_F32)
+                            s_xm, s_xk, s_wn, s_wk, s_sn, s_sk, SCALE_AFTER, BLOCK_K, DOT_F32, BYTES)
         tl.store(O + rows[:, None] * s_om + n[None, :] * s_on, acc, mask=rmask[:, None] & nmask[None, :])
 
 
@@ -400,6 +419,18 @@ def _check_offsets(offsets, e, name):
                          f"got {offsets.dtype} {list(offsets.shape)}")
 
 
+FP8_BYTES: bool | None = None  # read FP8 weights as bytes (True), as e4m3 (False), or by the GPU (None)
+
+
+def fp8_bytes(device) -> bool:
+    """Whether the FP8 kernels read the weight's bytes and decode them (`_e4m3`): on a GPU before sm_89,
+    whose Triton has no e4m3 type; FP8_BYTES, where set, decides (the tests run both under the interpreter)."""
+    if FP8_BYTES is not None:
+        return FP8_BYTES
+    device = torch.device(device)
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9)
+
+
 def _fp8_k_tile(cfg: Tiles, bk_s: int, k: int, m: int, n: int, device) -> Tiles:
     """The K tile inside one scale block where the block allows it (the scale then multiplies the partial
     product, not every weight), the split recomputed for that tile."""
@@ -434,10 +465,12 @@ def fp8_grouped_matmul_triton(x, offsets, weight, scale_inv, block, cfg: Tiles |
     s = scale_inv.float()
     off = offsets.to(device=x.device, dtype=torch.int32)
     t, te, tr, tend = _tile_map(off, e, m, cfg.block_m)
+    raw = fp8_bytes(x.device)
     _fp8_grouped_kernel[(t, cdiv(n, cfg.block_n))](
-        x, te, tr, tend, weight, s, out, n, k, bn_s, bk_s, *x.stride(), *weight.stride(), *s.stride(), *out.stride(),
-        SCALE_AFTER=bk_s % cfg.block_k == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        DOT_F32=_dot_f32(x), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        x, te, tr, tend, weight.view(torch.uint8) if raw else weight, s, out, n, k, bn_s, bk_s, *x.stride(),
+        *weight.stride(), *s.stride(), *out.stride(), SCALE_AFTER=bk_s % cfg.block_k == 0, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_F32=_dot_f32(x), BYTES=raw, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     return _done(out, x)
 
 
@@ -460,9 +493,10 @@ def fp8_matmul_triton(x, weight, scale_inv, block, bias=None, cfg: Tiles | None 
     out, parts = _outputs(m, n, x, cfg)
     s = scale_inv.float()
     b = bias if bias is not None else parts
+    raw = fp8_bytes(x.device)
     _fp8_kernel[(cdiv(m, cfg.block_m), cdiv(n, cfg.block_n), cfg.split_k)](
-        x, weight, s, b, parts, m, n, k, _k_share(k, cfg), bn_s, bk_s, *x.stride(), *weight.stride(), *s.stride(),
-        *_part_strides(parts), HAS_BIAS=bias is not None, SCALE_AFTER=bk_s % cfg.block_k == 0, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_F32=_dot_f32(x), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        x, weight.view(torch.uint8) if raw else weight, s, b, parts, m, n, k, _k_share(k, cfg), bn_s, bk_s,
+        *x.stride(), *weight.stride(), *s.stride(), *_part_strides(parts), HAS_BIAS=bias is not None,
+        SCALE_AFTER=bk_s % cfg.block_k == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        DOT_F32=_dot_f32(x), BYTES=raw, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return _finish(out, parts, x, cfg)
