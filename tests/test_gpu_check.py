@@ -148,13 +148,15 @@ def test_the_decode_peer_step_runs_the_engine_beside_transformers_compiled_gener
 
 
 def test_part_2_lists_the_skinny_linear_step_and_skips_it_on_a_cpu(tmp_path, monkeypatch):
-    """Part 2 times the few-row linear against cuBLAS (bench_skinny.py) beside the other kernels; here it is
-    skipped with the command it would run."""
+    """Part 2 times the few-row linear against cuBLAS (bench_skinny.py) and the sampling kernels against
+    torch's ops (bench_sampling.py) beside the other kernels; here they are skipped with the command each
+    would run."""
     monkeypatch.setenv("SVRMAD_GPU_CHECK_WORK", str(tmp_path / "work"))
     out = tmp_path / "out"
     assert gpu_check.main([str(out), "--dry-run", "--steps", "2"]) == 0
     steps = {s["name"]: s for s in json.loads((out / "summary.json").read_text())["steps"] if s["needs_cuda"]}
-    assert list(steps)[:3] == ["kernels", "fused", "skinny"], list(steps)
+    assert list(steps)[:4] == ["kernels", "fused", "sampling", "skinny"], list(steps)
+    assert steps["sampling"]["command"][1:4] == ["benchmarks/bench_sampling.py", "--device", "cuda"]
     s = steps["skinny"]
     assert s["status"] == "skipped" and s["reason"].startswith("needs CUDA")
     assert s["command"][1:] == ["benchmarks/bench_skinny.py", "--json"]
