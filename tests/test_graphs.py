@@ -561,7 +561,9 @@ def test_a_decode_layer_on_the_gpu_path_is_five_kernels_beside_its_linears(inter
                          "_act_mul_kernel": 1, "_vocab_kernel": 0, "_finish_kernel": 0}, per_layer
     assert t2["_vocab_kernel"] == t2["_finish_kernel"] == 1 and t2["_rms_norm_kernel"] == 2 * 2 + 1  # + the final norm
     assert ops4 == ops2, (ops2, ops4)  # no torch op grows with the layers
-    assert not {"topk", "sort", "softmax", "_softmax", "_log_softmax", "cumsum", "searchsorted", "copy_"} & set(ops2), ops2
+    # the only torch ops of the step: the embedding, and here the RoPE table's rows (engine/families.Rotary
+    # on the CPU; a GPU runs the rotary module's few ops): no sampling op, no copy of the draws or logits
+    assert set(ops2) <= {"embedding", "max", "item", "index_select"}, ops2
 
 
 class StandIn:

@@ -49,6 +49,16 @@ def test_the_rows_and_statistics_of_the_torch_path(V, K, topk):
     check(sample_pack(logits, tab, K, topk), reference(logits, tab, K, topk), topk)
 
 
+def test_a_strided_table_is_read_in_place():
+    """The static decode step passes the first P columns of its wider draws buffer: read with its strides
+    (no copy), the same rows as from a contiguous table."""
+    logits = torch.randn(4, 3000, generator=torch.Generator().manual_seed(8)) * 3
+    wide = torch.zeros(5, 9, dtype=torch.float64)
+    wide[:, :4] = table(ROWS[:4])
+    assert not wide[:, :4].is_contiguous()
+    assert torch.equal(sample_pack(logits, wide[:, :4], 40, 20), sample_pack(logits, table(ROWS[:4]), 40, 20))
+
+
 def test_many_draws_land_where_the_torch_draws_do():
     """Sixty-four rows of one distribution, their draws spread over [0, 1): every token the torch path's."""
     g = torch.Generator().manual_seed(3)

@@ -40,7 +40,8 @@ def fits(K: int, topk: int, vocab: int) -> bool:
 
 def sample_pack(logits: torch.Tensor, table: torch.Tensor, K: int, topk: int) -> torch.Tensor:
     """`logits` [R, V] fp32 and the rows' sampling table [5, R] float64 on the same device (sampler.Draws'
-    rows: temperature, top-k, top-p, uniform draw, greedy) -> [R, 3 + 2 topk] float64, stats.pack's layout.
+    rows: temperature, top-k, top-p, uniform draw, greedy; any strides: the static step passes a view of its
+    wider buffer, read in place) -> [R, 3 + 2 topk] float64, stats.pack's layout.
     `K`: the top-k width sampled from; `topk`: the statistics' width (`fits` must hold)."""
     R, V = logits.shape
     if logits.dtype != torch.float32 or tuple(table.shape) != (5, R) or table.dtype != torch.float64:
@@ -53,7 +54,6 @@ def sample_pack(logits: torch.Tensor, table: torch.Tensor, K: int, topk: int) ->
     if R == 0:
         return out
     x = logits if logits.stride(1) == 1 else logits.contiguous()
-    tab = table.contiguous()
     bv = 256 if interpreting() else 1024
     split = cdiv(SPLIT, bv) * bv
     n_split = cdiv(V, split)
@@ -62,7 +62,7 @@ def sample_pack(logits: torch.Tensor, table: torch.Tensor, K: int, topk: int) ->
     keys = torch.empty(R, n_split, kp, dtype=torch.int64, device=dev)
     warps = {} if interpreting() else {"num_warps": 8}  # the finish's sort: 80 registers a thread, not 128 at 4
     _vocab_kernel[(R, n_split)](x, m, s, a, keys, V, split, x.stride(0), n_split, KK=max(K, topk), KP=kp, BV=bv, **warps)
-    _finish_kernel[(R,)](x, tab, m, s, a, keys, out, R, x.stride(0), n_split, K, topk, out.stride(0),
+    _finish_kernel[(R,)](x, table, m, s, a, keys, out, *table.stride(), x.stride(0), n_split, K, topk, out.stride(0),
                          KP=kp, BS=max(2, next_pow2(n_split)), TOPK_P=max(2, next_pow2(topk)), **warps)
     return out
 
@@ -113,7 +113,7 @@ if HAS_TRITON:
         tl.store(KEYS + out * KP + tl.arange(0, KP)[None, :], top)
 
     @triton.jit
-    def _finish_kernel(L, TAB, M, S, A, KEYS, OUT, R, s_lr, n_split, K, topk, s_or,
+    def _finish_kernel(L, TAB, M, S, A, KEYS, OUT, s_tr, s_tc, s_lr, n_split, K, topk, s_or,
                        KP: tl.constexpr, BS: tl.constexpr, TOPK_P: tl.constexpr):
         """Program (row): the splits merged, the token drawn from the K best, the row packed."""
         row = tl.program_id(0)
@@ -139,11 +139,12 @@ if HAS_TRITON:
         ids = 0xFFFFFFFF - (best & 0xFFFFFFFF)
         r = tl.arange(0, KP)
         # the draw (engine/sampler.py `draw`): the K best of logits / temperature, ranks past the row's k masked
-        temp = tl.load(TAB + row).to(tl.float32)
-        k = tl.load(TAB + R + row)
-        top_p = tl.load(TAB + 2 * R + row).to(tl.float32)
-        u = tl.load(TAB + 3 * R + row)
-        greedy = tl.load(TAB + 4 * R + row) != 0
+        at = TAB + row * s_tc  # the table's column of this row (a view of the static step's wider buffer: strided)
+        temp = tl.load(at).to(tl.float32)
+        k = tl.load(at + s_tr)
+        top_p = tl.load(at + 2 * s_tr).to(tl.float32)
+        u = tl.load(at + 3 * s_tr)
+        greedy = tl.load(at + 4 * s_tr) != 0
         inside = r < K
         v = tl.where(inside & (r.to(tl.float64) < k), vals / temp, float("-inf"))
         e = tl.exp(v - tl.max(v, axis=0))
