@@ -482,8 +482,9 @@ def test_on_a_gpu_the_step_samples_with_two_triton_kernels(interp, monkeypatch):
 # torch ops that launch no kernel: views, metadata, allocations (an empty tensor is not computed)
 _NO_KERNEL = {"view", "unsqueeze", "squeeze", "select", "slice", "transpose", "t", "expand", "as_strided", "permute",
               "split", "split_with_sizes", "detach", "_unsafe_view", "alias", "unbind", "lift_fresh", "narrow",
-              "_reshape_alias", "reshape", "empty", "empty_strided", "empty_like", "new_empty", "promote_types",
-              "result_type", "to", "contiguous", "sym_size", "sym_stride", "sym_numel", "is_same_size", "dim"}
+              "_reshape_alias", "empty", "empty_strided", "empty_like", "new_empty", "promote_types", "result_type",
+              "sym_size", "sym_stride", "sym_numel", "is_same_size", "dim"}
+_MAYBE_COPY = {"to", "contiguous", "reshape"}  # a kernel only where the result is not the input's own memory
 
 
 def _step_census(model, monkeypatch) -> tuple[Counter, Counter]:
@@ -500,9 +501,11 @@ def _step_census(model, monkeypatch) -> tuple[Counter, Counter]:
     class Count(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             name = func.__name__.split(".")[0]
-            if state["on"] and not state["inside"] and name not in _NO_KERNEL:
+            out = func(*args, **(kwargs or {}))
+            copied = name not in _MAYBE_COPY or out.data_ptr() != args[0].data_ptr()
+            if state["on"] and not state["inside"] and name not in _NO_KERNEL and copied:
                 torch_ops[name] += 1
-            return func(*args, **(kwargs or {}))
+            return out
 
     launch = interpreter.GridExecutor.__call__
 
