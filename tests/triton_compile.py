@@ -54,8 +54,8 @@ def record(path: str, tests: list[str]) -> int:
 
     def call(self, *args, **kwargs):
         fn = self.fn
-        params = inspect.signature(fn).parameters
-        bound = inspect.signature(fn).bind_partial(*args, **{k: v for k, v in kwargs.items() if k in params})
+        signature = inspect.signature(fn)
+        bound = signature.bind_partial(*args, **{k: v for k, v in kwargs.items() if k in signature.parameters})
         bound.apply_defaults()
         sig, consts = {}, {}
         for name, value in bound.arguments.items():
@@ -67,9 +67,8 @@ def record(path: str, tests: list[str]) -> int:
         options = {k: v for k, v in kwargs.items() if k in ("num_warps", "num_stages")}
         entry = {"module": fn.__module__, "name": fn.__name__, "signature": sig, "constexprs": consts,
                  "options": options}
-        launches.setdefault(json.dumps(entry, sort_keys=True, default=repr), entry)
+        entry = launches.setdefault(json.dumps(entry, sort_keys=True, default=repr), entry)
         if os.environ.get("SVRMAD_TRITON_WHO"):  # which test launched it (for choosing the tests to record)
-            entry = launches[json.dumps(entry, sort_keys=True, default=repr)]
             entry.setdefault("tests", []).append(os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0])
         return inner(self, *args, **kwargs)
 

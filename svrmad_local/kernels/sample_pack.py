@@ -68,17 +68,9 @@ def sample_pack(logits: torch.Tensor, table: torch.Tensor, K: int, topk: int) ->
 
 
 if HAS_TRITON:
-    from .token_stats import _update_topk
+    from .token_stats import _pack_key, _update_topk
 
     MIN_KEY = tl.constexpr(-(2**63))  # below every packed key: unused slots and the lanes past a split's end
-
-    @triton.jit
-    def _key(logit, idx):
-        """An int64 that orders as (logit, -id): the logit's fp32 bits made monotone in the high word, the
-        id's complement in the low word (equal logits: the lower id is the larger key)."""
-        bits = logit.to(tl.int32, bitcast=True)
-        mono = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-        return (mono.to(tl.int64) << 32) | (0xFFFFFFFF - idx.to(tl.int64))
 
     @triton.jit
     def _vocab_kernel(L, M, S, A, KEYS, V, split, s_lr, n_split,
@@ -104,7 +96,8 @@ if HAS_TRITON:
             s = s * alpha + tl.sum(tl.where(cmask[None, :], e, 0.0), axis=1)
             a = a * alpha + tl.sum(e * tl.where(cmask[None, :], lg, 0.0), axis=1)  # a logit of -inf: 0 * -inf, NaN as torch's
             m = m_new
-            keys = tl.where(cmask[None, :], _key(lg, cols[None, :]), MIN_KEY)
+            # token_stats' key with the id's complement in the low word: equal logits order lower id first
+            keys = tl.where(cmask[None, :], _pack_key(lg, 0xFFFFFFFF - cols[None, :].to(tl.int64)), MIN_KEY)
             top = _update_topk(top, keys, KK, KP)
         out = row * n_split + sp
         tl.store(M + out + tl.arange(0, 1), m)
