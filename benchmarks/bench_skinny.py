@@ -4,9 +4,9 @@
     python benchmarks/bench_skinny.py --dry-run   # CPU: tiny shapes through Triton's interpreter
 
 Qwen3-1.7B: hidden 2,048, 16 query heads and 8 KV heads of 128 dims, MLP 6,144, vocabulary 151,936. The
-shapes (N x K): q/k/v fused 4,096 x 2,048 and apart (q and o_proj 2,048 x 2,048, k and v 1,024 x 2,048:
-the engine runs them apart on a GPU), gate/up fused 12,288 x 2,048 and apart 6,144 x 2,048, down 2,048 x
-6,144, the LM head 151,936 x 2,048. Per shape and row count M, microseconds of a call (10 calls captured in
+shapes (N x K): q/k/v fused 4,096 x 2,048 (as the engine runs them on a GPU: models/linear.fuse_dense) and
+apart (q and o_proj 2,048 x 2,048, k and v 1,024 x 2,048: `--linear aten`), gate/up fused 12,288 x 2,048
+and apart 6,144 x 2,048, down 2,048 x 6,144, the LM head 151,936 x 2,048. Per shape and row count M, microseconds of a call (10 calls captured in
 a CUDA graph, replayed 5 times between CUDA events, the median: the device's time as a captured decode step
 pays it, without the host's launch cost; each call reads another copy of the weight so that none is read
 from the L2 cache: a decode step reads every weight once, cold; skinny.time_call, what the engine times) for F.linear and for every config of skinny.CONFIGS,

@@ -171,6 +171,29 @@ def test_forced_skinny_in_the_interpreter_is_token_exact(graphs, monkeypatch):
         assert (torch.tensor(a.logprobs) - torch.tensor(b.logprobs)).abs().max() < 1e-4
 
 
+def test_forced_skinny_over_fused_siblings_is_token_exact(monkeypatch):
+    """A GPU's layout (q/k/v and gate/up fused on their plain weights, models/linear.fuse_dense): the fused
+    shapes are among the decode linears and go through the kernel, one call each, with the same greedy tokens
+    as a cache-free loop of the unfused model."""
+    if not (_backend.HAS_TRITON and _backend.interpreter_ready()):
+        pytest.skip("Triton's interpreter is not available in this process")
+    from svrmad_local.models.linear import fuse_dense
+
+    model, plain = make_zoo_model("llama"), make_zoo_model("llama")
+    fuse_dense(model)
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    fused = {tuple(attn.q_proj.group.weight.shape), tuple(mlp.up_proj.group.weight.shape)}
+    assert fused <= set(gemv.decode_linears(model))
+    calls = []
+    real = skinny.skinny_linear
+    monkeypatch.setattr(skinny, "skinny_linear", lambda x, w, *a: calls.append(tuple(w.shape)) or real(x, w, *a))
+    prompts = [rand_prompt(11, 3), rand_prompt(6, 4)]
+    got, record = run(model, prompts, "skinny", cuda_graphs="static")
+    assert fused <= set(calls) and tuple(attn.k_proj.dense_weight().shape) not in calls
+    for p, out in zip(prompts, got):
+        assert out.token_ids == loop_greedy(plain, p, GREEDY.max_tokens)
+
+
 def test_forced_skinny_where_triton_cannot_run_is_refused(monkeypatch):
     monkeypatch.setattr(_backend, "interpreter_ready", lambda: False)  # a CPU process without the interpreter
     with pytest.raises(ValueError, match="gemv='skinny' cannot run here"):

@@ -487,10 +487,11 @@ _NO_KERNEL = {"view", "unsqueeze", "squeeze", "select", "slice", "transpose", "t
 _MAYBE_COPY = {"to", "contiguous", "reshape"}  # a kernel only where the result is not the input's own memory
 
 
-def _step_census(model, monkeypatch) -> tuple[Counter, Counter]:
+def _step_census(model, monkeypatch, **kw) -> tuple[Counter, Counter]:
     """(Triton kernels, kernel-launching torch ops) of one static decode step over the GPU's kernels, run
     here by Triton's interpreter: the fused ops, the in-place decode attention and the sampling kernels
-    (the CPU's compiled sampling set aside), one sequence after a 9-token prompt."""
+    (the CPU's compiled sampling set aside), one sequence after a 9-token prompt. `kw`: more of the
+    engine's settings."""
     from torch.utils._python_dispatch import TorchDispatchMode
     from triton.runtime import interpreter
 
@@ -520,7 +521,7 @@ def _step_census(model, monkeypatch) -> tuple[Counter, Counter]:
 
     monkeypatch.setattr(interpreter.GridExecutor, "__call__", counted)
     monkeypatch.setattr(cpu_ops, "samples", lambda logits: False)
-    eng = engine(model, cuda_graphs="static", kernel_impl="triton")
+    eng = engine(model, cuda_graphs="static", kernel_impl="triton", **kw)
     forward, seen = graphs.StaticDecode._forward, []
 
     def first(self, P, W):
@@ -541,12 +542,15 @@ def _step_census(model, monkeypatch) -> tuple[Counter, Counter]:
     return triton_calls, torch_ops
 
 
-def test_a_decode_layer_on_the_gpu_path_is_five_kernels_beside_its_linears(interp, monkeypatch):
-    """What a GPU's decode step launches (the kernels in Triton's interpreter, counted in the static step): a
-    layer more is add + RMSNorm twice, q/k norm + RoPE + the cache write, the attention (one split at a short
-    context: no merge) and act x up, and nothing else besides its four linears (no copy of the attention's
-    output, no torch op at all); outside the layers, sampling and statistics are two kernels."""
+def test_a_decode_layer_on_the_gpu_path_is_nine_kernels(interp, monkeypatch):
+    """What a GPU's decode step launches (the kernels in Triton's interpreter, counted in the static step, the
+    linears as a GPU lays them out: q/k/v and gate/up fused on their plain weights, models/linear.fuse_dense,
+    each through the skinny kernel): a layer more is add + RMSNorm twice, the q/k/v linear, q/k norm + RoPE +
+    the cache write, the attention (one split at a short context: no merge), o_proj, the gate/up linear, act
+    x up and down, and nothing else (no copy of the attention's output, no torch op at all); outside the
+    layers, the LM head, and sampling and statistics in two kernels."""
     from svrmad_local.kernels import _backend
+    from svrmad_local.models.linear import fuse_dense
     from tests import model_zoo
 
     if not _backend.interpreter_ready():
@@ -556,16 +560,19 @@ def test_a_decode_layer_on_the_gpu_path_is_five_kernels_beside_its_linears(inter
         monkeypatch.setitem(model_zoo._COMMON, "num_hidden_layers", layers)
         model = make_zoo_model("qwen3")
         assert len(model.model.layers) == layers
-        counts[layers] = _step_census(model, monkeypatch)
+        fuse_dense(model)
+        counts[layers] = _step_census(model, monkeypatch, gemv="skinny", linear="aten")
         monkeypatch.undo()
     (t2, ops2), (t4, ops4) = counts[2], counts[4]
     per_layer = {k: (t4[k] - t2[k]) // 2 for k in t4 | t2}
-    assert per_layer == {"_rms_norm_kernel": 2, "_rope_store_kernel": 1, "_decode_split_kernel": 1,
+    assert per_layer == {"_rms_norm_kernel": 2, "_skinny_kernel": 4, "_rope_store_kernel": 1, "_decode_split_kernel": 1,
                          "_act_mul_kernel": 1, "_vocab_kernel": 0, "_finish_kernel": 0}, per_layer
+    assert sum(per_layer.values()) == 9
     assert t2["_vocab_kernel"] == t2["_finish_kernel"] == 1 and t2["_rms_norm_kernel"] == 2 * 2 + 1  # + the final norm
+    assert t2["_skinny_kernel"] == 2 * 4 + 1  # + the LM head
     assert ops4 == ops2, (ops2, ops4)  # no torch op grows with the layers
     # the only torch ops of the step: the embedding, and here the RoPE table's rows (engine/families.Rotary
-    # on the CPU; a GPU runs the rotary module's few ops): no sampling op, no copy of the draws or logits
+    # on the CPU; a GPU runs the rotary module's few ops): no linear, no sampling op, no copy of the draws or logits
     assert set(ops2) <= {"embedding", "max", "item", "index_select"}, ops2
 
 

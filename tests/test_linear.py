@@ -257,3 +257,72 @@ def test_relayout_moves_every_weight_exactly_and_keeps_the_tie(dtype):
         select_linear(twin, choice)
         with torch.no_grad():
             assert torch.equal(model(ids).logits, twin(ids).logits), choice
+
+
+# Siblings fused on their plain weights (layouts.DENSE): what "auto" does on a GPU, checked here on the CPU
+
+
+def test_auto_on_a_gpu_fuses_the_siblings_on_their_plain_weights(monkeypatch):
+    """On a device of FUSE_DEVICES (cuda; here the meta device stands in) "auto" packs nothing but fuses
+    q/k/v and gate/up into one F.linear each; fuse=False, and devices outside it, keep every module."""
+    from svrmad_local.models import linear as linear_mod
+
+    monkeypatch.setattr(linear_mod, "FUSE_DEVICES", ("meta",))
+    model = make_zoo_model("llama").to("meta")
+    layers, n = len(model.model.layers), sum(type(m) is torch.nn.Linear for m in make_zoo_model("llama").modules())
+    sel = select_linear(model, "auto")
+    assert sel.value == "aten" and not sel.fell_back
+    assert sel.line == f"aten (F.linear) on meta, as {4 * layers + 1} GEMMs (q/k/v and gate/up fused)"
+    parts = [m for m in model.modules() if isinstance(m, FusedPart)]
+    assert len(parts) == 5 * layers and all(p.group.layout is layouts.DENSE for p in parts)
+    assert sum(type(m) is torch.nn.Linear for m in model.modules()) == n - 5 * layers  # o_proj, down, the head
+    assert select_linear(model, "auto").value == "aten"  # a second engine on it keeps what the first made
+    assert select_linear(make_zoo_model("llama").to("meta"), "auto", fuse=False).line == "aten (F.linear): weights on meta"
+    monkeypatch.setattr(linear_mod, "FUSE_DEVICES", ())
+    assert select_linear(make_zoo_model("llama").to("meta"), "auto").line == "aten (F.linear): weights on meta"
+
+
+def test_fused_dense_siblings_compute_their_linears_and_give_up_their_weights():
+    """Each part gives its own linear's output (a column slice of one GEMM) and its dense weight; the parts'
+    own weights leave the device (a weight still used elsewhere in the model stays); a sibling under an
+    accelerate hook is left alone, with its group."""
+    import weakref
+
+    from svrmad_local.models.linear import fuse_dense
+
+    model = make_zoo_model("llama")
+    first, second = model.model.layers[0], model.model.layers[1]
+    second.self_attn.o_proj.weight = first.self_attn.q_proj.weight  # shared with a module that stays
+    second.mlp.up_proj._hf_hook = object()  # accelerate's hook: layer 1's gate/up stay apart
+    plain = {n: m.weight.detach().clone() for n, m in model.named_modules() if type(m) is torch.nn.Linear}
+    owned = [weakref.ref(m.weight) for m in (first.self_attn.k_proj, first.mlp.gate_proj, second.self_attn.v_proj)]
+    fuse_dense(model)
+    gc.collect()
+    assert all(r() is None or r().device.type == "meta" for r in owned), "a fused part's weight stayed on its device"
+    assert second.self_attn.o_proj.weight.device.type == "cpu"
+    assert type(second.mlp.up_proj) is torch.nn.Linear and type(second.mlp.gate_proj) is torch.nn.Linear
+    assert isinstance(first.mlp.up_proj, FusedPart) and isinstance(second.self_attn.k_proj, FusedPart)
+    for name, w in plain.items():
+        m, x = model.get_submodule(name), torch.randn(5, w.shape[1])
+        torch.testing.assert_close(m(x), x @ w.T, rtol=1e-5, atol=1e-5)
+        assert torch.equal(m.dense_weight() if isinstance(m, FusedPart) else m.weight, w), name
+
+
+@pytest.mark.parametrize("name", EXACT)
+def test_the_engine_over_fused_dense_siblings_is_token_exact(name):
+    from svrmad_local.models.linear import fuse_dense
+
+    model, plain = make_zoo_model(name), make_zoo_model(name)
+    fuse_dense(model)
+    eng = engine(model, linear="aten")  # what the fused model already runs (Phi-3's projections are one each)
+    assert eng.info["linear"].startswith("aten"), eng.info["linear"]
+    prompts = [rand_prompt(n, 50 + n) for n in (3, 12, 21)]
+    for p, o in zip(prompts, eng.generate_sync(prompts, GREEDY)):
+        got = o.completions[0].token_ids
+        ref = full_logprobs(plain, p + got)[len(p) - 1 : -1]
+        lp = torch.tensor(o.completions[0].logprobs)
+        assert (lp - ref.gather(1, torch.tensor(got)[:, None])[:, 0]).abs().max() < LOGPROB_TOL, name
+        if got != loop_greedy(plain, p, 8):  # one GEMM sums as the three did, but may block K otherwise
+            top2 = ref.topk(2, -1).values
+            assert ((top2[:, 0] - top2[:, 1]) < LOGPROB_TOL).any(), f"{name}: a flip that is not a near-tie"
+    eng.close()

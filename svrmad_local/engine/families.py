@@ -28,7 +28,7 @@ from torch import nn
 
 from svrmad_local.kernels import cpu_linear, skinny
 from svrmad_local.kernels.fused import CAST_LAST, GEMMA, PLAIN, NormStyle, Ops
-from svrmad_local.models.layouts import PANELS
+from svrmad_local.models.layouts import PANELS, multiplies_dense
 
 from .spec import LayerSpec
 
@@ -91,7 +91,7 @@ def linear_call(m: nn.Module, gemv: dict | None = None):
     Config}}), that kernel at those rows and F.linear at the others; else the module."""
     if holds_panels(m):
         return cpu_linear.bound(m.weight, m.out_features, m.bias)
-    picks = gemv.get(tuple(m.weight.shape)) if gemv and type(m) is nn.Linear else None
+    picks = gemv.get(tuple(m.weight.shape)) if gemv and multiplies_dense(m) else None
     if picks:
         return skinny.bound(m.weight, m.bias, picks)
     return m

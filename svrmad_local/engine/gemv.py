@@ -23,6 +23,7 @@ from torch import nn
 from svrmad_local.kernels import skinny
 from svrmad_local.kernels._backend import HAS_TRITON, triton
 from svrmad_local.models.default import cache_dir
+from svrmad_local.models.layouts import multiplies_dense
 
 from .families import ROUTERS
 
@@ -45,7 +46,7 @@ def decode_linears(model) -> dict[tuple[int, int], nn.Linear]:
                if type(getattr(layer, "mlp", None)).__name__ in ROUTERS}
     shapes: dict[tuple[int, int], nn.Linear] = {}
     for m in [m for layer in layers for m in layer.modules()] + ([head] if head is not None else []):
-        if type(m) is nn.Linear and m.weight.dtype in skinny.DTYPES and id(m) not in routers:
+        if multiplies_dense(m) and m.weight.dtype in skinny.DTYPES and id(m) not in routers:
             shapes.setdefault(tuple(m.weight.shape), m)
     return shapes
 

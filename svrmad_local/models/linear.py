@@ -38,11 +38,12 @@ from torch import nn
 from svrmad_local.kernels import cpu_linear
 
 from . import calibrate
-from .layouts import ONEDNN, PANELS, Layout, sibling_groups
+from .layouts import DENSE, ONEDNN, PANELS, Layout, sibling_groups
 
 log = logging.getLogger("svrmad_local")
 
 CHOICES = ("auto", "panels", "onednn", "aten")
+FUSE_DEVICES = ("cuda",)  # where "auto" fuses sibling projections on their plain weights (layouts.DENSE)
 
 
 @dataclass(frozen=True)
@@ -264,7 +265,8 @@ def select_linear(model: nn.Module, choice: str = "auto", fuse: bool = True,
     elif why is None:
         layout = ONEDNN
     elif choice == "auto" and p.device.type != "cpu":  # cuBLAS and the like: packing is a CPU matter
-        return _said("aten", f"aten (F.linear): weights on {p.device.type}", packed_q)
+        return fuse_dense(model, packed_q) if fuse and p.device.type in FUSE_DEVICES \
+            else _said("aten", f"aten (F.linear): weights on {p.device.type}", packed_q)
     elif choice == "auto":
         return _said("aten", f"aten (F.linear): packing is off: {why}", packed_q, fell_back=True)
     else:
@@ -273,16 +275,12 @@ def select_linear(model: nn.Module, choice: str = "auto", fuse: bool = True,
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     tied = head is not None and emb is not None and head.weight is emb.weight
 
-    def put(name: str, module: nn.Module) -> None:
-        parent, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, leaf, module)
-
     groups = sibling_groups(model, linears) if fuse else []
     fused = {name for g in groups for name, _ in g}
     for g in groups:
         group = FusedGroup([m for _, m in g], layout)
         for i, (name, m) in enumerate(g):
-            put(name, FusedPart(group, i, m))
+            _put(model, name, FusedPart(group, i, m))
     # a tied head is packed only where the embedding can read its rows from the packed matrix: the
     # panels of a plain nn.Embedding (Gemma's scaled embedding, a max_norm that rewrites rows, and
     # oneDNN's opaque layout cannot)
@@ -290,16 +288,47 @@ def select_linear(model: nn.Module, choice: str = "auto", fuse: bool = True,
     note = ""
     for name, m in linears:
         if name not in fused:
-            put(name, PackedLinear(m, layout, pack=not tied or m is not head or shared))
+            _put(model, name, PackedLinear(m, layout, pack=not tied or m is not head or shared))
             if shared and m is head:
                 emb_name = next(n for n, mod in model.named_modules() if mod is emb)
-                put(emb_name, PanelEmbedding(emb, model.get_output_embeddings()))
+                _put(model, emb_name, PanelEmbedding(emb, model.get_output_embeddings()))
                 note = "; the tied LM head and the embedding share its panels"
             elif tied and m is head:
                 note = "; the tied LM head on its shared dense weight"
     note = (f", as {len(linears) - len(fused) + len(groups)} GEMMs (q/k/v and gate/up fused)" if groups else "") + note
     return _said(layout.name, f"{layout.name} ({len(linears)} linears, {str(p.dtype).removeprefix('torch.')}){note}"
                               f"{measured}", packed_q)
+
+
+def fuse_dense(model: nn.Module, packed_q: int = 0) -> Selection:
+    """F.linear on the plain weights, sibling projections fused (layouts.DENSE): one kernel where a GPU's
+    step launched two or three ("auto" on a GPU). A group's parts give up their weights as soon as the
+    group holds its copy (moved to the meta device: the caller may still hold the modules), so the
+    model's memory grows by one group at a time, not by every fused weight; the allocator's freed
+    blocks go back before the KV pool is sized."""
+    linears = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]
+    if not linears:
+        return _said(DENSE.name, "aten (F.linear): no nn.Linear to fuse", packed_q)
+    device = linears[0][1].weight.device
+    groups = sibling_groups(model, linears)
+    for g in groups:
+        group = FusedGroup([m for _, m in g], DENSE)
+        for i, (name, m) in enumerate(g):
+            _put(model, name, FusedPart(group, i, m))
+        kept = {id(t) for t in model.parameters()}
+        for _, m in g:  # a weight shared with a module still in the model stays
+            if all(id(t) not in kept for t in m.parameters()):
+                m.to("meta")
+    if groups and device.type == "cuda":
+        torch.cuda.empty_cache()
+    fused = sum(len(g) for g in groups)
+    note = f", as {len(linears) - fused + len(groups)} GEMMs (q/k/v and gate/up fused)" if groups else ""
+    return _said(DENSE.name, f"aten (F.linear) on {device.type}{note}", packed_q)
+
+
+def _put(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, module)
 
 
 def unpack_all(model: nn.Module) -> None:
@@ -315,16 +344,12 @@ def unpack_all(model: nn.Module) -> None:
             lin.bias = nn.Parameter(bias, requires_grad=False)
         return lin
 
-    def put(name: str, module: nn.Module) -> None:
-        parent, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, leaf, module)
-
     shared = None  # the dense matrix a tied head and its embedding share again
     if isinstance(emb, PanelEmbedding):
         shared = nn.Parameter(cpu_linear.unpack(emb.weight, emb.num_embeddings, emb.embedding_dim), requires_grad=False)
         plain_emb = nn.Embedding(emb.num_embeddings, emb.embedding_dim, emb.padding_idx, device="meta")
         plain_emb.weight = shared
-        put(next(n for n, mod in model.named_modules() if mod is emb), plain_emb)
+        _put(model, next(n for n, mod in model.named_modules() if mod is emb), plain_emb)
     for name, m in list(model.named_modules()):
         if isinstance(m, FusedPart):
             g = m.group
@@ -332,7 +357,7 @@ def unpack_all(model: nn.Module) -> None:
                 groups[id(g)] = g.dense_weight()
             lo, hi = g.bounds[m.i]
             bias = g.bias.detach()[lo:hi].clone() if m.has_bias else None
-            put(name, plain(m, nn.Parameter(groups[id(g)][lo:hi].clone(), requires_grad=False), bias))
+            _put(model, name, plain(m, nn.Parameter(groups[id(g)][lo:hi].clone(), requires_grad=False), bias))
             if m.i == len(g.bounds) - 1:  # the group's last part (siblings come in order): its dense copy goes
                 del groups[id(g)]
         elif isinstance(m, PackedLinear):
@@ -342,7 +367,7 @@ def unpack_all(model: nn.Module) -> None:
                 weight = nn.Parameter(m.dense_weight(), requires_grad=False)
             else:
                 weight = m.weight  # a tied head on its shared dense weight
-            put(name, plain(m, weight, None if m.bias is None else m.bias.detach()))
+            _put(model, name, plain(m, weight, None if m.bias is None else m.bias.detach()))
 
 
 def relayout(model: nn.Module, choice: str) -> Selection:
