@@ -24,8 +24,9 @@ from svrmad_local.kernels.skinny import Config, reference, skinny_linear  # noqa
 
 pytestmark = pytest.mark.skipif(not interpreter_ready(), reason="triton was imported before TRITON_INTERPRET=1")
 
-# split-K with tiles small enough that K = 301 splits into several shares (one of them short)
-SPLITS = (Config(16, 32, 3), Config(16, 64, 2, dot=True), Config(32, 16, 5))
+# split-K with tiles small enough that K = 301 splits into several shares (one of them short); the last
+# one's products summed per tile even for one row (one warp)
+SPLITS = (Config(16, 32, 3), Config(16, 64, 2, dot=True), Config(32, 16, 5), Config(64, 64, 2, 1, 1))
 N, K = 37, 301
 
 
@@ -59,22 +60,24 @@ def test_every_config_matches_the_reference_in_half_precision(cfg, dtype):
         assert ((got.float() - ref.float()).abs() <= ulp).all(), (cfg, m, dtype)
 
 
-@pytest.mark.parametrize("cfg", (skinny.DEFAULT, SPLITS[0], SPLITS[1]), ids=str)
+@pytest.mark.parametrize("cfg", (skinny.DEFAULT, SPLITS[0], SPLITS[1], SPLITS[3]), ids=str)
 def test_two_calls_give_the_same_bits(cfg):
     x, w, b = operands(7, torch.float32, bias=True)
     assert torch.equal(skinny_linear(x, w, b, cfg), skinny_linear(x, w, b, cfg))
 
 
 def test_both_ways_of_summing_are_covered_above():
-    """Products summed once at the end (few rows) and per tile (more rows): the configs above take both."""
+    """Products summed once at the end (few rows) and per tile (more rows): the configs above take both, for
+    one row (its products in the weight tile's shape) as for several."""
     ways = {skinny.sums_late(c, m) for c in skinny.CONFIGS + SPLITS if not c.dot for m in (1, 2, 4, 8)}
     assert ways == {True, False}
+    assert {skinny.sums_late(c, 1) for c in skinny.CONFIGS + SPLITS if not c.dot} == {True, False}
     assert skinny.sums_late(skinny.CONFIGS[0], 1) and not skinny.sums_late(skinny.CONFIGS[0], 8)
 
 
 def test_split_configs_do_split_here():
     """The split cases above exercise the two-pass sum only if their shares come out above one."""
-    assert [skinny.shares(c, N, K, skinny.SMS_DEFAULT) for c in SPLITS] == [3, 2, 5]
+    assert [skinny.shares(c, N, K, skinny.SMS_DEFAULT) for c in SPLITS] == [3, 2, 5, 2]
 
 
 def test_auto_split_fills_the_gpu_only_for_narrow_outputs():
