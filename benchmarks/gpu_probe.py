@@ -164,7 +164,7 @@ def _greedy_vs_reference(model, truth, eng, ps, new: int):
     max |bf16 reference - fp32 truth|, positions where the engine strays from the truth by more than the
     bf16 reference does, plus TOL) of the engine's greedy tokens against one cache-free forward of the
     model over prompt + those tokens, in its own dtype and in `truth`, an fp32 copy of the model taken
-    before the engine was built over it (the engine may repack its linears for this CPU)."""
+    before the engine was built over it (the engine may repack its linears for this CPU, or fuse them on a GPU)."""
     from svrmad_local.engine.params import SamplingParams
 
     outs = eng.generate_sync(ps, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))
