@@ -156,7 +156,8 @@ def test_forced_skinny_in_the_interpreter_is_token_exact(graphs, monkeypatch):
         pytest.skip("Triton's interpreter is not available in this process")
     calls = []
     real = skinny.skinny_linear
-    monkeypatch.setattr(skinny, "skinny_linear", lambda x, w, *a: calls.append((x.shape[0], w.shape[0])) or real(x, w, *a))
+    monkeypatch.setattr(skinny, "skinny_linear",
+                        lambda x, w, *a, **k: calls.append((x.shape[0], w.shape[0])) or real(x, w, *a, **k))
     model = make_zoo_model("llama")
     prompts = [rand_prompt(11, 3), rand_prompt(6, 4)]
     got, record = run(model, prompts, "skinny", cuda_graphs=graphs)
@@ -171,25 +172,35 @@ def test_forced_skinny_in_the_interpreter_is_token_exact(graphs, monkeypatch):
         assert (torch.tensor(a.logprobs) - torch.tensor(b.logprobs)).abs().max() < 1e-4
 
 
-def test_forced_skinny_over_fused_siblings_is_token_exact(monkeypatch):
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_forced_skinny_over_fused_siblings_is_token_exact(name, monkeypatch):
     """A GPU's layout (q/k/v and gate/up fused on their plain weights, models/linear.fuse_dense): the fused
     shapes are among the decode linears and go through the kernel, one call each, with the same greedy tokens
-    as a cache-free loop of the unfused model."""
+    as a cache-free loop of the unfused model; down reads SiLU(gate) * up in its prologue (Llama), or after
+    act_mul where the activation is another (Gemma 3's GELU)."""
     if not (_backend.HAS_TRITON and _backend.interpreter_ready()):
         pytest.skip("Triton's interpreter is not available in this process")
     from svrmad_local.models.linear import fuse_dense
 
-    model, plain = make_zoo_model("llama"), make_zoo_model("llama")
+    model, plain = make_zoo_model(name), make_zoo_model(name)
     fuse_dense(model)
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
     fused = {tuple(attn.q_proj.group.weight.shape), tuple(mlp.up_proj.group.weight.shape)}
     assert fused <= set(gemv.decode_linears(model))
-    calls = []
+    calls, gated = [], []
     real = skinny.skinny_linear
-    monkeypatch.setattr(skinny, "skinny_linear", lambda x, w, *a: calls.append(tuple(w.shape)) or real(x, w, *a))
+
+    def counted(x, w, *a, up=None):
+        calls.append(tuple(w.shape))
+        gated.append(up is not None)
+        return real(x, w, *a, up=up)
+
+    monkeypatch.setattr(skinny, "skinny_linear", counted)
     prompts = [rand_prompt(11, 3), rand_prompt(6, 4)]
     got, record = run(model, prompts, "skinny", cuda_graphs="static")
     assert fused <= set(calls) and tuple(attn.k_proj.dense_weight().shape) not in calls
+    down = tuple(mlp.down_proj.weight.shape)
+    assert {g for c, g in zip(calls, gated) if c == down} == {name == "llama"}
     for p, out in zip(prompts, got):
         assert out.token_ids == loop_greedy(plain, p, GREEDY.max_tokens)
 

@@ -60,6 +60,35 @@ def test_every_config_matches_the_reference_in_half_precision(cfg, dtype):
         assert ((got.float() - ref.float()).abs() <= ulp).all(), (cfg, m, dtype)
 
 
+@pytest.mark.parametrize("cfg", skinny.CONFIGS + SPLITS, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_gated_rows_are_act_muls_rows(cfg, dtype):
+    """With `up` the kernel multiplies SiLU(gate) * up, read from the two halves of one gate/up output (their
+    strides): the same as act_mul then the kernel on its output (in bf16, act_mul's rounding reproduced
+    bit for bit), and within the fp32 reference's tolerance of the module's F.silu(gate) * up."""
+    from svrmad_local.kernels import fused_triton
+
+    for m in (1, 3, 8):
+        g = torch.Generator().manual_seed(m)
+        gate_up = (2 * torch.randn(m, 2 * K, generator=g)).to(dtype)
+        gate, up = gate_up[:, :K], gate_up[:, K:]
+        w = torch.randn(N, K, generator=g).to(dtype)
+        b = torch.randn(N, generator=g).to(dtype) if m % 2 else None
+        got = skinny_linear(gate, w, b, cfg, up=up)
+        assert torch.equal(got, skinny_linear(fused_triton.act_mul(gate, up, "silu"), w, b, cfg)), (cfg, m)
+        ref = reference(gate, w, b, up=up)
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+def test_gated_rows_must_match_the_gate():
+    x, w, b = operands(2, torch.float32, bias=True)
+    with pytest.raises(ValueError, match="up must match the gate"):
+        skinny_linear(x, w, b, up=x[:1])
+    with pytest.raises(ValueError, match="up must match the gate"):
+        skinny_linear(x, w, b, up=x.double())
+
+
 @pytest.mark.parametrize("cfg", (skinny.DEFAULT, SPLITS[0], SPLITS[1], SPLITS[3]), ids=str)
 def test_two_calls_give_the_same_bits(cfg):
     x, w, b = operands(7, torch.float32, bias=True)
@@ -100,6 +129,27 @@ def test_bound_takes_the_kernel_only_at_the_rows_it_was_picked_for(monkeypatch):
         call(x8[:m])
     call(torch.randn(9, K))
     assert seen == [(1, SPLITS[0]), (3, SPLITS[1]), (4, SPLITS[1])]
+
+
+def test_bound_gated_folds_the_activation_in_only_where_the_kernel_runs(monkeypatch):
+    """An MLP's down projection: at the picked rows one kernel call with `up`; elsewhere act_mul (the
+    decoder's op, handed in), then F.linear on its output."""
+    seen, acts = [], []
+    monkeypatch.setattr(skinny, "skinny_linear",
+                        lambda x, w, b, cfg, up=None: (seen.append((x.shape[0], cfg, up is not None)), w)[1])
+    x8, w, b = operands(8, torch.float32, bias=True)
+    call = skinny.bound_gated(w, b, {2: SPLITS[0]})
+
+    def act_mul(gate, up, act):
+        acts.append((gate.shape[0], act))
+        return gate * up
+
+    for m in (1, 2, 9):
+        x = torch.randn(m, K)
+        out = call(x, x, act_mul)
+        if m != 2:
+            torch.testing.assert_close(out, torch.nn.functional.linear(x * x, w, b))
+    assert seen == [(2, SPLITS[0], True)] and acts == [(1, "silu"), (9, "silu")]
 
 
 def test_bad_operands_are_refused_in_one_line():

@@ -146,7 +146,7 @@ class Decoder:
 
     def dense(self, d: Dense, y: torch.Tensor) -> torch.Tensor:
         gate, up = d.gate_up(y)
-        return d.down(self.ops.act_mul(gate, up, d.act))
+        return d.act_down(gate, up, self.ops.act_mul)
 
 
 def _decode_in_place(ctx, T: int):

@@ -178,9 +178,10 @@ MOE_BLOCKS = set(ROUTERS)
 
 
 class Dense:
-    """A dense MLP's parts: gate/up as one GEMM where fused (or Phi-3's gate_up_proj), the activation, down."""
+    """A dense MLP's parts: gate/up as one GEMM where fused (or Phi-3's gate_up_proj), the activation, down,
+    and `act_down(gate, up, act_mul)`: the activation times up, then down (`act_down_call`)."""
 
-    __slots__ = ("gate_up", "act", "down")
+    __slots__ = ("gate_up", "act", "down", "act_down")
 
     def __init__(self, m: nn.Module, gemv: dict | None = None):
         self.act = ACT_CLASSES[type(m.act_fn if hasattr(m, "act_fn") else m.activation_fn).__name__]
@@ -191,6 +192,18 @@ class Dense:
         else:
             self.gate_up = columns(linears, gemv)
         self.down = linear_call(m.down_proj, gemv)
+        self.act_down = act_down_call(m.down_proj, self.down, self.act, gemv)
+
+
+def act_down_call(down: nn.Module, call, act: str, gemv: dict | None = None):
+    """(gate, up, act_mul) -> call(act_mul(gate, up, act)), `call` being down's `linear_call`. Where `gemv`
+    picked the skinny kernel for down's shape and the activation is SiLU, at those row counts the kernel
+    computes SiLU(gate) * up as it reads them (skinny.bound_gated: one launch instead of two, the same
+    rows); everywhere else the two calls."""
+    picks = gemv.get(tuple(down.weight.shape)) if gemv and act == "silu" and multiplies_dense(down) else None
+    if picks:
+        return skinny.bound_gated(down.weight, down.bias, picks)
+    return lambda gate, up, act_mul: call(act_mul(gate, up, act))
 
 
 class Experts:

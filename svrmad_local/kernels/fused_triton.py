@@ -159,22 +159,29 @@ def _rope_store_kernel(Q, K, V, COS, SIN, KC, VC, SLOTS, QO, QW, KW,
 
 
 @triton.jit
-def _act_mul_kernel(G, U, Y, n_cols, s_gr, s_gc, s_ur, s_uc, s_yr, GELU: tl.constexpr, RNE: tl.constexpr,
-                    BLOCK: tl.constexpr):
-    """Program (row, column tile): y = act(gate) * up, act rounded to gate's dtype first (F.silu's and
-    F.gelu's output). GELU (tanh): 0.5 x (1 + tanh(z)) = x / (1 + exp(-2z))."""
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    g = tl.load(G + row * s_gr + cols * s_gc, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(U + row * s_ur + cols * s_uc, mask=mask, other=0.0).to(tl.float32)
+def act_times(g, u, G_DT: tl.constexpr, Y_DT: tl.constexpr, GELU: tl.constexpr, RNE: tl.constexpr):
+    """act(g) * u for g, u in fp32: act rounded to gate's dtype G_DT first (F.silu's and F.gelu's output),
+    the product to Y_DT. GELU (tanh): 0.5 x (1 + tanh(z)) = x / (1 + exp(-2z)). Also the skinny linear's
+    prologue (kernels/skinny.py), which so reads the same bits act_mul would have written."""
     if GELU:
         z = 0.7978845608028654 * (g + 0.044715 * (g * g * g))
         a = g / (1.0 + tl.exp(-2.0 * z))
     else:
         a = g / (1.0 + tl.exp(-g))
-    a = _round(a, G.dtype.element_ty, RNE).to(tl.float32)
-    tl.store(Y + row * s_yr + cols, _round(a * u, Y.dtype.element_ty, RNE), mask=mask)
+    a = _round(a, G_DT, RNE).to(tl.float32)
+    return _round(a * u, Y_DT, RNE)
+
+
+@triton.jit
+def _act_mul_kernel(G, U, Y, n_cols, s_gr, s_gc, s_ur, s_uc, s_yr, GELU: tl.constexpr, RNE: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    """Program (row, column tile): y = act(gate) * up (`act_times`)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    g = tl.load(G + row * s_gr + cols * s_gc, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + row * s_ur + cols * s_uc, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + row * s_yr + cols, act_times(g, u, G.dtype.element_ty, Y.dtype.element_ty, GELU, RNE), mask=mask)
 
 
 # ------------------------------------------------------------------------------ the host side

@@ -43,19 +43,30 @@ LATE_VALUES = 32
 
 if HAS_TRITON:
 
+    from .fused_triton import act_times
+
     @triton.jit
-    def _tiles(X, W, n, rows, k, nmask, rmask, k_hi, s_xm, s_xk, s_wn, s_wk, ROW: tl.constexpr):
+    def _tiles(X, U, W, n, rows, k, nmask, rmask, k_hi, s_xm, s_xk, s_um, s_uk, s_wn, s_wk, ROW: tl.constexpr,
+               GATED: tl.constexpr, RNE: tl.constexpr):
         """The weight's [BLOCK_N, BLOCK_K] tile at columns k (read once: evicted first, x stays cached) and x
         there: its rows [BLOCK_M, BLOCK_K], or (ROW) its one row broadcast to the tile's shape, which the
         compiler lays out as the tile itself: the products need no layout conversion through shared memory
-        (the repeated addresses hit L1)."""
+        (the repeated addresses hit L1). GATED: x is SiLU(X) * U, rounded as act_mul rounds it."""
         kmask = k < k_hi
         w = tl.load(W + n[:, None] * s_wn + k[None, :] * s_wk, mask=nmask[:, None] & kmask[None, :], other=0.0,
                     eviction_policy="evict_first")
         if ROW:
-            x = tl.load(X + n[:, None] * 0 + k[None, :] * s_xk, mask=nmask[:, None] & kmask[None, :], other=0.0)
+            at, mask = n[:, None] * 0 + k[None, :], nmask[:, None] & kmask[None, :]
+            x = tl.load(X + at * s_xk, mask=mask, other=0.0)
+            if GATED:
+                u = tl.load(U + at * s_uk, mask=mask, other=0.0)
         else:
-            x = tl.load(X + rows[:, None] * s_xm + k[None, :] * s_xk, mask=rmask[:, None] & kmask[None, :], other=0.0)
+            mask = rmask[:, None] & kmask[None, :]
+            x = tl.load(X + rows[:, None] * s_xm + k[None, :] * s_xk, mask=mask, other=0.0)
+            if GATED:
+                u = tl.load(U + rows[:, None] * s_um + k[None, :] * s_uk, mask=mask, other=0.0)
+        if GATED:
+            x = act_times(x.to(tl.float32), u.to(tl.float32), X.dtype.element_ty, X.dtype.element_ty, False, RNE)
         return w, x
 
     @triton.jit
@@ -80,13 +91,14 @@ if HAS_TRITON:
         return acc
 
     @triton.jit
-    def _skinny_kernel(X, W, B, O, M, N, K, K_SHARE, s_xm, s_xk, s_wn, s_wk, s_os, s_om, s_on,
+    def _skinny_kernel(X, U, W, B, O, M, N, K, K_SHARE, s_xm, s_xk, s_um, s_uk, s_wn, s_wk, s_os, s_om, s_on,
                        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, DOT: tl.constexpr, DOT_F32: tl.constexpr, LATE: tl.constexpr,
-                       ROW: tl.constexpr):
+                       ROW: tl.constexpr, GATED: tl.constexpr, RNE: tl.constexpr):
         """Program (j, s): columns j*BLOCK_N.. over K's s-th share, into O's s-th slice (the output
         itself where there is one share; the bias only in share 0). ROW: one row of x, products in the
-        weight tile's own shape (no BLOCK_M axis)."""
+        weight tile's own shape (no BLOCK_M axis). GATED: the rows are SiLU(X) * U (an MLP's down
+        projection reading its gate/up output: act_mul's launch folded in)."""
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         share = tl.program_id(1)
         rows = tl.arange(0, BLOCK_M)
@@ -106,7 +118,8 @@ if HAS_TRITON:
         k_lo = share * K_SHARE
         k_hi = tl.minimum(K, k_lo + K_SHARE)
         for k0 in range(k_lo, k_hi, BLOCK_K):
-            w, x = _tiles(X, W, n, rows, k0 + kk, nmask, rmask, k_hi, s_xm, s_xk, s_wn, s_wk, ROW)
+            w, x = _tiles(X, U, W, n, rows, k0 + kk, nmask, rmask, k_hi, s_xm, s_xk, s_um, s_uk, s_wn, s_wk, ROW,
+                          GATED, RNE)
             acc = _accumulate(acc, w, x, ROW, DOT, DOT_F32, LATE)
         if ROW:
             if LATE:
@@ -218,10 +231,15 @@ def check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> N
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  cfg: Config = DEFAULT) -> torch.Tensor:
-    """x [M, K] (M <= 8) @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype, fp32 accumulation.
-    Launches one kernel (two where K is split); nothing returns to the host, so a CUDA graph captures it."""
+                  cfg: Config = DEFAULT, up: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (M <= 8) @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype, fp32 accumulation. With `up`
+    (x's shape and dtype), the rows multiplied are SiLU(x) * up, rounded as act_mul rounds them (x the gate:
+    an MLP's down projection over its gate/up output). Launches one kernel (two where K is split); nothing
+    returns to the host, so a CUDA graph captures it."""
     check(x, weight, bias)
+    if up is not None and (up.shape != x.shape or up.dtype != x.dtype):
+        raise ValueError(f"skinny_linear: up must match the gate, got {list(up.shape)} {up.dtype} and "
+                         f"{list(x.shape)} {x.dtype}")
     m, k = x.shape
     n = weight.shape[0]
     # the interpreter truncates fp32 -> bf16/fp16 on store where a GPU rounds to nearest: round in torch there
@@ -236,11 +254,13 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     part_strides = (0, *parts.stride()) if split == 1 else parts.stride()
     block_m = DOT_ROWS if cfg.dot else next_pow2(m)
     b = bias if bias is not None else weight
+    u = up if up is not None else x
     _skinny_kernel[(cdiv(n, cfg.block_n), split)](
-        x, weight, b, parts, m, n, k, k_share, *x.stride(), *weight.stride(), *part_strides,
+        x, u, weight, b, parts, m, n, k, k_share, *x.stride(), *u.stride(), *weight.stride(), *part_strides,
         HAS_BIAS=bias is not None and split == 1, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         DOT=cfg.dot, DOT_F32=x.dtype == torch.float32 or interpreting(), LATE=sums_late(cfg, block_m),
-        ROW=block_m == 1 and not cfg.dot, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        ROW=block_m == 1 and not cfg.dot, GATED=up is not None, RNE=interpreting(), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     if split > 1:
         block = 1024
         _sum_shares_kernel[(m, cdiv(n, block))](parts, b, out, n, split, *parts.stride(), *out.stride(),
@@ -248,8 +268,12 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return out.to(x.dtype)
 
 
-def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The same product in fp32 (the kernel's accumulation), cast to x's dtype: what the tests compare with."""
+def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+              up: torch.Tensor | None = None) -> torch.Tensor:
+    """The same product in fp32 (the kernel's accumulation), cast to x's dtype: what the tests compare with.
+    With `up`: of F.silu(x) * up, as the model's MLP computes its down projection's input."""
+    if up is not None:
+        x = F.silu(x) * up
     out = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
     return out.to(x.dtype)
 
@@ -258,17 +282,41 @@ def bound(weight: torch.Tensor, bias: torch.Tensor | None, picks: dict[int, Conf
     """x [M, K] -> linear(x, weight, bias): the skinny kernel with `picks[next_pow2(M)]` where it holds one
     (M <= 8: a decode step's rows, padded by the graphs to 1, 2, 4, 8), else F.linear. A dict lookup at
     call time: nothing a CUDA graph cannot capture, and a graph is per row count, so it records one path."""
-    by_rows = [picks.get(next_pow2(m)) if m else None for m in range(MAX_ROWS + 1)]
+    pick = _by_rows(picks)
 
     def call(x: torch.Tensor) -> torch.Tensor:
-        m = x.shape[0] if x.dim() == 2 else MAX_ROWS + 1
-        cfg = by_rows[m] if m <= MAX_ROWS else None
-        if cfg is None:
-            return F.linear(x, weight, bias)
-        return skinny_linear(x, weight, bias, cfg)
+        cfg = pick(x)
+        return F.linear(x, weight, bias) if cfg is None else skinny_linear(x, weight, bias, cfg)
 
     call.picks = picks  # what this call runs at each row count (tests, the record)
     return call
+
+
+def bound_gated(weight: torch.Tensor, bias: torch.Tensor | None, picks: dict[int, Config]):
+    """(gate, up, act_mul) -> linear(SiLU(gate) * up, weight, bias): an MLP's down projection. Where `bound`
+    takes the skinny kernel, the activation is its prologue (one launch where act_mul and the linear were
+    two); elsewhere `act_mul(gate, up, "silu")`, then F.linear."""
+    pick = _by_rows(picks)
+
+    def call(gate: torch.Tensor, up: torch.Tensor, act_mul) -> torch.Tensor:
+        cfg = pick(gate)
+        if cfg is None:
+            return F.linear(act_mul(gate, up, "silu"), weight, bias)
+        return skinny_linear(gate, weight, bias, cfg, up=up)
+
+    call.picks = picks
+    return call
+
+
+def _by_rows(picks: dict[int, Config]):
+    """x -> the config picked for x's row count (by its padded count), or None: F.linear."""
+    by_rows = [picks.get(next_pow2(m)) if m else None for m in range(MAX_ROWS + 1)]
+
+    def pick(x: torch.Tensor) -> Config | None:
+        m = x.shape[0] if x.dim() == 2 else MAX_ROWS + 1
+        return by_rows[m] if m <= MAX_ROWS else None
+
+    return pick
 
 
 def time_call(fn, reps: int = 5, inner: int = 10) -> float:
