@@ -30,6 +30,7 @@ backend; see docs/engine.md, "CPU linears".
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -311,13 +312,12 @@ def fuse_dense(model: nn.Module, packed_q: int = 0) -> Selection:
         return _said(DENSE.name, "aten (F.linear): no nn.Linear to fuse", packed_q)
     device = linears[0][1].weight.device
     groups = sibling_groups(model, linears)
+    holders = Counter(id(t) for m in model.modules() for t in m.parameters(recurse=False))
     for g in groups:
         group = FusedGroup([m for _, m in g], DENSE)
         for i, (name, m) in enumerate(g):
             _put(model, name, FusedPart(group, i, m))
-        kept = {id(t) for t in model.parameters()}
-        for _, m in g:  # a weight shared with a module still in the model stays
-            if all(id(t) not in kept for t in m.parameters()):
+            if all(holders[id(t)] == 1 for t in m.parameters()):  # a weight another module holds stays
                 m.to("meta")
     if groups and device.type == "cuda":
         torch.cuda.empty_cache()
