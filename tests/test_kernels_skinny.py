@@ -25,8 +25,9 @@ from svrmad_local.kernels.skinny import Config, reference, skinny_linear  # noqa
 pytestmark = pytest.mark.skipif(not interpreter_ready(), reason="triton was imported before TRITON_INTERPRET=1")
 
 # split-K with tiles small enough that K = 301 splits into several shares (one of them short); the last
-# one's products summed per tile even for one row (one warp)
-SPLITS = (Config(16, 32, 3), Config(16, 64, 2, dot=True), Config(32, 16, 5), Config(64, 64, 2, 1, 1))
+# one's products summed per tile even for one row (one warp), and a pipelined tensor-core tile
+SPLITS = (Config(16, 32, 3), Config(16, 64, 2, dot=True), Config(32, 16, 5), Config(64, 64, 2, 1, 1),
+          Config(32, 32, 4, 4, 5, dot=True))
 N, K = 37, 301
 
 
@@ -97,7 +98,7 @@ def test_two_calls_give_the_same_bits(cfg):
 
 def test_both_ways_of_summing_are_covered_above():
     """Products summed once at the end (few rows) and per tile (more rows): the configs above take both, for
-    one row (its products in the weight tile's shape) as for several."""
+    one row as for several."""
     ways = {skinny.sums_late(c, m) for c in skinny.CONFIGS + SPLITS if not c.dot for m in (1, 2, 4, 8)}
     assert ways == {True, False}
     assert {skinny.sums_late(c, 1) for c in skinny.CONFIGS + SPLITS if not c.dot} == {True, False}
@@ -106,7 +107,7 @@ def test_both_ways_of_summing_are_covered_above():
 
 def test_split_configs_do_split_here():
     """The split cases above exercise the two-pass sum only if their shares come out above one."""
-    assert [skinny.shares(c, N, K, skinny.SMS_DEFAULT) for c in SPLITS] == [3, 2, 5, 2]
+    assert [skinny.shares(c, N, K, skinny.SMS_DEFAULT) for c in SPLITS] == [3, 2, 5, 2, 4]
 
 
 def test_auto_split_fills_the_gpu_only_for_narrow_outputs():

@@ -11,10 +11,7 @@ walks its share BLOCK_K at a time, loading the [BLOCK_N, BLOCK_K] weight tile on
 and the [BLOCK_M, BLOCK_K] rows of x, and accumulates in fp32 either by broadcast products summed along K
 (`dot=False`, no tensor cores, BLOCK_M the rows rounded up to a power of two; where the products fit
 LATE_VALUES registers a thread, kept element-wise and summed along K once at the end) or by one `tl.dot`
-on a row tile padded to 16 (`dot=True`). One row (a batch-1 step) reads x as the weight tile's shape, so
-the products are laid out as the tile was loaded: no pass through shared memory and no barrier a tile
-(compiled for sm_90, the [rows, columns, K] products converted the tile through shared memory, six
-barriers a tile). With one share it writes the output (bias added, cast to x's dtype); with
+on a row tile padded to 16 (`dot=True`). With one share it writes the output (bias added, cast to x's dtype); with
 several it writes fp32 partials, which a second small kernel sums in share order, adds the bias to and
 casts: the result never depends on which program ran first (no atomics), so a step's log-probs are the
 same bits on every run with the same configuration.
@@ -46,87 +43,53 @@ if HAS_TRITON:
     from .fused_triton import act_times
 
     @triton.jit
-    def _tiles(X, U, W, n, rows, k, nmask, rmask, k_hi, s_xm, s_xk, s_um, s_uk, s_wn, s_wk, ROW: tl.constexpr,
-               GATED: tl.constexpr, RNE: tl.constexpr):
-        """The weight's [BLOCK_N, BLOCK_K] tile at columns k (read once: evicted first, x stays cached) and x
-        there: its rows [BLOCK_M, BLOCK_K], or (ROW) its one row broadcast to the tile's shape, which the
-        compiler lays out as the tile itself: the products need no layout conversion through shared memory
-        (the repeated addresses hit L1). GATED: x is SiLU(X) * U, rounded as act_mul rounds it."""
+    def _tiles(X, U, W, n, rows, k, nmask, rmask, k_hi, s_xm, s_xk, s_um, s_uk, s_wn, s_wk, GATED: tl.constexpr,
+               RNE: tl.constexpr):
+        """The weight's [BLOCK_N, BLOCK_K] tile at columns k (read once: evicted first, x stays cached) and x's
+        rows there [BLOCK_M, BLOCK_K]; GATED: those rows are SiLU(X) * U, rounded as act_mul rounds them."""
         kmask = k < k_hi
         w = tl.load(W + n[:, None] * s_wn + k[None, :] * s_wk, mask=nmask[:, None] & kmask[None, :], other=0.0,
                     eviction_policy="evict_first")
-        if ROW:
-            at, mask = n[:, None] * 0 + k[None, :], nmask[:, None] & kmask[None, :]
-            x = tl.load(X + at * s_xk, mask=mask, other=0.0)
-            if GATED:
-                u = tl.load(U + at * s_uk, mask=mask, other=0.0)
-        else:
-            mask = rmask[:, None] & kmask[None, :]
-            x = tl.load(X + rows[:, None] * s_xm + k[None, :] * s_xk, mask=mask, other=0.0)
-            if GATED:
-                u = tl.load(U + rows[:, None] * s_um + k[None, :] * s_uk, mask=mask, other=0.0)
+        mask = rmask[:, None] & kmask[None, :]
+        x = tl.load(X + rows[:, None] * s_xm + k[None, :] * s_xk, mask=mask, other=0.0)
         if GATED:
+            u = tl.load(U + rows[:, None] * s_um + k[None, :] * s_uk, mask=mask, other=0.0)
             x = act_times(x.to(tl.float32), u.to(tl.float32), X.dtype.element_ty, X.dtype.element_ty, False, RNE)
         return w, x
-
-    @triton.jit
-    def _accumulate(acc, w, x, ROW: tl.constexpr, DOT: tl.constexpr, DOT_F32: tl.constexpr, LATE: tl.constexpr):
-        """acc plus one tile's products: by tl.dot (DOT), element-wise kept (LATE: summed along K once at the
-        end) or summed along K now; ROW: acc is [BLOCK_N, BLOCK_K] (LATE) or [BLOCK_N], else [BLOCK_M,
-        BLOCK_N, BLOCK_K] (LATE) or [BLOCK_M, BLOCK_N]."""
-        if DOT:
-            if DOT_F32:
-                acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(x, tl.trans(w), acc)
-        elif ROW:
-            if LATE:
-                acc += w.to(tl.float32) * x.to(tl.float32)
-            else:
-                acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)
-        elif LATE:
-            acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-        else:
-            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-        return acc
 
     @triton.jit
     def _skinny_kernel(X, U, W, B, O, M, N, K, K_SHARE, s_xm, s_xk, s_um, s_uk, s_wn, s_wk, s_os, s_om, s_on,
                        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, DOT: tl.constexpr, DOT_F32: tl.constexpr, LATE: tl.constexpr,
-                       ROW: tl.constexpr, GATED: tl.constexpr, RNE: tl.constexpr):
+                       GATED: tl.constexpr, RNE: tl.constexpr):
         """Program (j, s): columns j*BLOCK_N.. over K's s-th share, into O's s-th slice (the output
-        itself where there is one share; the bias only in share 0). ROW: one row of x, products in the
-        weight tile's own shape (no BLOCK_M axis). GATED: the rows are SiLU(X) * U (an MLP's down
-        projection reading its gate/up output: act_mul's launch folded in)."""
+        itself where there is one share; the bias only in share 0). LATE: the products accumulate
+        element-wise and are summed along K once at the end (no reduction across threads per tile).
+        GATED: the rows are SiLU(X) * U (an MLP's down projection reading its gate/up output: act_mul's
+        launch folded in)."""
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         share = tl.program_id(1)
         rows = tl.arange(0, BLOCK_M)
         nmask, rmask = n < N, rows < M
         kk = tl.arange(0, BLOCK_K)
-        if DOT:
-            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        elif ROW:
-            if LATE:
-                acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-            else:
-                acc = tl.zeros([BLOCK_N], tl.float32)
-        elif LATE:
-            acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
-        else:
-            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        if LATE:
+            acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
         k_lo = share * K_SHARE
         k_hi = tl.minimum(K, k_lo + K_SHARE)
         for k0 in range(k_lo, k_hi, BLOCK_K):
-            w, x = _tiles(X, U, W, n, rows, k0 + kk, nmask, rmask, k_hi, s_xm, s_xk, s_um, s_uk, s_wn, s_wk, ROW,
-                          GATED, RNE)
-            acc = _accumulate(acc, w, x, ROW, DOT, DOT_F32, LATE)
-        if ROW:
-            if LATE:
-                acc = tl.sum(acc, axis=1)
-            acc = acc[None, :]
-        elif LATE:
-            acc = tl.sum(acc, axis=2)
+            w, x = _tiles(X, U, W, n, rows, k0 + kk, nmask, rmask, k_hi, s_xm, s_xk, s_um, s_uk, s_wn, s_wk, GATED, RNE)
+            if DOT:
+                if DOT_F32:
+                    acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(x, tl.trans(w), acc)
+            elif LATE:
+                acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+            else:
+                acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        if LATE:
+            acc = tl.sum(acc3, axis=2)
         if HAS_BIAS:
             if share == 0:
                 acc += tl.load(B + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
@@ -170,12 +133,16 @@ class Config:
 # The candidates timed at build: narrow strips with long K tiles (each row of a tile a long contiguous read;
 # the broadcast product holds rows x block_n x block_k values, so these suit 1-2 rows), wider strips with
 # shorter tiles (4-8 rows), split-K for narrow outputs, and the tensor-core tile (rows padded to 16, the
-# product off the registers). A program waits for its tile before it loads the next (Triton pipelines
-# only the loads that feed tl.dot), so what a linear has in flight is its columns x block_k x shares: at
-# 256 that is 2 MB for a 4,096-column bf16 linear, about a latency's worth of an H100's bandwidth (its
-# step profile read the linears at ~2.0 TB/s, measurements.md). The last three ask for 4-8 times that
-# (8 output columns a program, one a warp: no thread holds x twice), ~40-80 registers a thread at one row
-# (compiled for sm_90, no spills at 8 rows). Timed by benchmarks/bench_skinny.py; the build picks per shape.
+# product off the registers). What paces a GEMV is the bytes it has in flight (by Little's law ~3 TB/s
+# at ~1 us of memory latency wants ~3 MB). Compiled for sm_90: a broadcast-product loop issues one
+# tile's loads and waits for them before the next tile's (Triton pipelines only the loads that feed
+# tl.dot, and ptxas reuses a tile's registers rather than issue more loads early), so it keeps one tile
+# a program in flight: at 16 x 256 that is 2 MB across a 4,096-column bf16 linear, about what the H100
+# profile's ~2.0 TB/s implies. The tl.dot configs stream their tiles through shared memory with cp.async,
+# num_stages - 1 tiles ahead: the last three keep 48-64 KB a program in flight (32 output columns a
+# program: a 4,096-column linear is ~one program an SM), in 72-144 KB of shared memory with the gated
+# prologue (under an A100's 163 KB). Not yet timed on a GPU: benchmarks/bench_skinny.py times each, and
+# the build picks per shape.
 CONFIGS = (
     Config(8, 512, 1, 4, 3),
     Config(16, 256, 1, 4, 3),
@@ -184,9 +151,9 @@ CONFIGS = (
     Config(16, 64, 0, 4, 4),
     Config(64, 128, 1, 4, 4, dot=True),
     Config(32, 256, 0, 4, 3, dot=True),
-    Config(8, 1024, 1, 8, 1),
-    Config(8, 2048, 1, 8, 1),
-    Config(8, 1024, 2, 8, 1),
+    Config(32, 256, 1, 4, 5, dot=True),
+    Config(32, 512, 1, 4, 3, dot=True),
+    Config(32, 256, 2, 4, 4, dot=True),
 )
 DEFAULT = CONFIGS[1]  # gemv="skinny" without timing (tests, A/B runs)
 SMS_DEFAULT = 132  # an H100's SMs, where the device cannot be asked (the interpreter)
@@ -259,8 +226,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         x, u, weight, b, parts, m, n, k, k_share, *x.stride(), *u.stride(), *weight.stride(), *part_strides,
         HAS_BIAS=bias is not None and split == 1, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         DOT=cfg.dot, DOT_F32=x.dtype == torch.float32 or interpreting(), LATE=sums_late(cfg, block_m),
-        ROW=block_m == 1 and not cfg.dot, GATED=up is not None, RNE=interpreting(), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        GATED=up is not None, RNE=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split > 1:
         block = 1024
         _sum_shares_kernel[(m, cdiv(n, block))](parts, b, out, n, split, *parts.stride(), *out.stride(),
