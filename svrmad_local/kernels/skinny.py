@@ -140,9 +140,9 @@ class Config:
 # a program in flight: at 16 x 256 that is 2 MB across a 4,096-column bf16 linear, about what the H100
 # profile's ~2.0 TB/s implies. The tl.dot configs stream their tiles through shared memory with cp.async,
 # num_stages - 1 tiles ahead: the last three keep 48-64 KB a program in flight (32 output columns a
-# program: a 4,096-column linear is ~one program an SM), in 72-144 KB of shared memory with the gated
-# prologue (under an A100's 163 KB). Not yet timed on a GPU: benchmarks/bench_skinny.py times each, and
-# the build picks per shape.
+# program: a 4,096-column linear is ~one program an SM), in 72-96 KB of shared memory (96-128 KB with the
+# gated prologue: under an A100's 163 KB). Not yet timed on a GPU: benchmarks/bench_skinny.py times each,
+# and the build picks per shape.
 CONFIGS = (
     Config(8, 512, 1, 4, 3),
     Config(16, 256, 1, 4, 3),
