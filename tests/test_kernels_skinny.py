@@ -133,13 +133,15 @@ def test_bound_takes_the_kernel_only_at_the_rows_it_was_picked_for(monkeypatch):
 
 
 def test_bound_gated_folds_the_activation_in_only_where_the_kernel_runs(monkeypatch):
-    """An MLP's down projection: at the picked rows one kernel call with `up`; elsewhere act_mul (the
-    decoder's op, handed in), then F.linear on its output."""
+    """An MLP's down projection: at the picked rows one kernel call with `up` (after one trial launch at
+    build); elsewhere act_mul (the decoder's op, handed in), then F.linear on its output."""
     seen, acts = [], []
+    monkeypatch.setattr(skinny, "_GATED_RUNS", {})
     monkeypatch.setattr(skinny, "skinny_linear",
                         lambda x, w, b, cfg, up=None: (seen.append((x.shape[0], cfg, up is not None)), w)[1])
     x8, w, b = operands(8, torch.float32, bias=True)
     call = skinny.bound_gated(w, b, {2: SPLITS[0]})
+    assert seen == [(2, SPLITS[0], True)]  # the trial
 
     def act_mul(gate, up, act):
         acts.append((gate.shape[0], act))
@@ -150,7 +152,31 @@ def test_bound_gated_folds_the_activation_in_only_where_the_kernel_runs(monkeypa
         out = call(x, x, act_mul)
         if m != 2:
             torch.testing.assert_close(out, torch.nn.functional.linear(x * x, w, b))
-    assert seen == [(2, SPLITS[0], True)] and acts == [(1, "silu"), (9, "silu")]
+    assert seen[1:] == [(2, SPLITS[0], True)] and acts == [(1, "silu"), (9, "silu")]
+
+
+def test_a_config_whose_gated_variant_cannot_launch_keeps_act_mul_then_the_kernel(monkeypatch):
+    """A pipelined config can fit a GPU's shared memory without the gate's and up's tiles and not with them:
+    its trial fails once (said at info level), and its rows take act_mul, then the same config plain."""
+    seen, tried = [], []
+    monkeypatch.setattr(skinny, "_GATED_RUNS", {})
+
+    def launch(x, w, b, cfg, up=None):
+        if up is not None and cfg is SPLITS[1]:
+            tried.append(x.shape[0])
+            raise RuntimeError("out of resource: shared memory, Required: 131072, Hardware limit: 101376")
+        seen.append((x.shape[0], cfg, up is not None))
+        return w
+
+    monkeypatch.setattr(skinny, "skinny_linear", launch)
+    x8, w, b = operands(8, torch.float32, bias=True)
+    call = skinny.bound_gated(w, b, {1: SPLITS[0], 4: SPLITS[1]})
+    assert call.picks == {1: SPLITS[0]}
+    seen.clear()
+    call(x8[:1], x8[:1], lambda g, u, act: g * u)
+    call(x8[:3], x8[:3], lambda g, u, act: g * u)
+    assert seen == [(1, SPLITS[0], True), (3, SPLITS[1], False)]
+    assert skinny.bound_gated(w, b, {4: SPLITS[1]}).picks == {} and tried == [4]  # tried once a shape
 
 
 def test_bad_operands_are_refused_in_one_line():

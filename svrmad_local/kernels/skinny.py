@@ -23,12 +23,15 @@ may be inside a CUDA graph's capture.
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from ._backend import HAS_TRITON, cdiv, interpreting, next_pow2, tl, triton
+
+log = logging.getLogger("svrmad_local")
 
 MAX_ROWS = 8  # rows above this are prefill or a wide batch: F.linear (a GEMM) always
 ROWS = (1, 2, 4, 8)  # the decode graphs' padded row counts (engine/graphs.batch_sizes), timed at build
@@ -261,17 +264,41 @@ def bound(weight: torch.Tensor, bias: torch.Tensor | None, picks: dict[int, Conf
 def bound_gated(weight: torch.Tensor, bias: torch.Tensor | None, picks: dict[int, Config]):
     """(gate, up, act_mul) -> linear(SiLU(gate) * up, weight, bias): an MLP's down projection. Where `bound`
     takes the skinny kernel, the activation is its prologue (one launch where act_mul and the linear were
-    two); elsewhere `act_mul(gate, up, "silu")`, then F.linear."""
-    pick = _by_rows(picks)
+    two); elsewhere `act_mul(gate, up, "silu")`, then `bound`'s call. A picked config whose gated variant
+    does not launch here keeps the two calls at its rows (`runs_gated`)."""
+    plain = bound(weight, bias, picks)
+    gated = {r: cfg for r, cfg in picks.items() if runs_gated(weight, bias, r, cfg)}
+    pick = _by_rows(gated)
 
     def call(gate: torch.Tensor, up: torch.Tensor, act_mul) -> torch.Tensor:
         cfg = pick(gate)
         if cfg is None:
-            return F.linear(act_mul(gate, up, "silu"), weight, bias)
+            return plain(act_mul(gate, up, "silu"))
         return skinny_linear(gate, weight, bias, cfg, up=up)
 
-    call.picks = picks
+    call.picks = gated
     return call
+
+
+_GATED_RUNS: dict[tuple, bool] = {}
+
+
+def runs_gated(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, cfg: Config) -> bool:
+    """Whether the gated variant of `cfg` launches on weight's device at `rows` rows, tried once a shape (at
+    build, before any graph). Why try: it holds the gate's and up's tiles besides the weight's, so a
+    pipelined config can ask for more shared memory a program than a GPU grants (99 KB on sm_86 and
+    sm_89) where the plain variant, the one the build timed, fit."""
+    key = (tuple(weight.shape), weight.dtype, str(weight.device), bias is not None, rows, cfg)
+    if key not in _GATED_RUNS:
+        x = weight.new_zeros(rows, weight.shape[1])
+        try:
+            skinny_linear(x, weight, bias, cfg, up=x)
+            _GATED_RUNS[key] = True
+        except Exception as err:  # noqa: BLE001 - the two calls serve these rows
+            log.info("skinny: %s with SiLU(gate) * up inside does not launch here (%s); act_mul then the kernel "
+                     "at %d rows", cfg, str(err).splitlines()[0] if str(err) else type(err).__name__, rows)
+            _GATED_RUNS[key] = False
+    return _GATED_RUNS[key]
 
 
 def _by_rows(picks: dict[int, Config]):
