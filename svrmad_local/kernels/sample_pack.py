@@ -68,7 +68,7 @@ def sample_pack(logits: torch.Tensor, table: torch.Tensor, K: int, topk: int) ->
 
 
 if HAS_TRITON:
-    from .token_stats import _pack_key, _update_topk
+    from .token_stats import _pack_key, _unpack_key, _update_topk
 
     MIN_KEY = tl.constexpr(-(2**63))  # below every packed key: unused slots and the lanes past a split's end
 
@@ -127,9 +127,8 @@ if HAS_TRITON:
         keys = tl.sort(keys, descending=True)
         rank2 = tl.reshape(tl.arange(0, BS * KP), [BS, KP]) // KP
         best = tl.sum(tl.where(rank2 == 0, tl.reshape(keys, [BS, KP]), 0), axis=0)  # [KP], row 0 of the sorted
-        hi = (best >> 32).to(tl.int32)
-        vals = (hi ^ ((hi >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-        ids = 0xFFFFFFFF - (best & 0xFFFFFFFF)
+        vals, low = _unpack_key(best)
+        ids = 0xFFFFFFFF - low
         r = tl.arange(0, KP)
         # the draw (engine/sampler.py `draw`): the K best of logits / temperature, ranks past the row's k masked
         at = TAB + row * s_tc  # the table's column of this row (a view of the static step's wider buffer: strided)

@@ -137,6 +137,12 @@ if HAS_TRITON:
         return (mono.to(tl.int64) << 32) | idx.to(tl.int64)
 
     @triton.jit
+    def _unpack_key(key):
+        """Inverse of `_pack_key` in a kernel (as `_unpack_keys` on the host): (fp32 logit, the low word)."""
+        hi = (key >> 32).to(tl.int32)
+        return (hi ^ ((hi >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True), key & 0xFFFFFFFF
+
+    @triton.jit
     def _update_topk(top, keys, K: tl.constexpr, KP: tl.constexpr):
         """Insert a tile of keys [BT, BV] into the running top-K set ``top`` [BT, KP] (unsorted;
         slots >= K unused). Only keys above a row's current K-th best can enter, so the loop runs
