@@ -8,7 +8,8 @@
   decoder's fused ops, paged decode in one split and into the caller's output, the sampling kernels)
   against their torch references on CUDA tensors in fp32, fp16 and bf16;
 * our decoder (engine/decoder.py) over the Triton fused ops, against the modules and a cache-free loop;
-* the few-row linear (kernels/skinny.py) against its reference and from a graph, and the engine over it.
+* the few-row linear (kernels/skinny.py) against its reference and from a graph, and the engine over it;
+* programmatic dependent launch on an sm_90 GPU: able, and the same bits as without it.
 
 Run on a GPU machine, from a process where triton was not imported in interpreter mode:
     TRITON_INTERPRET=0 python -m pytest -q tests/test_gpu.py
@@ -506,3 +507,30 @@ def test_the_engine_over_the_skinny_linears_is_token_exact_on_the_gpu(gemv, tmp_
     plain = Engine(model, None, EngineConfig(gemv="torch", **kw)).generate_sync(prompts, GREEDY)
     for a, b in zip(outs, plain):
         assert a.completions[0].logprobs == pytest.approx(b.completions[0].logprobs, abs=1e-4), line
+
+
+def test_pdl_runs_on_an_sm90_gpu_and_changes_no_bit(tmp_path):
+    """On an H100/H200 the probe finds programmatic dependent launch able (kernels/pdl.py) and the record says
+    it is on; an engine with it (bf16, graphs on, the skinny linears) gives the same tokens and the same
+    log-prob bits as one with every kernel launched plainly (pdl='off')."""
+    from svrmad_local.kernels import pdl
+
+    _compiled_triton()
+    major, minor = torch.cuda.get_device_capability()
+    if major < 9:
+        pytest.skip(f"compute capability {major}.{minor}: PDL needs 9.0 or later")
+    assert pdl.why_not(CUDA) is None
+    model = make_zoo_model("qwen3").to(CUDA).to(torch.bfloat16)
+    kw = dict(kv_cache_memory=64 * 2**20, block_size=4, cache_dir=str(tmp_path), gemv="skinny")
+    prompts = [rand_prompt(2 * WINDOW + 5, 2), rand_prompt(7, 3)]
+    runs = {}
+    try:
+        for mode in ("auto", "off"):
+            eng = Engine(model, None, EngineConfig(pdl=mode, **kw))
+            assert eng.execution.pdl.value == ("on" if mode == "auto" else "off"), eng.execution.line()
+            outs = eng.generate_sync(prompts, GREEDY)
+            runs[mode] = [(o.completions[0].token_ids, o.completions[0].logprobs) for o in outs]
+            eng.close()
+    finally:
+        pdl.use(True)
+    assert runs["auto"] == runs["off"]

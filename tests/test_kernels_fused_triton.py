@@ -308,7 +308,7 @@ def test_the_decoder_on_the_triton_ops_gives_the_references_greedy_tokens(name, 
 # does: ints equal to 1 become constants, 16-aligned pointers and multiples of 16 get divisibility hints)
 # and compiled for an H100 (sm_90) down to a cubin by Triton's bundled ptxas. No GPU needed.
 COMPILE_FOR_SM90 = r'''
-import os, sys
+import inspect, os, sys
 import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -326,6 +326,9 @@ class Compile:
         def launch(*args, **kw):
             names = self.fn.arg_names
             values = dict(zip(names, args), **{k: kw.pop(k) for k in list(kw) if k in names})
+            for name, p in inspect.signature(self.fn.fn).parameters.items():  # a flag left at its default (PDL)
+                if name not in values and p.default is not p.empty:
+                    values[name] = p.default
             sig, consts, attrs = {}, {}, {}
             for i, (name, p) in enumerate(zip(names, self.fn.params)):
                 v = values[name]

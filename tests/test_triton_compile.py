@@ -93,3 +93,4 @@ def test_every_triton_kernel_compiles_for_the_gpus_architecture(tmp_path):
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["failed"] == [], result["failed"]
     assert set(result["compiled"]) == recorded
+    assert set(result["pdl"]) == recorded  # every kernel waits before it touches memory when launched with PDL

@@ -10,8 +10,9 @@ refuses, a shape it cannot lay out), which a machine with a GPU would find only 
 `record` runs the given pytest node ids with the interpreter's launcher watched, and writes each distinct
 launch: the kernel (module and name), its signature as the compiler takes it (pointer dtypes, 32- or
 64-bit ints, floats) and its constexpr values. `compile` builds each for a CUDA target of that
-architecture (Triton's own ptxas, no driver, no GPU) and prints one JSON line: the kernels compiled and
-the failures with their first error line. The interpreter's tile sizes are smaller than a GPU's, so
+architecture (Triton's own ptxas, no driver, no GPU), each kernel once more as a programmatic dependent
+launch (sm_90+: its wait must come before any global memory access, `pdl_order`), and prints one JSON
+line: the kernels compiled and the failures with their first error line. The interpreter's tile sizes are smaller than a GPU's, so
 this checks the code, not the GPU's tilings. tests/test_triton_compile.py runs both.
 """
 
@@ -21,6 +22,7 @@ import importlib
 import inspect
 import json
 import os
+import re
 import sys
 
 DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float64": "fp64", "int64": "i64",
@@ -89,14 +91,43 @@ def distinct(launches: list[dict]) -> list[dict]:
     return list(seen.values())
 
 
+# PTX that touches global memory: none may come before a PDL launch's wait (a read could see the kernel
+# before's output unfinished, a write could change what it still reads); the bulk L2 prefetch may
+MEMORY = re.compile(r"^\s*(?:@%p\d+\s+)?(?:ld\.global|st\.global|atom\.global|red\.global|cp\.async(?!\.bulk\.prefetch))",
+                    re.M)
+
+
+def pdl_order(ptx: str) -> str | None:
+    """Why a kernel compiled with PDL is unsafe or does not overlap (None: neither): it must wait
+    (griddepcontrol.wait) before its first global memory access and let the next kernel launch."""
+    wait = ptx.find("griddepcontrol.wait")
+    if wait < 0:
+        return "no griddepcontrol.wait"
+    if "griddepcontrol.launch_dependents" not in ptx:
+        return "no griddepcontrol.launch_dependents"
+    first = MEMORY.search(ptx)
+    if first is not None and first.start() < wait:
+        return f"global memory before the wait: {ptx[first.start():].splitlines()[0].strip()}"
+    return None
+
+
+def _compile(fn, entry: dict, consts: dict, target, options: dict):
+    from triton.compiler import ASTSource
+    import triton
+
+    return triton.compile(ASTSource(fn=fn, signature=entry["signature"], constexprs=consts), target=target,
+                          options=options)
+
+
 def compile_all(path: str, arch: int) -> int:
-    """Compiles each launch of `path` for a CUDA target of `arch` (e.g. 90 for H100/H200); prints one JSON line."""
+    """Compiles each launch of `path` for a CUDA target of `arch` (e.g. 90 for H100/H200), and each kernel's
+    first launch once more as a PDL launch (kernels/pdl.py: PDL on, the skinny prefetch on), whose PTX
+    `pdl_order` checks; prints one JSON line."""
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     target = GPUTarget("cuda", arch, 32)
-    done, failed = set(), []
+    done, failed, pdl = set(), [], set()
     for entry in distinct(json.load(open(path))):
         fn = getattr(importlib.import_module(entry["module"]), entry["name"])
         unknown = [n for n, t in entry["signature"].items() if t is None]
@@ -105,15 +136,22 @@ def compile_all(path: str, arch: int) -> int:
             continue
         consts = {k: triton.language.dtype(v["tl"]) if isinstance(v, dict) else v
                   for k, v in entry["constexprs"].items()}
-        src = ASTSource(fn=fn, signature=entry["signature"], constexprs=consts)
         try:
-            triton.compile(src, target=target, options=entry["options"])
+            _compile(fn, entry, consts, target, entry["options"])
             done.add(entry["name"])
+            if arch >= 90 and "PDL" in consts and entry["name"] not in pdl:
+                extra = {"PREFETCH": 1024} if "PREFETCH" in consts else {}
+                ptx = _compile(fn, entry, {**consts, "PDL": True, **extra}, target,
+                               {**entry["options"], "launch_pdl": True}).asm["ptx"]
+                why = pdl_order(ptx)
+                if why is not None:
+                    failed.append({"kernel": entry["name"], "constexprs": entry["constexprs"], "error": f"PDL: {why}"})
+                pdl.add(entry["name"])
         except Exception as err:  # the compiler's own errors: report each, go on with the others
             lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
             failed.append({"kernel": entry["name"], "constexprs": entry["constexprs"],
                            "error": " ... ".join(dict.fromkeys((lines[0], lines[-1])))[:300]})
-    print(json.dumps({"arch": arch, "compiled": sorted(done), "failed": failed}))
+    print(json.dumps({"arch": arch, "compiled": sorted(done), "pdl": sorted(pdl), "failed": failed}))
     return 1 if failed else 0
 
 

@@ -94,6 +94,7 @@ def build(model, cfg: EngineConfig) -> Built:
     spec = inspect_model(model, attached)  # raises UnsupportedModel, naming the feature (before any timing)
     head = model.get_output_embeddings().weight
     device = model.base_model.get_input_embeddings().weight.device
+    launches = choices.pdl_choice(cfg.pdl, device)  # how the kernels launch, before any is timed or captured
     made = choices.forward_choices(model, spec, cfg, device, head.dtype)  # the linears repacked before any timing
     paths = made.paths
     layers = model.base_model.layers if hasattr(model.base_model, "layers") else None
@@ -168,7 +169,7 @@ def build(model, cfg: EngineConfig) -> Built:
     blocks = BlockManager(num_blocks - (plan is not None), cfg.block_size)
     execution = choices.record(model, spec, cfg, device, head, group, watch, {
         "linear": made.linear, "gemv": made.gemv, "decoder": made.decoder_choice, **made.attention, "graphs": graphs_made,
-        "overlap": choices.overlap_choice(cfg.overlap, plan)}, paths)
+        "overlap": choices.overlap_choice(cfg.overlap, plan), "pdl": launches}, paths)
     log.info("svrmad: %s", execution.line())
     budget = KVBudget(pool.bytes, pool.rule, block_bytes, {str(d): n for d, n in held.items()},
                       pool.per_device(num_blocks), graph_reserve)

@@ -28,7 +28,7 @@ import torch
 
 from svrmad_local import kernels
 from svrmad_local.kernels._backend import FORCE_ENV, choose
-from svrmad_local.kernels import cpu_decode, skinny
+from svrmad_local.kernels import cpu_decode, pdl, skinny
 from svrmad_local.models import calibrate
 from svrmad_local.models.linear import select_linear, weight_bytes
 from svrmad_local.models.loader import describe_dtype
@@ -339,6 +339,24 @@ def overlap_choice(mode: str, plan: graphs.Plan | None) -> Choice:
     if why is not None:
         return Choice("overlap", "off", why)
     return Choice("overlap", "on", "the host schedules and launches each decode step while the device runs the one before")
+
+
+def pdl_choice(mode: str, device: torch.device) -> Choice:
+    """Whether the Triton kernels launch with programmatic dependent launch (EngineConfig.pdl, kernels/pdl.py),
+    set for the process before anything is timed or captured. Off a GPU it does not apply ("none": left out of
+    the start line); "on" where it cannot run is an error; a probe that fails on a GPU meant to run it is a
+    fallback, said."""
+    why = pdl.why_not(device) if mode != "off" else None
+    pdl.use(mode != "off" and why is None)
+    if mode == "on" and why is not None:
+        raise ValueError(f"pdl='on' cannot run here: {why}")
+    if device.type != "cuda":
+        return Choice("pdl", "none", why or f"tensors on {device.type}")
+    if mode == "off":
+        return Choice("pdl", "off", "as asked")
+    if why is not None:
+        return Choice("pdl", "off", why, fell_back=why.startswith(pdl.PROBE_FAILED))
+    return Choice("pdl", "on", "each Triton kernel may start while the one before it runs, and waits before it reads")
 
 
 def record(model, spec: ModelSpec, cfg: EngineConfig, device: torch.device, head, group, watch: StepWatch | None,

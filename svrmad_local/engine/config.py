@@ -114,6 +114,12 @@ class EngineConfig:
     wherever the static path runs (cuda_graphs="static" too: the same tokens, checkable on the CPU),
     "off" reads each step's tokens before the next.
 
+    pdl: "auto" | "on" | "off" (kernels/pdl.py): programmatic dependent launch on an sm_90+ GPU: each
+    Triton kernel may start while the one before it runs, and waits only before it reads, so the GPU does
+    not idle at the few hundred kernel boundaries of a decode step. "auto" takes it where the GPU and its
+    driver run it (a probe at build), "on" makes a reason an error, "off" launches every kernel after the
+    one before ends (the same tokens either way).
+
     gemv: "auto" | "skinny" | "torch", how decode's linears of up to 8 rows run (kernels/skinny.py):
     "auto" times, at build on a GPU, F.linear against the skinny Triton kernel for each linear's shape at
     1, 2, 4 and 8 rows and takes the kernel where it is 5% faster (F.linear off a GPU, and for a model of
@@ -136,6 +142,7 @@ class EngineConfig:
     mla: str = "absorbed"
     cuda_graphs: str = "auto"
     overlap: str = "auto"
+    pdl: str = "auto"
     gemv: str = "auto"
     adapt_threads: bool = field(default_factory=lambda: os.environ.get("SVRMAD_ADAPT_THREADS", "1") != "0")
     score_chunk: int = 1024
@@ -149,6 +156,8 @@ class EngineConfig:
         checks["seed"] = _integer(self.seed)
         if self.overlap not in OVERLAP:
             checks["overlap"] = f"must be one of {', '.join(OVERLAP)}, got {self.overlap!r}"
+        if self.pdl not in PDL:
+            checks["pdl"] = f"must be one of {', '.join(PDL)}, got {self.pdl!r}"
         if self.gemv not in GEMV:
             checks["gemv"] = f"must be one of {', '.join(GEMV)}, got {self.gemv!r}"
         try:  # the same parser the build sizes the pool with, against a nominal amount available
@@ -161,6 +170,7 @@ class EngineConfig:
 
 
 OVERLAP = ("auto", "on", "off")  # EngineConfig.overlap
+PDL = ("auto", "on", "off")  # EngineConfig.pdl
 GEMV = ("auto", "skinny", "torch")  # EngineConfig.gemv
 
 

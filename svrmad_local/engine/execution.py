@@ -78,6 +78,7 @@ class Execution:
     mla: Choice
     graphs: Choice
     overlap: Choice
+    pdl: Choice
     tp: Choice
     stats: Choice
     threads: Choice

@@ -78,6 +78,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--overlap", choices=["auto", "on", "off"], default=ec.overlap,
                    help="schedule and launch each decode step before reading the previous one's tokens, which "
                         "it takes on the device: auto where decode steps replay CUDA graphs (docs/engine.md)")
+    g.add_argument("--pdl", choices=["auto", "on", "off"], default=ec.pdl,
+                   help="programmatic dependent launch: each kernel may start while the one before it runs "
+                        "(sm_90 and later GPUs): auto where a probe at start-up finds it runs (docs/kernels.md)")
     g.add_argument("--gemv", choices=["auto", "skinny", "torch"], default=ec.gemv,
                    help="decode's linears of up to 8 rows: auto takes our skinny Triton kernel per shape where it "
                         "timed faster than F.linear on the GPU; torch keeps cuBLAS (docs/kernels.md)")
@@ -131,7 +134,8 @@ def from_args(args: argparse.Namespace) -> RunConfig:
         engine = EngineConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                               max_num_seqs=args.max_num_seqs, seed=args.seed, cascade=args.cascade,
                               linear=args.linear, decoder=args.decoder, cuda_graphs=args.cuda_graphs,
-                              overlap=args.overlap, gemv=args.gemv, cache_dir=args.cache_dir)
+                              overlap=args.overlap, pdl=args.pdl, gemv=args.gemv,
+                              cache_dir=args.cache_dir)
     except SettingsError as exc:
         raise ValueError(exc.line(FLAGS)) from None
     params = method_options(args)

@@ -31,6 +31,7 @@ import torch
 
 from ._backend import HAS_TRITON, cdiv, interpreting, next_pow2, tl, triton
 from .norms import ACTS, PLAIN, NormStyle
+from .pdl import enter, launch
 
 if not HAS_TRITON:  # kernels/fused.py's choice catches this and runs the reference
     raise ImportError("triton is not importable")
@@ -68,8 +69,9 @@ def _scale(h, w, offset, X_DT: tl.constexpr, ROUND_FIRST: tl.constexpr, HAS_OFFS
 @triton.jit
 def _rms_norm_kernel(X, R, W, Y, S, n_cols, eps, offset, s_xr, s_xc, s_rr, s_rc, s_w, s_yr, s_sr,
                      HAS_RES: tl.constexpr, X_DT: tl.constexpr, ROUND_FIRST: tl.constexpr,
-                     HAS_OFFSET: tl.constexpr, RNE: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_OFFSET: tl.constexpr, RNE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """Program `row`: y = norm(x) (HAS_RES: s = residual + x written first, and y = norm(s))."""
+    enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -124,10 +126,11 @@ def _rope_store_kernel(Q, K, V, COS, SIN, KC, VC, SLOTS, QO, QW, KW,
                        BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_NORM: tl.constexpr,
                        Q_ROUND_FIRST: tl.constexpr, Q_OFFSET: tl.constexpr, K_ROUND_FIRST: tl.constexpr,
                        K_OFFSET: tl.constexpr, Q_NORM_DT: tl.constexpr, Q_ROT_DT: tl.constexpr,
-                       K_NORM_DT: tl.constexpr, K_ROT_DT: tl.constexpr, RNE: tl.constexpr):
+                       K_NORM_DT: tl.constexpr, K_ROT_DT: tl.constexpr, RNE: tl.constexpr, PDL: tl.constexpr = False):
     """Program (t, j): the first cdiv(n_q, BLOCK_H) values of j take blocks of q heads (normed, rotated,
     written to QO); the rest take blocks of KV heads (k normed and rotated, k and v written to the cache
     row SLOTS[t])."""
+    enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     n_qb = tl.cdiv(n_q, BLOCK_H)
@@ -174,8 +177,9 @@ def act_times(g, u, G_DT: tl.constexpr, Y_DT: tl.constexpr, GELU: tl.constexpr, 
 
 @triton.jit
 def _act_mul_kernel(G, U, Y, n_cols, s_gr, s_gc, s_ur, s_uc, s_yr, GELU: tl.constexpr, RNE: tl.constexpr,
-                    BLOCK: tl.constexpr):
+                    BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """Program (row, column tile): y = act(gate) * up (`act_times`)."""
+    enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -242,7 +246,7 @@ def _norm(x, residual, weight, eps, style: NormStyle, name: str):
         x2, r2, weight, y2, s2, n_cols, float(eps), float(style.offset), *x2.stride(), *r2.stride(),
         weight.stride(0), y2.stride(0), s2.stride(0), HAS_RES=residual is not None,
         X_DT=_TL[s.dtype if s is not None else x.dtype], RNE=interpreting(), BLOCK=block, **_style(style),
-        **_launch_opts(block))
+        **_launch_opts(block), **launch(x2))
     return y, s
 
 
@@ -321,7 +325,7 @@ def rope_store(q, k, v, cos, sin, k_cache, v_cache, slots, q_norm=None, k_norm=N
         D=D, DV=DV, ROT=cos.shape[-1], BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_DV=block_dv, HAS_NORM=has_norm,
         Q_ROUND_FIRST=qs["ROUND_FIRST"], Q_OFFSET=qs["HAS_OFFSET"], K_ROUND_FIRST=ks["ROUND_FIRST"],
         K_OFFSET=ks["HAS_OFFSET"], Q_NORM_DT=_TL[q_norm_dt], Q_ROT_DT=_TL[q_rot_dt], K_NORM_DT=_TL[k_norm_dt],
-        K_ROT_DT=_TL[k_rot_dt], RNE=interpreting(), **_launch_opts(block_h * max(block_d, block_dv)))
+        K_ROT_DT=_TL[k_rot_dt], RNE=interpreting(), **_launch_opts(block_h * max(block_d, block_dv)), **launch(q))
     return out
 
 
@@ -342,5 +346,5 @@ def act_mul(gate: torch.Tensor, up: torch.Tensor, act: str = "silu") -> torch.Te
     block = min(next_pow2(n_cols), 1024)
     _act_mul_kernel[(n_rows, cdiv(n_cols, block))](
         g2, u2, y2, n_cols, *g2.stride(), *u2.stride(), y2.stride(0), GELU=act == "gelu_tanh",
-        RNE=interpreting(), BLOCK=block, **_launch_opts(block))
+        RNE=interpreting(), BLOCK=block, **_launch_opts(block), **launch(g2))
     return y

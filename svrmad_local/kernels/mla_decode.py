@@ -28,6 +28,7 @@ import torch
 
 from ._attn_tiles import softmax_update
 from ._backend import HAS_TRITON, cdiv, fall_back, interpreting, next_pow2, resolve_impl, tl, triton
+from .pdl import launch
 
 LOG2E = 1.4426950408889634
 
@@ -77,6 +78,7 @@ def _check(q_lat, q_rot, c_cache, kr_cache, block_table, lens) -> None:
 # ----------------------------------------------------------------------------------------------
 
 if HAS_TRITON:
+    from .pdl import enter
 
     @triton.jit
     def _mla_decode_kernel(
@@ -85,10 +87,12 @@ if HAS_TRITON:
         s_qln, s_qlh, s_qrn, s_qrh, s_c, s_kr, s_bt,
         BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
         """One program: a tile of heads of one row x one chunk of its context; online softmax in the
         exp2 domain, writing the chunk's normalised output and its lse (natural log; -inf for an
         empty chunk). Every tile of latent rows is loaded once for the BLOCK_H heads."""
+        enter(PDL)
         hb = tl.program_id(0)
         n = tl.program_id(1)
         split = tl.program_id(2)
@@ -176,6 +180,7 @@ def _mla_triton(q_lat, q_rot, c_cache, kr_cache, block_table, lens, block_size, 
         BLOCK_SIZE=block_size, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_C=max(16, next_pow2(cd)),
         BLOCK_R=max(16, next_pow2(rd)), DOT_F32=dot_f32,
         num_warps=4 if interpreting() or cd * block_h < 256 * 16 else 8,  # a [BLOCK_H, C] fp32 accumulator
+        **launch(ql),
     )
     if n_split == 1:
         return o_part[0]

@@ -30,6 +30,7 @@ import torch
 from ._attn_tiles import paged_scores, softmax_update
 from ._backend import (HAS_TRITON, NUM_STAGES, cdiv, fall_back, fit_attn_tiles, interpreting, next_pow2, resolve_impl,
                        smem_limit, tl, triton)
+from .pdl import launch
 from .prefix_attention import apply_sinks
 
 
@@ -133,6 +134,7 @@ def check_paged_call(name: str, q_rows: str, table_rows: tuple[str, int], q, k_c
 # ----------------------------------------------------------------------------------------------
 
 if HAS_TRITON:
+    from .pdl import enter
 
     @triton.jit
     def _decode_split_kernel(
@@ -141,11 +143,13 @@ if HAS_TRITON:
         BLOCK_SIZE: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
         WINDOW: tl.constexpr, DOT_F32: tl.constexpr, FINAL: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
         """Program (b, kv head, split): the G query heads of that KV head against context tokens
         [lo, hi) of sequence b; writes the normalised partial output and its natural-log lse (-inf
         when the split is empty), or, FINAL (one split, no sinks), the output itself into O.
         Online softmax in the exp2 domain."""
+        enter(PDL)
         bi = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -189,9 +193,10 @@ if HAS_TRITON:
     @triton.jit
     def _decode_merge_kernel(O_PART, L_PART, SINKS, O, n_split, s_ob, s_oh, s_od, H,
                              DV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
-                             HAS_SINKS: tl.constexpr):
+                             HAS_SINKS: tl.constexpr, PDL: tl.constexpr = False):
         """Program (b, head): log-sum-exp merge of the splits' partials, plus the sink logit as one
         more term of the denominator that carries no value. No key and no sink: out 0."""
+        enter(PDL)
         bi = tl.program_id(0)
         hi = tl.program_id(1)
         row = bi * H + hi
@@ -252,10 +257,10 @@ def _paged_decode_triton(q, k_cache, v_cache, block_table, context_lens, block_s
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *bt.stride(), *dst.stride(),
         BLOCK_SIZE=block_size, G=g, D=d, DV=dv, BLOCK_G=block_g, BLOCK_N=block_n,
         BLOCK_D=block_d, BLOCK_DV=block_dv, WINDOW=window is not None,
-        DOT_F32=dot_f32, FINAL=final, num_stages=NUM_STAGES)
+        DOT_F32=dot_f32, FINAL=final, num_stages=NUM_STAGES, **launch(q))
     if not final:
         sk = sinks if sinks is not None else l_part
         _decode_merge_kernel[(b, h)](o_part, l_part, sk, dst, n_split, *dst.stride(), h, DV=dv,
                                      BLOCK_S=max(2, next_pow2(n_split)), BLOCK_DV=max(16, next_pow2(dv)),
-                                     HAS_SINKS=sinks is not None)
+                                     HAS_SINKS=sinks is not None, **launch(o_part))
     return out.copy_(dst) if dst is not out else out

@@ -25,6 +25,7 @@ import torch
 from ._attn_tiles import paged_scores, softmax_update
 from ._backend import (HAS_TRITON, NUM_STAGES, fall_back, fit_attn_tiles, interpreting, next_pow2, resolve_impl,
                        smem_limit, staged, tl, triton)
+from .pdl import launch
 from .paged_decode import check_paged_call
 from .prefix_attention import apply_sinks
 
@@ -96,6 +97,7 @@ def _check(q, k_cache, v_cache, block_table, cu, lens, block_size, window, sinks
 # ----------------------------------------------------------------------------------------------
 
 if HAS_TRITON:
+    from .pdl import enter
 
     @triton.jit
     def _prefill_kernel(
@@ -104,9 +106,11 @@ if HAS_TRITON:
         BLOCK_SIZE: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
         WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, DOT_F32: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
         """Program (tile, head): rows [row0, row0 + m) of run `run`, whose first row sits at position
         pos0, against the keys they can see. TILES holds (run, row0, m, pos0) per tile."""
+        enter(PDL)
         tile = tl.program_id(0)
         head = tl.program_id(1)
         kvh = head // G
@@ -192,5 +196,5 @@ def _paged_prefill_triton(q, k_cache, v_cache, block_table, cu, lens, block_size
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *bt.stride(), *out.stride(),
         BLOCK_SIZE=block_size, G=h // hkv, D=d, DV=dv, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=block_d, BLOCK_DV=block_dv, WINDOW=window is not None,
-        HAS_SINKS=sinks is not None, DOT_F32=dot_f32, num_stages=NUM_STAGES)
+        HAS_SINKS=sinks is not None, DOT_F32=dot_f32, num_stages=NUM_STAGES, **launch(q))
     return out.to(q.dtype)

@@ -31,6 +31,7 @@ import torch
 
 from ._attn_tiles import softmax_update
 from ._backend import HAS_TRITON, cdiv, fall_back, interpreting, next_pow2, resolve_impl, tl, triton
+from .pdl import launch
 
 
 class Level(NamedTuple):
@@ -283,6 +284,7 @@ def _merge_indexed(out_e, lse_e, query_of_e, nq):
 # ----------------------------------------------------------------------------------------------
 
 if HAS_TRITON:
+    from .pdl import enter
 
     @triton.jit
     def _cascade_kernel(
@@ -292,6 +294,7 @@ if HAS_TRITON:
         BLOCK_SIZE: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr,
         WINDOW: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
         """One program: a block of (query, GQA head) rows of one level x one KV head x one chunk of
         the part of that level's run its rows can see. Flash-attention online softmax over the
@@ -302,6 +305,7 @@ if HAS_TRITON:
         run no row sees; the last chunk runs to the end of the run, so any q_pos stays covered.
         A tile (or chunk, or level) may hold no visible key for some rows: their running max stays
         -inf and is replaced by 0 where it is subtracted, so they accumulate exactly nothing."""
+        enter(PDL)
         item = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -359,7 +363,9 @@ if HAS_TRITON:
         tl.store(LSE + o_row, lse, mask=rmask)
 
     @triton.jit
-    def _merge_kernel(OA, LA, OB, LB, O, L, n_rows, D, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _merge_kernel(OA, LA, OB, LB, O, L, n_rows, D, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                      PDL: tl.constexpr = False):
+        enter(PDL)
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         rmask = rows < n_rows
         d = tl.arange(0, BLOCK_D)
@@ -388,7 +394,7 @@ def _merge_triton(out_a, lse_a, out_b, lse_b):
     block_r = 16
     if n * h:
         _merge_kernel[(cdiv(n * h, block_r),)](oa, la, ob, lb, out, lse, n * h, d,
-                                              BLOCK_R=block_r, BLOCK_D=max(16, next_pow2(d)))
+                                              BLOCK_R=block_r, BLOCK_D=max(16, next_pow2(d)), **launch(oa))
     return out, lse
 
 
@@ -479,6 +485,6 @@ def _cascade_triton(q, k_cache, v_cache, plan: CascadePlan, scale):
         o_part, l_part, scale * 1.4426950408889634, plan.chunk, plan.n_split, n_e, hq,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), m["bt"].stride(0),
         BLOCK_SIZE=plan.block_size, G=hq // plan.hkv, D=d, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
-        BLOCK_D=max(16, next_pow2(d)), DOT_F32=dot_f32, WINDOW=plan.window,
+        BLOCK_D=max(16, next_pow2(d)), DOT_F32=dot_f32, WINDOW=plan.window, **launch(q),
     )
     return _merge_indexed(o_part.reshape(-1, hq, d), l_part.reshape(-1, hq), m["ent_q_split"], nq)

@@ -40,8 +40,10 @@ from dataclasses import dataclass
 import torch
 
 from ._backend import HAS_TRITON, cdiv, interpreting, tl, triton
+from .pdl import launch
 
 if HAS_TRITON:
+    from .pdl import enter
 
     @triton.jit
     def _e2m1(code):
@@ -83,9 +85,10 @@ if HAS_TRITON:
     def _mxfp4_kernel(X, W, S, B, O, M, N, K, K_SPLIT,
                       s_xm, s_xk, s_wn, s_wg, s_wb, s_sn, s_sg, s_os, s_om, s_on,
                       HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+                      BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr = False):
         """Program (i, j, s): output tile (i, j) over K's s-th share [s * K_SPLIT, (s + 1) * K_SPLIT), written
         to partial s (one split: the output itself); the bias joins partial 0."""
+        enter(PDL)
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         split = tl.program_id(2)
@@ -101,10 +104,12 @@ if HAS_TRITON:
                  mask=rmask[:, None] & nmask[None, :])
 
     @triton.jit
-    def _tile_map_kernel(OFF, E, T, TE, TR, TEND, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr):
+    def _tile_map_kernel(OFF, E, T, TE, TR, TEND, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr,
+                         PDL: tl.constexpr = False):
         """One program reads the expert offsets once and writes, for each row tile t of a grouped GEMM (each
         expert's rows OFF[e]:OFF[e+1] cut into tiles of BLOCK_M, experts in order), its expert, first row
         and its expert's end row; tiles t up to T past the last get expert -1."""
+        enter(PDL)
         idx = tl.arange(0, BLOCK_T)
         seen = tl.full([], 0, tl.int32)
         for e in range(E):
@@ -138,9 +143,10 @@ if HAS_TRITON:
     def _mxfp4_grouped_kernel(X, TE, TR, TEND, W, S, B, O, N, K,
                               s_xm, s_xk, s_we, s_wn, s_wg, s_wb, s_se, s_sn, s_sg, s_be, s_om, s_on,
                               HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                              BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+                              BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr = False):
         """Program (t, j): the t-th row tile over all experts (each expert's rows cut into tiles of
         BLOCK_M, read from the tile map), output columns tile j. A t past the last tile does nothing."""
+        enter(PDL)
         e_safe, rows, rmask, n, nmask, k_end = _grouped_tile(TE, TR, TEND, N, K, BLOCK_M, BLOCK_N)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, k_end, BLOCK_K):
@@ -200,8 +206,10 @@ if HAS_TRITON:
     def _fp8_kernel(X, W, S, B, O, M, N, K, K_SPLIT, bn, bk,
                     s_xm, s_xk, s_wn, s_wk, s_sn, s_sk, s_os, s_om, s_on,
                     HAS_BIAS: tl.constexpr, SCALE_AFTER: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, BYTES: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, BYTES: tl.constexpr,
+                    PDL: tl.constexpr = False):
         """Program (i, j, s): output tile (i, j) over K's s-th share, written to partial s (as the MXFP4 kernel)."""
+        enter(PDL)
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         split = tl.program_id(2)
@@ -220,9 +228,11 @@ if HAS_TRITON:
     def _fp8_grouped_kernel(X, TE, TR, TEND, W, S, O, N, K, bn, bk,
                             s_xm, s_xk, s_we, s_wn, s_wk, s_se, s_sn, s_sk, s_om, s_on,
                             SCALE_AFTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, BYTES: tl.constexpr):
+                            BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, BYTES: tl.constexpr,
+                            PDL: tl.constexpr = False):
         """Program (t, j): the t-th row tile over all experts (from the tile map) against expert e's e4m3
         W [N, K]; a t past the last tile does nothing."""
+        enter(PDL)
         e_safe, rows, rmask, n, nmask, k_end = _grouped_tile(TE, TR, TEND, N, K, BLOCK_M, BLOCK_N)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, k_end, BLOCK_K):
@@ -348,7 +358,7 @@ def mxfp4_matmul_triton(x, blocks, scales, bias=None, cfg: Tiles | None = None):
     _mxfp4_kernel[(cdiv(m, cfg.block_m), cdiv(n, cfg.block_n), cfg.split_k)](
         x, blocks, scales, b, parts, m, n, k, _k_share(k, cfg), *x.stride(), *blocks.stride(), *scales.stride(),
         *_part_strides(parts), HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, DOT_F32=_dot_f32(x), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        BLOCK_K=cfg.block_k, DOT_F32=_dot_f32(x), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch(x))
     return _finish(out, parts, x, cfg)
 
 
@@ -377,7 +387,7 @@ def _tile_map(offsets, e: int, m: int, block_m: int):
     t = cdiv(m, block_m) + min(e, m)
     dev = offsets.device
     te, tr, tend = (torch.empty(t, dtype=torch.int32, device=dev) for _ in range(3))
-    _tile_map_kernel[(1,)](offsets, e, t, te, tr, tend, BLOCK_M=block_m, BLOCK_T=64)
+    _tile_map_kernel[(1,)](offsets, e, t, te, tr, tend, BLOCK_M=block_m, BLOCK_T=64, **launch(offsets))
     return t, te, tr, tend
 
 
@@ -409,7 +419,7 @@ def mxfp4_grouped_matmul_triton(x, offsets, blocks, scales, bias=None, cfg: Tile
     _mxfp4_grouped_kernel[(t, cdiv(n, cfg.block_n))](
         x, te, tr, tend, blocks, scales, b, out, n, k, *x.stride(), *blocks.stride(), *scales.stride(), s_be,
         *out.stride(), HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        DOT_F32=_dot_f32(x), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        DOT_F32=_dot_f32(x), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch(x))
     return _done(out, x)
 
 
@@ -470,7 +480,7 @@ def fp8_grouped_matmul_triton(x, offsets, weight, scale_inv, block, cfg: Tiles |
         x, te, tr, tend, weight.view(torch.uint8) if raw else weight, s, out, n, k, bn_s, bk_s, *x.stride(),
         *weight.stride(), *s.stride(), *out.stride(), SCALE_AFTER=bk_s % cfg.block_k == 0, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_F32=_dot_f32(x), BYTES=raw, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        num_stages=cfg.num_stages, **launch(x))
     return _done(out, x)
 
 
@@ -498,5 +508,5 @@ def fp8_matmul_triton(x, weight, scale_inv, block, bias=None, cfg: Tiles | None 
         x, weight.view(torch.uint8) if raw else weight, s, b, parts, m, n, k, _k_share(k, cfg), bn_s, bk_s,
         *x.stride(), *weight.stride(), *s.stride(), *_part_strides(parts), HAS_BIAS=bias is not None,
         SCALE_AFTER=bk_s % cfg.block_k == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        DOT_F32=_dot_f32(x), BYTES=raw, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        DOT_F32=_dot_f32(x), BYTES=raw, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch(x))
     return _finish(out, parts, x, cfg)

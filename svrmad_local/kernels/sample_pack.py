@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from ._backend import HAS_TRITON, cdiv, interpreting, next_pow2, tl, triton
+from .pdl import launch
 
 MAX_WIDTH = 64  # the most top-k ranks (sampling's K, the statistics' topk) the kernels keep a row
 SPLIT = 8192  # vocabulary entries a program of the first kernel reads (a multiple of its tile)
@@ -61,22 +62,25 @@ def sample_pack(logits: torch.Tensor, table: torch.Tensor, K: int, topk: int) ->
     m, s, a = (torch.empty(R, n_split, device=dev) for _ in range(3))
     keys = torch.empty(R, n_split, kp, dtype=torch.int64, device=dev)
     warps = {} if interpreting() else {"num_warps": 8}  # the finish's sort: 80 registers a thread, not 128 at 4
-    _vocab_kernel[(R, n_split)](x, m, s, a, keys, V, split, x.stride(0), n_split, KK=max(K, topk), KP=kp, BV=bv, **warps)
+    _vocab_kernel[(R, n_split)](x, m, s, a, keys, V, split, x.stride(0), n_split, KK=max(K, topk), KP=kp, BV=bv, **warps,
+                                **launch(x))
     _finish_kernel[(R,)](x, table, m, s, a, keys, out, *table.stride(), x.stride(0), n_split, K, topk, out.stride(0),
-                         KP=kp, BS=max(2, next_pow2(n_split)), TOPK_P=max(2, next_pow2(topk)), **warps)
+                         KP=kp, BS=max(2, next_pow2(n_split)), TOPK_P=max(2, next_pow2(topk)), **warps, **launch(x))
     return out
 
 
 if HAS_TRITON:
+    from .pdl import enter
     from .token_stats import _pack_key, _unpack_key, _update_topk
 
     MIN_KEY = tl.constexpr(-(2**63))  # below every packed key: unused slots and the lanes past a split's end
 
     @triton.jit
     def _vocab_kernel(L, M, S, A, KEYS, V, split, s_lr, n_split,
-                      KK: tl.constexpr, KP: tl.constexpr, BV: tl.constexpr):
+                      KK: tl.constexpr, KP: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr = False):
         """Program (row, split): the online max m, sum exp(l - m) and sum exp(l - m) * l of logits
         [split * pid, +split) of the row, and its KK best keys (in KP slots, unsorted)."""
+        enter(PDL)
         row = tl.program_id(0)
         sp = tl.program_id(1)
         lo = sp * split
@@ -107,8 +111,9 @@ if HAS_TRITON:
 
     @triton.jit
     def _finish_kernel(L, TAB, M, S, A, KEYS, OUT, s_tr, s_tc, s_lr, n_split, K, topk, s_or,
-                       KP: tl.constexpr, BS: tl.constexpr, TOPK_P: tl.constexpr):
+                       KP: tl.constexpr, BS: tl.constexpr, TOPK_P: tl.constexpr, PDL: tl.constexpr = False):
         """Program (row): the splits merged, the token drawn from the K best, the row packed."""
+        enter(PDL)
         row = tl.program_id(0)
         sp = tl.arange(0, BS)
         smask = sp < n_split

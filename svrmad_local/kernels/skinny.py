@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ._backend import HAS_TRITON, cdiv, interpreting, next_pow2, tl, triton
+from .pdl import launch
 
 log = logging.getLogger("svrmad_local")
 
@@ -42,6 +43,7 @@ DOT_ROWS = 16  # tl.dot's smallest row tile on a GPU
 LATE_VALUES = 32
 
 if HAS_TRITON:
+    from .pdl import enter
 
     from .fused_triton import act_times
 
@@ -61,24 +63,37 @@ if HAS_TRITON:
         return w, x
 
     @triton.jit
+    def _prefetch_rows(starts, nbytes: tl.constexpr):
+        """An L2 prefetch of `nbytes` (a multiple of 16) from each address of `starts` (16-byte aligned):
+        sm_90's bulk prefetch, one instruction a row, nothing waits for it."""
+        tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;", "=r,l,r",
+                                  [starts.to(tl.int64, bitcast=True), tl.full(starts.shape, nbytes, tl.int32)],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
     def _skinny_kernel(X, U, W, B, O, M, N, K, K_SHARE, s_xm, s_xk, s_um, s_uk, s_wn, s_wk, s_os, s_om, s_on,
                        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, DOT: tl.constexpr, DOT_F32: tl.constexpr, LATE: tl.constexpr,
-                       GATED: tl.constexpr, RNE: tl.constexpr):
+                       GATED: tl.constexpr, RNE: tl.constexpr, PREFETCH: tl.constexpr = 0,
+                       PDL: tl.constexpr = False):
         """Program (j, s): columns j*BLOCK_N.. over K's s-th share, into O's s-th slice (the output
         itself where there is one share; the bias only in share 0). LATE: the products accumulate
         element-wise and are summed along K once at the end (no reduction across threads per tile).
         GATED: the rows are SiLU(X) * U (an MLP's down projection reading its gate/up output: act_mul's
-        launch folded in)."""
+        launch folded in). PREFETCH (bytes, launched with PDL: kernels/pdl.py): before waiting for the
+        kernel before it, the first PREFETCH bytes of each of its weight rows' share are fetched into L2."""
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         share = tl.program_id(1)
+        k_lo = share * K_SHARE
+        if PREFETCH > 0:  # the weights are no kernel's output: read before the wait
+            _prefetch_rows(W + tl.minimum(n, N - 1).to(tl.int64) * s_wn + k_lo * s_wk, PREFETCH)
+        enter(PDL)
         rows = tl.arange(0, BLOCK_M)
         nmask, rmask = n < N, rows < M
         kk = tl.arange(0, BLOCK_K)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         if LATE:
             acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
-        k_lo = share * K_SHARE
         k_hi = tl.minimum(K, k_lo + K_SHARE)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             w, x = _tiles(X, U, W, n, rows, k0 + kk, nmask, rmask, k_hi, s_xm, s_xk, s_um, s_uk, s_wn, s_wk, GATED, RNE)
@@ -101,8 +116,9 @@ if HAS_TRITON:
 
     @triton.jit
     def _sum_shares_kernel(P, B, O, N, SHARES, s_ps, s_pm, s_pn, s_om, s_on,
-                           HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+                           HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
         """Row m, columns j*BLOCK..: the shares' fp32 partials summed in share order, plus the bias."""
+        enter(PDL)
         m = tl.program_id(0)
         n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         nmask = n < N
@@ -158,6 +174,10 @@ CONFIGS = (
     Config(32, 512, 1, 4, 3, dot=True),
     Config(32, 256, 2, 4, 4, dot=True),
 )
+# Launched with PDL (kernels/pdl.py), each program first fetches this many bytes of each of its weight rows
+# into L2, before it waits for the kernel before it: ~32 KB a program at 32 columns, ~4 MB over an H100's
+# SMs, about what its memory delivers in the microsecond or so a kernel boundary costs
+PREFETCH_BYTES = 1024
 DEFAULT = CONFIGS[1]  # gemv="skinny" without timing (tests, A/B runs)
 SMS_DEFAULT = 132  # an H100's SMs, where the device cannot be asked (the interpreter)
 
@@ -200,6 +220,17 @@ def check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> N
         raise ValueError(f"skinny_linear: bias must be [{weight.shape[0]}], got {list(bias.shape)}")
 
 
+def prefetch_bytes(weight: torch.Tensor, k_share: int, split: int) -> int:
+    """The bytes of each weight row's share a launch with PDL fetches into L2 before it waits (`PREFETCH_BYTES`,
+    or the last, shortest share's bytes, in 16-byte units); 0 where a row's share does not start 16-byte
+    aligned (the bulk prefetch's rule) or K is not contiguous."""
+    e = weight.element_size()
+    if weight.stride(1) != 1 or weight.data_ptr() % 16 or weight.stride(0) * e % 16 or k_share * e % 16:
+        return 0
+    last = weight.shape[1] - (split - 1) * k_share
+    return min(PREFETCH_BYTES, last * e) // 16 * 16
+
+
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   cfg: Config = DEFAULT, up: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (M <= 8) @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype, fp32 accumulation. With `up`
@@ -225,15 +256,17 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     block_m = DOT_ROWS if cfg.dot else next_pow2(m)
     b = bias if bias is not None else weight
     u = up if up is not None else x
+    pdl = launch(x)
     _skinny_kernel[(cdiv(n, cfg.block_n), split)](
         x, u, weight, b, parts, m, n, k, k_share, *x.stride(), *u.stride(), *weight.stride(), *part_strides,
         HAS_BIAS=bias is not None and split == 1, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         DOT=cfg.dot, DOT_F32=x.dtype == torch.float32 or interpreting(), LATE=sums_late(cfg, block_m),
-        GATED=up is not None, RNE=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        GATED=up is not None, RNE=interpreting(), PREFETCH=prefetch_bytes(weight, k_share, split) if pdl else 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
     if split > 1:
         block = 1024
         _sum_shares_kernel[(m, cdiv(n, block))](parts, b, out, n, split, *parts.stride(), *out.stride(),
-                                                HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
+                                                HAS_BIAS=bias is not None, BLOCK=block, num_warps=4, **launch(parts))
     return out.to(x.dtype)
 
 

@@ -24,6 +24,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from ._backend import HAS_TRITON, cdiv, fall_back, interpreting, next_pow2, resolve_impl, tl, triton
+from .pdl import launch
 from . import cpu_ops
 
 
@@ -126,6 +127,7 @@ def _unpack_keys(keys: torch.Tensor):
 
 
 if HAS_TRITON:
+    from .pdl import enter
 
     @triton.jit
     def _pack_key(logit, idx):
@@ -166,7 +168,9 @@ if HAS_TRITON:
         s_xt, s_xh, s_wv, s_wh,
         HAS_TGT: tl.constexpr, HAS_CAP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, DO_TOPK: tl.constexpr,
         DOT_F32: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, BH: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
+        enter(PDL)
         pid_t = tl.program_id(0)
         pid_s = tl.program_id(1)
         rows = pid_t * BT + tl.arange(0, BT)
@@ -237,14 +241,14 @@ def _token_stats_triton(hidden, weight, targets, topk, softcap, split_size: int 
     keys = torch.empty(n_split, T, KP if topk else 1, dtype=torch.int64, device=dev)
     tgt = targets.to(device=dev, dtype=torch.int64).contiguous() if targets is not None else m
     dot_f32 = weight.dtype == torch.float32 or (interpreting() and weight.dtype == torch.bfloat16)
-    launch = {} if interpreting() else {"num_warps": 8}  # [64, 64] int64 key tiles are register-heavy
+    warps = {} if interpreting() else {"num_warps": 8}  # [64, 64] int64 key tiles are register-heavy
     if T:
         _token_stats_kernel[(cdiv(T, BT), n_split)](
             x, weight, tgt, m, s, a, tlog, keys,
             T, V, H, split_size, float(softcap or 1.0),
             x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
             HAS_TGT=targets is not None, HAS_CAP=softcap is not None, K=max(topk, 1), KP=KP, DO_TOPK=topk > 0,
-            DOT_F32=dot_f32, BT=BT, BV=BV, BH=BH, **launch,
+            DOT_F32=dot_f32, BT=BT, BV=BV, BH=BH, **warps, **launch(x),
         )
     # Merge the vocab splits: rescale every split's sums to the global max.
     m_all = m.max(0).values
