@@ -1,6 +1,6 @@
 """The few-row linear (kernels/skinny.py) against F.linear (cuBLAS) at Qwen3-1.7B's decode shapes, bf16 (a script).
 
-    python benchmarks/bench_skinny.py [--rows 1,2,4,8] [--dtype bf16|fp16|fp32] [--json]
+    python benchmarks/bench_skinny.py [--rows 1,2,4,8] [--dtype bf16|fp16|fp32] [--chain LAYERS] [--json]
     python benchmarks/bench_skinny.py --dry-run   # CPU: tiny shapes through Triton's interpreter
 
 Qwen3-1.7B: hidden 2,048, 16 query heads and 8 KV heads of 128 dims, MLP 6,144, vocabulary 151,936. The
@@ -15,7 +15,10 @@ whether the engine's gemv="auto" would take it (5% faster than F.linear, engine/
 is also checked once: its output against F.linear's in fp32 (`max_diff`, relative to the largest value)
 and, captured in a CUDA graph and replayed, the same bits as eager (`graph_ok`: no host sync, and the
 split-K sum does not depend on scheduling). First line: the card's copy bandwidth (a 1 GiB device copy,
-bytes read + written over the time) for reference. With --json the last line is one JSON object.
+bytes read + written over the time) for reference. `--chain L` then times L decode layers' norms and
+linears back to back in one graph (`chain`: each shape's best config at one row) with programmatic
+dependent launch off, on, and on with the weight prefetch (kernels/pdl.py): what the boundaries between
+kernels cost. With --json the last line is one JSON object.
 On a machine without CUDA it says so and exits 0 (--dry-run runs the script on the CPU, interpreted).
 """
 
@@ -87,6 +90,61 @@ def check(weight, cfg, graphs: bool) -> dict:
     return out
 
 
+def chain(device, dtype, picks: dict, layers: int, dims=(H, I, Q, KV)) -> dict:
+    """A decode layer's norms and linears back to back, `layers` layers of their own weights, one row, as a
+    captured step runs them: add + RMSNorm, q/k/v, o_proj, add + RMSNorm, gate/up, down with SiLU(gate) * up
+    (Qwen3-1.7B's shapes; `picks` the config per shape). Microseconds a layer and GB/s of weight read, with
+    every kernel launched after the one before ends (PDL off), launched while it runs (kernels/pdl.py), and so
+    with the skinny kernel's weight prefetch; whether the three give the same bits. On the CPU (the dry run)
+    each arm runs once eagerly, PDL off."""
+    from svrmad_local.kernels import fused_triton, pdl, skinny
+
+    h, i, q, kv = dims
+    shapes = {"qkv": (q + 2 * kv, h), "q/o_proj": (h, q), "gate_up": (2 * i, h), "down": (h, i)}
+    ws = [{name: torch.randn(n, k, device=device, dtype=dtype) / k ** 0.5 for name, (n, k) in shapes.items()}
+          for _ in range(layers)]
+    norm = torch.ones(h, device=device, dtype=dtype)
+    x = torch.randn(1, h, device=device, dtype=dtype)
+    cfg = {name: picks.get(name, skinny.DEFAULT) for name in shapes}
+
+    def step():
+        out, res = x, x
+        for w in ws:
+            y, res = fused_triton.add_rms_norm(out, res, norm, 1e-6)
+            a = skinny.skinny_linear(y, w["qkv"], None, cfg["qkv"])[:, :q]
+            y, res = fused_triton.add_rms_norm(skinny.skinny_linear(a, w["q/o_proj"], None, cfg["q/o_proj"]), res,
+                                               norm, 1e-6)
+            gu = skinny.skinny_linear(y, w["gate_up"], None, cfg["gate_up"])
+            out = skinny.skinny_linear(gu[:, :i], w["down"], None, cfg["down"], up=gu[:, i:])
+        return out
+
+    why = pdl.why_not(device)
+    arms = {"off": (False, 0)}
+    if why is None:
+        arms.update(on=(True, 0), on_prefetch=(True, skinny.PREFETCH_BYTES))
+    gb = sum(n * k for n, k in shapes.values()) * x.element_size() / 1e9
+    result = {"layers": layers, "pdl": why or "on", "configs": {k: str(v) for k, v in cfg.items()}}
+    outs, kept = {}, (pdl._state["on"], skinny.PREFETCH_BYTES)
+    try:
+        for arm, (on, prefetch) in arms.items():
+            pdl.use(on)
+            skinny.PREFETCH_BYTES = prefetch
+            if device.type == "cuda":
+                seconds = skinny.time_call(step, reps=5, inner=1)
+                outs[arm] = step()
+            else:
+                t0 = time.perf_counter()
+                outs[arm] = step()
+                seconds = time.perf_counter() - t0
+            result[arm] = {"us_per_layer": round(seconds / layers * 1e6, 2), "gbps": round(gb * layers / seconds, 1)}
+    finally:
+        pdl.use(kept[0])
+        skinny.PREFETCH_BYTES = kept[1]
+    first = next(iter(outs.values()))
+    result["same_bits"] = all(torch.equal(first, o) for o in outs.values())
+    return result
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,2,4,8")
@@ -94,6 +152,9 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", help=f"comma-separated names of {', '.join(SHAPES)} (default: all)")
     ap.add_argument("--json", action="store_true", help="end with one JSON line of every figure")
     ap.add_argument("--dry-run", action="store_true", help="CPU: tiny shapes through Triton's interpreter")
+    ap.add_argument("--chain", type=int, default=0, metavar="LAYERS",
+                    help="also time that many decode layers' norms and linears back to back in one graph, with "
+                         "programmatic dependent launch off, on, and on with the weight prefetch")
     args = ap.parse_args(argv)
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"
@@ -142,6 +203,15 @@ def main(argv=None) -> int:
                or v["max_diff"] > 2e-2}
         if bad:
             print(f"{name}: configs that failed their check: {bad}")
+    if args.chain:
+        by_name = {str(c): c for c in skinny.CONFIGS}
+        picks = {name: by_name[shape["rows"][1]["best"]] for name, shape in result["shapes"].items()
+                 if 1 in shape["rows"] and shape["rows"][1].get("best")}
+        c = result["chain"] = chain(device, dtype, picks, args.chain, dims=(32, 24, 32, 16) if args.dry_run else
+                                    (H, I, Q, KV))
+        print(f"chain of {c['layers']} layers (PDL: {c['pdl']}): " + ", ".join(
+            f"PDL {arm} {c[arm]['us_per_layer']} us a layer ({c[arm]['gbps']} GB/s)" for arm in
+            ("off", "on", "on_prefetch") if arm in c) + f"; same bits: {c['same_bits']}")
     if args.json:
         print(json.dumps(result))
     return 0

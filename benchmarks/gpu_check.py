@@ -393,6 +393,9 @@ def main(argv=None) -> int:
     ap.add_argument("--overlaps", default="auto,off",
                     help="the decode step's overlap values where graphs are on (default auto,off: each decode step "
                          "launched before the previous one's tokens are read, and not)")
+    ap.add_argument("--pdls", default="auto,off",
+                    help="the decode step's pdl values where graphs are on (default auto,off: each kernel launched "
+                         "while the one before runs, and not)")
     args = ap.parse_args(argv)
     chk = Check(args.out, args.dry_run, args.budget_s)
     wanted = PARTS.get(args.steps or "", None) or (FIRST + (args.steps.split(",") if args.steps else GPU_STEPS))
@@ -400,10 +403,11 @@ def main(argv=None) -> int:
     if bad:
         print(f"gpu_check: unknown decoder(s) {', '.join(bad)}; decoders: auto, ours, modules", file=sys.stderr)
         return 2
-    bad = sorted(set(args.overlaps.split(",")) - {"auto", "on", "off"})
-    if bad:
-        print(f"gpu_check: unknown overlap value(s) {', '.join(bad)}; values: auto, on, off", file=sys.stderr)
-        return 2
+    for name, values in (("overlap", args.overlaps), ("pdl", args.pdls)):
+        bad = sorted(set(values.split(",")) - {"auto", "on", "off"})
+        if bad:
+            print(f"gpu_check: unknown {name} value(s) {', '.join(bad)}; values: auto, on, off", file=sys.stderr)
+            return 2
     models = set(args.engine_models.split(",")) | set(args.decode_models.split(",")) | set(args.peer_models.split(","))
     if not models <= set(ENGINE_MODELS):
         print(f"gpu_check: unknown model(s) {', '.join(sorted(models - set(ENGINE_MODELS)))}; models: "
@@ -448,7 +452,7 @@ def main(argv=None) -> int:
         plan.append(("sampling", [py, "benchmarks/bench_sampling.py", "--device", "cuda", "--rounds", "5"], 30,
                      _last_json))
     if "skinny" in wanted:  # the few-row linear against cuBLAS at Qwen3-1.7B's decode shapes, every config
-        plan.append(("skinny", [py, "benchmarks/bench_skinny.py", "--json"], 120, _last_json))
+        plan.append(("skinny", [py, "benchmarks/bench_skinny.py", "--json", "--chain", "28"], 150, _last_json))
     wl = ["--questions", "4", "--initial-tokens", "128", "--debate-tokens", "64"]
     if "engine" in wanted:
         for model in args.engine_models.split(","):
@@ -473,6 +477,9 @@ def main(argv=None) -> int:
                         engine = base[-1] + ("" if overlap == "auto" else f",overlap={overlap}")
                         plan.append((f"decode{tag}{dtag}-graphs-{graphs}{otag}", base[:-1] + [engine, "--batches", "1,8,32"],
                                      90, _last_json))
+                    for launches in [p for p in args.pdls.split(",") if p != "auto"] if graphs != "off" else []:
+                        plan.append((f"decode{tag}{dtag}-graphs-{graphs}-pdl-{launches}",
+                                     base[:-1] + [base[-1] + f",pdl={launches}", "--batches", "1,8,32"], 90, _last_json))
                     plan.append((f"host-ops{tag}{dtag}-graphs-{graphs}", base + ["--host-ops", "--json"], 20,
                                  _last_json))
                 if "profile" in wanted:  # where a decode step's time goes: the host, the device, which kernels

@@ -79,18 +79,21 @@ def test_the_decode_step_runs_each_model_asked_for_and_refuses_an_unknown_one(tm
     out = tmp_path / "out"
     assert gpu_check.main([str(out), "--dry-run", "--steps", "decode", "--decode-models", "smollm2-135m,qwen3-1.7b"]) == 0
     steps = {s["name"]: s for s in json.loads((out / "summary.json").read_text())["steps"] if s["needs_cuda"]}
-    assert list(steps) == ["decode-graphs-auto", "decode-graphs-auto-overlap-off", "host-ops-graphs-auto",
-                           "decode-graphs-off", "host-ops-graphs-off",
+    assert list(steps) == ["decode-graphs-auto", "decode-graphs-auto-overlap-off", "decode-graphs-auto-pdl-off",
+                           "host-ops-graphs-auto", "decode-graphs-off", "host-ops-graphs-off",
                            "decode-qwen3-1.7b-graphs-auto", "decode-qwen3-1.7b-graphs-auto-overlap-off",
-                           "host-ops-qwen3-1.7b-graphs-auto", "decode-qwen3-1.7b-graphs-off",
-                           "host-ops-qwen3-1.7b-graphs-off"]
+                           "decode-qwen3-1.7b-graphs-auto-pdl-off", "host-ops-qwen3-1.7b-graphs-auto",
+                           "decode-qwen3-1.7b-graphs-off", "host-ops-qwen3-1.7b-graphs-off"]
     for name, s in steps.items():
         model = "qwen3-1.7b" if "qwen3" in name else "smollm2-135m"
         assert s["status"] == "skipped" and s["command"][s["command"].index("--model") + 1].endswith(model), s
         engine = s["command"][s["command"].index("--engine") + 1]
         assert engine.endswith(",overlap=off") == name.endswith("-overlap-off"), s
+        assert engine.endswith(",pdl=off") == name.endswith("-pdl-off"), s
     assert gpu_check.main([str(tmp_path / "bad"), "--dry-run", "--overlaps", "auto,maybe"]) == 2
     assert "unknown overlap value(s) maybe" in capsys.readouterr().err
+    assert gpu_check.main([str(tmp_path / "bad"), "--dry-run", "--pdls", "sometimes"]) == 2
+    assert "unknown pdl value(s) sometimes" in capsys.readouterr().err
 
 
 def test_the_paper_model_steps_are_listed_with_their_commands_and_skipped_on_a_cpu(tmp_path, monkeypatch):
@@ -159,4 +162,4 @@ def test_part_2_lists_the_skinny_linear_step_and_skips_it_on_a_cpu(tmp_path, mon
     assert steps["sampling"]["command"][1:4] == ["benchmarks/bench_sampling.py", "--device", "cuda"]
     s = steps["skinny"]
     assert s["status"] == "skipped" and s["reason"].startswith("needs CUDA")
-    assert s["command"][1:] == ["benchmarks/bench_skinny.py", "--json"]
+    assert s["command"][1:] == ["benchmarks/bench_skinny.py", "--json", "--chain", "28"]
