@@ -102,6 +102,7 @@ def _probe_device(index: int) -> str | None:
         with torch.cuda.graph(graph, stream=stream):
             _probe[(1,)](x, y, **_ON)
             _probe[(1,)](y, z, **_ON)
+        torch.cuda.current_stream(device).wait_stream(stream)
         z.zero_()
         graph.replay()
         torch.cuda.synchronize(device)
