@@ -68,6 +68,17 @@ def test_the_choice_on_a_gpu(monkeypatch):
         choices.pdl_choice("on", gpu)
 
 
+def test_the_environment_turns_it_off_for_the_process(monkeypatch):
+    """SVRMAD_PDL=0: off whatever asks (kernels called without an engine too), said as the reason; "on" is then
+    an error naming it."""
+    monkeypatch.setenv("SVRMAD_PDL", "0")
+    monkeypatch.setitem(pdl._state, "on", True)
+    assert pdl.why_not(torch.device("cuda", 0)) == "SVRMAD_PDL=0"
+    assert pdl.launch(CUDA0) == {}
+    with pytest.raises(ValueError, match="pdl='on' cannot run here: SVRMAD_PDL=0"):
+        choices.pdl_choice("on", torch.device("cuda", 0))
+
+
 def test_the_probe_says_why_not(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 0))
     assert pdl._probe_device(0) == "compute capability 8.0 (PDL needs 9.0 or later)"

@@ -20,12 +20,15 @@ option, and a probe: two dependent launches inside a captured CUDA graph, replay
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ._backend import HAS_TRITON, capturing, interpreting, tl, triton
 
 _state = {"on": True}  # EngineConfig.pdl="off" turns it off for the process (`use`)
 _ON = {"PDL": True, "launch_pdl": True}
+ENV = "SVRMAD_PDL"  # "0": off in this process, whatever asks (the GPU tests too), as SVRMAD_KERNELS=torch is for Triton
 PROBE_FAILED = "the probe failed"  # on a GPU that should run it: a fallback, said in the engine's start line
 
 if HAS_TRITON:
@@ -70,6 +73,8 @@ def why_not(device) -> str | None:
     device = torch.device(device)
     if device.type != "cuda":
         return f"tensors on {device.type}"
+    if os.environ.get(ENV) == "0":
+        return f"{ENV}=0"
     if not HAS_TRITON or interpreting():
         return "Triton is not compiling for this GPU"
     if not HAS_GDC:
