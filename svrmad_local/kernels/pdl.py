@@ -68,6 +68,9 @@ def use(on: bool) -> None:
     _state["on"] = bool(on)
 
 
+_decided: dict[int, str | None] = {}  # device index -> why_not's answer, once a probe ran
+
+
 def why_not(device) -> str | None:
     """Why PDL cannot run on `device` (None: it can): decided once a device, outside a graph's capture."""
     device = torch.device(device)
@@ -87,36 +90,36 @@ def why_not(device) -> str | None:
     return _decided[index]
 
 
-_decided: dict[int, str | None] = {}
-
-
 def _probe_device(index: int) -> str | None:
     major, minor = torch.cuda.get_device_capability(index)
     if major < 9:
         return f"compute capability {major}.{minor} (PDL needs 9.0 or later)"
     try:
-        device = torch.device("cuda", index)
-        x = torch.arange(128, device=device, dtype=torch.float32)
-        y, z = torch.empty_like(x), torch.empty_like(x)
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):  # compiled and run once outside the capture, then captured
-            _probe[(1,)](x, y, **_ON)
-            _probe[(1,)](y, z, **_ON)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            _probe[(1,)](x, y, **_ON)
-            _probe[(1,)](y, z, **_ON)
-        torch.cuda.current_stream(device).wait_stream(stream)
-        z.zero_()
-        graph.replay()
-        torch.cuda.synchronize(device)
-        if not torch.equal(z, x + 2):
-            return f"{PROBE_FAILED}: its two dependent launches gave a wrong sum"
+        with torch.cuda.device(index):  # Triton launches on the current device
+            return _probe_launches(torch.device("cuda", index))
     except Exception as err:  # an old driver, a launcher without the option
         first = str(err).splitlines()[0][:160] if str(err) else ""
         return f"{PROBE_FAILED}: {type(err).__name__}: {first}"
-    return None
+
+
+def _probe_launches(device: torch.device) -> str | None:
+    """Two dependent PDL launches, run once (compiling), then captured in a CUDA graph and replayed: x + 2."""
+    x = torch.arange(128, device=device, dtype=torch.float32)
+    y, z = torch.empty_like(x), torch.empty_like(x)
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        _probe[(1,)](x, y, **_ON)
+        _probe[(1,)](y, z, **_ON)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        _probe[(1,)](x, y, **_ON)
+        _probe[(1,)](y, z, **_ON)
+    torch.cuda.current_stream(device).wait_stream(stream)
+    z.zero_()
+    graph.replay()
+    torch.cuda.synchronize(device)
+    return None if torch.equal(z, x + 2) else f"{PROBE_FAILED}: its two dependent launches gave a wrong sum"
 
 
 def launch(t: torch.Tensor) -> dict:
