@@ -80,6 +80,9 @@ def test_the_environment_turns_it_off_for_the_process(monkeypatch):
 
 
 def test_the_probe_says_why_not(monkeypatch):
+    monkeypatch.setattr(torch.version, "hip", "6.4")  # ROCm's torch says "cuda" too, and MI300 is capability 9.4
+    assert pdl._probe_device(0) == "a ROCm GPU (programmatic dependent launch is NVIDIA's)"
+    monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 0))
     assert pdl._probe_device(0) == "compute capability 8.0 (PDL needs 9.0 or later)"
     if not torch.cuda.is_available():  # a capable GPU that cannot run the probe's launches

@@ -91,6 +91,8 @@ def why_not(device) -> str | None:
 
 
 def _probe_device(index: int) -> str | None:
+    if torch.version.hip:
+        return "a ROCm GPU (programmatic dependent launch is NVIDIA's)"
     major, minor = torch.cuda.get_device_capability(index)
     if major < 9:
         return f"compute capability {major}.{minor} (PDL needs 9.0 or later)"
