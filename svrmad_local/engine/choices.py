@@ -346,12 +346,14 @@ def pdl_choice(mode: str, device: torch.device) -> Choice:
     set for the process before anything is timed or captured. Off a GPU it does not apply ("none": left out of
     the start line); "on" where it cannot run is an error; a probe that fails on a GPU meant to run it is a
     fallback, said."""
+    if device.type != "cuda":  # the process's setting stays as it is (another engine may run on a GPU)
+        if mode == "on":
+            raise ValueError(f"pdl='on' cannot run here: tensors on {device.type}")
+        return Choice("pdl", "none", f"tensors on {device.type}")
     why = pdl.why_not(device) if mode != "off" else None
-    pdl.use(mode != "off" and why is None)
     if mode == "on" and why is not None:
         raise ValueError(f"pdl='on' cannot run here: {why}")
-    if device.type != "cuda":
-        return Choice("pdl", "none", why or f"tensors on {device.type}")
+    pdl.use(mode != "off")  # where why_not answers, launch() keeps it off all the same
     if mode == "off":
         return Choice("pdl", "off", "as asked")
     if why is not None:
