@@ -17,8 +17,9 @@ and, captured in a CUDA graph and replayed, the same bits as eager (`graph_ok`: 
 split-K sum does not depend on scheduling). First line: the card's copy bandwidth (a 1 GiB device copy,
 bytes read + written over the time) for reference. `--chain L` then times L decode layers' norms and
 linears back to back in one graph (`chain`: each shape's best config at one row) with programmatic
-dependent launch off, on, and on with the weight prefetch (kernels/pdl.py): what the boundaries between
-kernels cost. With --json the last line is one JSON object.
+dependent launch off, on, and on with the skinny kernel prefetching 1, 4 and 16 KB of each weight row
+before it waits (kernels/pdl.py): what the boundaries between kernels cost, and which prefetch pays.
+With --json the last line is one JSON object.
 On a machine without CUDA it says so and exits 0 (--dry-run runs the script on the CPU, interpreted).
 """
 
@@ -90,13 +91,17 @@ def check(weight, cfg, graphs: bool) -> dict:
     return out
 
 
-def chain(device, dtype, picks: dict, layers: int, dims=(H, I, Q, KV)) -> dict:
+PREFETCHES = (1024, 4096, 16384)  # a row's first bytes, a 2,048-wide bf16 row, whole rows up to 8,192 wide
+
+
+def chain(device, dtype, picks: dict, layers: int, dims=(H, I, Q, KV), prefetches=PREFETCHES) -> dict:
     """A decode layer's norms and linears back to back, `layers` layers of their own weights, one row, as a
     captured step runs them: add + RMSNorm, q/k/v, o_proj, add + RMSNorm, gate/up, down with SiLU(gate) * up
-    (Qwen3-1.7B's shapes; `picks` the config per shape). Microseconds a layer and GB/s of weight read, with
-    every kernel launched after the one before ends (PDL off), launched while it runs (kernels/pdl.py), and so
-    with the skinny kernel's weight prefetch; whether the three give the same bits. On the CPU (the dry run)
-    each arm runs once eagerly, PDL off."""
+    (Qwen3-1.7B's shapes; `picks` the config per shape). Microseconds a layer and GB/s of weight read, in
+    `arms`: every kernel launched after the one before ends (`off`), launched while it runs (`on`,
+    kernels/pdl.py), and so with the skinny kernel prefetching each of `prefetches` bytes of its rows before
+    it waits (`prefetch_B`; skinny.PREFETCH_BYTES is the engine's); whether all give the same bits. On the
+    CPU (the dry run) each arm runs once eagerly, PDL off."""
     from svrmad_local.kernels import fused_triton, pdl, skinny
 
     h, i, q, kv = dims
@@ -121,9 +126,10 @@ def chain(device, dtype, picks: dict, layers: int, dims=(H, I, Q, KV)) -> dict:
     why = pdl.why_not(device)
     arms = {"off": (False, 0)}
     if why is None:
-        arms.update(on=(True, 0), on_prefetch=(True, skinny.PREFETCH_BYTES))
+        arms.update(on=(True, 0), **{f"prefetch_{b}": (True, b) for b in prefetches})
     gb = sum(n * k for n, k in shapes.values()) * x.element_size() / 1e9
-    result = {"layers": layers, "pdl": why or "on", "configs": {k: str(v) for k, v in cfg.items()}}
+    result = {"layers": layers, "pdl": why or "on", "configs": {k: str(v) for k, v in cfg.items()},
+              "engine_prefetch": skinny.PREFETCH_BYTES, "arms": {}}
     outs, kept = {}, (pdl._state["on"], skinny.PREFETCH_BYTES)
     try:
         for arm, (on, prefetch) in arms.items():
@@ -136,7 +142,8 @@ def chain(device, dtype, picks: dict, layers: int, dims=(H, I, Q, KV)) -> dict:
                 t0 = time.perf_counter()
                 outs[arm] = step()
                 seconds = time.perf_counter() - t0
-            result[arm] = {"us_per_layer": round(seconds / layers * 1e6, 2), "gbps": round(gb * layers / seconds, 1)}
+            result["arms"][arm] = {"us_per_layer": round(seconds / layers * 1e6, 2),
+                                   "gbps": round(gb * layers / seconds, 1)}
     finally:
         pdl.use(kept[0])
         skinny.PREFETCH_BYTES = kept[1]
@@ -210,8 +217,8 @@ def main(argv=None) -> int:
         c = result["chain"] = chain(device, dtype, picks, args.chain, dims=(32, 24, 32, 16) if args.dry_run else
                                     (H, I, Q, KV))
         print(f"chain of {c['layers']} layers (PDL: {c['pdl']}): " + ", ".join(
-            f"PDL {arm} {c[arm]['us_per_layer']} us a layer ({c[arm]['gbps']} GB/s)" for arm in
-            ("off", "on", "on_prefetch") if arm in c) + f"; same bits: {c['same_bits']}")
+            f"{arm} {a['us_per_layer']} us a layer ({a['gbps']} GB/s)" for arm, a in c["arms"].items())
+            + f"; same bits: {c['same_bits']}")
     if args.json:
         print(json.dumps(result))
     return 0
