@@ -410,7 +410,8 @@ def main() -> int:
     engine = Engine(lm.model, lm.tokenizer, EngineConfig(**{"block_size": args.block_size, "max_num_seqs": max(batches),
                                                             **engine_overrides(args.engine)}))
     print(f"engine: {engine.info['decoder']}; linear {engine.info['linear']}; {engine.info['attention']} attention; "
-          f"cuda graphs {engine.info['cuda_graphs']}; overlap {engine.execution.overlap}; gemv {engine.execution.gemv.value}")
+          f"cuda graphs {engine.info['cuda_graphs']}; overlap {engine.execution.overlap}; pdl {engine.execution.pdl}; "
+          f"gemv {engine.execution.gemv.value}")
 
     engine_generate = lengths_of(engine)
 
@@ -465,7 +466,9 @@ def main() -> int:
               + ("  (the bandwidth moved over 20% meanwhile: this row's limit is uncertain)"
                  if abs(bw_after - bw_before) > 0.2 * min(bw_before, bw_after) else ""))
     result = {"dtype": args.dtype, "engine": args.engine or "", "decoder": engine.info["decoder"],
-              "overlap": engine.execution.overlap.value, "gemv": engine.execution.gemv.value, "linear": engine.info["linear"], "linear_run": (engine.info.get("linear_calibration") or {}).get("run"),
+              "overlap": engine.execution.overlap.value, "pdl": engine.execution.pdl.value,
+              "gemv": engine.execution.gemv.value, "linear": engine.info["linear"],
+              "linear_run": (engine.info.get("linear_calibration") or {}).get("run"),
               "bandwidth_gb_s": round(bw / 1e9, 2), "weight_bytes_per_step": w_bytes,
               "kv_bytes_per_token": kv_tok, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
               "greedy": args.greedy, "rows": rows}

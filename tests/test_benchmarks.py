@@ -649,6 +649,7 @@ def test_a_failing_hf_peer_is_one_line_in_the_table_and_the_json(tmp_path, tiny_
     assert [r["hf_compile_error"] for r in result["rows"]] == [why, why]
     assert all("engine_tok_s" in r and "hf_compile_tok_s" not in r for r in result["rows"])  # the engine's stand
     assert result["hf_peer"]["compile"]["mode"] == "default"
+    assert result["pdl"] == "none" and "; pdl none (tensors on cpu); " in next(x for x in out if x.startswith("engine:"))
     table = [line for line in out if line.lstrip().startswith(("1 ", "2 "))]
     assert len(table) == 2 and all(line.endswith(f"failed: {why}") for line in table), out
 
