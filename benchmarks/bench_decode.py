@@ -169,11 +169,23 @@ def host_ops(model, tokenizer, batches: list[int], block_size: int = 16, new_tok
     return rows
 
 
+def covered(spans) -> float:
+    """The length of the union of [start, end) spans: the time some kernel ran. With programmatic dependent
+    launch (kernels/pdl.py) a kernel starts, and waits, while the one before it runs, so the kernels' own
+    times overlap and their sum overstates the time the device was busy."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
 def profile_decode(engine: Engine, B: int, args, vocab: int, top: int = 12) -> dict:
     """One generate of B fresh prompts (1 + --new-tokens tokens each) under torch.profiler, after one
     unprofiled generate of the same shape (graph captures, compiles): the wall time a step, the time
-    the device was busy a step (its kernels' own times), and the ops that took the most host time and
-    the kernels that took the most device time. The profiler starts on the engine's worker thread:
+    the device was busy a step (some kernel running: `covered`) and the kernels' own times summed, and
+    the ops that took the most host time and the kernels that took the most device time. The profiler starts on the engine's worker thread:
     it records the host ops of the thread it starts on (the device's kernels come from every thread)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -199,7 +211,9 @@ def profile_decode(engine: Engine, B: int, args, vocab: int, top: int = 12) -> d
         return round(us / 1e3 / steps, 4)
 
     return {"batch": B, "steps": steps, "wall_ms_per_step": round(wall * 1e3 / steps, 3),
-            "device_busy_ms_per_step": ms(sum(e.self_device_time_total for e in kernels)),
+            "device_busy_ms_per_step": ms(covered((e.time_range.start, e.time_range.end) for e in prof.events()
+                                                  if e.device_type == DeviceType.CUDA)),
+            "kernel_ms_per_step": ms(sum(e.self_device_time_total for e in kernels)),
             "kernels_per_step": round(sum(e.count for e in kernels) / steps, 1),
             "top_kernels_ms_per_step": [(e.key[:90], ms(e.self_device_time_total), round(e.count / steps, 1))
                                         for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]],
@@ -426,7 +440,8 @@ def main() -> int:
     if args.profile:
         prof = profile_decode(engine, args.profile, args, vocab)
         print(f"batch {prof['batch']}: {prof['wall_ms_per_step']} ms a step, the device busy "
-              f"{prof['device_busy_ms_per_step']} ms of it ({prof['kernels_per_step']} kernels a step)")
+              f"{prof['device_busy_ms_per_step']} ms of it ({prof['kernels_per_step']} kernels a step, their own "
+              f"times {prof['kernel_ms_per_step']} ms)")
         for title, key in (("host ops (self time)", "top_host_ms_per_step"), ("kernels", "top_kernels_ms_per_step")):
             print(f"  {title}, ms a step and calls a step:")
             for name, t, calls in prof[key]:

@@ -401,8 +401,20 @@ def test_profile_decode_reports_the_steps_it_profiled_and_the_host_ops_of_the_wo
     prof = profile_decode(engine, 2, args, vocab=engine.model.get_output_embeddings().out_features)
     assert prof["batch"] == 2 and prof["steps"] == 6 and prof["wall_ms_per_step"] > 0
     assert prof["kernels_per_step"] == 0 and prof["top_kernels_ms_per_step"] == []
+    assert prof["device_busy_ms_per_step"] == prof["kernel_ms_per_step"] == 0
     names = [name for name, _, _ in prof["top_host_ms_per_step"]]
     assert any(n.startswith("aten::") for n in names), names
+
+
+def test_the_device_is_busy_while_some_kernel_runs_however_they_overlap():
+    """With programmatic dependent launch a kernel starts, and waits, while the one before runs: the busy
+    time is the union of the kernels' spans, not their sum; gaps between them count for nothing."""
+    from bench_decode import covered
+
+    assert covered([]) == 0
+    assert covered([(0, 4), (2, 6), (3, 5)]) == 6  # overlapping: 0..6
+    assert covered([(10, 12), (0, 4), (5, 6)]) == 7  # apart, in any order
+    assert covered([(0, 10), (2, 3), (11, 12)]) == 11  # one inside another
 
 
 def test_bench_decode_read_times_the_kernel_against_a_plain_read_and_another_revision(tmp_path, capsys, monkeypatch):
