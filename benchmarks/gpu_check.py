@@ -394,8 +394,8 @@ def main(argv=None) -> int:
                     help="the decode step's overlap values where graphs are on (default auto,off: each decode step "
                          "launched before the previous one's tokens are read, and not)")
     ap.add_argument("--pdls", default="auto,off",
-                    help="the decode step's pdl values where graphs are on (default auto,off: each kernel launched "
-                         "while the one before runs, and not)")
+                    help="the decode and profile steps' pdl values where graphs are on (default auto,off: each kernel "
+                         "launched while the one before runs, and not)")
     args = ap.parse_args(argv)
     chk = Check(args.out, args.dry_run, args.budget_s)
     wanted = PARTS.get(args.steps or "", None) or (FIRST + (args.steps.split(",") if args.steps else GPU_STEPS))
@@ -485,6 +485,11 @@ def main(argv=None) -> int:
                 if "profile" in wanted:  # where a decode step's time goes: the host, the device, which kernels
                     plan.append((f"profile-{model}{dtag}-graphs-{graphs}",
                                  base + ["--profile", "1", "--new-tokens", "32"], 40, _last_json))
+                    # without PDL each kernel's own time is its work alone (with it, also its wait)
+                    for launches in [p for p in args.pdls.split(",") if p != "auto"] if graphs != "off" else []:
+                        plan.append((f"profile-{model}{dtag}-graphs-{graphs}-pdl-{launches}",
+                                     base[:-1] + [base[-1] + f",pdl={launches}", "--profile", "1", "--new-tokens",
+                                                  "32"], 40, _last_json))
     if "decode-peer" in wanted:  # the engine (graphs auto) and transformers' compiled generate, same prompts, one run
         for model in args.peer_models.split(","):
             plan.append((f"decode-peer-{model}", [py, "benchmarks/bench_decode.py", "--model", str(m / model),

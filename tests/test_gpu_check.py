@@ -94,6 +94,14 @@ def test_the_decode_step_runs_each_model_asked_for_and_refuses_an_unknown_one(tm
     assert "unknown overlap value(s) maybe" in capsys.readouterr().err
     assert gpu_check.main([str(tmp_path / "bad"), "--dry-run", "--pdls", "sometimes"]) == 2
     assert "unknown pdl value(s) sometimes" in capsys.readouterr().err
+    # the profile with PDL and without (without it a kernel's own time is its work alone)
+    out = tmp_path / "profile"
+    assert gpu_check.main([str(out), "--dry-run", "--steps", "profile", "--decode-models", "qwen3-1.7b"]) == 0
+    steps = {s["name"]: s for s in json.loads((out / "summary.json").read_text())["steps"] if s["needs_cuda"]}
+    assert list(steps) == ["profile-qwen3-1.7b-graphs-auto", "profile-qwen3-1.7b-graphs-auto-pdl-off",
+                           "profile-qwen3-1.7b-graphs-off"]
+    engines = [s["command"][s["command"].index("--engine") + 1] for s in steps.values()]
+    assert [e.endswith(",pdl=off") for e in engines] == [False, True, False]
 
 
 def test_the_paper_model_steps_are_listed_with_their_commands_and_skipped_on_a_cpu(tmp_path, monkeypatch):
