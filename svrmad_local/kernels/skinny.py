@@ -71,7 +71,7 @@ if HAS_TRITON:
                                   dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
-    def _skinny_kernel(X, U, W, B, O, M, N, K, K_SHARE, s_xm, s_xk, s_um, s_uk, s_wn, s_wk, s_os, s_om, s_on,
+    def _skinny_kernel(X, U, W, B, O, M, N, K, K_SHARE, EARLY, s_xm, s_xk, s_um, s_uk, s_wn, s_wk, s_os, s_om, s_on,
                        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, DOT: tl.constexpr, DOT_F32: tl.constexpr, LATE: tl.constexpr,
                        GATED: tl.constexpr, RNE: tl.constexpr, PREFETCH: tl.constexpr = 0,
@@ -81,12 +81,14 @@ if HAS_TRITON:
         element-wise and are summed along K once at the end (no reduction across threads per tile).
         GATED: the rows are SiLU(X) * U (an MLP's down projection reading its gate/up output: act_mul's
         launch folded in). PREFETCH (bytes, launched with PDL: kernels/pdl.py): before waiting for the
-        kernel before it, the first PREFETCH bytes of each of its weight rows' share are fetched into L2."""
+        kernel before it, each of the first EARLY programs (those placed while it runs) fetches the first
+        PREFETCH bytes of each of its weight rows' share into L2; later ones go straight to their loads."""
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         share = tl.program_id(1)
         k_lo = share * K_SHARE
         if PREFETCH > 0:  # the weights are no kernel's output: read before the wait
-            _prefetch_rows(W + tl.minimum(n, N - 1).to(tl.int64) * s_wn + k_lo * s_wk, PREFETCH)
+            if tl.program_id(0) + share * tl.num_programs(0) < EARLY:
+                _prefetch_rows(W + tl.minimum(n, N - 1).to(tl.int64) * s_wn + k_lo * s_wk, PREFETCH)
         enter(PDL)
         rows = tl.arange(0, BLOCK_M)
         nmask, rmask = n < N, rows < M
@@ -174,9 +176,11 @@ CONFIGS = (
     Config(32, 512, 1, 4, 3, dot=True),
     Config(32, 256, 2, 4, 4, dot=True),
 )
-# Launched with PDL (kernels/pdl.py), each program first fetches this many bytes of each of its weight rows
-# into L2, before it waits for the kernel before it: ~32 KB a program at 32 columns, ~4 MB over an H100's
-# SMs, about what its memory delivers in the microsecond or so a kernel boundary costs
+# Launched with PDL (kernels/pdl.py), each program of the first wave (one an SM: those the GPU places while
+# the kernel before still runs) first fetches this many bytes of each of its weight rows into L2, before it
+# waits for that kernel: ~32 KB a program at 32 columns, ~4 MB over an H100's SMs, about what its memory
+# delivers in the microsecond or so a kernel boundary costs. (A later program would only delay its own loads
+# by the prefetch's issue, ~0.3 us: 32 rows made warp-uniform one at a time.)
 PREFETCH_BYTES = 1024
 DEFAULT = CONFIGS[1]  # gemv="skinny" without timing (tests, A/B runs)
 SMS_DEFAULT = 132  # an H100's SMs, where the device cannot be asked (the interpreter)
@@ -258,7 +262,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     u = up if up is not None else x
     pdl = launch(x)
     _skinny_kernel[(cdiv(n, cfg.block_n), split)](
-        x, u, weight, b, parts, m, n, k, k_share, *x.stride(), *u.stride(), *weight.stride(), *part_strides,
+        x, u, weight, b, parts, m, n, k, k_share, _sms(x.device), *x.stride(), *u.stride(), *weight.stride(),
+        *part_strides,
         HAS_BIAS=bias is not None and split == 1, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         DOT=cfg.dot, DOT_F32=x.dtype == torch.float32 or interpreting(), LATE=sums_late(cfg, block_m),
         GATED=up is not None, RNE=interpreting(), PREFETCH=prefetch_bytes(weight, k_share, split) if pdl else 0,
