@@ -185,7 +185,8 @@ def profile_decode(engine: Engine, B: int, args, vocab: int, top: int = 12) -> d
     """One generate of B fresh prompts (1 + --new-tokens tokens each) under torch.profiler, after one
     unprofiled generate of the same shape (graph captures, compiles): the wall time a step, the time
     the device was busy a step (some kernel running: `covered`) and the kernels' own times summed, and
-    the ops that took the most host time and the kernels that took the most device time. The profiler starts on the engine's worker thread:
+    the ops that took the most host time and the kernels that took the most device time. The profiler
+    starts on the engine's worker thread:
     it records the host ops of the thread it starts on (the device's kernels come from every thread)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile

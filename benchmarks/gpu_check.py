@@ -471,25 +471,26 @@ def main(argv=None) -> int:
             for graphs in args.graphs.split(","):
                 base = [py, "benchmarks/bench_decode.py", "--model", str(m / model), "--random-weights",
                         "--dtype", "bf16", "--engine", f"cuda_graphs={graphs},decoder={decoder}"]
+                # the same with each other pdl value (graphs on): the engine's setting, and the step name's tag
+                pdls = [(base[:-1] + [base[-1] + f",pdl={p}"], f"-pdl-{p}") for p in args.pdls.split(",")
+                        if p != "auto" and graphs != "off"]
                 if "decode" in wanted:
                     for overlap in args.overlaps.split(",") if graphs != "off" else ["auto"]:
                         otag = "" if overlap == "auto" else f"-overlap-{overlap}"
                         engine = base[-1] + ("" if overlap == "auto" else f",overlap={overlap}")
                         plan.append((f"decode{tag}{dtag}-graphs-{graphs}{otag}", base[:-1] + [engine, "--batches", "1,8,32"],
                                      90, _last_json))
-                    for launches in [p for p in args.pdls.split(",") if p != "auto"] if graphs != "off" else []:
-                        plan.append((f"decode{tag}{dtag}-graphs-{graphs}-pdl-{launches}",
-                                     base[:-1] + [base[-1] + f",pdl={launches}", "--batches", "1,8,32"], 90, _last_json))
+                    for cmd, ptag in pdls:
+                        plan.append((f"decode{tag}{dtag}-graphs-{graphs}{ptag}", cmd + ["--batches", "1,8,32"], 90,
+                                     _last_json))
                     plan.append((f"host-ops{tag}{dtag}-graphs-{graphs}", base + ["--host-ops", "--json"], 20,
                                  _last_json))
                 if "profile" in wanted:  # where a decode step's time goes: the host, the device, which kernels
                     plan.append((f"profile-{model}{dtag}-graphs-{graphs}",
                                  base + ["--profile", "1", "--new-tokens", "32"], 40, _last_json))
-                    # without PDL each kernel's own time is its work alone (with it, also its wait)
-                    for launches in [p for p in args.pdls.split(",") if p != "auto"] if graphs != "off" else []:
-                        plan.append((f"profile-{model}{dtag}-graphs-{graphs}-pdl-{launches}",
-                                     base[:-1] + [base[-1] + f",pdl={launches}", "--profile", "1", "--new-tokens",
-                                                  "32"], 40, _last_json))
+                    for cmd, ptag in pdls:  # without PDL a kernel's own time is its work alone (with it, also its wait)
+                        plan.append((f"profile-{model}{dtag}-graphs-{graphs}{ptag}",
+                                     cmd + ["--profile", "1", "--new-tokens", "32"], 40, _last_json))
     if "decode-peer" in wanted:  # the engine (graphs auto) and transformers' compiled generate, same prompts, one run
         for model in args.peer_models.split(","):
             plan.append((f"decode-peer-{model}", [py, "benchmarks/bench_decode.py", "--model", str(m / model),

@@ -12,8 +12,8 @@ launch: the kernel (module and name), its signature as the compiler takes it (po
 64-bit ints, floats) and its constexpr values. `compile` builds each for a CUDA target of that
 architecture (Triton's own ptxas, no driver, no GPU), each kernel once more as a programmatic dependent
 launch (sm_90+: its wait must come before any global memory access, `pdl_order`), and prints one JSON
-line: the kernels compiled and the failures with their first error line. The interpreter's tile sizes are smaller than a GPU's, so
-this checks the code, not the GPU's tilings. tests/test_triton_compile.py runs both.
+line: the kernels compiled and the failures with their first error line. The interpreter's tile sizes are
+smaller than a GPU's, so this checks the code, not the GPU's tilings. tests/test_triton_compile.py runs both.
 """
 
 from __future__ import annotations

@@ -252,7 +252,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     out = torch.empty(m, n, device=x.device, dtype=out_dtype)
     if m == 0 or n == 0:
         return out.to(x.dtype)
-    split = shares(cfg, n, k, _sms(x.device))
+    sms = _sms(x.device)
+    split = shares(cfg, n, k, sms)
     k_share = cdiv(cdiv(k, split), cfg.block_k) * cfg.block_k
     split = cdiv(k, k_share)  # every share non-empty
     parts = out if split == 1 else torch.empty(split, m, n, device=x.device, dtype=torch.float32)
@@ -262,8 +263,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     u = up if up is not None else x
     pdl = launch(x)
     _skinny_kernel[(cdiv(n, cfg.block_n), split)](
-        x, u, weight, b, parts, m, n, k, k_share, _sms(x.device), *x.stride(), *u.stride(), *weight.stride(),
-        *part_strides,
+        x, u, weight, b, parts, m, n, k, k_share, sms, *x.stride(), *u.stride(), *weight.stride(), *part_strides,
         HAS_BIAS=bias is not None and split == 1, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         DOT=cfg.dot, DOT_F32=x.dtype == torch.float32 or interpreting(), LATE=sums_late(cfg, block_m),
         GATED=up is not None, RNE=interpreting(), PREFETCH=prefetch_bytes(weight, k_share, split) if pdl else 0,
