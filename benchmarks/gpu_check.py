@@ -35,9 +35,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 WHEELS = ROOT / ".whl"
 # What .whl/ holds, and the command that fetches it (on a machine with the network, beforehand). A GPU image
-# with torch, Triton and a transformers inside pyproject's range (>=5.17) runs as it comes, so only pytest and
-# gguf are carried; a machine whose release is outside the range is refused by the deps step, naming it.
-FETCH = 'pip download --no-deps -d .whl pytest pluggy iniconfig gguf'  # gguf: often missing from GPU images
+# with torch, Triton and a transformers inside pyproject's range (>=5.17) runs as it comes, so only pytest (with
+# pytest-xdist and execnet: the tests step's workers) and gguf are carried; a machine whose release is outside the
+# range is refused by the deps step, naming it.
+FETCH = ('pip download --no-deps -d .whl pytest pluggy iniconfig pytest-xdist execnet '
+         'gguf')  # gguf: often missing from GPU images
 CARRY_LIMIT = 64 * 2**20
 FIRST = ["env", "deps", "package", "models"]  # every call runs these first (each a few seconds)
 # Parts 4 and 5 time the paper's two models' paths: `quant` (the packed MXFP4 and FP8 GEMMs at batch 1 and
@@ -220,12 +222,21 @@ class Check:
         probe = ("import sys; sys.path.insert(0, {root!r}); import svrmad_local.kernels as k, "
                  "svrmad_local.engine.engine, transformers; print(k.__file__, transformers.__version__)")
         env = dict(self.env(), PYTHONPATH=os.pathsep.join([str(self.site), str(ROOT)]))
-        for root in (str(ROOT), "/"):  # the tree first on the path (as the benchmarks put it), or only after
-            out = subprocess.run([sys.executable, "-c", probe.format(root=root)], capture_output=True, text=True,
-                                 env=env, cwd="/", timeout=300)
-            if out.returncode != 0:
-                return [f"the package does not import: {_last_line(out.stderr)}"]
-        where, tf = out.stdout.split()
+        # the tree first on the path (as the benchmarks put it), or only after: two processes at once (each
+        # imports torch and transformers, ~13 s on a GPU machine's first call)
+        procs = [subprocess.Popen([sys.executable, "-c", probe.format(root=root)], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, env=env, cwd="/") for root in (str(ROOT), "/")]
+        outs = []
+        for proc in procs:
+            try:
+                outs.append(proc.communicate(timeout=300))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                outs.append((proc.communicate()[0], "timed out after 300 s"))
+        for proc, (_, stderr) in zip(procs, outs):
+            if proc.returncode != 0:
+                return [f"the package does not import: {_last_line(stderr)}"]
+        where, tf = outs[-1][0].split()
         step.figures.update(kernels=where, transformers=tf)
         return [] if Path(where).resolve().is_relative_to(ROOT) else [f"imported from {where}, not the working tree"]
 
@@ -338,16 +349,9 @@ def _last_line(text: str) -> str:
 
 
 def _probe_json(text: str):
-    """gpu_probe.py prints one JSON object last: its figures, and its `failures`."""
+    """gpu_probe.py and gpu_tests.py print one JSON object last: their figures, and their `failures`."""
     obj = json.loads(text.strip().splitlines()[-1])
     return obj, obj.pop("failures", [])
-
-
-def _pytest_counts(text: str):
-    tail = _last_line(text)
-    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error|errors)", tail)}
-    failed = re.findall(r"^FAILED (\S+)", text, re.M) + re.findall(r"^ERROR (\S+)", text, re.M)
-    return {"counts": counts, "failed": failed[:40]}, [f"{len(failed)} failed: {', '.join(failed[:5])}"] if failed else []
 
 
 def _memory_json(text: str):
@@ -393,6 +397,9 @@ def main(argv=None) -> int:
     ap.add_argument("--overlaps", default="auto,off",
                     help="the decode step's overlap values where graphs are on (default auto,off: each decode step "
                          "launched before the previous one's tokens are read, and not)")
+    ap.add_argument("--test-workers", type=int, default=4,
+                    help="the tests step's pytest-xdist workers where xdist is installed (default 4; 1: one process); "
+                         "a test that fails among them is run again alone")
     ap.add_argument("--pdls", default="auto,off",
                     help="the decode and profile steps' pdl values where graphs are on (default auto,off: each kernel "
                          "launched while the one before runs, and not)")
@@ -408,6 +415,9 @@ def main(argv=None) -> int:
         if bad:
             print(f"gpu_check: unknown {name} value(s) {', '.join(bad)}; values: auto, on, off", file=sys.stderr)
             return 2
+    if args.test_workers < 1:
+        print(f"gpu_check: --test-workers must be 1 or more, not {args.test_workers}", file=sys.stderr)
+        return 2
     models = set(args.engine_models.split(",")) | set(args.decode_models.split(",")) | set(args.peer_models.split(","))
     if not models <= set(ENGINE_MODELS):
         print(f"gpu_check: unknown model(s) {', '.join(sorted(models - set(ENGINE_MODELS)))}; models: "
@@ -432,9 +442,11 @@ def main(argv=None) -> int:
     ready = all(s.result == "pass" for s in steps if s.name in ("package", "models"))
     plan = []  # each step's `expect`: seconds it took on an H200 (docs/measurements.md), with room
     if "tests" in wanted:
-        plan.append(("tests", [py, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "tests/test_gpu.py",
-                               "tests/test_mla.py::test_prefill_chunks_on_cuda_take_the_memory_efficient_kernel_and_"
-                               "match_fp32"], 200, _pytest_counts))
+        # over pytest-xdist's workers where it is installed (the host's kernel compiles in parallel), a test that
+        # fails among them run again alone (benchmarks/gpu_tests.py)
+        plan.append(("tests", [py, "benchmarks/gpu_tests.py", "--workers", str(args.test_workers), "--",
+                               "tests/test_gpu.py", "tests/test_mla.py::test_prefill_chunks_on_cuda_take_the_memory_"
+                               "efficient_kernel_and_match_fp32"], 200, _probe_json))
     probe = [py, "benchmarks/gpu_probe.py"]
     if "graphs" in wanted:  # every model captures every shape, no kernel falls back, no blocking copy
         plan.append(("graphs", probe + ["graphs", str(m)], 45, _probe_json))

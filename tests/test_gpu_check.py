@@ -171,3 +171,60 @@ def test_part_2_lists_the_skinny_linear_step_and_skips_it_on_a_cpu(tmp_path, mon
     s = steps["skinny"]
     assert s["status"] == "skipped" and s["reason"].startswith("needs CUDA")
     assert s["command"][1:] == ["benchmarks/bench_skinny.py", "--json", "--chain", "28"]
+
+
+SHARED = '''
+import os
+
+def test_passes():
+    pass
+
+def test_needs_the_device_alone():  # fails only among xdist's workers
+    assert "PYTEST_XDIST_WORKER" not in os.environ
+
+def test_always_fails():
+    assert 1 == 2
+
+def test_skipped():
+    import pytest
+    pytest.skip("nothing here")
+'''
+
+
+def test_the_tests_step_runs_over_workers_and_fails_only_what_fails_alone(tmp_path, capsys):
+    """benchmarks/gpu_tests.py: among xdist's workers, then the failed tests alone; only a test that fails alone
+    fails the step, one that passes alone is named; with one worker nothing is run twice; the step's command
+    carries the workers asked for."""
+    import gpu_tests
+
+    (tmp_path / "test_shared.py").write_text(SHARED)
+    got = gpu_tests.run([str(tmp_path / "test_shared.py")], workers=2, cwd=str(tmp_path))
+    assert got["workers"] == 2 and got["counts"] == {"passed": 1, "failed": 2, "skipped": 1}, got
+    assert got["failed"] == ["test_shared.py::test_always_fails"], got
+    assert got["passed_alone"] == ["test_shared.py::test_needs_the_device_alone"], got
+    assert got["failures"] == ["1 failed: test_shared.py::test_always_fails"], got
+    one = gpu_tests.run([str(tmp_path / "test_shared.py")], workers=1, cwd=str(tmp_path))
+    assert one["workers"] == 1 and one["passed_alone"] == [] and one["failed"] == [
+        "test_shared.py::test_always_fails"] and one["counts"] == {"passed": 2, "failed": 1, "skipped": 1}, one
+    out = capsys.readouterr().out
+    assert out.count("run again alone") == 1 and "test_needs_the_device_alone" in out
+    # a run that ends without a summary (here: a usage error among the workers) is run again without them
+    bad = gpu_tests.run(["--no-such-option", str(tmp_path / "test_shared.py")], workers=2, cwd=str(tmp_path))
+    assert bad["workers"] == 1 and "workers_failed" in bad and bad["failures"][0].startswith("pytest exit 4"), bad
+    (tmp_path / "test_fine.py").write_text("def test_fine():\n    pass\n")
+    fine = gpu_tests.run([str(tmp_path / "test_fine.py")], workers=2, cwd=str(tmp_path))
+    assert fine["failures"] == [] and fine["failed"] == [] and fine["counts"] == {"passed": 1}, fine
+    assert gpu_tests.main(["--workers", "2", str(tmp_path / "test_fine.py")]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["workers"] == 2 and out["failures"] == []
+
+
+def test_the_tests_step_takes_its_workers_and_refuses_none(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SVRMAD_GPU_CHECK_WORK", str(tmp_path / "work"))
+    out = tmp_path / "out"
+    assert gpu_check.main([str(out), "--dry-run", "--steps", "tests", "--test-workers", "6"]) == 0
+    step = next(s for s in json.loads((out / "summary.json").read_text())["steps"] if s["name"] == "tests")
+    cmd = step["command"]
+    assert cmd[1].endswith("gpu_tests.py") and cmd[cmd.index("--workers") + 1] == "6" and "tests/test_gpu.py" in cmd
+    assert gpu_check.main([str(tmp_path / "bad"), "--dry-run", "--test-workers", "0"]) == 2
+    assert "--test-workers must be 1 or more" in capsys.readouterr().err
