@@ -294,6 +294,76 @@ def test_rope_tables_give_the_rotary_modules_rows_at_any_positions(dtype, head_d
     assert rot.tables is not None and rot.tables[(None, dtype)][0].shape[0] == 1024  # grown by doubling
 
 
+@pytest.mark.parametrize("name", ["llama", "gemma3", "gpt-oss", "deepseek-v3"])
+def test_rope_tables_filled_at_build_give_the_modules_tokens_and_no_step_grows_them(name, monkeypatch):
+    """What a GPU does (decoder.ROPE_AT_BUILD), run here on the CPU: every position's rows filled once at build
+    (Gemma 3's two layer types, GPT-OSS's half-width rows doubled, DeepSeek-V3's latent RoPE), then a step reads
+    them by index and asks nothing of the device (no max, no item): the engine's tokens, log-probs and entropies
+    are the modules' bit for bit."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    monkeypatch.setattr(decoder_mod, "ROPE_AT_BUILD", ("cpu", "cuda"))
+    model = make_zoo_model(name)
+    eng = engine(model, decoder="ours", max_num_batched_tokens=16)
+    rot = eng.runner.decoder.rotary
+    n = model.config.max_position_embeddings
+    assert rot.fixed and set(rot.tables) == {(k, torch.float32) for k in rot.keys}, rot.tables.keys()
+    assert len(rot.keys) == (2 if name == "gemma3" else 1) and all(t[0].shape[0] == n for t in rot.tables.values())
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    pos, h = torch.tensor([[0, 7, n - 1]]), torch.zeros(1, 3, 4)
+    with Ops() as seen:
+        rows = rot(h, pos)
+    assert set(seen.seen) == {"select", "index_select"}, seen.seen  # pos[0], a view; a row read a table
+    for key, got in rows.items():
+        assert all(torch.equal(g, w) for g, w in zip(got, rot._rows(key, h, pos))), key
+    try:
+        ours = [(c.token_ids, c.logprobs, c.entropies) for o in eng.generate_sync(PROMPTS, SAMPLED) for c in o.completions]
+    finally:
+        eng.close()
+    modules, _ = outputs(model, PROMPTS, decoder="modules")
+    assert ours == modules, name
+
+
+def test_rope_tables_at_build_are_kept_only_where_the_module_agrees_bit_for_bit(monkeypatch):
+    """prepare keeps no table where the module called at a step's shapes differs from the rows filled in chunks
+    (a device whose cos/sin depend on how many values a call holds), where the rope type depends on more than
+    the position, or where the tables would pass ROPE_TABLE_BYTES; a step then runs the module, as before."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaModel
+
+    from svrmad_local.engine import families
+    from svrmad_local.engine.families import Rotary
+
+    common = dict(vocab_size=32, hidden_size=64, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=1000)
+    rot = Rotary(LlamaModel(LlamaConfig(**common)), "llama", {None})
+    forward = rot.module.forward
+
+    def odd(x, position_ids, *a):  # one ulp off wherever a call holds fewer positions than a chunk
+        cos, sin = forward(x, position_ids, *a)
+        return (cos.nextafter(cos + 1) if position_ids.shape[-1] < families.ROPE_CHUNK else cos), sin
+
+    monkeypatch.setattr(rot.module, "forward", odd)
+    assert rot.prepare(torch.float32, torch.device("cpu"), 1000) is False and not rot.fixed and rot.tables == {}
+    monkeypatch.undo()
+    dynamic = LlamaModel(LlamaConfig(**common, rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
+    assert Rotary(dynamic, "llama", {None}).prepare(torch.float32, torch.device("cpu"), 1000) is False
+    monkeypatch.setattr(families, "ROPE_TABLE_BYTES", 2 * 1000 * 16 * 4 - 1)  # one byte short of 1,000 rows of 16
+    big = Rotary(LlamaModel(LlamaConfig(**common)), "llama", {None})
+    assert big.prepare(torch.float32, torch.device("cpu"), 1000) is False and not big.fixed
+    assert big.prepare(torch.float32, torch.device("cpu"), 999) is True and big.fixed
+    assert big.tables[(None, torch.float32)][0].shape == (999, 16)
+
+
 def test_rope_without_a_table_where_rows_depend_on_more_than_the_position():
     """A dynamic rope type (its frequencies follow the longest position of the call) and a width whose values
     torch's cos/sin would split between its vectorised loop and its scalar tail run the module every step."""

@@ -7,7 +7,8 @@
 * the compiled Triton kernels (cascade attention with windows and sinks, merge, token statistics, the
   decoder's fused ops, paged decode in one split and into the caller's output, the sampling kernels)
   against their torch references on CUDA tensors in fp32, fp16 and bf16;
-* our decoder (engine/decoder.py) over the Triton fused ops, against the modules and a cache-free loop;
+* our decoder (engine/decoder.py) over the Triton fused ops, against the modules and a cache-free loop; its
+  RoPE tables filled at build, the rotary module's bits;
 * the few-row linear (kernels/skinny.py) against its reference and from a graph, and the engine over it;
 * programmatic dependent launch on an sm_90 GPU: able, and the same bits as without it.
 
@@ -115,6 +116,25 @@ def test_our_decoder_on_the_gpu_is_the_modules(name, graphs):
     for a, b in zip(outs, modules):
         assert a.completions[0].token_ids == b.completions[0].token_ids, name
         assert a.completions[0].logprobs == pytest.approx(b.completions[0].logprobs, abs=1e-4), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_our_decoder_on_the_gpu_reads_rope_from_tables_with_the_modules_bits(dtype):
+    """On CUDA our decoder fills its RoPE tables at build (engine/families.Rotary.prepare), kept only where the
+    module's rows at a step's shapes are the tables' bits: here for every zoo architecture (each a static rope
+    type), and at 64 random positions at once the rows read are the module's."""
+    for name in EXACT:
+        model = make_zoo_model(name).to(CUDA).to(dtype)
+        eng = Engine(model, None, EngineConfig(decoder="ours", kv_cache_memory=64 * 2**20, block_size=4,
+                                               cuda_graphs="off"))
+        rot = eng.runner.decoder.rotary
+        eng.close()
+        assert rot.fixed, name
+        n = model.config.max_position_embeddings
+        pos = torch.randint(0, n, (1, 64), device=CUDA, generator=torch.Generator(device="cuda").manual_seed(1))
+        h = torch.zeros(1, 64, 1, dtype=dtype, device=CUDA)
+        for key, got in rot(h, pos).items():
+            assert all(torch.equal(g, w) for g, w in zip(got, rot._rows(key, h, pos))), (name, key)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

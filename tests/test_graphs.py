@@ -571,8 +571,8 @@ def test_a_decode_layer_on_the_gpu_path_is_eight_kernels(interp, monkeypatch):
     assert t2["_vocab_kernel"] == t2["_finish_kernel"] == 1 and t2["_rms_norm_kernel"] == 2 * 2 + 1  # + the final norm
     assert t2["_skinny_kernel"] == 2 * 4 + 1  # + the LM head
     assert ops4 == ops2, (ops2, ops4)  # no torch op grows with the layers
-    # the only torch ops of the step: the embedding, and here the RoPE table's rows (engine/families.Rotary
-    # on the CPU; a GPU runs the rotary module's few ops): no linear, no sampling op, no copy of the draws or logits
+    # the only torch ops of the step: the embedding, and here the RoPE table's rows (engine/families.Rotary: grown
+    # on the CPU, filled at build on a GPU): no linear, no sampling op, no copy of the draws or logits
     assert set(ops2) <= {"embedding", "max", "item", "index_select"}, ops2
 
 

@@ -39,6 +39,9 @@ from .spec import ModelSpec
 
 CHOICES = ("auto", "ours", "modules")
 ALIASES = {"lean": "ours"}  # the forward's name before it covered every family
+# devices whose steps read RoPE rows from tables filled at build (families.Rotary.prepare: a GPU step cannot grow
+# one); the CPU grows its tables as positions come
+ROPE_AT_BUILD = ("cuda",)
 
 
 class Decoder:
@@ -57,6 +60,8 @@ class Decoder:
         self.head = linear_call(head, gemv) if gemv and type(head) is nn.Linear and tuple(head.weight.shape) in gemv \
             else None
         self.rotary = Rotary(body, self.family, {L.rope for L in self.layers})
+        if ops.device.type in ROPE_AT_BUILD:
+            self.rotary.prepare(spec.dtype, ops.device, getattr(body.config, "max_position_embeddings", 0) or 0)
         # decode steps as one compiled call on the CPU where every layer is a dense Llama-shaped one (engine/stack.py)
         self.stack, self.stack_note = stack.build(model, self)
 

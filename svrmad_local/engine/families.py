@@ -295,6 +295,7 @@ def rope_latent(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleav
 # position of the call (transformers' dynamic_rope_update), so they run the module at every step
 STATIC_ROPE = {"default", "linear", "llama3", "yarn"}
 ROPE_CHUNK = 256  # positions a module call while a table is filled
+ROPE_TABLE_BYTES = 256 << 20  # the most a GPU's tables may take (Llama 3.1's 131,072 positions in bf16: 64 MiB)
 
 
 class Rotary:
@@ -306,25 +307,59 @@ class Rotary:
     cost ~0.1 ms of a ~13 ms batch-1 bf16 step on a 2-core Xeon. The rows are the module's bits: each value
     is a product and a cos/sin of its own position, and the module's width is a multiple of 16, so at any
     number of positions a call computes every value in torch's vectorised loop (a width that is not would
-    take its scalar tail for some, whose cos/sin may differ in the last bit: no table then)."""
+    take its scalar tail for some, whose cos/sin may differ in the last bit: no table then).
+
+    On a GPU a step cannot grow a table (reading pos.max() waits for the device, and a graph replays fixed
+    kernels), so `prepare` fills every position the model takes once, at build: a step's ~10 kernels of the
+    module become one index_select a table (`fixed`)."""
 
     def __init__(self, body: nn.Module, family: str, keys: set):
         self.module, self.keys, self.double = body.rotary_emb, sorted(keys, key=str), family in HALF_ROTARY
         types = getattr(self.module, "rope_type", None)
         types = list(types.values()) if isinstance(types, dict) else [types]
         self.tables: dict | None = {} if all(t in STATIC_ROPE for t in types) else None
+        self.fixed = False  # the tables hold every position (prepare): a step reads them and never grows them
 
     def __call__(self, h: torch.Tensor, pos: torch.Tensor) -> dict:
-        if self.tables is not None and h.device.type == "cpu":
-            n, p, tables = int(pos.max()) + 1, pos[0], {}
+        if self.tables is not None and (self.fixed or h.device.type == "cpu"):
+            n, p, tables = None if self.fixed else int(pos.max()) + 1, pos[0], {}
             for key in self.keys:
-                found = self._table(key, h, n)
+                found = self.tables.get((key, h.dtype)) if self.fixed else self._table(key, h, n)
                 if found is None:
                     break
                 tables[key] = (found[0].index_select(0, p), found[1].index_select(0, p))
             else:
                 return tables
         return {key: self._rows(key, h, pos) for key in self.keys}
+
+    def prepare(self, dtype: torch.dtype, device: torch.device, positions: int) -> bool:
+        """Tables of positions [0, positions) in `dtype` on `device`, made before any graph is captured and
+        before the KV budget is measured (their memory is counted), and kept only where the module called
+        as a step calls it (1, 8 and 37 positions: at the start, the end and between, in no order) gives
+        their rows bit for bit; else the module runs every step, as before. False where no table is kept
+        (a rope type that depends on more than the position, or tables over ROPE_TABLE_BYTES)."""
+        if self.tables is None or positions < 1:
+            return False
+        h = torch.zeros(1, 1, 1, dtype=dtype, device=device)  # the module reads its dtype and device only
+        width = self._rows(self.keys[0], h, torch.zeros(1, 1, dtype=torch.long, device=device))[0].shape[-1]
+        if 2 * positions * width * h.element_size() * len(self.keys) > ROPE_TABLE_BYTES:
+            return False
+        g = torch.Generator().manual_seed(0)
+        samples = [torch.arange(8), torch.tensor([positions - 1]), torch.randint(0, positions, (37,), generator=g)]
+        made = {}
+        for key in self.keys:
+            pos = torch.arange(positions, device=device)[None]
+            parts = [self._module(key, h, pos[:, i:i + ROPE_CHUNK]) for i in range(0, positions, ROPE_CHUNK)]
+            table = self._whole(*(torch.cat([p[j] for p in parts]) for j in (0, 1)))
+            for sample in samples:
+                sample = sample.clamp_max(positions - 1).to(device)
+                want = self._rows(key, h, sample[None])
+                if not all(torch.equal(t.index_select(0, sample), w) for t, w in zip(table, want)):
+                    return False
+            made[(key, dtype)] = table
+        self.tables.update(made)
+        self.fixed = True
+        return True
 
     def _rows(self, key, h: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self._whole(*self._module(key, h, pos))
