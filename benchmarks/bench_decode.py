@@ -399,13 +399,14 @@ def main() -> int:
     ap.add_argument("--host-ops", action="store_true",
                     help="count the torch ops one decode step dispatches at each batch size, and stop")
     ap.add_argument("--json", action="store_true", help="with --host-ops: one JSON object only")
-    ap.add_argument("--profile", type=int, metavar="B",
-                    help="profile one generate of B sequences (torch.profiler: wall and device-busy ms a step, the "
-                         "top host ops and kernels), and stop")
+    ap.add_argument("--profile", metavar="B[,B...]",
+                    help="profile one generate of B sequences at each B (torch.profiler: wall and device-busy ms a "
+                         "step, the top host ops and kernels), and stop")
     ap.add_argument("--random-weights", action="store_true",
                     help="random weights from --model's config.json (a checkpoint's shape: timing only)")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
+    profiled = [int(b) for b in args.profile.split(",")] if args.profile else []
     if args.host_ops:
         lm = load(args)
         rows = host_ops(lm.model, lm.tokenizer, batches, args.block_size, overrides=engine_overrides(args.engine))
@@ -422,7 +423,7 @@ def main() -> int:
     lm = load(args)
     dtype = next(lm.model.parameters()).dtype
     vocab = lm.model.get_output_embeddings().out_features
-    engine = Engine(lm.model, lm.tokenizer, EngineConfig(**{"block_size": args.block_size, "max_num_seqs": max(batches),
+    engine = Engine(lm.model, lm.tokenizer, EngineConfig(**{"block_size": args.block_size, "max_num_seqs": max(batches + profiled),
                                                             **engine_overrides(args.engine)}))
     print(f"engine: {engine.info['decoder']}; linear {engine.info['linear']}; {engine.info['attention']} attention; "
           f"cuda graphs {engine.info['cuda_graphs']}; overlap {engine.execution.overlap}; pdl {engine.execution.pdl}; "
@@ -438,16 +439,19 @@ def main() -> int:
     print(f"machine: read bandwidth {bw / 1e9:.1f} GB/s; model: {w_bytes / 1e6:.0f} MB of {str(dtype)[6:]} weights "
           f"read per step, {kv_tok} KV bytes per token")
 
-    if args.profile:
-        prof = profile_decode(engine, args.profile, args, vocab)
-        print(f"batch {prof['batch']}: {prof['wall_ms_per_step']} ms a step, the device busy "
-              f"{prof['device_busy_ms_per_step']} ms of it ({prof['kernels_per_step']} kernels a step, their own "
-              f"times {prof['kernel_ms_per_step']} ms)")
-        for title, key in (("host ops (self time)", "top_host_ms_per_step"), ("kernels", "top_kernels_ms_per_step")):
-            print(f"  {title}, ms a step and calls a step:")
-            for name, t, calls in prof[key]:
-                print(f"    {t:8.4f}  {calls:7.1f}  {name}")
-        print(json.dumps({"profile": prof, "engine": args.engine, "dtype": args.dtype}))
+    if profiled:
+        profiles = []
+        for B in profiled:
+            prof = profile_decode(engine, B, args, vocab)
+            profiles.append(prof)
+            print(f"batch {prof['batch']}: {prof['wall_ms_per_step']} ms a step, the device busy "
+                  f"{prof['device_busy_ms_per_step']} ms of it ({prof['kernels_per_step']} kernels a step, their own "
+                  f"times {prof['kernel_ms_per_step']} ms)")
+            for title, key in (("host ops (self time)", "top_host_ms_per_step"), ("kernels", "top_kernels_ms_per_step")):
+                print(f"  {title}, ms a step and calls a step:")
+                for name, t, calls in prof[key]:
+                    print(f"    {t:8.4f}  {calls:7.1f}  {name}")
+        print(json.dumps({"profiles": profiles, "engine": args.engine, "dtype": args.dtype}))
         return 0
     gen = torch.Generator().manual_seed(0)  # the timed prompts: the same for every side
     warm_up(engine_generate, args, vocab)

@@ -499,10 +499,10 @@ def main(argv=None) -> int:
                                  _last_json))
                 if "profile" in wanted:  # where a decode step's time goes: the host, the device, which kernels
                     plan.append((f"profile-{model}{dtag}-graphs-{graphs}",
-                                 base + ["--profile", "1", "--new-tokens", "32"], 40, _last_json))
+                                 base + ["--profile", "1,32", "--new-tokens", "32"], 40, _last_json))
                     for cmd, ptag in pdls:  # without PDL a kernel's own time is its work alone (with it, also its wait)
                         plan.append((f"profile-{model}{dtag}-graphs-{graphs}{ptag}",
-                                     cmd + ["--profile", "1", "--new-tokens", "32"], 40, _last_json))
+                                     cmd + ["--profile", "1,32", "--new-tokens", "32"], 40, _last_json))
     if "decode-peer" in wanted:  # the engine (graphs auto) and transformers' compiled generate, same prompts, one run
         for model in args.peer_models.split(","):
             plan.append((f"decode-peer-{model}", [py, "benchmarks/bench_decode.py", "--model", str(m / model),
