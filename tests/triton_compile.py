@@ -9,11 +9,15 @@ refuses, a shape it cannot lay out), which a machine with a GPU would find only 
 
 `record` runs the given pytest node ids with the interpreter's launcher watched, and writes each distinct
 launch: the kernel (module and name), its signature as the compiler takes it (pointer dtypes, 32- or
-64-bit ints, floats) and its constexpr values. `compile` builds each for a CUDA target of that
+64-bit ints, floats) and its constexpr values, specialized as Triton's JIT specializes a launch on a GPU: an
+int argument equal to 1 becomes a constant (a stride of 1: contiguous loads), and a pointer 16-byte aligned
+or an int divisible by 16 is marked so (`tt.divisibility`). Without that the compiler could not vectorize a
+bf16 load, so it would neither pipeline loads into shared memory nor lay out the code the GPU runs. `compile` builds each for a CUDA target of that
 architecture (Triton's own ptxas, no driver, no GPU), each kernel once more as a programmatic dependent
 launch (sm_90+: its wait must come before any global memory access, `pdl_order`), and prints one JSON
-line: the kernels compiled and the failures with their first error line. The interpreter's tile sizes are
-smaller than a GPU's, so this checks the code, not the GPU's tilings. tests/test_triton_compile.py runs both.
+line: the kernels compiled, each kernel's largest shared memory a program, and the failures with their first
+error line. The interpreter's tile sizes are smaller than a GPU's, so this checks the code, not the GPU's
+tilings; of the launches that compile the same code, the most specialized is compiled. tests/test_triton_compile.py runs both.
 """
 
 from __future__ import annotations
@@ -25,21 +29,14 @@ import os
 import re
 import sys
 
-DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float64": "fp64", "int64": "i64",
-          "int32": "i32", "int16": "i16", "int8": "i8", "uint8": "u8", "bool": "i1", "float8_e4m3fn": "fp8e4nv"}
+def _specialized(value):
+    """(type, mark) as Triton's JIT specializes a runtime argument on a CUDA GPU: ("constexpr", 1) for an int
+    equal to 1, ("*bf16", "D") for a 16-byte aligned bf16 pointer, ("i32", "D") for an int divisible by 16,
+    ("fp32", None) for a float."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.nvidia.compiler import CUDABackend
 
-
-def _type(value) -> str | None:
-    """The compiler's name for a runtime argument's type (None: not one a launch here passes)."""
-    if hasattr(value, "data_ptr") and hasattr(value, "dtype"):
-        return "*" + DTYPES[str(value.dtype).removeprefix("torch.")]
-    if isinstance(value, bool):
-        return "i1"
-    if isinstance(value, int):
-        return "i32" if -2**31 <= value < 2**31 else "i64"
-    if isinstance(value, float):
-        return "fp32"
-    return None
+    return native_specialize_impl(CUDABackend, value, False, True, True)
 
 
 def _is_tl_dtype(value) -> bool:
@@ -59,16 +56,23 @@ def record(path: str, tests: list[str]) -> int:
         signature = inspect.signature(fn)
         bound = signature.bind_partial(*args, **{k: v for k, v in kwargs.items() if k in signature.parameters})
         bound.apply_defaults()
-        sig, consts = {}, {}
+        sig, consts, ones, aligned = {}, {}, [], []
         for name, value in bound.arguments.items():
             if name in self.constexprs:
                 value = getattr(value, "value", value)  # a tl.constexpr wrapper
                 sig[name], consts[name] = "constexpr", {"tl": str(value)} if _is_tl_dtype(value) else value
-            else:
-                sig[name] = _type(value)
+                continue
+            try:
+                sig[name], mark = _specialized(value)
+            except Exception:  # noqa: BLE001 - a type the JIT does not take: named by compile
+                sig[name], mark = None, None
+            if sig[name] == "constexpr":
+                ones.append(name)
+            elif mark == "D":
+                aligned.append(name)
         options = {k: v for k, v in kwargs.items() if k in ("num_warps", "num_stages")}
         entry = {"module": fn.__module__, "name": fn.__name__, "signature": sig, "constexprs": consts,
-                 "options": options}
+                 "ones": ones, "aligned": aligned, "options": options}
         entry = launches.setdefault(json.dumps(entry, sort_keys=True, default=repr), entry)
         if os.environ.get("SVRMAD_TRITON_WHO"):  # which test launched it (for choosing the tests to record)
             entry.setdefault("tests", []).append(os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0])
@@ -82,12 +86,14 @@ def record(path: str, tests: list[str]) -> int:
 
 
 def distinct(launches: list[dict]) -> list[dict]:
-    """One launch for each kernel, signature and set of its non-integer constexprs (flags, dtypes, None):
-    the tile sizes' many values compile the same code."""
+    """One launch for each kernel, argument types and set of its non-integer constexprs (flags, dtypes, None):
+    the tile sizes' many values compile the same code. Of those, the most specialized (the most arguments
+    equal to 1 or aligned: a real model's shapes, where a test's odd sizes are not)."""
     seen = {}
-    for e in launches:
+    for e in sorted(launches, key=lambda e: -len(e["ones"]) - len(e["aligned"])):
         flags = {k: v for k, v in e["constexprs"].items() if not (isinstance(v, int) and not isinstance(v, bool))}
-        seen.setdefault(json.dumps([e["name"], e["signature"], flags], sort_keys=True), e)
+        types = {k: t for k, t in e["signature"].items() if k not in e["ones"]}
+        seen.setdefault(json.dumps([e["name"], types, flags], sort_keys=True), e)
     return list(seen.values())
 
 
@@ -112,11 +118,15 @@ def pdl_order(ptx: str) -> str | None:
 
 
 def _compile(fn, entry: dict, consts: dict, target, options: dict):
+    """`entry` compiled as the JIT would: its ints equal to 1 as constants, its aligned arguments marked."""
     from triton.compiler import ASTSource
     import triton
 
-    return triton.compile(ASTSource(fn=fn, signature=entry["signature"], constexprs=consts), target=target,
-                          options=options)
+    at = {name: (i,) for i, name in enumerate(fn.arg_names)}
+    constexprs = {at[k]: v for k, v in {**consts, **dict.fromkeys(entry["ones"], 1)}.items()}
+    attrs = {at[k]: [["tt.divisibility", 16]] for k in entry["aligned"]}
+    return triton.compile(ASTSource(fn=fn, signature=entry["signature"], constexprs=constexprs, attrs=attrs),
+                          target=target, options=options)
 
 
 def compile_all(path: str, arch: int) -> int:
@@ -127,7 +137,7 @@ def compile_all(path: str, arch: int) -> int:
     from triton.backends.compiler import GPUTarget
 
     target = GPUTarget("cuda", arch, 32)
-    done, failed, pdl = set(), [], set()
+    done, failed, pdl, shared = set(), [], set(), {}
     for entry in distinct(json.load(open(path))):
         fn = getattr(importlib.import_module(entry["module"]), entry["name"])
         unknown = [n for n, t in entry["signature"].items() if t is None]
@@ -137,8 +147,9 @@ def compile_all(path: str, arch: int) -> int:
         consts = {k: triton.language.dtype(v["tl"]) if isinstance(v, dict) else v
                   for k, v in entry["constexprs"].items()}
         try:
-            _compile(fn, entry, consts, target, entry["options"])
+            made = _compile(fn, entry, consts, target, entry["options"])
             done.add(entry["name"])
+            shared[entry["name"]] = max(shared.get(entry["name"], 0), made.metadata.shared)
             if arch >= 90 and "PDL" in consts and entry["name"] not in pdl:
                 extra = {"PREFETCH": 1024} if "PREFETCH" in consts else {}
                 ptx = _compile(fn, entry, {**consts, "PDL": True, **extra}, target,
@@ -151,7 +162,7 @@ def compile_all(path: str, arch: int) -> int:
             lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
             failed.append({"kernel": entry["name"], "constexprs": entry["constexprs"],
                            "error": " ... ".join(dict.fromkeys((lines[0], lines[-1])))[:300]})
-    print(json.dumps({"arch": arch, "compiled": sorted(done), "pdl": sorted(pdl), "failed": failed}))
+    print(json.dumps({"arch": arch, "compiled": sorted(done), "pdl": sorted(pdl), "shared": shared, "failed": failed}))
     return 1 if failed else 0
 
 
