@@ -1,6 +1,6 @@
 """The few-row linear (kernels/skinny.py) against F.linear (cuBLAS) at Qwen3-1.7B's decode shapes, bf16 (a script).
 
-    python benchmarks/bench_skinny.py [--rows 1,2,4,8] [--dtype bf16|fp16|fp32] [--chain LAYERS] [--json]
+    python benchmarks/bench_skinny.py [--rows 1,2,4,8,16,32] [--dtype bf16|fp16|fp32] [--chain LAYERS] [--json]
     python benchmarks/bench_skinny.py --dry-run   # CPU: tiny shapes through Triton's interpreter
 
 Qwen3-1.7B: hidden 2,048, 16 query heads and 8 KV heads of 128 dims, MLP 6,144, vocabulary 151,936. The
@@ -154,7 +154,7 @@ def chain(device, dtype, picks: dict, layers: int, dims=(H, I, Q, KV), prefetche
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", default="1,2,4,8")
+    ap.add_argument("--rows", help="row counts, comma-separated (default: the engine's, skinny.ROWS)")
     ap.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     ap.add_argument("--shapes", help=f"comma-separated names of {', '.join(SHAPES)} (default: all)")
     ap.add_argument("--json", action="store_true", help="end with one JSON line of every figure")
@@ -173,7 +173,7 @@ def main(argv=None) -> int:
 
     device = torch.device("cpu" if args.dry_run else "cuda")
     dtype = DTYPES[args.dtype]
-    rows = [int(r) for r in args.rows.split(",")]
+    rows = [int(r) for r in args.rows.split(",")] if args.rows else list(skinny.ROWS)
     shapes = TINY if args.dry_run else {k: SHAPES[k] for k in (args.shapes.split(",") if args.shapes else SHAPES)}
     result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreted)",
               "dtype": args.dtype, "margin": gemv.MARGIN, "shapes": {}}
@@ -193,7 +193,8 @@ def main(argv=None) -> int:
                 shape["checks"][str(cfg)] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
         for m in rows:
             torch_s = timer(m, "torch")
-            times = {str(c): timer(m, c) for c in skinny.CONFIGS if "error" not in shape["checks"][str(c)]}
+            times = {str(c): timer(m, c) for c in skinny.CONFIGS
+                     if "error" not in shape["checks"][str(c)] and skinny.runs(c, m)}
             best = min(times, key=times.get) if times else None
             row = shape["rows"][m] = {
                 "torch_us": round(torch_s * 1e6, 2), "torch_gbps": round(gb / torch_s, 1),

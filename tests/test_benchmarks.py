@@ -533,7 +533,7 @@ def test_bench_skinny_times_every_config_against_f_linear_or_says_it_needs_cuda(
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert bench_skinny.main([]) == 0
     assert "needs CUDA" in capsys.readouterr().out
-    assert bench_skinny.main(["--dry-run", "--json", "--rows", "1,8", "--chain", "2"]) == 0
+    assert bench_skinny.main(["--dry-run", "--json", "--rows", "1,8,16", "--chain", "2"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     chain = out["chain"]  # off a GPU PDL does not run: the chain once, plainly, its configs the timed ones
     assert chain["layers"] == 2 and chain["pdl"] == "tensors on cpu" and chain["same_bits"]
@@ -544,9 +544,11 @@ def test_bench_skinny_times_every_config_against_f_linear_or_says_it_needs_cuda(
     for shape in out["shapes"].values():
         assert set(shape["checks"]) == {str(c) for c in skinny.CONFIGS}
         assert all(0 <= c["max_diff"] <= 2**-7 for c in shape["checks"].values()), shape["checks"]
-        assert set(shape["rows"]) == {"1", "8"}
-        for row in shape["rows"].values():
-            assert row["torch_us"] > 0 and len(row["configs_us"]) == len(skinny.CONFIGS) and row["best"] in shape["checks"]
+        assert set(shape["rows"]) == {"1", "8", "16"}
+        for m, row in shape["rows"].items():  # above 8 rows only the tl.dot configs
+            ran = [c for c in skinny.CONFIGS if skinny.runs(c, int(m))]
+            assert row["torch_us"] > 0 and set(row["configs_us"]) == set(map(str, ran)) and row["best"] in shape["checks"]
+            assert len(ran) == (len(skinny.CONFIGS) if m != "16" else sum(c.dot for c in skinny.CONFIGS))
 
 
 def test_bench_step_broadcast_sends_a_long_context_step_in_the_bytes_of_a_short_one(capsys):

@@ -1,8 +1,8 @@
 """Which decode linears take the skinny kernel (engine/choices.py `gemv_choice`), and the engine over it.
 
 The choice is driven here by made-up timings (the timer is injected: no GPU needed): a shape and row count
-takes the kernel only where its best config beats F.linear by the margin; rows above 8 are never timed
-and always take F.linear; the record says how many shapes took it at each row count. Then the engine with
+takes the kernel only where its best config beats F.linear by the margin, above 8 rows only its tl.dot configs;
+rows above 32 are never timed and always take F.linear; the record says how many shapes took it at each row count. Then the engine with
 the kernel forced, in Triton's interpreter: the same greedy tokens as a cache-free loop, log-probs within
 1e-4 of F.linear's.
 """
@@ -34,7 +34,7 @@ def fake_timer_for(table, asked):
         shape = tuple(m.weight.shape)
 
         def timer(rows, candidate):
-            asked.append(rows)
+            asked.append((rows, candidate))
             if candidate == "torch":
                 return 1.0
             t = table[shape].get(rows)
@@ -51,20 +51,30 @@ def test_the_choice_follows_the_timings(tmp_path):
     assert len(shapes) >= 3, shapes
     fast, even, broken = shapes[:3]
     table = {shape: dict.fromkeys(skinny.ROWS, 1.5) for shape in shapes}  # slower everywhere...
-    table[fast] = {1: 0.6, 2: 0.7, 4: 0.97, 8: 1.2}  # ...but here at 1 and 2 rows (4: inside the 5% margin)
+    table[fast] = {1: 0.6, 2: 0.7, 4: 0.97, 8: 1.2, 32: 0.5}  # ...but here at 1, 2 and 32 rows (4: inside the margin)
     table[even] = dict.fromkeys(skinny.ROWS, 0.96)  # never 5% faster
     table[broken] = {}  # no config compiles
     asked = []
     picks, choice = choices.gemv_choice(model, "auto", "auto", CPU, fake_timer_for(table, asked), tmp_path)
-    assert picks == {fast: {1: skinny.CONFIGS[0], 2: skinny.CONFIGS[0]}}
-    assert set(asked) == set(skinny.ROWS)  # rows above 8 are never timed
+    first_dot = next(c for c in skinny.CONFIGS if c.dot)  # above 8 rows only the tl.dot configs are timed
+    assert picks == {fast: {1: skinny.CONFIGS[0], 2: skinny.CONFIGS[0], 32: first_dot}}
+    assert {r for r, _ in asked} == set(skinny.ROWS)  # rows above 32 are never timed
+    assert all(c == "torch" or skinny.runs(c, r) for r, c in asked) and (32, first_dot) in asked
+    assert not any(c != "torch" and not c.dot and r > skinny.BROADCAST_ROWS for r, c in asked)
     n = len(shapes)
     assert choice.value == f"skinny for 1 of {n} shapes at 1 row, 1 of {n} shapes at 2 rows, 0 of {n} shapes at " \
-                           f"4 rows, 0 of {n} shapes at 8 rows"
+                           f"4 rows, 0 of {n} shapes at 8 rows, 0 of {n} shapes at 16 rows, 1 of {n} shapes at 32 rows"
     assert "5% faster" in choice.reason and f"{fast[0]}x{fast[1]}: 1:{skinny.CONFIGS[0]}" in choice.reason
     # the decoder's call of a linear of that shape: the kernel at 1 and 2 rows, F.linear at 4 and above 8
     linear = next(m for m in model.modules() if type(m) is torch.nn.Linear and tuple(m.weight.shape) == fast)
     assert linear_call(linear, picks).picks == picks[fast]
+    seen = []
+    with pytest.MonkeyPatch.context() as mp:  # 24 rows (a graph's padded batch) take 32's pick; 33 F.linear
+        mp.setattr(skinny, "skinny_linear", lambda x, w, b, cfg: (seen.append((x.shape[0], cfg)), x)[1])
+        call = linear_call(linear, picks)
+        for m in (1, 3, 24, 33):
+            call(torch.zeros(m, fast[1]))
+    assert seen == [(1, skinny.CONFIGS[0]), (24, first_dot)]
     other = next(m for m in model.modules() if type(m) is torch.nn.Linear and tuple(m.weight.shape) == even)
     assert linear_call(other, picks) is other
 
@@ -162,7 +172,9 @@ def test_forced_skinny_in_the_interpreter_is_token_exact(graphs, monkeypatch):
     prompts = [rand_prompt(11, 3), rand_prompt(6, 4)]
     got, record = run(model, prompts, "skinny", cuda_graphs=graphs)
     assert record.value.startswith("skinny for") and calls
-    assert {m for m, _ in calls} <= set(range(1, 9)) and model.config.vocab_size in {n for _, n in calls}
+    rows = {m for m, _ in calls}  # prefill chunks of 9-32 rows through its tl.dot config (skinny.DEFAULT_DOT)
+    assert rows <= set(range(1, skinny.MAX_ROWS + 1)) and max(rows) > skinny.BROADCAST_ROWS, rows
+    assert model.config.vocab_size in {n for _, n in calls}
     for p, out in zip(prompts, got):
         assert out.token_ids == loop_greedy(model, p, GREEDY.max_tokens)
     ref, plain = run(model, prompts, "torch", cuda_graphs=graphs)

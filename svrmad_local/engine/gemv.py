@@ -55,14 +55,15 @@ def time_all(linears: dict[tuple[int, int], nn.Linear], timer_for: Callable, row
              configs=skinny.CONFIGS) -> dict[str, dict[str, dict[str, float]]]:
     """{"NxK": {rows: {"torch": s, config: s}}}: seconds a call, F.linear and each config that runs.
     `timer_for(linear)` gives a timer (rows, "torch" | Config) -> seconds (`skinny.cuda_timer` on a GPU; a
-    test passes made-up figures); a config that raises (cannot compile here) is left out."""
+    test passes made-up figures); a config that raises (cannot compile here) is left out, and one that does not
+    take that many rows (`skinny.runs`: the broadcast configs above 8) is not timed."""
     figures = {}
     for (n, k), m in linears.items():
         timer = timer_for(m)
         per_rows = figures[f"{n}x{k}"] = {}
         for r in rows:
             times = per_rows[str(r)] = {"torch": timer(r, "torch")}
-            for cfg in configs:
+            for cfg in (c for c in configs if skinny.runs(c, r)):
                 try:
                     times[str(cfg)] = timer(r, cfg)
                 except Exception:  # noqa: BLE001 - a config this device cannot compile: not a candidate

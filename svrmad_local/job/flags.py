@@ -82,7 +82,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="programmatic dependent launch: each kernel may start while the one before it runs "
                         "(sm_90 and later GPUs): auto where a probe at start-up finds it runs (docs/kernels.md)")
     g.add_argument("--gemv", choices=["auto", "skinny", "torch"], default=ec.gemv,
-                   help="decode's linears of up to 8 rows: auto takes our skinny Triton kernel per shape where it "
+                   help="decode's linears of up to 32 rows: auto takes our skinny Triton kernel per shape where it "
                         "timed faster than F.linear on the GPU; torch keeps cuBLAS (docs/kernels.md)")
     g = p.add_argument_group(
         "sampling (the paper's Appendix A values, except --max-tokens: the paper uses 16,384, "

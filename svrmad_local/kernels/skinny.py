@@ -1,4 +1,4 @@
-"""A linear for few rows (a decode step's M <= 8): y = x @ W^T (+ bias), reading W once for every row.
+"""A linear for few rows (a decode step's M <= 32): y = x @ W^T (+ bias), reading W once for every row.
 
 Why: at decode a linear streams its weight once per step and does almost no arithmetic, so its time is
 the weight's bytes over the memory's bandwidth. cuBLAS reads the weights at these shapes well below
@@ -34,8 +34,13 @@ from .pdl import launch
 
 log = logging.getLogger("svrmad_local")
 
-MAX_ROWS = 8  # rows above this are prefill or a wide batch: F.linear (a GEMM) always
-ROWS = (1, 2, 4, 8)  # the decode graphs' padded row counts (engine/graphs.batch_sizes), timed at build
+MAX_ROWS = 32  # rows above this are prefill or a wide batch: F.linear (a GEMM) always
+# the row counts timed at build: the decode graphs' padded row counts (engine/graphs.batch_sizes) up to 8, then
+# 16 and 32 (a graph of 24 rows takes 32's pick)
+ROWS = (1, 2, 4, 8, 16, 32)
+# the broadcast-product configs hold rows x block_n x block_k products in registers: above this many rows only the
+# tl.dot configs run (their row tile goes through the tensor cores: 16 rows, or 32)
+BROADCAST_ROWS = 8
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 DOT_ROWS = 16  # tl.dot's smallest row tile on a GPU
 # Products kept per thread (fp32) up to which a tile's products accumulate element-wise and are summed
@@ -153,8 +158,8 @@ class Config:
 
 # The candidates timed at build: narrow strips with long K tiles (each row of a tile a long contiguous read;
 # the broadcast product holds rows x block_n x block_k values, so these suit 1-2 rows), wider strips with
-# shorter tiles (4-8 rows), split-K for narrow outputs, and the tensor-core tile (rows padded to 16, the
-# product off the registers). What paces a GEMV is the bytes it has in flight (by Little's law ~3 TB/s
+# shorter tiles (4-8 rows), split-K for narrow outputs, and the tensor-core tile (rows padded to 16 or 32, the
+# product off the registers: the only ones above 8 rows). What paces a GEMV is the bytes it has in flight (by Little's law ~3 TB/s
 # at ~1 us of memory latency wants ~3 MB). Compiled for sm_90: a broadcast-product loop issues one
 # tile's loads and waits for them before the next tile's (Triton pipelines only the loads that feed
 # tl.dot, and ptxas reuses a tile's registers rather than issue more loads early), so it keeps one tile
@@ -162,8 +167,9 @@ class Config:
 # profile's ~2.0 TB/s implies. The tl.dot configs stream their tiles through shared memory with cp.async,
 # num_stages - 1 tiles ahead: the last three keep 48-64 KB a program in flight (32 output columns a
 # program: a 4,096-column linear is ~one program an SM), in 72-96 KB of shared memory (96-128 KB with the
-# gated prologue: under an A100's 163 KB). Not yet timed on a GPU: benchmarks/bench_skinny.py times each,
-# and the build picks per shape.
+# gated prologue: under an A100's 163 KB); at 32 rows 64-128 KB (144-192 KB gated: an A100 keeps act_mul
+# there, `runs_gated`). Not yet timed on a GPU: benchmarks/bench_skinny.py times each, and the build picks
+# per shape and row count.
 CONFIGS = (
     Config(8, 512, 1, 4, 3),
     Config(16, 256, 1, 4, 3),
@@ -182,7 +188,8 @@ CONFIGS = (
 # delivers in the microsecond or so a kernel boundary costs. (A later program would only delay its own loads
 # by the prefetch's issue, ~0.3 us: 32 rows made warp-uniform one at a time.)
 PREFETCH_BYTES = 1024
-DEFAULT = CONFIGS[1]  # gemv="skinny" without timing (tests, A/B runs)
+DEFAULT = CONFIGS[1]  # gemv="skinny" without timing (tests, A/B runs), up to BROADCAST_ROWS rows
+DEFAULT_DOT = CONFIGS[6]  # above them (96 KB of shared memory at 32 rows: fits an A100's and an H100's)
 SMS_DEFAULT = 132  # an H100's SMs, where the device cannot be asked (the interpreter)
 
 
@@ -195,6 +202,16 @@ def shares(cfg: Config, n: int, k: int, sms: int) -> int:
     if strips >= sms:
         return 1
     return max(1, min(cdiv(2 * sms, strips), cdiv(k, cfg.block_k) // 4))
+
+
+def runs(cfg: Config, rows: int) -> bool:
+    """Whether `cfg` takes `rows` rows: every config up to BROADCAST_ROWS, the tl.dot ones up to MAX_ROWS."""
+    return 0 < rows <= (MAX_ROWS if cfg.dot else BROADCAST_ROWS)
+
+
+def default(rows: int) -> Config:
+    """gemv="skinny"'s config at `rows` rows (no timing)."""
+    return DEFAULT if runs(DEFAULT, rows) else DEFAULT_DOT
 
 
 def sums_late(cfg: Config, block_m: int) -> bool:
@@ -211,7 +228,7 @@ def _sms(device: torch.device) -> int:
 
 
 def check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-    """ValueError naming what does not fit: x [M <= 8, K], weight [N, K] of x's dtype, bias [N]."""
+    """ValueError naming what does not fit: x [M <= MAX_ROWS, K], weight [N, K] of x's dtype, bias [N]."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"skinny_linear: x must be [M, K] and weight [N, K], got {list(x.shape)} and "
                          f"{list(weight.shape)}")
@@ -237,7 +254,8 @@ def prefetch_bytes(weight: torch.Tensor, k_share: int, split: int) -> int:
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   cfg: Config = DEFAULT, up: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] (M <= 8) @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype, fp32 accumulation. With `up`
+    """x [M, K] (M <= 8, or <= 32 for a tl.dot config) @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype, fp32
+    accumulation. With `up`
     (x's shape and dtype), the rows multiplied are SiLU(x) * up, rounded as act_mul rounds them (x the gate:
     an MLP's down projection over its gate/up output). Launches one kernel (two where K is split); nothing
     returns to the host, so a CUDA graph captures it."""
@@ -247,6 +265,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                          f"{list(x.shape)} {x.dtype}")
     m, k = x.shape
     n = weight.shape[0]
+    if m > BROADCAST_ROWS and not cfg.dot:
+        raise ValueError(f"skinny_linear: {cfg} takes at most {BROADCAST_ROWS} rows (its products are held in "
+                         f"registers), got {m}: a tl.dot config takes up to {MAX_ROWS}")
     # the interpreter truncates fp32 -> bf16/fp16 on store where a GPU rounds to nearest: round in torch there
     out_dtype = torch.float32 if interpreting() else x.dtype
     out = torch.empty(m, n, device=x.device, dtype=out_dtype)
@@ -258,7 +279,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     split = cdiv(k, k_share)  # every share non-empty
     parts = out if split == 1 else torch.empty(split, m, n, device=x.device, dtype=torch.float32)
     part_strides = (0, *parts.stride()) if split == 1 else parts.stride()
-    block_m = DOT_ROWS if cfg.dot else next_pow2(m)
+    block_m = max(DOT_ROWS, next_pow2(m)) if cfg.dot else next_pow2(m)
     b = bias if bias is not None else weight
     u = up if up is not None else x
     pdl = launch(x)
@@ -287,7 +308,7 @@ def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
 
 def bound(weight: torch.Tensor, bias: torch.Tensor | None, picks: dict[int, Config]):
     """x [M, K] -> linear(x, weight, bias): the skinny kernel with `picks[next_pow2(M)]` where it holds one
-    (M <= 8: a decode step's rows, padded by the graphs to 1, 2, 4, 8), else F.linear. A dict lookup at
+    (M <= 32: a decode step's rows, padded by the graphs to 1, 2, 4, 8, 16, 24, 32), else F.linear. A dict lookup at
     call time: nothing a CUDA graph cannot capture, and a graph is per row count, so it records one path."""
     pick = _by_rows(picks)
 
