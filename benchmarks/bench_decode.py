@@ -423,7 +423,8 @@ def main() -> int:
     lm = load(args)
     dtype = next(lm.model.parameters()).dtype
     vocab = lm.model.get_output_embeddings().out_features
-    engine = Engine(lm.model, lm.tokenizer, EngineConfig(**{"block_size": args.block_size, "max_num_seqs": max(batches + profiled),
+    engine = Engine(lm.model, lm.tokenizer, EngineConfig(**{"block_size": args.block_size,
+                                                            "max_num_seqs": max(batches + profiled),
                                                             **engine_overrides(args.engine)}))
     print(f"engine: {engine.info['decoder']}; linear {engine.info['linear']}; {engine.info['attention']} attention; "
           f"cuda graphs {engine.info['cuda_graphs']}; overlap {engine.execution.overlap}; pdl {engine.execution.pdl}; "
@@ -447,7 +448,8 @@ def main() -> int:
             print(f"batch {prof['batch']}: {prof['wall_ms_per_step']} ms a step, the device busy "
                   f"{prof['device_busy_ms_per_step']} ms of it ({prof['kernels_per_step']} kernels a step, their own "
                   f"times {prof['kernel_ms_per_step']} ms)")
-            for title, key in (("host ops (self time)", "top_host_ms_per_step"), ("kernels", "top_kernels_ms_per_step")):
+            for title, key in (("host ops (self time)", "top_host_ms_per_step"),
+                               ("kernels", "top_kernels_ms_per_step")):
                 print(f"  {title}, ms a step and calls a step:")
                 for name, t, calls in prof[key]:
                     print(f"    {t:8.4f}  {calls:7.1f}  {name}")

@@ -66,7 +66,8 @@ def run(args: list[str], workers: int = WORKERS, cwd: str | None = None) -> dict
     if failed:
         result["failures"].append(f"{len(failed)} failed: {', '.join(failed[:5])}")
     elif code != 0:
-        result["failures"].append(f"pytest exit {code}: {text.strip().splitlines()[-1] if text.strip() else 'no output'}")
+        last = text.strip().splitlines()[-1] if text.strip() else "no output"
+        result["failures"].append(f"pytest exit {code}: {last}")
     return result
 
 

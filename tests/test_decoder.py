@@ -326,7 +326,8 @@ def test_rope_tables_filled_at_build_give_the_modules_tokens_and_no_step_grows_t
     for key, got in rows.items():
         assert all(torch.equal(g, w) for g, w in zip(got, rot._rows(key, h, pos))), key
     try:
-        ours = [(c.token_ids, c.logprobs, c.entropies) for o in eng.generate_sync(PROMPTS, SAMPLED) for c in o.completions]
+        ours = [(c.token_ids, c.logprobs, c.entropies)
+                for o in eng.generate_sync(PROMPTS, SAMPLED) for c in o.completions]
     finally:
         eng.close()
     modules, _ = outputs(model, PROMPTS, decoder="modules")

@@ -1,10 +1,10 @@
 """Which decode linears take the skinny kernel (engine/choices.py `gemv_choice`), and the engine over it.
 
 The choice is driven here by made-up timings (the timer is injected: no GPU needed): a shape and row count
-takes the kernel only where its best config beats F.linear by the margin, above 8 rows only its tl.dot configs;
-rows above 32 are never timed and always take F.linear; the record says how many shapes took it at each row count. Then the engine with
-the kernel forced, in Triton's interpreter: the same greedy tokens as a cache-free loop, log-probs within
-1e-4 of F.linear's.
+takes the kernel only where its best config beats F.linear by the margin, above 8 rows only its tl.dot
+configs; rows above 32 are never timed and always take F.linear; the record says how many shapes took it at
+each row count. Then the engine with the kernel forced, in Triton's interpreter: the same greedy tokens as a
+cache-free loop, log-probs within 1e-4 of F.linear's.
 """
 
 from __future__ import annotations

@@ -8,16 +8,17 @@ refuses, a shape it cannot lay out), which a machine with a GPU would find only 
     python tests/triton_compile.py compile LAUNCHES.json [--arch 90]  # no interpreter: compile each for sm_ARCH
 
 `record` runs the given pytest node ids with the interpreter's launcher watched, and writes each distinct
-launch: the kernel (module and name), its signature as the compiler takes it (pointer dtypes, 32- or
-64-bit ints, floats) and its constexpr values, specialized as Triton's JIT specializes a launch on a GPU: an
-int argument equal to 1 becomes a constant (a stride of 1: contiguous loads), and a pointer 16-byte aligned
-or an int divisible by 16 is marked so (`tt.divisibility`). Without that the compiler could not vectorize a
-bf16 load, so it would neither pipeline loads into shared memory nor lay out the code the GPU runs. `compile` builds each for a CUDA target of that
-architecture (Triton's own ptxas, no driver, no GPU), each kernel once more as a programmatic dependent
-launch (sm_90+: its wait must come before any global memory access, `pdl_order`), and prints one JSON
-line: the kernels compiled, each kernel's largest shared memory a program, and the failures with their first
-error line. The interpreter's tile sizes are smaller than a GPU's, so this checks the code, not the GPU's
-tilings; of the launches that compile the same code, the most specialized is compiled. tests/test_triton_compile.py runs both.
+launch: the kernel (module and name), its signature as the compiler takes it (pointer dtypes, 32- or 64-bit
+ints, floats) and its constexpr values, specialized as Triton's JIT specializes a launch on a GPU: an int
+argument equal to 1 becomes a constant (a stride of 1: contiguous loads), and a pointer 16-byte aligned or an
+int divisible by 16 is marked so (`tt.divisibility`). Without that the compiler could not vectorize a bf16
+load, so it would neither pipeline loads into shared memory nor lay out the code the GPU runs. `compile`
+builds each for a CUDA target of that architecture (Triton's own ptxas, no driver, no GPU), each kernel once
+more as a programmatic dependent launch (sm_90+: its wait must come before any global memory access,
+`pdl_order`), and prints one JSON line: the kernels compiled, each kernel's largest shared memory a program,
+and the failures with their first error line. The interpreter's tile sizes are smaller than a GPU's, so this
+checks the code, not the GPU's tilings; of the launches that compile the same code, the most specialized is
+compiled. tests/test_triton_compile.py runs both.
 """
 
 from __future__ import annotations

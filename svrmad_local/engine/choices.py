@@ -82,12 +82,12 @@ def gemv_choice(model, mode: str, kernel_impl: str, device: torch.device, timer_
                 cache: str | None = None, ours: bool = True) -> tuple[dict, Choice]:
     """Which decode linears take the skinny kernel (kernels/skinny.py) instead of F.linear, at which row
     counts, and the record's gemv choice. "torch": none. "skinny": every plain linear at every row count
-    up to skinny.MAX_ROWS, with the default configs (tests, A/B runs; its Triton must run here). "auto": on a CUDA device
-    through Triton, timed against F.linear (engine/gemv.py; the figures kept per machine under `cache`, the
-    --cache-dir, so later engines pick the same configs), or through `timer_for`, which a test injects;
-    taken per shape and row count where faster by gemv.MARGIN; none elsewhere. Rows above skinny.MAX_ROWS
-    (32) always take F.linear. `ours`: our decoder will run the layers (only its calls look the picks up; the model's own
-    modules call F.linear). Made once at build, before any graph is captured."""
+    up to skinny.MAX_ROWS, with the default configs (tests, A/B runs; its Triton must run here). "auto": on a
+    CUDA device through Triton, timed against F.linear (engine/gemv.py; the figures kept per machine under
+    `cache`, the --cache-dir, so later engines pick the same configs), or through `timer_for`, which a test
+    injects; taken per shape and row count where faster by gemv.MARGIN; none elsewhere. Rows above
+    skinny.MAX_ROWS (32) always take F.linear. `ours`: our decoder will run the layers (only its calls look
+    the picks up; the model's own modules call F.linear). Made once at build, before any graph is captured."""
     if mode not in GEMV:
         raise ValueError(f"gemv must be one of {', '.join(GEMV)}, got {mode!r}")
     if mode == "torch":
@@ -103,8 +103,8 @@ def gemv_choice(model, mode: str, kernel_impl: str, device: torch.device, timer_
         except RuntimeError as exc:
             raise ValueError(f"gemv='skinny' cannot run here: {exc}") from None
         picks = {shape: {r: skinny.default(r) for r in skinny.ROWS} for shape in linears}
-        return picks, Choice("gemv", gemv.line(picks, len(linears)),
-                             f"as asked, config {skinny.DEFAULT} (above {skinny.BROADCAST_ROWS} rows {skinny.DEFAULT_DOT})")
+        said = f"as asked, config {skinny.DEFAULT} (above {skinny.BROADCAST_ROWS} rows {skinny.DEFAULT_DOT})"
+        return picks, Choice("gemv", gemv.line(picks, len(linears)), said)
     impl = kernels.select_impl(kernel_impl, device, "skinny_linear")
     gpu = device.type == "cuda" and impl == "triton"
     if timer_for is None and not gpu:

@@ -122,8 +122,8 @@ class EngineConfig:
 
     gemv: "auto" | "skinny" | "torch", how decode's linears of up to 32 rows run (kernels/skinny.py):
     "auto" times, at build on a GPU, F.linear against the skinny Triton kernel for each linear's shape at
-    1, 2, 4, 8, 16 and 32 rows and takes the kernel where it is 5% faster (F.linear off a GPU, and for a model of
-    less than 64 MiB of weights, whose steps are bound by launches); "skinny" takes it
+    1, 2, 4, 8, 16 and 32 rows and takes the kernel where it is 5% faster (F.linear off a GPU, and for a
+    model of less than 64 MiB of weights, whose steps are bound by launches); "skinny" takes it
     at every shape (its Triton must run: a GPU, or the interpreter); "torch" never. More rows: F.linear.
 
     adapt_threads: on the CPU, run the steps on fewer of torch's threads while other processes take

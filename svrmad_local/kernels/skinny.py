@@ -158,9 +158,9 @@ class Config:
 
 # The candidates timed at build: narrow strips with long K tiles (each row of a tile a long contiguous read;
 # the broadcast product holds rows x block_n x block_k values, so these suit 1-2 rows), wider strips with
-# shorter tiles (4-8 rows), split-K for narrow outputs, and the tensor-core tile (rows padded to 16 or 32, the
-# product off the registers: the only ones above 8 rows). What paces a GEMV is the bytes it has in flight (by Little's law ~3 TB/s
-# at ~1 us of memory latency wants ~3 MB). Compiled for sm_90: a broadcast-product loop issues one
+# shorter tiles (4-8 rows), split-K for narrow outputs, and the tensor-core tile (rows padded to 16 or 32,
+# the product off the registers: the only ones above 8 rows). What paces a GEMV is the bytes it has in
+# flight (by Little's law ~3 TB/s at ~1 us of memory latency wants ~3 MB). Compiled for sm_90: a broadcast-product loop issues one
 # tile's loads and waits for them before the next tile's (Triton pipelines only the loads that feed
 # tl.dot, and ptxas reuses a tile's registers rather than issue more loads early), so it keeps one tile
 # a program in flight: at 16 x 256 that is 2 MB across a 4,096-column bf16 linear, about what the H100
@@ -189,7 +189,7 @@ CONFIGS = (
 # by the prefetch's issue, ~0.3 us: 32 rows made warp-uniform one at a time.)
 PREFETCH_BYTES = 1024
 DEFAULT = CONFIGS[1]  # gemv="skinny" without timing (tests, A/B runs), up to BROADCAST_ROWS rows
-DEFAULT_DOT = CONFIGS[6]  # above them (96 KB of shared memory at 32 rows: fits an A100's and an H100's)
+DEFAULT_DOT = CONFIGS[6]  # above them (64 KB of shared memory at 32 rows, 96 KB gated: an A100 and an H100 hold it)
 SMS_DEFAULT = 132  # an H100's SMs, where the device cannot be asked (the interpreter)
 
 
@@ -254,9 +254,8 @@ def prefetch_bytes(weight: torch.Tensor, k_share: int, split: int) -> int:
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   cfg: Config = DEFAULT, up: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] (M <= 8, or <= 32 for a tl.dot config) @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype, fp32
-    accumulation. With `up`
-    (x's shape and dtype), the rows multiplied are SiLU(x) * up, rounded as act_mul rounds them (x the gate:
+    """x [M, K] (M <= 8, or <= 32 for a tl.dot config) @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype,
+    fp32 accumulation. With `up` (x's shape and dtype), the rows multiplied are SiLU(x) * up, rounded as act_mul rounds them (x the gate:
     an MLP's down projection over its gate/up output). Launches one kernel (two where K is split); nothing
     returns to the host, so a CUDA graph captures it."""
     check(x, weight, bias)
