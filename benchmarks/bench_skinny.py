@@ -130,7 +130,7 @@ def chain(device, dtype, picks: dict, layers: int, dims=(H, I, Q, KV), prefetche
     gb = sum(n * k for n, k in shapes.values()) * x.element_size() / 1e9
     result = {"layers": layers, "pdl": why or "on", "configs": {k: str(v) for k, v in cfg.items()},
               "engine_prefetch": skinny.PREFETCH_BYTES, "arms": {}}
-    outs, kept = {}, (pdl._state["on"], skinny.PREFETCH_BYTES)
+    outs, kept = {}, (pdl.use(False), skinny.PREFETCH_BYTES)
     try:
         for arm, (on, prefetch) in arms.items():
             pdl.use(on)

@@ -349,13 +349,8 @@ def _last_line(text: str) -> str:
 
 
 def _probe_json(text: str):
-    """gpu_probe.py and gpu_tests.py print one JSON object last: their figures, and their `failures`."""
-    obj = json.loads(text.strip().splitlines()[-1])
-    return obj, obj.pop("failures", [])
-
-
-def _memory_json(text: str):
-    """bench_memory.py's last line: its figures, and its `failures` (an OOM, a peak past the total)."""
+    """gpu_probe.py, gpu_tests.py and bench_memory.py print one JSON object last: their figures, and their
+    `failures` (bench_memory's: an OOM, a peak past the total)."""
     obj = json.loads(text.strip().splitlines()[-1])
     return obj, obj.pop("failures", [])
 
@@ -528,7 +523,7 @@ def main(argv=None) -> int:
     if "memory" in wanted:
         plan.append(("memory", [py, "benchmarks/bench_memory.py", "--model", str(m / LONG_MODEL), "--random-weights",
                                 "--sequences", "8", "--prompt-tokens", "16384", "--new-tokens", "32"], 240,
-                     _memory_json))
+                     _probe_json))
     for name, cmd, expect, parse in plan:
         step = add(name, True)
         if not ready:

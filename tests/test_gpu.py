@@ -544,7 +544,7 @@ def test_pdl_runs_on_an_sm90_gpu_and_changes_no_bit(tmp_path):
     model = make_zoo_model("qwen3").to(CUDA).to(torch.bfloat16)
     kw = dict(kv_cache_memory=64 * 2**20, block_size=4, cache_dir=str(tmp_path), gemv="skinny")
     prompts = [rand_prompt(2 * WINDOW + 5, 2), rand_prompt(7, 3)]
-    runs = {}
+    runs, before = {}, pdl.use(True)  # the engines set it; restored after
     try:
         for mode in ("auto", "off"):
             eng = Engine(model, None, EngineConfig(pdl=mode, **kw))
@@ -553,5 +553,5 @@ def test_pdl_runs_on_an_sm90_gpu_and_changes_no_bit(tmp_path):
             runs[mode] = [(o.completions[0].token_ids, o.completions[0].logprobs) for o in outs]
             eng.close()
     finally:
-        pdl.use(True)
+        pdl.use(before)
     assert runs["auto"] == runs["off"]

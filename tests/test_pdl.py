@@ -44,9 +44,9 @@ def test_the_flag_and_the_launch_option_go_together(monkeypatch):
     monkeypatch.setattr(pdl, "_decided", {0: None})
     monkeypatch.setitem(pdl._state, "on", True)
     assert pdl.launch(CUDA0) == {"PDL": True, "launch_pdl": True}
-    pdl.use(False)
+    assert pdl.use(False) is True  # the setting it replaced, for a caller to restore
     assert pdl.launch(CUDA0) == {}
-    pdl.use(True)
+    assert pdl.use(True) is False
     monkeypatch.setattr(pdl, "_decided", {0: "compute capability 8.0 (PDL needs 9.0 or later)"})
     assert pdl.launch(CUDA0) == {}
 

@@ -348,9 +348,7 @@ class Rotary:
         samples = [torch.arange(8), torch.tensor([positions - 1]), torch.randint(0, positions, (37,), generator=g)]
         made = {}
         for key in self.keys:
-            pos = torch.arange(positions, device=device)[None]
-            parts = [self._module(key, h, pos[:, i:i + ROPE_CHUNK]) for i in range(0, positions, ROPE_CHUNK)]
-            table = self._whole(*(torch.cat([p[j] for p in parts]) for j in (0, 1)))
+            table = self._whole(*self._fill(key, h, positions))
             for sample in samples:
                 sample = sample.clamp_max(positions - 1).to(device)
                 want = self._rows(key, h, sample[None])
@@ -381,11 +379,15 @@ class Rotary:
         have = self.tables.get((key, h.dtype))
         if have is not None and have[0].shape[0] >= n:
             return have
-        size = max(ROPE_CHUNK, 1 << (n - 1).bit_length())
-        pos = torch.arange(size, device=h.device)[None]
-        parts = [self._module(key, h[:1, :1], pos[:, i:i + ROPE_CHUNK]) for i in range(0, size, ROPE_CHUNK)]
-        if parts[0][0].shape[-1] % 16:
+        cos, sin = self._fill(key, h[:1, :1], max(ROPE_CHUNK, 1 << (n - 1).bit_length()))
+        if cos.shape[-1] % 16:
             self.tables = None
             return None
-        self.tables[(key, h.dtype)] = made = self._whole(*(torch.cat([p[j] for p in parts]) for j in (0, 1)))
+        self.tables[(key, h.dtype)] = made = self._whole(cos, sin)
         return made
+
+    def _fill(self, key, h: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The module's cos/sin [size, w] for positions [0, size), ROPE_CHUNK positions a call."""
+        pos = torch.arange(size, device=h.device)[None]
+        parts = [self._module(key, h, pos[:, i:i + ROPE_CHUNK]) for i in range(0, size, ROPE_CHUNK)]
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])

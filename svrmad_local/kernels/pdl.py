@@ -62,10 +62,11 @@ else:
     HAS_GDC = False
 
 
-def use(on: bool) -> None:
+def use(on: bool) -> bool:
     """The run's setting (EngineConfig.pdl, decided in engine/choices.py): False launches every kernel plainly;
-    True with PDL on every device `why_not` finds able."""
-    _state["on"] = bool(on)
+    True with PDL on every device `why_not` finds able. Returns the setting it replaced (to restore it)."""
+    before, _state["on"] = _state["on"], bool(on)
+    return before
 
 
 _decided: dict[int, str | None] = {}  # device index -> why_not's answer, once a probe ran

@@ -264,7 +264,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                          f"{list(x.shape)} {x.dtype}")
     m, k = x.shape
     n = weight.shape[0]
-    if m > BROADCAST_ROWS and not cfg.dot:
+    if m and not runs(cfg, m):
         raise ValueError(f"skinny_linear: {cfg} takes at most {BROADCAST_ROWS} rows (its products are held in "
                          f"registers), got {m}: a tl.dot config takes up to {MAX_ROWS}")
     # the interpreter truncates fp32 -> bf16/fp16 on store where a GPU rounds to nearest: round in torch there
