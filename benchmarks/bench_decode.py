@@ -298,19 +298,30 @@ def timed_pair(generate, gen, B: int, args, vocab: int) -> tuple[float, float]:
     return times[0], times[1]
 
 
+def batch_sizes(text: str) -> list[int]:
+    """An argparse type: "1,8,32" -> [1, 8, 32]; anything but positive ints is refused in argparse's one line."""
+    try:
+        sizes = [int(b) for b in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"batch sizes are positive integers separated by commas, got {text!r}")
+    return sizes
+
+
 def alternating_args(description: str, argv: list[str] | None) -> tuple[argparse.Namespace, list[int]]:
     """The flags of a benchmark that times two sides of one engine in alternating rounds of bench_decode
     pairs (bench_stack.py, bench_handoff.py), parsed; and the batch sizes."""
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--model", help="checkpoint folder (default: the embedded SmolLM2-135M-Instruct)")
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16")
-    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--batches", type=batch_sizes, default="1,8,32")
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args(argv)
     args.greedy, args.random_weights = False, False
-    return args, [int(b) for b in args.batches.split(",")]
+    return args, args.batches
 
 
 def lengths_of(engine: Engine):
@@ -383,7 +394,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="checkpoint folder (default: the embedded SmolLM2-135M-Instruct)")
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
-    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--batches", type=batch_sizes, default="1,8,32")
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--greedy", action="store_true")
@@ -399,14 +410,13 @@ def main() -> int:
     ap.add_argument("--host-ops", action="store_true",
                     help="count the torch ops one decode step dispatches at each batch size, and stop")
     ap.add_argument("--json", action="store_true", help="with --host-ops: one JSON object only")
-    ap.add_argument("--profile", metavar="B[,B...]",
+    ap.add_argument("--profile", type=batch_sizes, default=[], metavar="B[,B...]",
                     help="profile one generate of B sequences at each B (torch.profiler: wall and device-busy ms a "
                          "step, the top host ops and kernels), and stop")
     ap.add_argument("--random-weights", action="store_true",
                     help="random weights from --model's config.json (a checkpoint's shape: timing only)")
     args = ap.parse_args()
-    batches = [int(b) for b in args.batches.split(",")]
-    profiled = [int(b) for b in args.profile.split(",")] if args.profile else []
+    batches, profiled = args.batches, args.profile
     if args.host_ops:
         lm = load(args)
         rows = host_ops(lm.model, lm.tokenizer, batches, args.block_size, overrides=engine_overrides(args.engine))

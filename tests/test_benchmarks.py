@@ -728,3 +728,16 @@ def test_bench_silu_mul_times_both_loop_widths_and_torch(capsys):
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert [r["batch"] for r in out["rows"]] == [1, 3] and out["inter"] == 40
     assert all(r["level_us"] > 0 and r["avx2_loop_us"] > 0 and r["torch_us"] > 0 for r in out["rows"])
+
+
+def test_batch_sizes_are_positive_integers_or_refused_in_one_line():
+    """bench_decode's --batches and --profile: a list of positive sizes; anything else argparse refuses in its own
+    line (exit 2), not a traceback."""
+    import argparse
+
+    from bench_decode import batch_sizes
+
+    assert batch_sizes("1,8,32") == [1, 8, 32] and batch_sizes("4") == [4]
+    for bad in ("", "1,x", "0,8", "-1", "1,,2"):
+        with pytest.raises(argparse.ArgumentTypeError, match="positive integers separated by commas"):
+            batch_sizes(bad)
