@@ -36,6 +36,7 @@ from svrmad_local.engine.params import SamplingParams  # noqa: E402
 from svrmad_local.kernels import Level, cascade_attention, merge_states, reference_token_stats, token_stats  # noqa: E402
 
 from .model_zoo import EXACT, WINDOW, full_logprobs, loop_greedy, make_zoo_model, rand_prompt  # noqa: E402
+from .rounding import assert_one_rounding  # noqa: E402
 
 NEW = 10
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
@@ -480,31 +481,43 @@ def test_a_one_rank_nccl_group_captures_the_decode_graph_with_its_all_reduce_ins
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_the_skinny_linear_on_cuda_matches_its_reference_and_replays_from_a_graph(dtype):
     """kernels/skinny.py compiled: every config the engine may pick, at 1-8 rows (the tl.dot ones to 32), odd N
-    and K, with a bias,
-    within a few fp32 ulps of the fp32 reference (fp32) or one rounding (fp16/bf16); captured in a CUDA
-    graph and replayed, the same bits as eager (no host sync; split-K summed in order)."""
+    and K, with a bias, within a few fp32 ulps of the fp32 reference (fp32) or one rounding (fp16/bf16,
+    tests/rounding.py); captured in a CUDA graph and replayed, the same bits as eager (no host sync; split-K
+    summed in order). A launch that asks for more shared memory than the device has (the widest fp32 tiles
+    at 32 rows) is no candidate there, as the build's timing treats it (gemv.time_all); the configs
+    gemv="skinny" forces (skinny.default) must hold at every row count."""
+    _compiled_triton()
+    from triton.runtime.errors import OutOfResources
+
     from svrmad_local.kernels import skinny
 
-    _compiled_triton()
     g = torch.Generator(device="cuda").manual_seed(0)
     n, k = 1003, 2053
     w = (torch.randn(n, k, device=CUDA, generator=g) / k ** 0.5).to(dtype)
     b = torch.randn(n, device=CUDA, generator=g).to(dtype)
+    too_large = []
     for cfg in skinny.CONFIGS:
+        ran = None
         for m in [m for m in range(1, skinny.MAX_ROWS + 1) if skinny.runs(cfg, m)]:
             x = torch.randn(m, k, device=CUDA, generator=g).to(dtype)
-            got, ref = skinny.skinny_linear(x, w, b, cfg), skinny.reference(x, w, b)
+            try:
+                got = skinny.skinny_linear(x, w, b, cfg)
+            except OutOfResources:
+                too_large.append((str(cfg), m))
+                continue
+            ref, ran = skinny.reference(x, w, b), x
             if dtype == torch.float32:
                 torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
             else:
-                ulp = (ref.float().abs() * torch.finfo(dtype).eps).clamp_min(torch.finfo(dtype).tiny)
-                assert ((got.float() - ref.float()).abs() <= ulp).all(), (cfg, m)
+                assert_one_rounding(got, ref, (cfg, m))
+        assert ran is not None, (cfg, too_large)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            captured = skinny.skinny_linear(x, w, b, cfg)
+            captured = skinny.skinny_linear(ran, w, b, cfg)
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(captured, skinny.skinny_linear(x, w, b, cfg)), cfg
+        assert torch.equal(captured, skinny.skinny_linear(ran, w, b, cfg)), cfg
+    assert not {(str(skinny.default(m)), m) for m in range(1, skinny.MAX_ROWS + 1)} & set(too_large), too_large
 
 
 @pytest.mark.parametrize("gemv", ["skinny", "auto"])
