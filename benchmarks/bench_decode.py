@@ -499,7 +499,9 @@ def main() -> int:
                  if abs(bw_after - bw_before) > 0.2 * min(bw_before, bw_after) else ""))
     result = {"dtype": args.dtype, "engine": args.engine or "", "decoder": engine.info["decoder"],
               "overlap": engine.execution.overlap.value, "pdl": engine.execution.pdl.value,
-              "gemv": engine.execution.gemv.value, "linear": engine.info["linear"],
+              "gemv": engine.execution.gemv.value, "gemv_picks": engine.execution.gemv.reason,
+              "sampling": engine.execution.sampling.value, "sampling_timed": engine.execution.sampling.reason,
+              "linear": engine.info["linear"],
               "linear_run": (engine.info.get("linear_calibration") or {}).get("run"),
               "bandwidth_gb_s": round(bw / 1e9, 2), "weight_bytes_per_step": w_bytes,
               "kv_bytes_per_token": kv_tok, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,

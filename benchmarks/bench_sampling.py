@@ -59,15 +59,13 @@ def timed(logits, params, seed: int, compiled: bool) -> tuple[float, torch.Tenso
 def on_gpu(args) -> int:
     """The Triton kernels against torch's ops, each side replayed from its own CUDA graph."""
     from svrmad_local.engine import stats
-    from svrmad_local.engine.sampler import columns, draw
     from svrmad_local.kernels import sample_pack
 
     dev, gen, rows = torch.device(args.device), torch.Generator().manual_seed(0), []
     K, topk = sampler.SAMPLE_TOP_K, stats.STATS_TOP_K
 
     def torch_side(logits, table):
-        toks = draw(logits, *columns(table, logits.dtype), K)
-        return stats.pack(toks, stats.stats_from_logits(logits, toks, topk))
+        return sampler.packed_by_torch(logits, table, K, topk)
 
     def graphed(fn, *inputs):
         fn(*inputs)  # compiles the Triton kernels, warms torch's up

@@ -478,6 +478,20 @@ def test_a_one_rank_nccl_group_captures_the_decode_graph_with_its_all_reduce_ins
             dist.destroy_process_group()
 
 
+
+def test_the_sampling_choice_is_timed_on_the_gpu_and_kept(tmp_path):
+    """engine/choices.py `sampling_choice` on CUDA: both sides timed in a graph at each power of two, the
+    kernels taken where faster (the reason gives the figures), the figures kept for the next build."""
+    from svrmad_local.engine import choices
+
+    _compiled_triton()
+    head = torch.zeros(151936, 64, device=CUDA, dtype=torch.bfloat16)
+    rule, said = choices.sampling_choice(head, "auto", 8, cache=tmp_path)
+    assert [r for r, _ in rule.picks] == [1, 2, 4, 8] and said.value == str(rule), said
+    assert "at build" in said.reason and "did not run" not in said.reason, said.reason
+    again, said_again = choices.sampling_choice(head, "auto", 8, cache=tmp_path)
+    assert again == rule and "kept from an earlier build" in said_again.reason
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_the_skinny_linear_on_cuda_matches_its_reference_and_replays_from_a_graph(dtype):
     """kernels/skinny.py compiled: every config the engine may pick, at 1-8 rows (the tl.dot ones to 32), odd N

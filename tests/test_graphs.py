@@ -479,6 +479,45 @@ def test_on_a_gpu_the_step_samples_with_two_triton_kernels(interp, monkeypatch):
     assert not sampler_mod.fuses(logits, 1000, 20, "triton") and not sampler_mod.fuses(logits.double(), 40, 20, "triton")
 
 
+
+def test_the_steps_sample_by_the_row_counts_the_build_chose(interp, monkeypatch):
+    """Where the build timed torch's ops faster at some row counts (sampler.FusedRows, the runner's
+    `sampling`), the static step and the eager steps at those counts sample with torch's ops, elsewhere
+    with the kernels; greedy tokens the cache-free loop's either way."""
+    from svrmad_local.engine import sampler as sampler_mod
+    from svrmad_local.kernels import cpu_ops, sample_pack
+
+    model = make_zoo_model("qwen3")
+    monkeypatch.setattr(cpu_ops, "samples", lambda logits: False)
+    calls = []
+    inner = sample_pack.sample_pack
+    monkeypatch.setattr(sample_pack, "sample_pack", lambda *a: calls.append(a[0].shape[0]) or inner(*a))
+    eng = engine(model, cuda_graphs="static", kernel_impl="triton")
+    eng.runner.sampling = sampler_mod.FusedRows(((1, True), (2, False)))
+    calls.clear()  # the build's probe step
+    one = [rand_prompt(9, 50)]
+    assert [o.completions[0].token_ids for o in eng.generate_sync(one, GREEDY)] == [loop_greedy(model, one[0], NEW)]
+    assert len(calls) == NEW and set(calls) == {1}
+    calls.clear()
+    three = [rand_prompt(9 + 4 * i, 60 + i) for i in range(3)]
+    got = eng.generate_sync(three, GREEDY)
+    assert [o.completions[0].token_ids for o in got] == [loop_greedy(model, p, NEW) for p in three]
+    assert calls == []
+    eng.close()
+
+
+def test_the_build_hands_its_sampling_choice_to_the_runner_and_the_record(monkeypatch):
+    from svrmad_local.engine import choices
+    from svrmad_local.engine import sampler as sampler_mod
+    from svrmad_local.engine.execution import Choice
+
+    rule = sampler_mod.FusedRows(((1, False), (8, True)))
+    monkeypatch.setattr(choices, "sampling_choice", lambda *a, **k: (rule, Choice("sampling", str(rule), "by the test")))
+    eng = engine(make_zoo_model("llama"))
+    assert eng.runner.sampling is rule and eng.execution.sampling.reason == "by the test"
+    assert "sampling torch's ops at 1 row, Triton kernels at 2+ rows" in eng.execution.line()
+    eng.close()
+
 # torch ops that launch no kernel: views, metadata, allocations (an empty tensor is not computed)
 _NO_KERNEL = {"view", "unsqueeze", "squeeze", "select", "slice", "transpose", "t", "expand", "as_strided", "permute",
               "split", "split_with_sizes", "detach", "_unsafe_view", "alias", "unbind", "lift_fresh", "narrow",

@@ -129,3 +129,69 @@ def test_a_row_of_non_finite_logits_draws_an_index_and_leaves_the_other_rows_alo
     if cpu_ops.samples(logits):
         packed = sampler.sample_packed(logits, sampler.prepare(params, [random.Random(i) for i in range(3)], 500))
         assert packed[:, 0].tolist() == toks.double().tolist() and packed[1, 2].isnan() and not packed[0, 2].isnan()
+
+
+def _timed_choice(tmp_path, monkeypatch, timer, kernel_impl="auto", max_num_seqs=32, vocab=1000):
+    """choices.sampling_choice over a head on the CPU, as on a GPU with Triton (select_impl says "triton")."""
+    from svrmad_local.engine import choices
+
+    monkeypatch.setattr(choices.kernels, "select_impl", lambda *a: "triton")
+    return choices.sampling_choice(torch.zeros(vocab, 8), kernel_impl, max_num_seqs, cache=tmp_path, timer=timer)
+
+
+def test_the_sampling_choice_follows_the_timings_and_keeps_them(tmp_path, monkeypatch):
+    """Timed at powers of two up to max_num_seqs (and it), both sides; the kernels taken where faster, a step
+    of r rows going by the smallest timed count >= r; the figures kept, so a later build times nothing and
+    chooses the same."""
+    asked = []
+
+    def timer(rows, side):
+        asked.append((rows, side))
+        return (1.0 if rows <= 4 else 3.0) if side == "triton" else 2.0
+
+    rule, said = _timed_choice(tmp_path, monkeypatch, timer, max_num_seqs=24)
+    assert sorted({r for r, _ in asked}) == [1, 2, 4, 8, 16, 24] and {s for _, s in asked} == {"triton", "torch"}
+    assert [rule(r) for r in (1, 3, 4, 5, 8, 24, 100)] == [True, True, True, False, False, False, False]
+    assert said.value == "Triton kernels at 1-4 rows, torch's ops at 5+ rows" == str(rule)
+    assert "at build" in said.reason and "4: 1000000 / 2000000 us" in said.reason
+
+    def untimed(rows, side):
+        raise AssertionError("timed again")
+
+    again, said_again = _timed_choice(tmp_path, monkeypatch, untimed, max_num_seqs=24)
+    assert again == rule and "kept from an earlier build" in said_again.reason
+    logits = torch.randn(8, 1000)
+    assert sampler.fuses(logits[:4], 40, 20, "triton", rule) and not sampler.fuses(logits, 40, 20, "triton", rule)
+
+
+def test_where_the_kernels_cannot_compile_torch_samples(tmp_path, monkeypatch):
+    def timer(rows, side):
+        if side == "triton":
+            raise RuntimeError("out of resource")
+        return 1.0
+
+    rule, said = _timed_choice(tmp_path, monkeypatch, timer, max_num_seqs=2)
+    assert not rule(1) and not rule(2) and said.value == "torch's ops at every row count"
+    assert "the kernels did not run" in said.reason
+
+
+def test_the_sampling_choice_times_nothing_where_there_is_no_choice(tmp_path, monkeypatch):
+    """Off a GPU: "none" (the CPU's compiled ops sample); asked for a path: that path, untimed; widths over
+    the kernels': torch's ops."""
+    from svrmad_local.engine import choices
+
+    head = torch.zeros(1000, 8)
+    rule, said = choices.sampling_choice(head, "auto", 8, cache=tmp_path)
+    assert rule is None and said.value == "none" and said.reason == "tensors on cpu"
+
+    def untimed(rows, side):
+        raise AssertionError("timed")
+
+    rule, said = _timed_choice(tmp_path, monkeypatch, untimed, kernel_impl="triton")
+    assert rule is None and said.value == "triton"
+    monkeypatch.setattr(choices.kernels, "select_impl", lambda *a: "torch")
+    rule, said = choices.sampling_choice(head, "torch", 8, cache=tmp_path, timer=untimed)
+    assert rule is None and said.value == "torch"
+    monkeypatch.setattr(choices.sample_pack, "MAX_WIDTH", 16)
+    rule, said = _timed_choice(tmp_path, monkeypatch, untimed)
+    assert rule is None and said.value == "torch" and "over the kernels' 16" in said.reason

@@ -123,7 +123,8 @@ def build(model, cfg: EngineConfig) -> Built:
         provisional = max(graphs.PROVISIONAL_BLOCKS, -(-(tokens + context) // cfg.block_size) if profiling else 0)
     cache = KVCache(provisional, cfg.block_size, spec.layers, devices, spec.dtype, zeroed=True) if provisional \
         else None
-    probe = ModelRunner(model, attached, cache, spec, cfg.block_size, paths, made.decoder) if provisional else None
+    probe = ModelRunner(model, attached, cache, spec, cfg.block_size, paths, made.decoder,
+                        sampling=made.sampling) if provisional else None
     held = {}
     if profiling:  # every rank of a tensor-parallel group profiles (the forward's collectives pair up)
         held = measure(devices, lambda: profile_forward(probe, model, tokens, context))
@@ -162,14 +163,14 @@ def build(model, cfg: EngineConfig) -> Built:
     if group is not None:  # tensor parallel: the group's leader runs the engine, the others follow its steps
         rank, channel = group.rank, tp.StepChannel(group, device, tp.keep_for(cfg.max_num_seqs))
     runner = ModelRunner(model, attached, cache, spec, cfg.block_size, paths, made.decoder, plan,
-                         channel if rank == 0 else None)
+                         channel if rank == 0 else None, made.sampling)
     if runner.static is not None and runner.static.capture:  # every shape at start-up, before any request
         runner.static.capture_all()
     # the static path's padding rows write a scratch block that no sequence may own: the last one
     blocks = BlockManager(num_blocks - (plan is not None), cfg.block_size)
     execution = choices.record(model, spec, cfg, device, head, group, watch, {
         "linear": made.linear, "gemv": made.gemv, "decoder": made.decoder_choice, **made.attention, "graphs": graphs_made,
-        "overlap": choices.overlap_choice(cfg.overlap, plan), "pdl": launches}, paths)
+        "overlap": choices.overlap_choice(cfg.overlap, plan), "pdl": launches, "sampling": made.sampling_choice}, paths)
     log.info("svrmad: %s", execution.line())
     budget = KVBudget(pool.bytes, pool.rule, block_bytes, {str(d): n for d, n in held.items()},
                       pool.per_device(num_blocks), graph_reserve)

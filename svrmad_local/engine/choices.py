@@ -19,26 +19,29 @@ and `--linear auto` may repack the linears when the run's own steps want another
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from svrmad_local import kernels
 from svrmad_local.kernels._backend import FORCE_ENV, choose
-from svrmad_local.kernels import cpu_decode, pdl, skinny
+from svrmad_local.kernels import cpu_decode, pdl, sample_pack, skinny
 from svrmad_local.models import calibrate
 from svrmad_local.models.linear import select_linear, weight_bytes
 from svrmad_local.models.loader import describe_dtype
 
-from . import gemv, graphs, mla
+from . import gemv, graphs, kept, mla, sampler
 from .attention import FLASH_PAGE, HAS_FLASH_ATTN, flash_attn_varlen_func
 from .config import GEMV, EngineConfig
 from .decoder import ALIASES, select_decoder, why_not
 from .execution import AttentionPaths, Choice, Execution
 from .spec import ModelSpec
+from .stats import STATS_TOP_K
 from .threads import StepWatch, threads_choice
 
 SHORT_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -48,7 +51,8 @@ SHORT_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "f
 class ForForward:
     """The choices a forward needs (`forward_choices`): the linears' record choice and the calibration
     it measured (None where `auto` measured nothing), the few-row linears' record choice, the attention
-    switches and their record choices, our decoder (None: the model's own modules) and its record choice."""
+    switches and their record choices, our decoder (None: the model's own modules) and its record choice,
+    the row counts a step's sampling takes the Triton kernels at (sampler.FusedRows) and its record choice."""
 
     linear: Choice
     calibration: Any
@@ -57,6 +61,8 @@ class ForForward:
     attention: dict[str, Choice]
     decoder: Any
     decoder_choice: Choice
+    sampling: Any
+    sampling_choice: Choice
 
 
 def forward_choices(model, spec: ModelSpec, cfg: EngineConfig, device: torch.device, dtype: torch.dtype) -> ForForward:
@@ -64,7 +70,8 @@ def forward_choices(model, spec: ModelSpec, cfg: EngineConfig, device: torch.dev
     place by models/linear.select_linear, before anything is timed), which of them take the skinny kernel
     at decode's few rows (`gemv_choice`, timed over the linears as they will run), the attention paths
     (`choose_attention`), then our decoder (decoder.select_decoder) over what they made; MLA's absorbed
-    weights are installed before it, where the model has latent layers (engine/mla.py)."""
+    weights are installed before it, where the model has latent layers (engine/mla.py). Last, where a
+    step's sampling runs (`sampling_choice`): timed, like the linears, before the KV budget is measured."""
     sel = select_linear(model, cfg.linear, workload=calibrate.Workload.for_engine(
         cfg.max_num_seqs, cfg.max_num_batched_tokens), cache=cfg.cache_dir)
     linear = Choice("linear", sel.value, sel.line, fell_back=sel.fell_back)
@@ -75,7 +82,10 @@ def forward_choices(model, spec: ModelSpec, cfg: EngineConfig, device: torch.dev
     if spec.has_latent:
         mla.install(model)  # absorbed steps hand kv_b_proj nothing to expand (engine/mla.py)
     decoder, decoder_choice = select_decoder(model, spec, cfg.decoder, cfg.kernel_impl, picks)
-    return ForForward(linear, calibrate.recorded(model), few_rows, paths, attention, decoder, decoder_choice)
+    fused_rows, sampling = sampling_choice(model.get_output_embeddings().weight, cfg.kernel_impl, cfg.max_num_seqs,
+                                           cache=cfg.cache_dir)
+    return ForForward(linear, calibrate.recorded(model), few_rows, paths, attention, decoder, decoder_choice,
+                      fused_rows, sampling)
 
 
 def gemv_choice(model, mode: str, kernel_impl: str, device: torch.device, timer_for: Callable | None = None,
@@ -126,6 +136,58 @@ def gemv_choice(model, mode: str, kernel_impl: str, device: torch.device, timer_
            f"{gemv.MARGIN:.0%} faster; rows above {skinny.MAX_ROWS} take F.linear"
            + (f"; {said}" if said else f": F.linear as fast at every shape ({len(linears)})"))
     return picks, Choice("gemv", gemv.line(picks, len(linears)), why)
+
+
+def sampling_choice(head: torch.Tensor, kernel_impl: str, max_num_seqs: int, cache=None,
+                    timer: Callable | None = None) -> tuple[sampler.FusedRows | None, Choice]:
+    """(the row counts a step samples at in kernels/sample_pack.py's Triton kernels, the record's sampling
+    choice). Where both can run (a GPU with Triton under kernel_impl="auto", the default widths within the
+    kernels'), each is timed at powers of two up to max_num_seqs, in a CUDA graph as the static step runs
+    it, and the kernels taken where faster; the figures kept per machine (engine/kept.py: the same choice,
+    so the same log-prob bits, at every later build). Why time: on an H200 (measurements.md) the kernels'
+    running top-k took 0.22 ms of a batch-1 step and 0.68 ms of a batch-32 one, where torch's top-k was
+    ~0.07 ms at batch 1 on an H100. `timer` (rows, side) -> seconds stands in for the GPU in tests.
+    Elsewhere: None (the kernels wherever they run) and "none" off a GPU, where the CPU's compiled ops
+    (kernels/cpu_ops.py) sample."""
+    vocab, device = head.shape[0], head.device
+    K, topk = min(sampler.SAMPLE_TOP_K, vocab), min(STATS_TOP_K, vocab)
+    if timer is None and device.type != "cuda":
+        return None, Choice("sampling", "none", f"tensors on {device.type}")
+    impl = kernels.select_impl(kernel_impl, device, "sample_pack")
+    if impl != "triton" or not sample_pack.fits(K, topk, vocab):
+        why = f"kernel_impl={kernel_impl!r}" if impl != "triton" else \
+            f"widths {K} and {topk} over the kernels' {sample_pack.MAX_WIDTH}"
+        return None, Choice("sampling", "torch", why)
+    if kernel_impl != "auto":
+        return None, Choice("sampling", "triton", f"kernel_impl={kernel_impl!r}")
+    rows = [r for r in (1 << i for i in range(max_num_seqs.bit_length())) if r < max_num_seqs] + [max_num_seqs]
+    timer = timer or sampler.cuda_timer(vocab, device, K, topk)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+    def time() -> dict:
+        figures = {}
+        for r in rows:
+            times = figures[str(r)] = {"torch": timer(r, "torch")}
+            try:
+                times["triton"] = timer(r, "triton")
+            except Exception:  # noqa: BLE001 - the kernels cannot compile here: torch's ops at this count
+                pass
+        return {str(vocab): figures}
+
+    key = {"device": name, "torch": torch.__version__, "triton": getattr(kernels._backend.triton, "__version__", None),
+           "vocab": vocab, "widths": [K, topk], "rows": rows,
+           "kernels": hashlib.sha256(Path(sample_pack.__file__).read_bytes()).hexdigest()[:16]}
+    figures, was_kept = kept.measured("sampling", key, cache, time)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the timing's logits go back before the KV pool is sized
+    per_rows = figures[str(vocab)]
+    fused_rows = sampler.FusedRows(tuple((r, per_rows[str(r)].get("triton", float("inf")) < per_rows[str(r)]["torch"])
+                                         for r in rows))
+    said = "; ".join(f"{r}: {t['triton'] * 1e6:.0f} / {t['torch'] * 1e6:.0f} us" if "triton" in t else
+                     f"{r}: the kernels did not run" for r, t in ((r, per_rows[str(r)]) for r in rows))
+    return fused_rows, Choice("sampling", str(fused_rows),
+                              f"timed in a CUDA graph{' (kept from an earlier build)' if was_kept else ' at build'}, "
+                              f"rows: Triton / torch {said}")
 
 
 def choose_attention(attention: str, cascade: str, kernel_impl: str, mla_mode: str, device: torch.device,

@@ -81,6 +81,7 @@ class Execution:
     pdl: Choice
     tp: Choice
     stats: Choice
+    sampling: Choice
     threads: Choice
     attention_paths: AttentionPaths
 

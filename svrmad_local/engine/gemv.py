@@ -1,19 +1,12 @@
 """Which decode linears take the skinny kernel (kernels/skinny.py) instead of F.linear: timed once per
-machine, the figures kept, the picks made from them (engine/choices.py `gemv_choice` calls this).
-
-Why keep the figures: the choice is timed, and two timings of configs that run close can pick different
-ones, whose outputs differ in the last bits (fp32 sums in another order). Kept per machine, software,
-model shapes and kernel source (the key), every later engine on that machine picks the same configs, so
-its log-probs are the same bits from run to run, and it compiles and times nothing it need not.
+machine, the figures kept (engine/kept.py: every later engine on that machine picks the same configs, so
+its log-probs are the same bits from run to run), the picks made from them (engine/choices.py
+`gemv_choice` calls this).
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
-import logging
-import math
-import os
 from pathlib import Path
 from typing import Callable
 
@@ -22,12 +15,10 @@ from torch import nn
 
 from svrmad_local.kernels import skinny
 from svrmad_local.kernels._backend import HAS_TRITON, triton
-from svrmad_local.models.default import cache_dir
 from svrmad_local.models.layouts import multiplies_dense
 
+from . import kept
 from .families import ROUTERS
-
-log = logging.getLogger("svrmad_local")
 
 MARGIN = 0.05  # the skinny kernel is taken for a shape and row count only where this much faster
 # Below this many bytes of weights a decode step is bound by its launches, not by reading the weights
@@ -111,47 +102,7 @@ def key(linears: dict, device: str) -> dict:
             "kernel": hashlib.sha256(Path(skinny.__file__).read_bytes()).hexdigest()[:16]}
 
 
-def cache_path(k: dict, cache: str | Path | None = None) -> Path:
-    digest = hashlib.sha256(json.dumps(k, sort_keys=True).encode()).hexdigest()[:16]
-    return cache_dir(cache) / "calibration" / f"gemv-{digest}.json"
-
-
-def read(path: Path, k: dict) -> dict | None:
-    """The kept figures for key `k`, or None (absent, another key, or unreadable: said in one line)."""
-    if not path.exists():
-        return None
-    try:
-        data = json.loads(path.read_text())
-        if data.get("key") != k:
-            return None
-        figures = data["figures"]
-        if not all(isinstance(t, (int, float)) and math.isfinite(t) and t > 0 and "torch" in times
-                   for per_rows in figures.values() for times in per_rows.values() for t in times.values()):
-            raise ValueError("a figure is not a finite positive number of seconds")
-        return figures
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        log.warning("svrmad: ignoring the unreadable GEMV timings %s (%s: %s); timing again", path, type(e).__name__, e)
-        return None
-
-
-def write(path: Path, k: dict, figures: dict) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"key": k, "figures": figures}, indent=1, sort_keys=True))
-        os.replace(tmp, path)
-    except OSError as e:
-        log.warning("svrmad: could not keep the GEMV timings in %s (%s); the next engine times again", path, e)
-
-
 def measured(linears: dict, device: str, cache: str | Path | None, timer_for: Callable) -> tuple[dict, bool]:
     """(figures, whether they were kept from an earlier engine): the kept ones for this key (`device` the
-    device's name), else timed now through `timer_for` (see `time_all`) and kept under `cache`."""
-    k = key(linears, device)
-    path = cache_path(k, cache)
-    figures = read(path, k)
-    if figures is not None:
-        return figures, True
-    figures = time_all(linears, timer_for)
-    write(path, k, figures)
-    return figures, False
+    device's name), else timed now through `timer_for` (see `time_all`) and kept under `cache` (engine/kept.py)."""
+    return kept.measured("gemv", key(linears, device), cache, lambda: time_all(linears, timer_for))

@@ -498,12 +498,11 @@ class StaticDecode:
         logits, impl = self.runner.logits(hidden), self.runner.paths.kernel_impl
         if cpu_ops.samples(logits):  # on the CPU, where nothing is captured: the same ops in one compiled call
             return cpu_ops.sample_pack(logits, self.draws[:, :P], self.K, self.topk)
-        if sampler.fuses(logits, self.K, self.topk, impl):  # on a GPU: two Triton kernels
+        if sampler.fuses(logits, self.K, self.topk, impl, self.runner.sampling):  # on a GPU: two Triton kernels
             out = sampler.fused(logits, self.draws[:, :P], self.K, self.topk, impl)
             if out is not None:
                 return out
-        toks = sampler.draw(logits, *sampler.columns(self.draws[:, :P], logits.dtype), self.K)
-        return stats.pack(toks, stats.stats_from_logits(logits, toks, self.topk))
+        return sampler.packed_by_torch(logits, self.draws[:, :P], self.K, self.topk)
 
     def _body(self, P: int, W: int) -> torch.Tensor:
         """The model body over the static buffers: final hidden states [P, H]."""

@@ -37,7 +37,7 @@ class ModelRunner:
     memory, then this one over the real cache."""
 
     def __init__(self, model, attached: Attachment, cache: KVCache, spec: ModelSpec, block_size: int,
-                 paths: AttentionPaths, decoder=None, static: graphs.Plan | None = None, tp=None):
+                 paths: AttentionPaths, decoder=None, static: graphs.Plan | None = None, tp=None, sampling=None):
         self.model = model
         self.attached = attached
         self.body = model.base_model
@@ -56,6 +56,7 @@ class ModelRunner:
         self.paged_kv = PagedKV()
         self.decoder = decoder  # engine.decoder.Decoder where our forward runs (engine/relinear.py may rebuild it)
         self.tp = tp  # engine.tp.StepChannel on a tensor-parallel leader: sends each step to the other ranks
+        self.sampling = sampling  # sampler.FusedRows: the row counts a step samples at in Triton (None: all)
         self.tables = DeviceTables(self.device)  # the decode rows' block tables, kept between steps
         # decode-only steps at fixed shapes (engine/graphs.py); it runs a probe step over the cache now
         self.static = None if static is None else graphs.StaticDecode(

@@ -117,15 +117,15 @@ def sample_rows(logits: torch.Tensor, draws: Draws) -> torch.Tensor:
                 greedy if draws.table[4].any() else None, draws.K)
 
 
-def sample_packed(logits: torch.Tensor, draws: Draws, kernel_impl: str = "auto") -> torch.Tensor:
+def sample_packed(logits: torch.Tensor, draws: Draws, kernel_impl: str = "auto", fused_rows=None) -> torch.Tensor:
     """The rows' tokens (`sample_rows`) and their statistics (stats.stats_from_logits at width draws.topk),
     packed for the host's one read (stats.pack). On the CPU one compiled call runs those same torch ops
     (cpu_ops.sample_pack: their bits) without dispatching each from Python: ~0.46 ms of a batch-1 bf16 step
     of the default on the engine's worker thread, where the ops from Python took ~0.73. On a GPU two Triton
-    kernels do it (`fused`)."""
+    kernels do it (`fused`) at the row counts `fused_rows` (a FusedRows; None: at every count)."""
     if cpu_ops.samples(logits):
         return cpu_ops.sample_pack(logits, staged(draws.table, torch.float64, logits.device), draws.K, draws.topk)
-    if fuses(logits, draws.K, draws.topk, kernel_impl):
+    if fuses(logits, draws.K, draws.topk, kernel_impl, fused_rows):
         out = fused(logits, staged(draws.table, torch.float64, logits.device), draws.K, draws.topk, kernel_impl)
         if out is not None:
             return out
@@ -133,11 +133,74 @@ def sample_packed(logits: torch.Tensor, draws: Draws, kernel_impl: str = "auto")
     return pack(toks, stats_from_logits(logits, toks, draws.topk))
 
 
-def fuses(logits: torch.Tensor, K: int, topk: int, kernel_impl: str) -> bool:
+def packed_by_torch(logits: torch.Tensor, table: torch.Tensor, K: int, topk: int) -> torch.Tensor:
+    """`draw` and the statistics by torch's ops from a [5, R] table on the device, packed: what the static
+    step captures where the Triton kernels do not serve it (and what they are timed against)."""
+    toks = draw(logits, *columns(table, logits.dtype), K)
+    return pack(toks, stats_from_logits(logits, toks, topk))
+
+
+@dataclass(frozen=True)
+class FusedRows:
+    """The row counts at which a step's sampling takes kernels/sample_pack.py's two Triton kernels rather
+    than torch's ops, where both can run (`fuses`). Why by rows: the kernels' cost grows with the rows they
+    keep a running top-k for, torch's top-k and softmax less so, and which is faster differs by GPU, so the
+    build times both at powers of two (engine/choices.py `sampling_choice`). A step of r rows goes by the
+    smallest timed count >= r (the static step pads to its batch sizes), above them by the largest. No
+    picks: the kernels at every count."""
+
+    picks: tuple[tuple[int, bool], ...] = ()  # (rows, the kernels taken), ascending
+
+    def __call__(self, rows: int) -> bool:
+        for r, taken in self.picks:
+            if rows <= r:
+                return taken
+        return self.picks[-1][1] if self.picks else True
+
+    def __str__(self) -> str:
+        if not self.picks:
+            return "Triton kernels"
+        spans, lo = [], 1
+        for r, taken in self.picks:
+            if spans and spans[-1][2] == taken:
+                spans[-1][1] = r
+            else:
+                spans.append([lo, r, taken])
+            lo = r + 1
+        if len(spans) == 1:
+            return ("Triton kernels" if spans[0][2] else "torch's ops") + " at every row count"
+        spans[-1][1] = None  # the last span reaches past the timed counts
+        return ", ".join(("Triton kernels" if taken else "torch's ops") + " at "
+                         + (f"{a}+ rows" if b is None else f"{a} row" if a == b == 1 else
+                            f"{a} rows" if a == b else f"{a}-{b} rows")
+                         for a, b, taken in spans)
+
+
+def cuda_timer(vocab: int, device: torch.device, K: int, topk: int):
+    """A timer for `sampling_choice`: (rows, "triton" | "torch") -> seconds of a step's sampling, statistics
+    and packing at `rows` rows of fp32 logits (a spread like a model's), each call replayed from a CUDA
+    graph as the static step runs it (skinny.time_call), default sampling settings (top-k 40, top-p 1)."""
+    from svrmad_local.kernels.skinny import time_call
+
+    def timer(rows: int, side: str) -> float:
+        g = torch.Generator().manual_seed(rows)
+        logits = (3 * torch.randn(rows, vocab, generator=g)).to(device)
+        table = torch.from_numpy(prepare([SamplingParams()] * rows, [random.Random(i) for i in range(rows)],
+                                         vocab).table).to(device)
+        if side == "triton":
+            return time_call(lambda: sample_pack.sample_pack(logits, table, K, topk))
+        return time_call(lambda: packed_by_torch(logits, table, K, topk))
+
+    return timer
+
+
+def fuses(logits: torch.Tensor, K: int, topk: int, kernel_impl: str, fused_rows: FusedRows | None = None) -> bool:
     """Whether a step's sampling at widths (K, topk) takes kernels/sample_pack.py's two Triton kernels: fp32
-    logits where the Triton kernels run (a GPU; kernel_impl='triton' under the interpreter), widths it keeps."""
+    logits where the Triton kernels run (a GPU; kernel_impl='triton' under the interpreter), widths it keeps,
+    at a row count `fused_rows` gives them (None: any)."""
     return logits.dtype == torch.float32 and sample_pack.fits(K, topk, logits.shape[1]) \
-        and select_impl(kernel_impl, logits, "sample_pack") == "triton"
+        and select_impl(kernel_impl, logits, "sample_pack") == "triton" \
+        and (fused_rows is None or fused_rows(logits.shape[0]))
 
 
 def fused(logits: torch.Tensor, table: torch.Tensor, K: int, topk: int, kernel_impl: str) -> torch.Tensor | None:

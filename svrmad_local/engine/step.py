@@ -267,7 +267,7 @@ class Step:
                 logits = logits[staged(rows, torch.long, logits.device)]
             if draws is None:
                 draws = sampler.prepare([s.params for s, _ in samples], gens, logits.shape[1])
-            packed = sampler.sample_packed(logits, draws, self.runner.paths.kernel_impl)
+            packed = sampler.sample_packed(logits, draws, self.runner.paths.kernel_impl, self.runner.sampling)
         read = packed.tolist()  # the step's one read back from the device
         for i, (seq, j) in enumerate(samples):
             if seq.request.error is not None:  # its first row's logits were not finite (`_take`): no forks
