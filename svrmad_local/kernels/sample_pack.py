@@ -7,8 +7,9 @@ a 1.7B model on an H100 is ~2.7 ms, and each of those kernels costs a few micros
 of the graph's launch. Here:
 
 * ``_vocab_kernel``, program (row, split): one read of its slice of the row's logits, keeping the online
-  maximum, ``sum exp(l - m)`` and ``sum exp(l - m) * l`` (the entropy is ``lse - sum p l``), and its best
-  ``KP`` logits as packed (logit, id) int64 keys (kernels/token_stats.py's running top-k).
+  maximum, ``sum exp(l - m)`` and ``sum exp(l - m) * l`` (the entropy is ``lse - sum p l``) and each lane's
+  best packed (logit, id) int64 key; then its best ``KP`` keys: the lanes' best (kernels/token_stats.py's
+  running top-k), and from a second read of the slice the few others above them.
 * ``_finish_kernel``, program (row): merges the splits (the log-sum-exp, the entropy, the best keys of all
   splits, sorted), draws the row's token from its ``K`` best exactly as `draw` does (temperature, the row's
   top-k as masked ranks, top-p, the inverse CDF at its uniform draw; greedy rows the argmax) and writes
@@ -79,20 +80,27 @@ if HAS_TRITON:
     def _vocab_kernel(L, M, S, A, KEYS, V, split, s_lr, n_split,
                       KK: tl.constexpr, KP: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr = False):
         """Program (row, split): the online max m, sum exp(l - m) and sum exp(l - m) * l of logits
-        [split * pid, +split) of the row, and its KK best keys (in KP slots, unsorted)."""
+        [split * pid, +split) of the row, and its KK best keys (in KP slots, unsorted). The best keys in two
+        passes: the first keeps each lane's best key over the tiles (elementwise) and takes the KK best of
+        those; the second reads the slice again (from L2) and inserts only the keys above their floor that
+        are not a lane's best, usually one to three. Why: inserting tile by tile costs one block-wide
+        maximum a key that enters, ~KK (1 + ln tiles) of them a slice (144 at 8 tiles, 0.18 ms of a batch-1
+        step on an H200); this costs ~KK + 3. The same KK keys either way (they are unique: the id is in the
+        low word), so the same output bits."""
         enter(PDL)
         row = tl.program_id(0)
         sp = tl.program_id(1)
         lo = sp * split
         hi = tl.minimum(lo + split, V)
+        at = L + row.to(tl.int64) * s_lr
         m = tl.full([1], float("-inf"), tl.float32)
         s = tl.zeros([1], tl.float32)
         a = tl.zeros([1], tl.float32)
-        top = tl.arange(0, KP)[None, :].to(tl.int64) + tl.full([1, KP], MIN_KEY, tl.int64)
+        lane_best = tl.full([1, BV], MIN_KEY, tl.int64)
         for v0 in range(lo, hi, BV):
             cols = v0 + tl.arange(0, BV)
             cmask = cols < hi
-            lg = tl.load(L + row.to(tl.int64) * s_lr + cols, mask=cmask, other=float("-inf"))[None, :]
+            lg = tl.load(at + cols, mask=cmask, other=float("-inf"))[None, :]
             m_new = tl.maximum(m, tl.max(lg, axis=1))
             shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # an all -inf tile so far: no NaN from -inf - -inf
             alpha = tl.exp(m - shift)
@@ -100,14 +108,26 @@ if HAS_TRITON:
             s = s * alpha + tl.sum(tl.where(cmask[None, :], e, 0.0), axis=1)
             a = a * alpha + tl.sum(e * tl.where(cmask[None, :], lg, 0.0), axis=1)  # a logit of -inf: 0 * -inf, NaN as torch's
             m = m_new
-            # token_stats' key with the id's complement in the low word: equal logits order lower id first
-            keys = tl.where(cmask[None, :], _pack_key(lg, 0xFFFFFFFF - cols[None, :].to(tl.int64)), MIN_KEY)
-            top = _update_topk(top, keys, KK, KP)
+            lane_best = tl.maximum(lane_best, _slice_keys(lg, cols, cmask))
+        top = tl.arange(0, KP)[None, :].to(tl.int64) + tl.full([1, KP], MIN_KEY, tl.int64)
+        top = _update_topk(top, lane_best, KK, KP)
+        # a lane's best is in `top` or below every key there: the others of its lane above the floor enter
+        for v0 in range(lo, hi, BV):
+            cols = v0 + tl.arange(0, BV)
+            cmask = cols < hi
+            keys = _slice_keys(tl.load(at + cols, mask=cmask, other=float("-inf"))[None, :], cols, cmask)
+            top = _update_topk(top, tl.where(keys == lane_best, MIN_KEY, keys), KK, KP)
         out = row * n_split + sp
         tl.store(M + out + tl.arange(0, 1), m)
         tl.store(S + out + tl.arange(0, 1), s)
         tl.store(A + out + tl.arange(0, 1), a)
         tl.store(KEYS + out * KP + tl.arange(0, KP)[None, :], top)
+
+    @triton.jit
+    def _slice_keys(lg, cols, cmask):
+        """token_stats' key with the id's complement in the low word (equal logits order lower id first);
+        MIN_KEY past the slice's end."""
+        return tl.where(cmask[None, :], _pack_key(lg, 0xFFFFFFFF - cols[None, :].to(tl.int64)), MIN_KEY)
 
     @triton.jit
     def _finish_kernel(L, TAB, M, S, A, KEYS, OUT, s_tr, s_tc, s_lr, n_split, K, topk, s_or,
