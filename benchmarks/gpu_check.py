@@ -441,10 +441,10 @@ def main(argv=None) -> int:
         # fails among them run again alone (benchmarks/gpu_tests.py)
         plan.append(("tests", [py, "benchmarks/gpu_tests.py", "--workers", str(args.test_workers), "--",
                                "tests/test_gpu.py", "tests/test_mla.py::test_prefill_chunks_on_cuda_take_the_memory_"
-                               "efficient_kernel_and_match_fp32"], 200, _probe_json))
+                               "efficient_kernel_and_match_fp32"], 240, _probe_json))
     probe = [py, "benchmarks/gpu_probe.py"]
     if "graphs" in wanted:  # every model captures every shape, no kernel falls back, no blocking copy
-        plan.append(("graphs", probe + ["graphs", str(m)], 45, _probe_json))
+        plan.append(("graphs", probe + ["graphs", str(m)], 90, _probe_json))
     if "bf16" in wanted:
         plan.append(("bf16", probe + ["bf16", str(m)], 30, _probe_json))
     if "flash" in wanted:  # flash-attn where installed

@@ -168,8 +168,9 @@ class Config:
 # num_stages - 1 tiles ahead: the last three keep 48-64 KB a program in flight (32 output columns a
 # program: a 4,096-column linear is ~one program an SM), in 72-96 KB of shared memory (96-128 KB with the
 # gated prologue: under an A100's 163 KB); at 32 rows 64-128 KB (144-192 KB gated: an A100 keeps act_mul
-# there, `runs_gated`). Not yet timed on a GPU: benchmarks/bench_skinny.py times each, and the build picks
-# per shape and row count.
+# there, `runs_gated`). In fp32 twice that: the 32 x 512 tiles at 32 rows ask 256 KB, over a Hopper's 227, and
+# are no candidate there (the timing leaves out what does not compile). benchmarks/bench_skinny.py times
+# each config; the build picks per shape and row count.
 CONFIGS = (
     Config(8, 512, 1, 4, 3),
     Config(16, 256, 1, 4, 3),
