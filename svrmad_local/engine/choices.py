@@ -19,7 +19,6 @@ and `--linear auto` may repack the linears when the run's own steps want another
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 import os
 from dataclasses import dataclass
@@ -174,9 +173,10 @@ def sampling_choice(head: torch.Tensor, kernel_impl: str, max_num_seqs: int, cac
                 pass
         return {str(vocab): figures}
 
+    source = Path(sample_pack.__file__)
     key = {"device": name, "torch": torch.__version__, "triton": getattr(kernels._backend.triton, "__version__", None),
            "vocab": vocab, "widths": [K, topk], "rows": rows,
-           "kernels": hashlib.sha256(Path(sample_pack.__file__).read_bytes()).hexdigest()[:16]}
+           "kernels": kept.source_digest(source, source.with_name("token_stats.py"))}  # its top-k lives there
     figures, was_kept = kept.measured("sampling", key, cache, time)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the timing's logits go back before the KV pool is sized

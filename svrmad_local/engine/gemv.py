@@ -6,7 +6,6 @@ its log-probs are the same bits from run to run), the picks made from them (engi
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Callable
 
@@ -99,7 +98,7 @@ def key(linears: dict, device: str) -> dict:
             "linears": sorted(f"{n}x{k} {str(m.weight.dtype).removeprefix('torch.')}{' bias' if m.bias is not None else ''}"
                               for (n, k), m in linears.items()),
             "rows": list(skinny.ROWS), "configs": [str(c) for c in skinny.CONFIGS],
-            "kernel": hashlib.sha256(Path(skinny.__file__).read_bytes()).hexdigest()[:16]}
+            "kernel": kept.source_digest(Path(skinny.__file__))}
 
 
 def measured(linears: dict, device: str, cache: str | Path | None, timer_for: Callable) -> tuple[dict, bool]:

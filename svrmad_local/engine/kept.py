@@ -24,6 +24,11 @@ from svrmad_local.models.default import cache_dir
 log = logging.getLogger("svrmad_local")
 
 
+def source_digest(*files: Path) -> str:
+    """What a key holds of the timed kernels' source files: an edited kernel is timed again."""
+    return hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:16]
+
+
 def cache_path(what: str, k: dict, cache: str | Path | None = None) -> Path:
     """`what`-<digest of the key>.json under the cache's calibration folder."""
     digest = hashlib.sha256(json.dumps(k, sort_keys=True).encode()).hexdigest()[:16]

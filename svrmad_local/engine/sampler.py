@@ -179,7 +179,7 @@ class FusedRows:
 def cuda_timer(vocab: int, device: torch.device, K: int, topk: int):
     """A timer for `sampling_choice`: (rows, "triton" | "torch") -> seconds of a step's sampling, statistics
     and packing at `rows` rows of fp32 logits (a spread like a model's), each call replayed from a CUDA
-    graph as the static step runs it (skinny.time_call), default sampling settings (top-k 40, top-p 1)."""
+    graph as the static step runs it (skinny.time_call), the default settings (temperature 1, top-k 40, top-p 0.95)."""
     from svrmad_local.kernels.skinny import time_call
 
     def timer(rows: int, side: str) -> float:
