@@ -478,7 +478,6 @@ def test_a_one_rank_nccl_group_captures_the_decode_graph_with_its_all_reduce_ins
             dist.destroy_process_group()
 
 
-
 def test_the_sampling_choice_is_timed_on_the_gpu_and_kept(tmp_path):
     """engine/choices.py `sampling_choice` on CUDA: both sides timed in a graph at each power of two, the
     kernels taken where faster (the reason gives the figures), the figures kept for the next build."""
@@ -491,6 +490,7 @@ def test_the_sampling_choice_is_timed_on_the_gpu_and_kept(tmp_path):
     assert "at build" in said.reason and "did not run" not in said.reason, said.reason
     again, said_again = choices.sampling_choice(head, "auto", 8, cache=tmp_path)
     assert again == rule and "kept from an earlier build" in said_again.reason
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_the_skinny_linear_on_cuda_matches_its_reference_and_replays_from_a_graph(dtype):
