@@ -22,7 +22,8 @@ import re
 import subprocess
 import sys
 
-PYTEST = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider"]
+# --durations: the log names the slowest tests, which decide how many workers pay
+PYTEST = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "--durations=12"]
 WORKERS = 4  # a GPU machine's 16 cores keep four compiling with room; the GPU's memory holds four contexts
 
 
