@@ -9,6 +9,7 @@ order (tests/rounding.py); and the same bits on two calls (no atomics: the share
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton (see conftest)
 
@@ -80,6 +81,24 @@ def test_the_gated_rows_are_act_muls_rows(cfg, dtype):
         if dtype == torch.float32:
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
+
+@pytest.mark.parametrize("cfg", [c for c in skinny.CONFIGS if c.ahead]
+                         + [Config(16, 32, 3, ahead=True), Config(32, 16, 5, ahead=True)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_loading_a_tile_ahead_changes_no_bit(cfg, dtype):
+    """An `ahead` config issues each tile's loads an iteration early: the same products summed in the same
+    order as its twin without, so the same bits; at every row count it takes, gated or not, over one share
+    and several (the tile past a share's end masked)."""
+    twin = replace(cfg, ahead=False)
+    for m in range(1, skinny.BROADCAST_ROWS + 1):
+        x, w, b = operands(m, dtype, bias=m % 2 == 1, seed=m)
+        assert torch.equal(skinny_linear(x, w, b, cfg), skinny_linear(x, w, b, twin)), (cfg, m)
+        assert torch.equal(skinny_linear(x, w, b, cfg, up=x.flip(0)), skinny_linear(x, w, b, twin, up=x.flip(0)))
+
+
+def test_ahead_is_for_the_broadcast_products_only():
+    with pytest.raises(ValueError, match="ahead is for the broadcast products"):
+        Config(32, 256, 1, 4, 3, dot=True, ahead=True)
 
 def test_gated_rows_must_match_the_gate():
     x, w, b = operands(2, torch.float32, bias=True)

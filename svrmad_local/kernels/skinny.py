@@ -80,14 +80,16 @@ if HAS_TRITON:
                        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, DOT: tl.constexpr, DOT_F32: tl.constexpr, LATE: tl.constexpr,
                        GATED: tl.constexpr, RNE: tl.constexpr, PREFETCH: tl.constexpr = 0,
-                       PDL: tl.constexpr = False):
+                       AHEAD: tl.constexpr = False, PDL: tl.constexpr = False):
         """Program (j, s): columns j*BLOCK_N.. over K's s-th share, into O's s-th slice (the output
         itself where there is one share; the bias only in share 0). LATE: the products accumulate
         element-wise and are summed along K once at the end (no reduction across threads per tile).
         GATED: the rows are SiLU(X) * U (an MLP's down projection reading its gate/up output: act_mul's
         launch folded in). PREFETCH (bytes, launched with PDL: kernels/pdl.py): before waiting for the
         kernel before it, each of the first EARLY programs (those placed while it runs) fetches the first
-        PREFETCH bytes of each of its weight rows' share into L2; later ones go straight to their loads."""
+        PREFETCH bytes of each of its weight rows' share into L2; later ones go straight to their loads.
+        AHEAD (broadcast products): each tile's loads are issued one iteration before its products, so a
+        program keeps two tiles in flight rather than one; the same products summed in the same order."""
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         share = tl.program_id(1)
         k_lo = share * K_SHARE
@@ -102,8 +104,17 @@ if HAS_TRITON:
         if LATE:
             acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
         k_hi = tl.minimum(K, k_lo + K_SHARE)
+        if AHEAD:
+            w_next, x_next = _tiles(X, U, W, n, rows, k_lo + kk, nmask, rmask, k_hi, s_xm, s_xk, s_um, s_uk, s_wn,
+                                    s_wk, GATED, RNE)
         for k0 in range(k_lo, k_hi, BLOCK_K):
-            w, x = _tiles(X, U, W, n, rows, k0 + kk, nmask, rmask, k_hi, s_xm, s_xk, s_um, s_uk, s_wn, s_wk, GATED, RNE)
+            if AHEAD:  # the next tile's loads before this one's products (past k_hi: masked, nothing read)
+                w, x = w_next, x_next
+                w_next, x_next = _tiles(X, U, W, n, rows, k0 + BLOCK_K + kk, nmask, rmask, k_hi, s_xm, s_xk, s_um,
+                                        s_uk, s_wn, s_wk, GATED, RNE)
+            else:
+                w, x = _tiles(X, U, W, n, rows, k0 + kk, nmask, rmask, k_hi, s_xm, s_xk, s_um, s_uk, s_wn, s_wk, GATED,
+                              RNE)
             if DOT:
                 if DOT_F32:
                     acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
@@ -149,11 +160,16 @@ class Config:
     num_warps: int = 4
     num_stages: int = 3
     dot: bool = False
+    ahead: bool = False  # broadcast products only: the next tile's loads issued before this one's products
+
+    def __post_init__(self):
+        if self.ahead and self.dot:
+            raise ValueError("Config: ahead is for the broadcast products; tl.dot's loads are pipelined by stages")
 
     def __str__(self) -> str:
         split = "auto" if self.split_k == 0 else self.split_k
         return (f"n{self.block_n}k{self.block_k}s{split}w{self.num_warps}p{self.num_stages}"
-                + ("dot" if self.dot else ""))
+                + ("dot" if self.dot else "") + ("a" if self.ahead else ""))
 
 
 # The candidates timed at build: narrow strips with long K tiles (each row of a tile a long contiguous read;
@@ -169,8 +185,10 @@ class Config:
 # program: a 4,096-column linear is ~one program an SM), in 72-96 KB of shared memory (96-128 KB with the
 # gated prologue: under an A100's 163 KB); at 32 rows 64-128 KB (144-192 KB gated: an A100 keeps act_mul
 # there, `runs_gated`). In fp32 twice that: the 32 x 512 tiles at 32 rows ask 256 KB, over a Hopper's 227, and
-# are no candidate there (the timing leaves out what does not compile). benchmarks/bench_skinny.py times
-# each config; the build picks per shape and row count.
+# are no candidate there (the timing leaves out what does not compile). The last three load each tile an
+# iteration ahead of its products (`ahead`: two tiles a program in flight, the same bits as their twins),
+# for the H200, whose skinny linears ran at ~1.8 TB/s of ~3.5. benchmarks/bench_skinny.py times each config;
+# the build picks per shape and row count.
 CONFIGS = (
     Config(8, 512, 1, 4, 3),
     Config(16, 256, 1, 4, 3),
@@ -182,6 +200,9 @@ CONFIGS = (
     Config(32, 256, 1, 4, 5, dot=True),
     Config(32, 512, 1, 4, 3, dot=True),
     Config(32, 256, 2, 4, 4, dot=True),
+    Config(8, 512, 1, 4, 3, ahead=True),
+    Config(16, 256, 1, 4, 3, ahead=True),
+    Config(16, 256, 0, 4, 3, ahead=True),
 )
 # Launched with PDL (kernels/pdl.py), each program of the first wave (one an SM: those the GPU places while
 # the kernel before still runs) first fetches this many bytes of each of its weight rows into L2, before it
@@ -288,7 +309,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         HAS_BIAS=bias is not None and split == 1, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         DOT=cfg.dot, DOT_F32=x.dtype == torch.float32 or interpreting(), LATE=sums_late(cfg, block_m),
         GATED=up is not None, RNE=interpreting(), PREFETCH=prefetch_bytes(weight, k_share, split) if pdl else 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
+        AHEAD=cfg.ahead, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
     if split > 1:
         block = 1024
         _sum_shares_kernel[(m, cdiv(n, block))](parts, b, out, n, split, *parts.stride(), *out.stride(),
