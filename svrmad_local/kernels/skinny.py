@@ -176,10 +176,10 @@ class Config:
 # the broadcast product holds rows x block_n x block_k values, so these suit 1-2 rows), wider strips with
 # shorter tiles (4-8 rows), split-K for narrow outputs, and the tensor-core tile (rows padded to 16 or 32,
 # the product off the registers: the only ones above 8 rows). What paces a GEMV is the bytes it has in
-# flight (by Little's law ~3 TB/s at ~1 us of memory latency wants ~3 MB). Compiled for sm_90: a broadcast-product loop issues one
-# tile's loads and waits for them before the next tile's (Triton pipelines only the loads that feed
-# tl.dot, and ptxas reuses a tile's registers rather than issue more loads early), so it keeps one tile
-# a program in flight: at 16 x 256 that is 2 MB across a 4,096-column bf16 linear, about what the H100
+# flight (by Little's law ~3 TB/s at ~1 us of memory latency wants ~3 MB). Compiled for sm_90: a
+# broadcast-product loop without `ahead` issues one tile's loads and waits for them before the next tile's
+# (Triton pipelines only the loads that feed tl.dot, and ptxas reuses a tile's registers rather than issue
+# more loads early), so it keeps one tile a program in flight: at 16 x 256 that is 2 MB across a 4,096-column bf16 linear, about what the H100
 # profile's ~2.0 TB/s implies. The tl.dot configs stream their tiles through shared memory with cp.async,
 # num_stages - 1 tiles ahead: the last three keep 48-64 KB a program in flight (32 output columns a
 # program: a 4,096-column linear is ~one program an SM), in 72-96 KB of shared memory (96-128 KB with the
@@ -277,8 +277,8 @@ def prefetch_bytes(weight: torch.Tensor, k_share: int, split: int) -> int:
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   cfg: Config = DEFAULT, up: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (M <= 8, or <= 32 for a tl.dot config) @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype,
-    fp32 accumulation. With `up` (x's shape and dtype), the rows multiplied are SiLU(x) * up, rounded as act_mul rounds them (x the gate:
-    an MLP's down projection over its gate/up output). Launches one kernel (two where K is split); nothing
+    fp32 accumulation. With `up` (x's shape and dtype), the rows multiplied are SiLU(x) * up, rounded as
+    act_mul rounds them (x the gate: an MLP's down projection over its gate/up output). Launches one kernel (two where K is split); nothing
     returns to the host, so a CUDA graph captures it."""
     check(x, weight, bias)
     if up is not None and (up.shape != x.shape or up.dtype != x.dtype):
