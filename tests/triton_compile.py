@@ -30,6 +30,7 @@ import os
 import re
 import sys
 
+
 def _specialized(value):
     """(type, mark) as Triton's JIT specializes a runtime argument on a CUDA GPU: ("constexpr", 1) for an int
     equal to 1, ("*bf16", "D") for a 16-byte aligned bf16 pointer, ("i32", "D") for an int divisible by 16,
