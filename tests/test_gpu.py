@@ -10,6 +10,7 @@
 * our decoder (engine/decoder.py) over the Triton fused ops, against the modules and a cache-free loop; its
   RoPE tables filled at build, the rotary module's bits;
 * the few-row linear (kernels/skinny.py) against its reference and from a graph, and the engine over it;
+* where a step's sampling runs, timed at build (engine/choices.py `sampling_choice`) and kept;
 * programmatic dependent launch on an sm_90 GPU: able, and the same bits as without it.
 
 Run on a GPU machine, from a process where triton was not imported in interpreter mode:

@@ -146,20 +146,17 @@ class FusedRows:
     than torch's ops, where both can run (`fuses`). Why by rows: the kernels' cost grows with the rows they
     keep a running top-k for, torch's top-k and softmax less so, and which is faster differs by GPU, so the
     build times both at powers of two (engine/choices.py `sampling_choice`). A step of r rows goes by the
-    smallest timed count >= r (the static step pads to its batch sizes), above them by the largest. No
-    picks: the kernels at every count."""
+    smallest timed count >= r (the static step pads to its batch sizes), above them by the largest."""
 
-    picks: tuple[tuple[int, bool], ...] = ()  # (rows, the kernels taken), ascending
+    picks: tuple[tuple[int, bool], ...]  # (rows, the kernels taken), ascending, at least one
 
     def __call__(self, rows: int) -> bool:
         for r, taken in self.picks:
             if rows <= r:
                 return taken
-        return self.picks[-1][1] if self.picks else True
+        return self.picks[-1][1]
 
     def __str__(self) -> str:
-        if not self.picks:
-            return "Triton kernels"
         spans, lo = [], 1
         for r, taken in self.picks:
             if spans and spans[-1][2] == taken:
