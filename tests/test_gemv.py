@@ -18,7 +18,7 @@ import torch  # noqa: E402
 
 from svrmad_local.engine import choices, gemv  # noqa: E402
 from svrmad_local.engine.engine import Engine, EngineConfig  # noqa: E402
-from svrmad_local.engine.families import linear_call  # noqa: E402
+from svrmad_local.engine.families import gated_key, linear_call  # noqa: E402
 from svrmad_local.engine.params import SamplingParams  # noqa: E402
 from svrmad_local.kernels import _backend, skinny  # noqa: E402
 
@@ -27,13 +27,26 @@ from .model_zoo import loop_greedy, make_zoo_model, rand_prompt  # noqa: E402
 CPU = torch.device("cpu")
 
 
-def fake_timer_for(table, asked):
-    """timer_for(linear) -> timer(rows, candidate): F.linear takes 1.0; a config takes table[(N, K)][rows]
-    scaled by its place in CONFIGS (the first the fastest); None: the configs raise (cannot compile)."""
-    def timer_for(m):
+def fake_timer_for(table, asked, gated_asked=None):
+    """timer_for(linear[, plain]) -> timer(rows, candidate): F.linear takes 1.0; a config takes
+    table[(N, K)][rows] scaled by its place in CONFIGS (the first the fastest); None: the configs raise (cannot
+    compile). With `plain` (a gated down projection, timed as it runs): "torch" (act_mul, then the plain pick)
+    takes 1.0, a config table[gated_key((N, K))][rows][config] where given, else it raises (does not launch);
+    `gated_asked` collects (shape, plain, rows, candidate)."""
+    gated_asked = [] if gated_asked is None else gated_asked
+
+    def timer_for(m, plain=None):
         shape = tuple(m.weight.shape)
 
         def timer(rows, candidate):
+            if plain is not None:
+                gated_asked.append((shape, plain, rows, candidate))
+                if candidate == "torch":
+                    return 1.0
+                t = table.get(gated_key(shape), {}).get(rows, {}).get(str(candidate))
+                if t is None:
+                    raise RuntimeError("does not launch here")
+                return t
             asked.append((rows, candidate))
             if candidate == "torch":
                 return 1.0
@@ -77,6 +90,56 @@ def test_the_choice_follows_the_timings(tmp_path):
     assert seen == [(1, skinny.CONFIGS[0]), (24, first_dot)]
     other = next(m for m in model.modules() if type(m) is torch.nn.Linear and tuple(m.weight.shape) == even)
     assert linear_call(other, picks) is other
+
+
+def test_a_gated_down_projection_is_timed_as_it_runs(tmp_path, monkeypatch):
+    """The down projection that reads SiLU(gate) * up is another kernel with the activation in its prologue:
+    timed apart, against act_mul then the plain shape's pick, over the plain shape's GATED_TRIES fastest
+    configs at each row count; taken where that much faster. The decoder's call follows those picks, and
+    elsewhere act_mul, then the plain shape's own call (here the kernel at 1 row, F.linear at 2)."""
+    model = make_zoo_model("llama")
+    (down,) = gemv.gated_downs(model)
+    assert down == tuple(model.model.layers[0].mlp.down_proj.weight.shape)
+    table = {shape: dict.fromkeys(skinny.ROWS, 1.5) for shape in gemv.decode_linears(model)}
+    table[down][1] = 0.5  # the plain kernel wins at 1 row only: CONFIGS[0] (the fastest), then [1], [2]
+    first, second = (str(c) for c in skinny.CONFIGS[:2])
+    # gated: at 1 row the fastest plain config loses to act_mul + its plain twin, the second wins; at 2 rows
+    # (F.linear's) the second wins too; at 4 rows none launches; elsewhere they are all slower
+    table[gated_key(down)] = {r: {c: 1.5 for c in map(str, skinny.CONFIGS)} for r in skinny.ROWS}
+    table[gated_key(down)][1].update({first: 1.2, second: 0.7})
+    table[gated_key(down)][2].update({second: 0.8})
+    table[gated_key(down)][4] = {}
+    asked, gated_asked = [], []
+    picks, choice = choices.gemv_choice(model, "auto", "auto", CPU, fake_timer_for(table, asked, gated_asked),
+                                        tmp_path)
+    assert picks[down] == {1: skinny.CONFIGS[0]}
+    assert picks[gated_key(down)] == {1: skinny.CONFIGS[1], 2: skinny.CONFIGS[1]}
+    assert {(s, str(p)) for s, p, _r, _c in gated_asked} == {(down, str({1: skinny.CONFIGS[0]}))}
+    for r in skinny.ROWS:  # "torch", then the plain shape's fastest configs at r rows (the first that run), gated
+        tried = [c for _s, _p, rr, c in gated_asked if rr == r]
+        assert tried == ["torch", *[c for c in skinny.CONFIGS if skinny.runs(c, r)][:gemv.GATED_TRIES]], (r, tried)
+    assert f"{down[0]}x{down[1]} silu: 1:{skinny.CONFIGS[1]}, 2:{skinny.CONFIGS[1]}" in choice.reason
+    assert choice.value.startswith("skinny for 1 of 5 shapes at 1 row, 0 of 5 shapes at 2 rows")
+    # the decoder's call: the gated kernel at 1 and 2 rows; at 3-4 rows act_mul, then F.linear
+    seen, acts = [], []
+    monkeypatch.setattr(skinny, "_GATED_RUNS", {})
+    monkeypatch.setattr(skinny, "skinny_linear",
+                        lambda x, w, b, cfg, up=None: (seen.append((x.shape[0], cfg, up is not None)), x[:, :1])[1])
+    from svrmad_local.engine.families import Dense
+
+    dense = Dense(model.model.layers[0].mlp, picks)
+    seen.clear()
+    for m in (1, 2, 3):
+        g = torch.randn(m, down[1])
+        dense.act_down(g, g, lambda a, b, act: (acts.append((a.shape[0], act)), a * b)[1])
+    assert seen == [(1, skinny.CONFIGS[1], True), (2, skinny.CONFIGS[1], True)] and acts == [(3, "silu")]
+
+
+def test_forced_skinny_runs_the_gated_down_projection_with_the_default_configs():
+    model = make_zoo_model("llama")
+    picks, _choice = choices.gemv_choice(model, "skinny", "auto", CPU)
+    (down,) = gemv.gated_downs(model)
+    assert picks[gated_key(down)] == picks[down] == {r: skinny.default(r) for r in skinny.ROWS}
 
 
 def test_slower_everywhere_takes_f_linear_and_says_so(tmp_path):

@@ -198,6 +198,33 @@ def test_a_config_whose_gated_variant_cannot_launch_keeps_act_mul_then_the_kerne
     assert skinny.bound_gated(w, b, {4: SPLITS[1]}).picks == {} and tried == [4]  # tried once a shape
 
 
+def test_the_timed_calls_are_the_calls_the_decoder_makes():
+    """What the build times (`timed_call`, which `cuda_timer` repeats in a CUDA graph) is what runs: a plain
+    shape's F.linear or kernel over the rotated copies of its weight in turn; a gated down projection's
+    kernel with SiLU(gate) * up in its prologue, read from the two halves of one gate/up output, against
+    act_mul then the plain shape's pick at that row count (F.linear where it has none)."""
+    from svrmad_local.kernels import fused_triton
+
+    x8, w, b = operands(8, torch.bfloat16, bias=True)
+    weights = [w, (2 * w).to(w.dtype)]
+    run = skinny.timed_call(weights, b, 3, "torch")
+    (x, _none) = run.operands
+    assert torch.equal(run(), torch.nn.functional.linear(x, w, b))
+    assert torch.equal(run(), torch.nn.functional.linear(x, weights[1], b))  # the next copy
+    cfg, plain_cfg = skinny.CONFIGS[1], skinny.CONFIGS[0]
+    kernel = skinny.timed_call(weights, b, 3, cfg)
+    assert torch.equal(kernel(), skinny_linear(kernel.operands[0], w, b, cfg))
+    for m, plain in ((2, {2: plain_cfg}), (3, {2: plain_cfg})):  # 3 rows: padded to 4, no plain pick there
+        gated = skinny.timed_call(weights, b, m, cfg, plain)
+        gate, up = gated.operands
+        assert gate.shape == up.shape == (m, K) and gate.stride() == up.stride() == (2 * K, 1)
+        assert torch.equal(gated(), skinny_linear(fused_triton.act_mul(gate, up, "silu"), w, b, cfg))
+        unfused = skinny.timed_call(weights, b, m, "torch", plain)
+        y = fused_triton.act_mul(*unfused.operands, "silu")
+        expect = skinny_linear(y, w, b, plain_cfg) if m == 2 else torch.nn.functional.linear(y, w, b)
+        assert torch.equal(unfused(), expect), m
+
+
 def test_bad_operands_are_refused_in_one_line():
     x, w, b = operands(2, torch.float32, bias=True)
     with pytest.raises(ValueError, match="at most 32 rows"):

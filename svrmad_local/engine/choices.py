@@ -39,6 +39,7 @@ from .attention import FLASH_PAGE, HAS_FLASH_ATTN, flash_attn_varlen_func
 from .config import GEMV, EngineConfig
 from .decoder import ALIASES, select_decoder, why_not
 from .execution import AttentionPaths, Choice, Execution
+from .families import gated_key
 from .spec import ModelSpec
 from .stats import STATS_TOP_K
 from .threads import StepWatch, threads_choice
@@ -112,6 +113,7 @@ def gemv_choice(model, mode: str, kernel_impl: str, device: torch.device, timer_
         except RuntimeError as exc:
             raise ValueError(f"gemv='skinny' cannot run here: {exc}") from None
         picks = {shape: {r: skinny.default(r) for r in skinny.ROWS} for shape in linears}
+        picks.update({gated_key(shape): picks[shape] for shape in gemv.gated_downs(model) if shape in picks})
         said = f"as asked, config {skinny.DEFAULT} (above {skinny.BROADCAST_ROWS} rows {skinny.DEFAULT_DOT})"
         return picks, Choice("gemv", gemv.line(picks, len(linears)), said)
     impl = kernels.select_impl(kernel_impl, device, "skinny_linear")
@@ -126,7 +128,9 @@ def gemv_choice(model, mode: str, kernel_impl: str, device: torch.device, timer_
         return {}, Choice("gemv", "torch", f"{weights / 2**20:.1f} MiB of weights: a step this small is bound by its "
                                            f"launches, not its reads (timed from {gemv.MIN_BYTES // 2**20} MiB)")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-    figures, kept = gemv.measured(linears, name, cache, timer_for or (lambda m: skinny.cuda_timer(m.weight, m.bias)))
+    figures, kept = gemv.measured(linears, name, cache,
+                                  timer_for or (lambda m, plain=None: skinny.cuda_timer(m.weight, m.bias, plain)),
+                                  gated=gemv.gated_downs(model))
     if gpu:
         torch.cuda.empty_cache()  # the timing's copies of the weights go back before the KV pool is sized
     picks = gemv.pick(figures)

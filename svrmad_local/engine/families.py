@@ -192,17 +192,37 @@ class Dense:
         else:
             self.gate_up = columns(linears, gemv)
         self.down = linear_call(m.down_proj, gemv)
-        self.act_down = act_down_call(m.down_proj, self.down, self.act, gemv)
+        self.act_down = act_down_call(m, self.down, self.act, gemv)
 
 
-def act_down_call(down: nn.Module, call, act: str, gemv: dict | None = None):
+GATED = "silu"  # a down projection's gated picks are under (N, K, GATED) (engine/gemv.py times them apart)
+
+
+def gated_key(shape: tuple[int, int]) -> tuple[int, int, str]:
+    """Where `gemv`'s picks hold the configs of a down projection of weight shape (N, K) that computes
+    SiLU(gate) * up in its prologue: another kernel than the plain one of that shape, timed as such."""
+    return (*shape, GATED)
+
+
+def silu_down(mlp: nn.Module) -> nn.Module | None:
+    """The down projection of a dense MLP (or a shared expert) whose input is SiLU(gate) * up, which our
+    decoder may run with the activation in the skinny kernel's prologue (`act_down_call`); else None."""
+    act = getattr(mlp, "act_fn", getattr(mlp, "activation_fn", None))
+    down = getattr(mlp, "down_proj", None)
+    if ACT_CLASSES.get(type(act).__name__) != "silu" or not isinstance(down, nn.Module) or not multiplies_dense(down):
+        return None
+    return down
+
+
+def act_down_call(mlp: nn.Module, call, act: str, gemv: dict | None = None):
     """(gate, up, act_mul) -> call(act_mul(gate, up, act)), `call` being down's `linear_call`. Where `gemv`
-    picked the skinny kernel for down's shape and the activation is SiLU, at those row counts the kernel
-    computes SiLU(gate) * up as it reads them (skinny.bound_gated: one launch instead of two, the same
-    rows); everywhere else the two calls."""
-    picks = gemv.get(tuple(down.weight.shape)) if gemv and act == "silu" and multiplies_dense(down) else None
+    picked a gated config for down (`silu_down`, under `gated_key`), at those row counts the kernel computes
+    SiLU(gate) * up as it reads them (skinny.bound_gated: one launch instead of two, the same rows);
+    everywhere else the two calls."""
+    down = silu_down(mlp)
+    picks = gemv.get(gated_key(tuple(down.weight.shape))) if gemv and down is not None else None
     if picks:
-        return skinny.bound_gated(down.weight, down.bias, picks)
+        return skinny.bound_gated(down.weight, down.bias, picks, call)
     return lambda gate, up, act_mul: call(act_mul(gate, up, act))
 
 

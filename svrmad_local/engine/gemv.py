@@ -17,13 +17,17 @@ from svrmad_local.kernels._backend import HAS_TRITON, triton
 from svrmad_local.models.layouts import multiplies_dense
 
 from . import kept
-from .families import ROUTERS
+from .families import GATED, ROUTERS, gated_key, silu_down
 
 MARGIN = 0.05  # the skinny kernel is taken for a shape and row count only where this much faster
 # Below this many bytes of weights a decode step is bound by its launches, not by reading the weights
 # (SmolLM2-135M's 270 MB step already is, on an H200: measurements.md), so "auto" times nothing and keeps
 # F.linear: the test models would otherwise compile and time the kernel at every engine built
 MIN_BYTES = 64 * 2**20
+# A down projection whose input is SiLU(gate) * up runs with the activation in the kernel's prologue
+# (skinny.bound_gated), which holds the gate's and up's tiles beside the weight's: another kernel than the plain
+# one, timed as such against act_mul then the plain shape's pick, for this many of the plain shape's fastest configs
+GATED_TRIES = 3
 
 
 def decode_linears(model) -> dict[tuple[int, int], nn.Linear]:
@@ -41,12 +45,33 @@ def decode_linears(model) -> dict[tuple[int, int], nn.Linear]:
     return shapes
 
 
+def gated_downs(model) -> dict[tuple[int, int], nn.Module]:
+    """The down projections that read SiLU(gate) * up (`families.silu_down`) in the model's layers, one per
+    (N, K) shape, in the kernel's dtypes."""
+    shapes: dict[tuple[int, int], nn.Module] = {}
+    for m in (m for layer in getattr(model.base_model, "layers", []) for m in layer.modules()):
+        down = silu_down(m)
+        if down is not None and down.weight.dtype in skinny.DTYPES:
+            shapes.setdefault(tuple(down.weight.shape), down)
+    return shapes
+
+
+def _configs_at(times: dict, configs) -> dict[str, float]:
+    names = {str(c) for c in configs}
+    return {c: t for c, t in times.items() if c in names}
+
+
 def time_all(linears: dict[tuple[int, int], nn.Linear], timer_for: Callable, rows=skinny.ROWS,
-             configs=skinny.CONFIGS) -> dict[str, dict[str, dict[str, float]]]:
+             configs=skinny.CONFIGS, gated: dict | None = None) -> dict[str, dict[str, dict[str, float]]]:
     """{"NxK": {rows: {"torch": s, config: s}}}: seconds a call, F.linear and each config that runs.
     `timer_for(linear)` gives a timer (rows, "torch" | Config) -> seconds (`skinny.cuda_timer` on a GPU; a
     test passes made-up figures); a config that raises (cannot compile here) is left out, and one that does not
-    take that many rows (`skinny.runs`: the broadcast configs above 8) is not timed."""
+    take that many rows (`skinny.runs`: the broadcast configs above 8) is not timed.
+
+    Then each down projection of `gated` (`gated_downs`, the shapes among `linears`) as it runs, under
+    "NxK silu": "torch" is act_mul then the plain shape's pick (F.linear where none), the others the
+    GATED_TRIES fastest plain configs at that row count with the activation in their prologue;
+    `timer_for(linear, plain)` gives that timer, `plain` the plain shape's picks {rows: Config}."""
     figures = {}
     for (n, k), m in linears.items():
         timer = timer_for(m)
@@ -58,50 +83,72 @@ def time_all(linears: dict[tuple[int, int], nn.Linear], timer_for: Callable, row
                     times[str(cfg)] = timer(r, cfg)
                 except Exception:  # noqa: BLE001 - a config this device cannot compile: not a candidate
                     continue
+    by_name = {str(c): c for c in configs}
+    for (n, k), m in (gated or {}).items():
+        plain = figures.get(f"{n}x{k}")
+        if plain is None:  # not among the decode linears: the decoder calls it as a module
+            continue
+        timer = timer_for(m, pick({f"{n}x{k}": plain}, configs).get((n, k), {}))
+        per_rows = figures[f"{n}x{k} {GATED}"] = {}
+        for r in rows:
+            times = per_rows[str(r)] = {"torch": timer(r, "torch")}
+            fastest = sorted((t, c) for c, t in _configs_at(plain[str(r)], configs).items())[:GATED_TRIES]
+            for _t, name in fastest:
+                try:
+                    times[name] = timer(r, by_name[name])
+                except Exception:  # noqa: BLE001 - its gated variant does not launch here (more shared memory)
+                    continue
     return figures
 
 
-def pick(figures: dict, configs=skinny.CONFIGS, margin: float = MARGIN) -> dict[tuple[int, int], dict[int, skinny.Config]]:
-    """{(N, K): {rows: Config}}: for each shape and row count, the fastest config where it beats F.linear
-    by `margin`; none elsewhere."""
+def pick(figures: dict, configs=skinny.CONFIGS, margin: float = MARGIN) -> dict[tuple, dict[int, skinny.Config]]:
+    """{(N, K): {rows: Config}} (a gated down projection's under `gated_key`): for each shape and row count,
+    the fastest config where it beats the "torch" figure by `margin`; none elsewhere."""
     by_name = {str(c): c for c in configs}
     picks = {}
     for shape, per_rows in figures.items():
-        n, k = (int(v) for v in shape.split("x"))
+        dims, *gated = shape.split(" ")
+        n, k = (int(v) for v in dims.split("x"))
         for r, times in per_rows.items():
-            timed = {c: t for c, t in times.items() if c in by_name}
+            timed = _configs_at(times, configs)
             best = min(timed, key=timed.get, default=None)
             if best is not None and timed[best] < times["torch"] * (1 - margin):
-                picks.setdefault((n, k), {})[int(r)] = by_name[best]
+                picks.setdefault(gated_key((n, k)) if gated else (n, k), {})[int(r)] = by_name[best]
     return picks
 
 
 def line(picks: dict, shapes: int, rows=skinny.ROWS) -> str:
-    """The record's value: how many of the shapes take the skinny kernel at each row count."""
-    if not picks:
+    """The record's value: how many of the shapes take the skinny kernel at each row count (the plain shapes:
+    a gated down projection's picks are in the reason)."""
+    plain = [p for shape, p in picks.items() if len(shape) == 2]
+    if not plain:
         return "torch"
-    counts = [sum(r in p for p in picks.values()) for r in rows]
+    counts = [sum(r in p for p in plain) for r in rows]
     return "skinny for " + ", ".join(f"{c} of {shapes} shapes at {r} row{'s' if r > 1 else ''}"
                                      for c, r in zip(counts, rows))
 
 
 def detail(picks: dict) -> str:
-    """Each picked shape's configs by row count, for the record's reason."""
-    return "; ".join(f"{n}x{k}: " + ", ".join(f"{r}:{c}" for r, c in sorted(p.items()))
-                     for (n, k), p in sorted(picks.items()))
+    """Each picked shape's configs by row count, for the record's reason ("NxK silu": a down projection with
+    the activation in its prologue)."""
+    return "; ".join(f"{n}x{k}{' ' + rest[0] if rest else ''}: " + ", ".join(f"{r}:{c}" for r, c in sorted(p.items()))
+                     for (n, k, *rest), p in sorted(picks.items(), key=lambda item: (item[0][:2], len(item[0]))))
 
 
-def key(linears: dict, device: str) -> dict:
+def key(linears: dict, device: str, gated: dict | None = None) -> dict:
     """What the figures depend on: the device (its name), the software, the shapes (with their dtype and
-    bias), the candidates and the kernel's source."""
+    bias), the gated down projections, the candidates and the kernel's source."""
     return {"device": device, "torch": torch.__version__, "triton": triton.__version__ if HAS_TRITON else None,
             "linears": sorted(f"{n}x{k} {str(m.weight.dtype).removeprefix('torch.')}{' bias' if m.bias is not None else ''}"
                               for (n, k), m in linears.items()),
+            "gated": sorted(f"{n}x{k}" for n, k in (gated or {})), "gated_tries": GATED_TRIES,
             "rows": list(skinny.ROWS), "configs": [str(c) for c in skinny.CONFIGS],
             "kernel": kept.source_digest(Path(skinny.__file__))}
 
 
-def measured(linears: dict, device: str, cache: str | Path | None, timer_for: Callable) -> tuple[dict, bool]:
+def measured(linears: dict, device: str, cache: str | Path | None, timer_for: Callable,
+             gated: dict | None = None) -> tuple[dict, bool]:
     """(figures, whether they were kept from an earlier engine): the kept ones for this key (`device` the
     device's name), else timed now through `timer_for` (see `time_all`) and kept under `cache` (engine/kept.py)."""
-    return kept.measured("gemv", key(linears, device), cache, lambda: time_all(linears, timer_for))
+    return kept.measured("gemv", key(linears, device, gated), cache,
+                         lambda: time_all(linears, timer_for, gated=gated))

@@ -341,12 +341,14 @@ def bound(weight: torch.Tensor, bias: torch.Tensor | None, picks: dict[int, Conf
     return call
 
 
-def bound_gated(weight: torch.Tensor, bias: torch.Tensor | None, picks: dict[int, Config]):
-    """(gate, up, act_mul) -> linear(SiLU(gate) * up, weight, bias): an MLP's down projection. Where `bound`
-    takes the skinny kernel, the activation is its prologue (one launch where act_mul and the linear were
-    two); elsewhere `act_mul(gate, up, "silu")`, then `bound`'s call. A picked config whose gated variant
-    does not launch here keeps the two calls at its rows (`runs_gated`)."""
-    plain = bound(weight, bias, picks)
+def bound_gated(weight: torch.Tensor, bias: torch.Tensor | None, picks: dict[int, Config], plain=None):
+    """(gate, up, act_mul) -> linear(SiLU(gate) * up, weight, bias): an MLP's down projection. At the row
+    counts of `picks` (the gated configs the build timed: engine/gemv.py), the activation is the kernel's
+    prologue (one launch where act_mul and the linear were two); elsewhere `act_mul(gate, up, "silu")`, then
+    `plain` (the shape's plain call: `bound` over its own picks, or F.linear; default `bound(weight, bias,
+    picks)`). A picked config whose gated variant does not launch here keeps the two calls at its rows
+    (`runs_gated`)."""
+    plain = bound(weight, bias, picks) if plain is None else plain
     gated = {r: cfg for r, cfg in picks.items() if runs_gated(weight, bias, r, cfg)}
     pick = _by_rows(gated)
 
@@ -367,7 +369,8 @@ def runs_gated(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, cfg: 
     """Whether the gated variant of `cfg` launches on weight's device at `rows` rows, tried once a shape (at
     build, before any graph). Why try: it holds the gate's and up's tiles besides the weight's, so a
     pipelined config can ask for more shared memory a program than a GPU grants (99 KB on sm_86 and
-    sm_89) where the plain variant, the one the build timed, fit."""
+    sm_89) where the plain variant fits; the build's timing leaves such a config out, `gemv="skinny"` (no
+    timing) meets it here."""
     key = (tuple(weight.shape), weight.dtype, str(weight.device), bias is not None, rows, cfg)
     if key not in _GATED_RUNS:
         x = weight.new_zeros(rows, weight.shape[1])
@@ -422,27 +425,47 @@ def time_call(fn, reps: int = 5, inner: int = 10) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def cuda_timer(weight: torch.Tensor, bias: torch.Tensor | None):
+def cuda_timer(weight: torch.Tensor, bias: torch.Tensor | None, plain: dict[int, Config] | None = None):
     """A timer for `gemv_choice`: (m, candidate) -> seconds of one call at m rows, the candidate "torch"
-    (F.linear) or a Config. The weight is rotated through copies that overflow the L2 cache (a decode step
-    reads every layer's weights once, cold), so neither side is timed out of the cache."""
+    (F.linear) or a Config; with `plain` (the shape's plain picks), a down projection as `bound_gated` runs it
+    (`timed_call`). The weight is rotated through copies that overflow the L2 cache (a decode step reads
+    every layer's weights once, cold), so neither side is timed out of the cache."""
     props = torch.cuda.get_device_properties(weight.device)
     size = weight.numel() * weight.element_size()
     copies = max(1, min(16, cdiv(2 * int(getattr(props, "L2_cache_size", 50 << 20)), size)))
     weights = [weight] + [weight.clone() for _ in range(copies - 1)]
 
     def timer(m: int, candidate) -> float:
-        x = torch.randn(m, weight.shape[1], device=weight.device, dtype=weight.dtype)
-        turn = iter(range(1 << 62))
-
-        def run():
-            w = weights[next(turn) % copies]
-            if candidate == "torch":
-                F.linear(x, w, bias)
-            else:
-                skinny_linear(x, w, bias, candidate)
-
+        run = timed_call(weights, bias, m, candidate, plain)
         with torch.cuda.device(weight.device):  # the graph and the events on the weight's device
             return time_call(run)
 
     return timer
+
+
+def timed_call(weights: list[torch.Tensor], bias: torch.Tensor | None, m: int, candidate,
+               plain: dict[int, Config] | None = None):
+    """The call `cuda_timer` repeats, each time over the next of `weights` (copies of one weight): () -> the
+    output at m random rows. "torch": F.linear; a Config: the kernel. With `plain` (the shape's plain picks
+    {rows: Config}), x is the gate half of a gate/up output [m, 2K]: "torch" is act_mul then the plain pick
+    at m rows (F.linear where none), a Config the kernel with SiLU(gate) * up in its prologue."""
+    weight = weights[0]
+    k = weight.shape[1]
+    x = torch.randn(m, k if plain is None else 2 * k, device=weight.device, dtype=weight.dtype)
+    gate, up = (x, None) if plain is None else (x[:, :k], x[:, k:])
+    before = None if plain is None else plain.get(next_pow2(m))
+    if plain is not None:
+        from .fused_triton import act_mul  # the decoder's act_mul on a GPU (kernels/fused.py)
+    turn = iter(range(1 << 62))
+
+    def run() -> torch.Tensor:
+        w = weights[next(turn) % len(weights)]
+        if candidate != "torch":
+            return skinny_linear(gate, w, bias, candidate, up=up)
+        if plain is None:
+            return F.linear(x, w, bias)
+        y = act_mul(gate, up, "silu")
+        return F.linear(y, w, bias) if before is None else skinny_linear(y, w, bias, before)
+
+    run.operands = (gate, up)  # what it multiplies (tests)
+    return run
