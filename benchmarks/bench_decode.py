@@ -32,6 +32,7 @@ Last line: one JSON object.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -181,13 +182,75 @@ def covered(spans) -> float:
     return total
 
 
-def profile_decode(engine: Engine, B: int, args, vocab: int, top: int = 12) -> dict:
+class CapturedLinears:
+    """The skinny linears each decode graph launches, in launch order: while open, each CUDA graph capture
+    begins a new list, and every `skinny_linear` call made during it is noted there as (rows, N, K, config,
+    gated). A graph replays exactly those launches every step, so the i-th `_skinny_kernel` of a profiled
+    decode step is the i-th call its capture noted (`per_linear`)."""
+
+    def __init__(self):
+        self.captures: list[list[tuple]] = []
+
+    def __enter__(self):
+        from svrmad_local.kernels import skinny
+
+        self._skinny, self._inner, self._begin = skinny, skinny.skinny_linear, torch.cuda.CUDAGraph.capture_begin
+        inner, begin = self._inner, self._begin
+
+        def noted(x, weight, bias=None, cfg=skinny.DEFAULT, up=None):
+            if self.captures and torch.cuda.is_current_stream_capturing():
+                self.captures[-1].append((x.shape[0], *weight.shape, str(cfg), up is not None))
+            return inner(x, weight, bias, cfg, up)
+
+        def capture_begin(graph, *args, **kwargs):
+            self.captures.append([])
+            return begin(graph, *args, **kwargs)
+
+        skinny.skinny_linear, torch.cuda.CUDAGraph.capture_begin = noted, capture_begin
+        return self
+
+    def __exit__(self, *exc):
+        self._skinny.skinny_linear, torch.cuda.CUDAGraph.capture_begin = self._inner, self._begin
+
+    def sequence(self, rows: int) -> list[tuple]:
+        """The (N, K, config, gated) calls of the graph a step of `rows` rows replays: the last capture (the
+        build's probe captures first, then the real runner) of the smallest row count that holds them."""
+        sizes = [c[0][0] for c in self.captures if c and c[0][0] >= rows]
+        if not sizes:
+            return []
+        last = [c for c in self.captures if c and c[0][0] == min(sizes)][-1]
+        return [call[1:] for call in last]
+
+
+def per_linear(durations_us: list[float], calls: list[tuple], steps: int, itemsize: int) -> list[dict]:
+    """The skinny kernels' device times by linear. `durations_us`: every `_skinny_kernel` of the profiled
+    window, in start order; its last `steps` x len(calls) are decode steps replaying `calls` (a prefill before
+    them may launch the kernel too: left out). Per (N, K, config, gated): launches a step, mean us a launch,
+    and GB/s (the weight's bytes over that time; with PDL a kernel's time includes its wait for the one before)."""
+    n = min(len(durations_us) // len(calls), steps) if calls else 0
+    if not n:
+        return []
+    tail = durations_us[len(durations_us) - n * len(calls):]
+    by: dict[tuple, list[float]] = {}
+    for i, call in enumerate(calls):
+        by.setdefault(call, []).extend(tail[i::len(calls)])
+    rows = []
+    for (n_out, k, cfg, gated), times in by.items():
+        us = statistics.fmean(times)
+        rows.append({"linear": f"{n_out}x{k}{' silu' if gated else ''}", "config": cfg,
+                     "launches_per_step": len(times) // n, "us_per_launch": round(us, 2),
+                     "gb_s": round(n_out * k * itemsize / us / 1e3, 1)})
+    return rows
+
+
+def profile_decode(engine: Engine, B: int, args, vocab: int, top: int = 12, captured: CapturedLinears | None = None) -> dict:
     """One generate of B fresh prompts (1 + --new-tokens tokens each) under torch.profiler, after one
     unprofiled generate of the same shape (graph captures, compiles): the wall time a step, the time
     the device was busy a step (some kernel running: `covered`) and the kernels' own times summed, and
     the ops that took the most host time and the kernels that took the most device time. The profiler
     starts on the engine's worker thread:
-    it records the host ops of the thread it starts on (the device's kernels come from every thread)."""
+    it records the host ops of the thread it starts on (the device's kernels come from every thread).
+    With `captured` (the engine built inside it), the skinny kernels' times by linear (`per_linear`)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -211,6 +274,12 @@ def profile_decode(engine: Engine, B: int, args, vocab: int, top: int = 12) -> d
     def ms(us):
         return round(us / 1e3 / steps, 4)
 
+    skinny_us = [e.time_range.end - e.time_range.start for e in sorted(
+        (e for e in prof.events() if e.device_type == DeviceType.CUDA and e.name == "_skinny_kernel"),
+        key=lambda e: e.time_range.start)]
+    itemsize = next(engine.model.parameters()).element_size()
+    linears = per_linear(skinny_us, captured.sequence(B), steps, itemsize) if captured is not None else []
+
     return {"batch": B, "steps": steps, "wall_ms_per_step": round(wall * 1e3 / steps, 3),
             "device_busy_ms_per_step": ms(covered((e.time_range.start, e.time_range.end) for e in prof.events()
                                                   if e.device_type == DeviceType.CUDA)),
@@ -219,7 +288,8 @@ def profile_decode(engine: Engine, B: int, args, vocab: int, top: int = 12) -> d
             "top_kernels_ms_per_step": [(e.key[:90], ms(e.self_device_time_total), round(e.count / steps, 1))
                                         for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]],
             "top_host_ms_per_step": [(e.key[:90], ms(e.self_cpu_time_total), round(e.count / steps, 1))
-                                     for e in sorted(host, key=lambda e: -e.self_cpu_time_total)[:top]]}
+                                     for e in sorted(host, key=lambda e: -e.self_cpu_time_total)[:top]],
+            "skinny_linears": linears}
 
 
 class HostShare:
@@ -433,9 +503,11 @@ def main() -> int:
     lm = load(args)
     dtype = next(lm.model.parameters()).dtype
     vocab = lm.model.get_output_embeddings().out_features
-    engine = Engine(lm.model, lm.tokenizer, EngineConfig(**{"block_size": args.block_size,
-                                                            "max_num_seqs": max(batches + profiled),
-                                                            **engine_overrides(args.engine)}))
+    captured = CapturedLinears()
+    with captured if profiled else contextlib.nullcontext():  # the decode graphs' skinny launches, in order
+        engine = Engine(lm.model, lm.tokenizer, EngineConfig(**{"block_size": args.block_size,
+                                                                "max_num_seqs": max(batches + profiled),
+                                                                **engine_overrides(args.engine)}))
     print(f"engine: {engine.info['decoder']}; linear {engine.info['linear']}; {engine.info['attention']} attention; "
           f"cuda graphs {engine.info['cuda_graphs']}; overlap {engine.execution.overlap}; pdl {engine.execution.pdl}; "
           f"gemv {engine.execution.gemv.value}")
@@ -453,7 +525,7 @@ def main() -> int:
     if profiled:
         profiles = []
         for B in profiled:
-            prof = profile_decode(engine, B, args, vocab)
+            prof = profile_decode(engine, B, args, vocab, captured=captured)
             profiles.append(prof)
             print(f"batch {prof['batch']}: {prof['wall_ms_per_step']} ms a step, the device busy "
                   f"{prof['device_busy_ms_per_step']} ms of it ({prof['kernels_per_step']} kernels a step, their own "
@@ -463,6 +535,11 @@ def main() -> int:
                 print(f"  {title}, ms a step and calls a step:")
                 for name, t, calls in prof[key]:
                     print(f"    {t:8.4f}  {calls:7.1f}  {name}")
+            if prof["skinny_linears"]:
+                print("  skinny linears in the decode graph, by linear: launches a step, us a launch, GB/s, config:")
+                for row in prof["skinny_linears"]:
+                    print(f"    {row['launches_per_step']:4d}  {row['us_per_launch']:8.2f}  {row['gb_s']:8.1f}  "
+                          f"{row['linear']} {row['config']}")
         print(json.dumps({"profiles": profiles, "engine": args.engine, "dtype": args.dtype}))
         return 0
     gen = torch.Generator().manual_seed(0)  # the timed prompts: the same for every side

@@ -401,9 +401,32 @@ def test_profile_decode_reports_the_steps_it_profiled_and_the_host_ops_of_the_wo
     prof = profile_decode(engine, 2, args, vocab=engine.model.get_output_embeddings().out_features)
     assert prof["batch"] == 2 and prof["steps"] == 6 and prof["wall_ms_per_step"] > 0
     assert prof["kernels_per_step"] == 0 and prof["top_kernels_ms_per_step"] == []
-    assert prof["device_busy_ms_per_step"] == prof["kernel_ms_per_step"] == 0
+    assert prof["device_busy_ms_per_step"] == prof["kernel_ms_per_step"] == 0 and prof["skinny_linears"] == []
     names = [name for name, _, _ in prof["top_host_ms_per_step"]]
     assert any(n.startswith("aten::") for n in names), names
+
+
+def test_the_profiles_skinny_kernels_are_told_apart_by_their_place_in_the_captured_step():
+    """bench_decode --profile: a decode graph replays its captured launches in order, so the i-th skinny kernel
+    of a step is the i-th call noted at capture; the window's last steps x calls kernels are the decode steps
+    (a prefill's before them are left out), grouped by linear with their GB/s. Where a row count was captured
+    twice (the build's probe, then the runner), the last capture's calls."""
+    from bench_decode import CapturedLinears, per_linear
+
+    qkv, o, down = (4096, 2048, "n32k256s1w4p5dot", False), (2048, 2048, "n16k256s0w4p3", False), \
+        (2048, 6144, "n16k256s0w4p3", True)
+    step = [qkv, o, down, qkv, o, down]
+    captured = CapturedLinears()
+    captured.captures = [[(1, *c) for c in step], [(8, *qkv)], [(1, *c) for c in step], []]  # 1 row: probe, runner
+    assert captured.sequence(1) == step and captured.sequence(5) == [qkv] and captured.sequence(9) == []
+    prefill = [99.0, 99.0]  # before the decode steps: not theirs
+    steps = [10.0, 4.0, 16.0, 12.0, 6.0, 20.0]
+    rows = per_linear(prefill + steps * 3, step, steps=3, itemsize=2)
+    assert [(r["linear"], r["config"], r["launches_per_step"]) for r in rows] == [
+        ("4096x2048", qkv[2], 2), ("2048x2048", o[2], 2), ("2048x6144 silu", down[2], 2)]
+    assert [r["us_per_launch"] for r in rows] == [11.0, 5.0, 18.0]
+    assert rows[0]["gb_s"] == round(4096 * 2048 * 2 / 11.0 / 1e3, 1)
+    assert per_linear(steps, [], steps=3, itemsize=2) == [] and per_linear([], [qkv], steps=3, itemsize=2) == []
 
 
 def test_the_device_is_busy_while_some_kernel_runs_however_they_overlap():
