@@ -9,7 +9,8 @@
   against their torch references on CUDA tensors in fp32, fp16 and bf16;
 * our decoder (engine/decoder.py) over the Triton fused ops, against the modules and a cache-free loop; its
   RoPE tables filled at build, the rotary module's bits;
-* the few-row linear (kernels/skinny.py) against its reference and from a graph, and the engine over it;
+* the few-row linear (kernels/skinny.py) against its reference and from a graph, its tensor-descriptor configs
+  against their pointer twins, and the engine over it;
 * where a step's sampling runs, timed at build (engine/choices.py `sampling_choice`) and kept;
 * programmatic dependent launch on an sm_90 GPU: able, and the same bits as without it.
 
@@ -533,6 +534,43 @@ def test_the_skinny_linear_on_cuda_matches_its_reference_and_replays_from_a_grap
         torch.cuda.synchronize()
         assert torch.equal(captured, skinny.skinny_linear(ran, w, b, cfg)), cfg
     assert not {(str(skinny.default(m)), m) for m in range(1, skinny.MAX_ROWS + 1)} & set(too_large), too_large
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_skinny_tma_configs_read_their_twins_tiles_on_cuda(dtype):
+    """The `tma` configs compiled, where a tensor descriptor reads the weight (K = 2,048: aligned rows), at
+    1-32 rows, plain and gated: the same bits as the same config loading by pointer, eager and replayed from
+    a CUDA graph (the descriptor is a launch argument, captured by value)."""
+    _compiled_triton()
+    from dataclasses import replace
+
+    from triton.runtime.errors import OutOfResources
+
+    from svrmad_local.kernels import skinny
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n, k = 1003, 2048
+    w = (torch.randn(n, k, device=CUDA, generator=g) / k ** 0.5).to(dtype)
+    assert skinny.reads_by_tma(w)
+    ran = []
+    for cfg in (c for c in skinny.CONFIGS if c.tma):
+        for m in (1, 3, 8, 16, 32):
+            gate_up = torch.randn(m, 2 * k, device=CUDA, generator=g).to(dtype)
+            gate, up = gate_up[:, :k], gate_up[:, k:]
+            for u in (None, up):
+                try:
+                    got = skinny.skinny_linear(gate, w, None, cfg, up=u)
+                except OutOfResources:  # fp32 tiles at 32 rows: no candidate here (gemv.time_all leaves them out)
+                    continue
+                assert torch.equal(got, skinny.skinny_linear(gate, w, None, replace(cfg, tma=False), up=u)), (cfg, m)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    captured = skinny.skinny_linear(gate, w, None, cfg, up=u)
+                graph.replay()
+                torch.cuda.synchronize()
+                assert torch.equal(captured, got), (cfg, m)
+                ran.append((str(cfg), m))
+    assert {c for c, _m in ran} == {str(c) for c in skinny.CONFIGS if c.tma}, ran
 
 
 @pytest.mark.parametrize("gemv", ["skinny", "auto"])

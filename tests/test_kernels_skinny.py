@@ -198,6 +198,44 @@ def test_a_config_whose_gated_variant_cannot_launch_keeps_act_mul_then_the_kerne
     assert skinny.bound_gated(w, b, {4: SPLITS[1]}).picks == {} and tried == [4]  # tried once a shape
 
 
+# tensor-descriptor configs small enough to split K = 328 here (bf16 rows of 656 bytes: 16-byte aligned)
+TMAS = (Config(16, 32, 1, 4, 3, dot=True, tma=True), Config(32, 64, 2, 4, 4, dot=True, tma=True),
+        Config(16, 32, 0, 4, 3, dot=True, tma=True))
+
+
+# the engine's own tma configs in bf16 only: their fp32 tiles ask more shared memory than an H100 grants
+TMA_CASES = [(c, d) for c in TMAS for d in (torch.float32, torch.bfloat16)] + \
+    [(c, torch.bfloat16) for c in skinny.CONFIGS if c.tma]
+
+
+@pytest.mark.parametrize("cfg, dtype", TMA_CASES, ids=lambda v: str(v).removeprefix("torch."))
+def test_a_tma_config_reads_the_tiles_its_pointer_twin_reads(cfg, dtype, monkeypatch):
+    """Where a tensor descriptor can read the weight (contiguous along K, rows 16-byte aligned), a `tma`
+    config takes its tiles through one (what lies past N and K reads as zero, as the pointer loads' masks
+    make it): the same bits as the config without `tma`, plain and gated, one share and several. Where it
+    cannot (K = 301: rows of 602 or 1,204 bytes), the same config loads by pointer, again the same bits."""
+    made = []
+    real = skinny.TensorDescriptor
+    monkeypatch.setattr(skinny, "TensorDescriptor", lambda *a: made.append(a[3]) or real(*a))
+    twin = replace(cfg, tma=False)
+    for k in (328, 301):
+        g = torch.Generator().manual_seed(k)
+        w = torch.randn(N, k, generator=g).to(dtype)
+        b = torch.randn(N, generator=g).to(dtype)
+        assert skinny.reads_by_tma(w) == (k == 328)
+        for m in (1, 5, 32):
+            x = torch.randn(m, 2 * k, generator=g).to(dtype)
+            gate, up = x[:, :k], x[:, k:]
+            made.clear()
+            assert torch.equal(skinny_linear(gate, w, b, cfg), skinny_linear(gate, w, b, twin)), (k, m)
+            assert torch.equal(skinny_linear(gate, w, b, cfg, up=up), skinny_linear(gate, w, b, twin, up=up)), (k, m)
+            assert made == ([[cfg.block_n, cfg.block_k]] * 2 if skinny.reads_by_tma(w) else []), (k, m)
+    with pytest.raises(ValueError, match="tma is for the tl.dot configs"):
+        Config(16, 256, tma=True)
+    with pytest.raises(ValueError, match="at most 256 x 256"):
+        Config(32, 512, dot=True, tma=True)
+
+
 def test_the_timed_calls_are_the_calls_the_decoder_makes():
     """What the build times (`timed_call`, which `cuda_timer` repeats in a CUDA graph) is what runs: a plain
     shape's F.linear or kernel over the rotated copies of its weight in turn; a gated down projection's

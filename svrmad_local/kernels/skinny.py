@@ -32,9 +32,16 @@ import torch.nn.functional as F
 from ._backend import HAS_TRITON, cdiv, interpreting, next_pow2, tl, triton
 from .pdl import launch
 
+try:  # Triton's host-side tensor descriptor (3.3 and later): a `tma` config's weight tiles
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    HAS_TENSOR_DESCRIPTOR = True
+except ImportError:
+    TensorDescriptor, HAS_TENSOR_DESCRIPTOR = None, False
+
 log = logging.getLogger("svrmad_local")
 
 MAX_ROWS = 32  # rows above this are prefill or a wide batch: F.linear (a GEMM) always
+TMA_BOX = 256  # the most elements a tensor descriptor's tile spans in a dimension
 # the row counts timed at build: the decode graphs' padded row counts (engine/graphs.batch_sizes) up to 8, then
 # 16 and 32 (a graph of 24 rows takes 32's pick)
 ROWS = (1, 2, 4, 8, 16, 32)
@@ -53,13 +60,19 @@ if HAS_TRITON:
     from .fused_triton import act_times
 
     @triton.jit
-    def _tiles(X, U, W, n, rows, k, nmask, rmask, k_hi, s_xm, s_xk, s_um, s_uk, s_wn, s_wk, GATED: tl.constexpr,
-               RNE: tl.constexpr):
-        """The weight's [BLOCK_N, BLOCK_K] tile at columns k (read once: evicted first, x stays cached) and x's
-        rows there [BLOCK_M, BLOCK_K]; GATED: those rows are SiLU(X) * U, rounded as act_mul rounds them."""
+    def _tiles(X, U, W, WD, n0, n, rows, k0, kk, nmask, rmask, k_hi, s_xm, s_xk, s_um, s_uk, s_wn, s_wk,
+               GATED: tl.constexpr, RNE: tl.constexpr, TMA: tl.constexpr = False):
+        """The weight's [BLOCK_N, BLOCK_K] tile at columns k0 + kk (read once: evicted first, x stays cached) and x's
+        rows there [BLOCK_M, BLOCK_K]; GATED: those rows are SiLU(X) * U, rounded as act_mul rounds them.
+        TMA: the weight's tile through its tensor descriptor WD (sm_90's bulk tensor copy, one instruction a
+        tile; what lies past N or K reads as zero, as the masks make it): the same values."""
+        k = k0 + kk
         kmask = k < k_hi
-        w = tl.load(W + n[:, None] * s_wn + k[None, :] * s_wk, mask=nmask[:, None] & kmask[None, :], other=0.0,
-                    eviction_policy="evict_first")
+        if TMA:
+            w = WD.load([n0, k0])
+        else:
+            w = tl.load(W + n[:, None] * s_wn + k[None, :] * s_wk, mask=nmask[:, None] & kmask[None, :], other=0.0,
+                        eviction_policy="evict_first")
         mask = rmask[:, None] & kmask[None, :]
         x = tl.load(X + rows[:, None] * s_xm + k[None, :] * s_xk, mask=mask, other=0.0)
         if GATED:
@@ -76,11 +89,11 @@ if HAS_TRITON:
                                   dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
-    def _skinny_kernel(X, U, W, B, O, M, N, K, K_SHARE, EARLY, s_xm, s_xk, s_um, s_uk, s_wn, s_wk, s_os, s_om, s_on,
+    def _skinny_kernel(X, U, W, WD, B, O, M, N, K, K_SHARE, EARLY, s_xm, s_xk, s_um, s_uk, s_wn, s_wk, s_os, s_om, s_on,
                        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, DOT: tl.constexpr, DOT_F32: tl.constexpr, LATE: tl.constexpr,
                        GATED: tl.constexpr, RNE: tl.constexpr, PREFETCH: tl.constexpr = 0,
-                       AHEAD: tl.constexpr = False, PDL: tl.constexpr = False):
+                       AHEAD: tl.constexpr = False, TMA: tl.constexpr = False, PDL: tl.constexpr = False):
         """Program (j, s): columns j*BLOCK_N.. over K's s-th share, into O's s-th slice (the output
         itself where there is one share; the bias only in share 0). LATE: the products accumulate
         element-wise and are summed along K once at the end (no reduction across threads per tile).
@@ -89,8 +102,11 @@ if HAS_TRITON:
         kernel before it, each of the first EARLY programs (those placed while it runs) fetches the first
         PREFETCH bytes of each of its weight rows' share into L2; later ones go straight to their loads.
         AHEAD (broadcast products): each tile's loads are issued one iteration before its products, so a
-        program keeps two tiles in flight rather than one; the same products summed in the same order."""
-        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        program keeps two tiles in flight rather than one; the same products summed in the same order. TMA
+        (tl.dot configs): the weight's tiles through its tensor descriptor WD, pipelined through shared memory
+        by the bulk tensor copy and its barriers rather than a cp.async a thread; the same tiles."""
+        n0 = tl.program_id(0) * BLOCK_N
+        n = n0 + tl.arange(0, BLOCK_N)
         share = tl.program_id(1)
         k_lo = share * K_SHARE
         if PREFETCH > 0:  # the weights are no kernel's output: read before the wait
@@ -105,16 +121,16 @@ if HAS_TRITON:
             acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
         k_hi = tl.minimum(K, k_lo + K_SHARE)
         if AHEAD:
-            w_next, x_next = _tiles(X, U, W, n, rows, k_lo + kk, nmask, rmask, k_hi, s_xm, s_xk, s_um, s_uk, s_wn,
-                                    s_wk, GATED, RNE)
+            w_next, x_next = _tiles(X, U, W, WD, n0, n, rows, k_lo, kk, nmask, rmask, k_hi, s_xm, s_xk, s_um, s_uk,
+                                    s_wn, s_wk, GATED, RNE)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             if AHEAD:  # the next tile's loads before this one's products (past k_hi: masked, nothing read)
                 w, x = w_next, x_next
-                w_next, x_next = _tiles(X, U, W, n, rows, k0 + BLOCK_K + kk, nmask, rmask, k_hi, s_xm, s_xk, s_um,
-                                        s_uk, s_wn, s_wk, GATED, RNE)
+                w_next, x_next = _tiles(X, U, W, WD, n0, n, rows, k0 + BLOCK_K, kk, nmask, rmask, k_hi, s_xm, s_xk,
+                                        s_um, s_uk, s_wn, s_wk, GATED, RNE)
             else:
-                w, x = _tiles(X, U, W, n, rows, k0 + kk, nmask, rmask, k_hi, s_xm, s_xk, s_um, s_uk, s_wn, s_wk, GATED,
-                              RNE)
+                w, x = _tiles(X, U, W, WD, n0, n, rows, k0, kk, nmask, rmask, k_hi, s_xm, s_xk, s_um, s_uk, s_wn,
+                              s_wk, GATED, RNE, TMA)
             if DOT:
                 if DOT_F32:
                     acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
@@ -161,15 +177,18 @@ class Config:
     num_stages: int = 3
     dot: bool = False
     ahead: bool = False  # broadcast products only: the next tile's loads issued before this one's products
+    tma: bool = False  # tl.dot only: the weight's tiles by its tensor descriptor (sm_90's bulk copy), where it reads
 
     def __post_init__(self):
         if self.ahead and self.dot:
             raise ValueError("Config: ahead is for the broadcast products; tl.dot's loads are pipelined by stages")
+        if self.tma and not (self.dot and self.block_n <= TMA_BOX and self.block_k <= TMA_BOX):
+            raise ValueError(f"Config: tma is for the tl.dot configs, tiles of at most {TMA_BOX} x {TMA_BOX}")
 
     def __str__(self) -> str:
         split = "auto" if self.split_k == 0 else self.split_k
         return (f"n{self.block_n}k{self.block_k}s{split}w{self.num_warps}p{self.num_stages}"
-                + ("dot" if self.dot else "") + ("a" if self.ahead else ""))
+                + ("dot" if self.dot else "") + ("a" if self.ahead else "") + ("t" if self.tma else ""))
 
 
 # The candidates timed at build: narrow strips with long K tiles (each row of a tile a long contiguous read;
@@ -187,8 +206,12 @@ class Config:
 # there, `runs_gated`). In fp32 twice that: the 32 x 512 tiles at 32 rows ask 256 KB, over a Hopper's 227, and
 # are no candidate there (the timing leaves out what does not compile). The last three load each tile an
 # iteration ahead of its products (`ahead`: two tiles a program in flight, the same bits as their twins),
-# for the H200, whose skinny linears ran at ~1.8 TB/s of ~3.5. benchmarks/bench_skinny.py times each config;
-# the build picks per shape and row count.
+# for the H200, whose skinny linears ran at ~1.8 TB/s of ~3.5. The `tma` ones read the weight's tiles through a
+# tensor descriptor (sm_90's bulk tensor copy: one instruction a 16 KB tile, its arrival counted by a barrier,
+# where cp.async takes eight a thread), four to seven tiles ahead; compiled for sm_90 with Triton 3.6 and 3.9,
+# 49-197 KB of shared memory in bf16. That an H200 ran ~1.8 TB/s where an H100 ran ~2.0 says the linears are
+# paced by what they keep in flight, not by the card; the bulk copy keeps more in flight for fewer
+# instructions. benchmarks/bench_skinny.py times each config; the build picks per shape and row count.
 CONFIGS = (
     Config(8, 512, 1, 4, 3),
     Config(16, 256, 1, 4, 3),
@@ -203,6 +226,9 @@ CONFIGS = (
     Config(8, 512, 1, 4, 3, ahead=True),
     Config(16, 256, 1, 4, 3, ahead=True),
     Config(16, 256, 0, 4, 3, ahead=True),
+    Config(32, 256, 1, 4, 5, dot=True, tma=True),
+    Config(32, 256, 0, 4, 3, dot=True, tma=True),
+    Config(32, 128, 1, 4, 8, dot=True, tma=True),
 )
 # Launched with PDL (kernels/pdl.py), each program of the first wave (one an SM: those the GPU places while
 # the kernel before still runs) first fetches this many bytes of each of its weight rows into L2, before it
@@ -274,6 +300,14 @@ def prefetch_bytes(weight: torch.Tensor, k_share: int, split: int) -> int:
     return min(PREFETCH_BYTES, last * e) // 16 * 16
 
 
+def reads_by_tma(weight: torch.Tensor) -> bool:
+    """Whether a tensor descriptor can read `weight` (a `tma` config's path; elsewhere the same config loads
+    its tiles by pointer, the same values): contiguous along K, its start and its rows 16-byte aligned."""
+    e = weight.element_size()
+    return (HAS_TENSOR_DESCRIPTOR and weight.stride(1) == 1 and weight.data_ptr() % 16 == 0
+            and weight.stride(0) * e % 16 == 0)
+
+
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   cfg: Config = DEFAULT, up: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (M <= 8, or <= 32 for a tl.dot config) @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype,
@@ -304,12 +338,14 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     b = bias if bias is not None else weight
     u = up if up is not None else x
     pdl = launch(x)
+    tma = cfg.tma and reads_by_tma(weight)
+    wd = TensorDescriptor(weight, list(weight.shape), list(weight.stride()), [cfg.block_n, cfg.block_k]) if tma else weight
     _skinny_kernel[(cdiv(n, cfg.block_n), split)](
-        x, u, weight, b, parts, m, n, k, k_share, sms, *x.stride(), *u.stride(), *weight.stride(), *part_strides,
+        x, u, weight, wd, b, parts, m, n, k, k_share, sms, *x.stride(), *u.stride(), *weight.stride(), *part_strides,
         HAS_BIAS=bias is not None and split == 1, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         DOT=cfg.dot, DOT_F32=x.dtype == torch.float32 or interpreting(), LATE=sums_late(cfg, block_m),
         GATED=up is not None, RNE=interpreting(), PREFETCH=prefetch_bytes(weight, k_share, split) if pdl else 0,
-        AHEAD=cfg.ahead, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
+        AHEAD=cfg.ahead, TMA=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
     if split > 1:
         block = 1024
         _sum_shares_kernel[(m, cdiv(n, block))](parts, b, out, n, split, *parts.stride(), *out.stride(),
