@@ -243,7 +243,8 @@ def per_linear(durations_us: list[float], calls: list[tuple], steps: int, itemsi
     return rows
 
 
-def profile_decode(engine: Engine, B: int, args, vocab: int, top: int = 12, captured: CapturedLinears | None = None) -> dict:
+def profile_decode(engine: Engine, B: int, args, vocab: int, top: int = 12,
+                   captured: CapturedLinears | None = None) -> dict:
     """One generate of B fresh prompts (1 + --new-tokens tokens each) under torch.profiler, after one
     unprofiled generate of the same shape (graph captures, compiles): the wall time a step, the time
     the device was busy a step (some kernel running: `covered`) and the kernels' own times summed, and

@@ -11,10 +11,11 @@ walks its share BLOCK_K at a time, loading the [BLOCK_N, BLOCK_K] weight tile on
 and the [BLOCK_M, BLOCK_K] rows of x, and accumulates in fp32 either by broadcast products summed along K
 (`dot=False`, no tensor cores, BLOCK_M the rows rounded up to a power of two; where the products fit
 LATE_VALUES registers a thread, kept element-wise and summed along K once at the end) or by one `tl.dot`
-on a row tile padded to 16 (`dot=True`). With one share it writes the output (bias added, cast to x's dtype); with
-several it writes fp32 partials, which a second small kernel sums in share order, adds the bias to and
-casts: the result never depends on which program ran first (no atomics), so a step's log-probs are the
-same bits on every run with the same configuration.
+on a row tile padded to 16 (`dot=True`; with `tma=True` its weight tiles come through a tensor descriptor,
+sm_90's bulk tensor copy, where the weight allows one). With one share it writes the output (bias added,
+cast to x's dtype); with several it writes fp32 partials, which a second small kernel sums in share order,
+adds the bias to and casts: the result never depends on which program ran first (no atomics), so a step's
+log-probs are the same bits on every run with the same configuration.
 
 Configurations (`Config`) are chosen per (rows, N, K) by timing at engine build, never by
 `triton.autotune`: autotuning would time inside the first call, and the engine's first call of a shape
@@ -62,8 +63,8 @@ if HAS_TRITON:
     @triton.jit
     def _tiles(X, U, W, WD, n0, n, rows, k0, kk, nmask, rmask, k_hi, s_xm, s_xk, s_um, s_uk, s_wn, s_wk,
                GATED: tl.constexpr, RNE: tl.constexpr, TMA: tl.constexpr = False):
-        """The weight's [BLOCK_N, BLOCK_K] tile at columns k0 + kk (read once: evicted first, x stays cached) and x's
-        rows there [BLOCK_M, BLOCK_K]; GATED: those rows are SiLU(X) * U, rounded as act_mul rounds them.
+        """The weight's [BLOCK_N, BLOCK_K] tile at columns k0 + kk (read once: evicted first, x stays cached) and
+        x's rows there [BLOCK_M, BLOCK_K]; GATED: those rows are SiLU(X) * U, rounded as act_mul rounds them.
         TMA: the weight's tile through its tensor descriptor WD (sm_90's bulk tensor copy, one instruction a
         tile; what lies past N or K reads as zero, as the masks make it): the same values."""
         k = k0 + kk
@@ -339,7 +340,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     u = up if up is not None else x
     pdl = launch(x)
     tma = cfg.tma and reads_by_tma(weight)
-    wd = TensorDescriptor(weight, list(weight.shape), list(weight.stride()), [cfg.block_n, cfg.block_k]) if tma else weight
+    wd = TensorDescriptor(weight, list(weight.shape), list(weight.stride()), [cfg.block_n, cfg.block_k]) \
+        if tma else weight
     _skinny_kernel[(cdiv(n, cfg.block_n), split)](
         x, u, weight, wd, b, parts, m, n, k, k_share, sms, *x.stride(), *u.stride(), *weight.stride(), *part_strides,
         HAS_BIAS=bias is not None and split == 1, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
