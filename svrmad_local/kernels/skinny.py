@@ -290,12 +290,18 @@ def check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> N
         raise ValueError(f"skinny_linear: bias must be [{weight.shape[0]}], got {list(bias.shape)}")
 
 
+def rows_aligned(weight: torch.Tensor) -> bool:
+    """Whether `weight` is contiguous along K with its start and each of its rows 16-byte aligned: what the bulk
+    copies ask of an address (the PDL prefetch's, a tensor descriptor's)."""
+    return weight.stride(1) == 1 and weight.data_ptr() % 16 == 0 and weight.stride(0) * weight.element_size() % 16 == 0
+
+
 def prefetch_bytes(weight: torch.Tensor, k_share: int, split: int) -> int:
     """The bytes of each weight row's share a launch with PDL fetches into L2 before it waits (`PREFETCH_BYTES`,
     or the last, shortest share's bytes, in 16-byte units); 0 where a row's share does not start 16-byte
     aligned (the bulk prefetch's rule) or K is not contiguous."""
     e = weight.element_size()
-    if weight.stride(1) != 1 or weight.data_ptr() % 16 or weight.stride(0) * e % 16 or k_share * e % 16:
+    if not rows_aligned(weight) or k_share * e % 16:
         return 0
     last = weight.shape[1] - (split - 1) * k_share
     return min(PREFETCH_BYTES, last * e) // 16 * 16
@@ -303,10 +309,8 @@ def prefetch_bytes(weight: torch.Tensor, k_share: int, split: int) -> int:
 
 def reads_by_tma(weight: torch.Tensor) -> bool:
     """Whether a tensor descriptor can read `weight` (a `tma` config's path; elsewhere the same config loads
-    its tiles by pointer, the same values): contiguous along K, its start and its rows 16-byte aligned."""
-    e = weight.element_size()
-    return (HAS_TENSOR_DESCRIPTOR and weight.stride(1) == 1 and weight.data_ptr() % 16 == 0
-            and weight.stride(0) * e % 16 == 0)
+    its tiles by pointer, the same values): `rows_aligned`, and Triton has host descriptors."""
+    return HAS_TENSOR_DESCRIPTOR and rows_aligned(weight)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
