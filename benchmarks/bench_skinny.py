@@ -19,6 +19,13 @@ bytes read + written over the time) for reference. `--chain L` then times L deco
 linears back to back in one graph (`chain`: each shape's best config at one row) with programmatic
 dependent launch off, on, and on with the skinny kernel prefetching 1, 4 and 16 KB of each weight row
 before it waits (kernels/pdl.py): what the boundaries between kernels cost, and which prefetch pays.
+`--floor` measures what no linear kernel can beat: per shape, the time one launch takes to read the weight's
+bytes and do nothing else (`read_floor`: a kernel that sums each program's contiguous chunk, the fastest of
+FLOOR_LAUNCHES, cold copies as above), and each row's `of_floor` (the floor's time over the best config's: 1.0
+reads as fast as a bare read); then `read_step`: a decode step's linears at Qwen3-1.7B's shape (q/k/v, o_proj,
+gate/up, down for each of 28 layers, and the LM head) read by one such kernel each, back to back in one
+graph, PDL off and on, against the weight-streaming limit (those bytes over the card's sum-read rate, as
+bench_decode.py takes it): the most a decode step of one kernel a linear could reach at one row.
 With --json the last line is one JSON object.
 On a machine without CUDA it says so and exits 0 (--dry-run runs the script on the CPU, interpreted).
 """
@@ -41,6 +48,7 @@ H, I, V, Q, KV = 2048, 6144, 151936, 16 * 128, 8 * 128  # Qwen3-1.7B
 SHAPES = {"qkv": (Q + 2 * KV, H), "q/o_proj": (H, H), "k/v": (KV, H), "gate_up": (2 * I, H), "gate/up": (I, H),
           "down": (H, I), "lm_head": (V, H)}
 TINY = {"qkv": (48, 40), "down": (40, 72)}
+TINY_STEP = {"qkv": (64, 32), "q/o_proj": (32, 32), "gate_up": (96, 32), "down": (32, 48), "lm_head": (160, 32)}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -159,6 +167,9 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", help=f"comma-separated names of {', '.join(SHAPES)} (default: all)")
     ap.add_argument("--json", action="store_true", help="end with one JSON line of every figure")
     ap.add_argument("--dry-run", action="store_true", help="CPU: tiny shapes through Triton's interpreter")
+    ap.add_argument("--floor", action="store_true",
+                    help="also time a bare read of each weight (what no linear beats) and a decode step's linears "
+                         "read bare, one kernel each, against the weight-streaming limit")
     ap.add_argument("--chain", type=int, default=0, metavar="LAYERS",
                     help="also time that many decode layers' norms and linears back to back in one graph, with "
                          "programmatic dependent launch off, on, and on with the weight prefetch")
@@ -171,6 +182,7 @@ def main(argv=None) -> int:
     from svrmad_local.engine import gemv
     from svrmad_local.kernels import skinny
 
+    import read_floor as floor  # after TRITON_INTERPRET is set: its kernel is jitted or interpreted as it is defined
     device = torch.device("cpu" if args.dry_run else "cuda")
     dtype = DTYPES[args.dtype]
     rows = [int(r) for r in args.rows.split(",")] if args.rows else list(skinny.ROWS)
@@ -191,6 +203,9 @@ def main(argv=None) -> int:
                 shape["checks"][str(cfg)] = check(w, cfg, graphs=device.type == "cuda")
             except Exception as exc:  # noqa: BLE001 - a config that fails here is one line of the table
                 shape["checks"][str(cfg)] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
+        if args.floor:
+            f = shape["read_floor"] = floor.read_floor(w)
+            print(f"{name:9s} {n:>6d}x{k:<5d} a bare read: {f['us']:8.2f} us {f['gbps']:7.1f} GB/s ({f['launch']})")
         for m in rows:
             torch_s = timer(m, "torch")
             times = {str(c): timer(m, c) for c in skinny.CONFIGS
@@ -204,6 +219,8 @@ def main(argv=None) -> int:
                            speedup=round(torch_s / times[best], 3),
                            # what the engine's choice would take here: its own rule over these figures
                            engine=bool(gemv.pick({f"{n}x{k}": {str(m): {"torch": torch_s, **times}}})))
+                if args.floor:  # 1.0: the config reads as fast as the bare read of its bytes
+                    row["of_floor"] = round(shape["read_floor"]["us"] / row["best_us"], 3)
             print(f"{name:9s} {n:>6d}x{k:<5d} M={m}: F.linear {row['torch_us']:8.2f} us {row['torch_gbps']:7.1f} GB/s"
                   + (f" | skinny {row['best_us']:8.2f} us {row['best_gbps']:7.1f} GB/s ({best}) x{row['speedup']:.2f}"
                      f"{' taken' if row['engine'] else ''}" if best else " | skinny: no config ran"))
@@ -220,6 +237,17 @@ def main(argv=None) -> int:
         print(f"chain of {c['layers']} layers (PDL: {c['pdl']}): " + ", ".join(
             f"{arm} {a['us_per_layer']} us a layer ({a['gbps']} GB/s)" for arm, a in c["arms"].items())
             + f"; same bits: {c['same_bits']}")
+    if args.floor:
+        step_shapes = TINY_STEP if args.dry_run else SHAPES
+        floors = {name: result["shapes"][name]["read_floor"] if name in result["shapes"] else
+                  floor.read_floor(torch.randn(*step_shapes[name], device=device, dtype=dtype))
+                  for name in floor.STEP + ("lm_head",)}
+        from bench_decode import read_bandwidth
+        gbps = round(read_bandwidth(16 if args.dry_run else 512, device=device) / 1e9, 1)
+        r = result["read_step"] = floor.read_step(device, dtype, step_shapes, floors, 2 if args.dry_run else 28, gbps)
+        print(f"a decode step's {r['launches']} linears ({r['gb']} GB) read bare, one kernel each: " + ", ".join(
+            f"PDL {arm} {a['ms']} ms ({a['gbps']} GB/s, {a['of_limit']:.0%} of the weight-streaming limit)"
+            for arm, a in r["arms"].items()) + f"; the card's sum read {gbps} GB/s")
     if args.json:
         print(json.dumps(result))
     return 0

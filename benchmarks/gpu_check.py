@@ -459,7 +459,8 @@ def main(argv=None) -> int:
         plan.append(("sampling", [py, "benchmarks/bench_sampling.py", "--device", "cuda", "--rounds", "5"], 30,
                      _last_json))
     if "skinny" in wanted:  # the few-row linear against cuBLAS at Qwen3-1.7B's decode shapes, every config
-        plan.append(("skinny", [py, "benchmarks/bench_skinny.py", "--json", "--chain", "28"], 180, _last_json))
+        plan.append(("skinny", [py, "benchmarks/bench_skinny.py", "--json", "--chain", "28", "--floor"], 210,
+                     _last_json))
     wl = ["--questions", "4", "--initial-tokens", "128", "--debate-tokens", "64"]
     if "engine" in wanted:
         for model in args.engine_models.split(","):

@@ -575,6 +575,53 @@ def test_bench_skinny_times_every_config_against_f_linear_or_says_it_needs_cuda(
             assert len(ran) == (len(skinny.CONFIGS) if m != "16" else sum(c.dot for c in skinny.CONFIGS))
 
 
+def test_the_bare_read_reads_every_element_once_in_each_launch_shape(interp):
+    """benchmarks/read_floor.py: each program sums its own contiguous stretch of the weight, the stretches
+    cover it exactly once, whatever the launch (programs an SM, block, warps) and however unevenly the size
+    divides; integer values, so every sum is exact in fp32."""
+    import read_floor
+
+    from svrmad_local.kernels import skinny
+
+    for n, k in ((7, 13), (48, 40), (160, 32), (3, 4096 + 5)):
+        w = torch.randint(-3, 4, (n, k)).to(torch.bfloat16)
+        for launch in read_floor.FLOOR_LAUNCHES:
+            sums = read_floor.read_weight(w, launch)
+            per_sm, block, _ = launch
+            programs = min(skinny._sms(w.device) * per_sm, -(-w.numel() // block))
+            chunk = -(-(-(-w.numel() // programs)) // block) * block
+            expected = torch.stack([c.float().sum() for c in w.reshape(-1).split(chunk)])
+            assert torch.equal(sums, expected), (n, k, launch)
+
+
+def test_bench_skinny_floor_times_a_bare_read_per_shape_and_a_step_of_them(interp, capsys):
+    """--floor (dry run): every shape gets its bare read (the fastest launch named, each launch timed) and each
+    row how near its best config comes to it; the step of bare reads holds a layer's four linears per layer
+    and the LM head, PDL off only on the CPU, and its share of the weight-streaming limit."""
+    import json
+
+    import bench_skinny
+    import read_floor
+
+    assert bench_skinny.main(["--dry-run", "--json", "--rows", "1", "--floor"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    names = {read_floor.launch_name(x) for x in read_floor.FLOOR_LAUNCHES}
+    for shape in out["shapes"].values():
+        f = shape["read_floor"]
+        assert set(f["launches_us"]) == names and f["us"] == min(f["launches_us"].values())
+        assert f["launches_us"][f["launch"]] == f["us"]
+        row = shape["rows"]["1"]
+        assert row["of_floor"] == round(f["us"] / row["best_us"], 3)
+    step = out["read_step"]
+    assert step["layers"] == 2 and step["launches"] == 2 * len(read_floor.STEP) + 1
+    dims = bench_skinny.TINY_STEP
+    assert step["gb"] == round((2 * sum(dims[s][0] * dims[s][1] for s in read_floor.STEP) + dims["lm_head"][0]
+                                * dims["lm_head"][1]) * 2 / 1e9, 3)
+    assert list(step["arms"]) == ["off"] and step["pdl"] == "tensors on cpu" and step["read_gbps"] > 0
+    off = step["arms"]["off"]
+    assert off["ms"] > 0 and 0 <= off["of_limit"] <= 1
+
+
 def test_bench_step_broadcast_sends_a_long_context_step_in_the_bytes_of_a_short_one(capsys):
     """benchmarks/bench_step_broadcast.py over gloo, two processes: the follower gets every step equal to
     the leader's in each of the three ways, and the channel's steps (each run's new blocks only) weigh the

@@ -170,7 +170,7 @@ def test_part_2_lists_the_skinny_linear_step_and_skips_it_on_a_cpu(tmp_path, mon
     assert steps["sampling"]["command"][1:4] == ["benchmarks/bench_sampling.py", "--device", "cuda"]
     s = steps["skinny"]
     assert s["status"] == "skipped" and s["reason"].startswith("needs CUDA")
-    assert s["command"][1:] == ["benchmarks/bench_skinny.py", "--json", "--chain", "28"]
+    assert s["command"][1:] == ["benchmarks/bench_skinny.py", "--json", "--chain", "28", "--floor"]
 
 
 SHARED = '''

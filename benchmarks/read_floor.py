@@ -1,0 +1,134 @@
+"""What no decode linear can beat on a GPU: the time one launch takes to read a weight's bytes and do nothing
+else, and a decode step made of such reads (benchmarks/bench_skinny.py --floor).
+
+Why: a skinny linear's GB/s says how far it is from the card's copy rate, but a short linear (8 MB) never
+reaches that rate in one launch whatever it computes: its programs start, their first loads wait a memory
+latency, the last ones drain. The bare read measures that ceiling per size, so a config's time over it says
+what is left to gain in the kernel, and the step of bare reads says what is left to gain with one kernel a
+linear at all (the rest needs fewer launches: fusion). The bare read waits for the kernel before it (PDL's
+wait) before its first load, as a linear waits for its input; a skinny config that prefetches its weight
+before that wait (kernels/skinny.py, with PDL) can come in under it by what the prefetch overlaps.
+
+Imported after bench_skinny decides whether Triton interprets (its --dry-run): a kernel is jitted or
+interpreted as it is defined.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from svrmad_local.kernels._backend import HAS_TRITON, cdiv, tl, triton
+
+if HAS_TRITON:
+    from svrmad_local.kernels.pdl import enter
+
+    @triton.jit
+    def _read_kernel(W, O, n, CHUNK, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+        """Program p sums W's elements [p * CHUNK, (p + 1) * CHUNK) into O[p], BLOCK at a time: every element
+        read once (evicted first, as the skinny kernel reads a weight), in one contiguous stretch a program."""
+        enter(PDL)
+        p = tl.program_id(0)
+        lo = p * CHUNK
+        hi = tl.minimum(lo + CHUNK, n)
+        acc = tl.zeros([BLOCK], tl.float32)
+        for start in range(lo, hi, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            acc += tl.load(W + offs, mask=offs < hi, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        tl.store(O + p, tl.sum(acc, axis=0))
+
+
+# (programs an SM, elements a load, warps) of the bare read: the bytes a program keeps in flight are one load's
+# (Triton pipelines only the loads that feed tl.dot), so these span 2 to 16 programs an SM at 4-16 KB a load
+FLOOR_LAUNCHES = ((2, 4096, 4), (4, 4096, 4), (8, 4096, 4), (16, 2048, 4), (4, 8192, 8), (8, 8192, 8))
+
+
+def read_weight(w: torch.Tensor, launch: tuple, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The bare read of `w` (contiguous) as `launch` = (programs an SM, BLOCK, warps) shapes it: one fp32 sum a
+    program, [programs]; no more programs than BLOCK-sized pieces. Launched with PDL where the engine would."""
+    from svrmad_local.kernels import pdl, skinny
+
+    per_sm, block, warps = launch
+    n = w.numel()
+    if n >= 2**31:
+        raise ValueError(f"read_weight: {n} elements, over the kernel's 32-bit offsets")
+    programs = max(1, min(skinny._sms(w.device) * per_sm, cdiv(n, block)))
+    chunk = cdiv(cdiv(n, programs), block) * block
+    programs = cdiv(n, chunk)
+    out = torch.empty(programs, device=w.device, dtype=torch.float32) if out is None else out[:programs]
+    _read_kernel[(programs,)](w, out, n, chunk, BLOCK=block, num_warps=warps, **pdl.launch(w))
+    return out
+
+
+def launch_name(launch: tuple) -> str:
+    return "p{}b{}w{}".format(*launch)
+
+
+def read_floor(w: torch.Tensor, launches=FLOOR_LAUNCHES) -> dict:
+    """Microseconds and GB/s of the bare read of `w`'s bytes, the fastest of `launches`, each timed as the
+    configs are (cold copies of w, `skinny.time_call`; on the CPU one interpreted call)."""
+    from svrmad_local.kernels import skinny
+
+    size = w.numel() * w.element_size()
+    if w.device.type == "cuda":
+        l2 = int(getattr(torch.cuda.get_device_properties(w.device), "L2_cache_size", 50 << 20))
+        copies = [w] + [w.clone() for _ in range(max(1, min(16, cdiv(2 * l2, size))) - 1)]
+    else:
+        copies = [w]
+    times = {}
+    for launch in launches:
+        turn = iter(range(1 << 62))
+
+        def run(launch=launch, turn=turn):
+            return read_weight(copies[next(turn) % len(copies)], launch)
+
+        if w.device.type == "cuda":
+            times[launch_name(launch)] = skinny.time_call(run)
+        else:
+            t0 = time.perf_counter()
+            run()
+            times[launch_name(launch)] = time.perf_counter() - t0
+    best = min(times, key=times.get)
+    return {"us": round(times[best] * 1e6, 2), "gbps": round(size / times[best] / 1e9, 1), "launch": best,
+            "launches_us": {k: round(t * 1e6, 2) for k, t in times.items()}}
+
+
+STEP = ("qkv", "q/o_proj", "gate_up", "down")  # a decode layer's linears as the engine runs them on a GPU
+
+
+def read_step(device, dtype, shapes: dict, floors: dict, layers: int, read_gbps: float) -> dict:
+    """The decode step's linears read bare, one kernel each (`shapes`' STEP for each of `layers` layers of their
+    own weights, then its lm_head; each launch its shape's fastest in `floors`), back to back in one graph, PDL
+    off and on: milliseconds, GB/s, and the fraction of the weight-streaming limit (those bytes at `read_gbps`,
+    the card's sum-read rate) that such a step reaches. On the CPU, once, interpreted."""
+    from svrmad_local.kernels import pdl, skinny
+
+    by_name = {launch_name(x): x for x in FLOOR_LAUNCHES}
+    plan = [name for _ in range(layers) for name in STEP] + ["lm_head"]
+    ws = [(torch.randn(*shapes[name], device=device, dtype=dtype), by_name[floors[name]["launch"]]) for name in plan]
+    out = torch.empty(max(skinny._sms(device) * x[0] for x in FLOOR_LAUNCHES), device=device, dtype=torch.float32)
+
+    def step():
+        for w, launch in ws:
+            read_weight(w, launch, out)
+
+    gb = sum(w.numel() * w.element_size() for w, _ in ws) / 1e9
+    why = pdl.why_not(device)
+    result = {"layers": layers, "launches": len(ws), "gb": round(gb, 3), "read_gbps": read_gbps,
+              "limit_ms": round(gb / read_gbps * 1e3, 3) if read_gbps else None, "pdl": why or "on", "arms": {}}
+    kept = pdl.use(False)
+    try:
+        for arm in ("off",) + (("on",) if why is None else ()):
+            pdl.use(arm == "on")
+            if device.type == "cuda":
+                seconds = skinny.time_call(step, reps=5, inner=1)
+            else:
+                t0 = time.perf_counter()
+                step()
+                seconds = time.perf_counter() - t0
+            a = result["arms"][arm] = {"ms": round(seconds * 1e3, 3), "gbps": round(gb / seconds, 1)}
+            if read_gbps:
+                a["of_limit"] = round(gb / read_gbps / seconds, 3)
+    finally:
+        pdl.use(kept)
+    return result
