@@ -99,6 +99,7 @@ class Check:
         self.out, self.dry, self.t0, self.budget = out, dry, time.monotonic(), budget_s
         self.work = Path(os.environ.get("SVRMAD_GPU_CHECK_WORK", "/tmp/svrmad-gpu-check"))
         self.site, self.models = self.work / "site", self.work / "models"
+        self.cache = self.work / "no-default-model"  # the steps' SVRMAD_CACHE: no default model, their kept timings
         (out / "logs").mkdir(parents=True, exist_ok=True)
         self.steps: list[Step] = []
         self.cuda = False
@@ -110,10 +111,21 @@ class Check:
         """The children's environment: the private site folder, then the working tree, first on the path;
         no network, no download of the default model (every step passes its model)."""
         env = dict(os.environ, PYTHONUNBUFFERED="1", TRITON_INTERPRET="0", HF_HUB_OFFLINE="1",
-                   TRANSFORMERS_OFFLINE="1", SVRMAD_CACHE=str(self.work / "no-default-model"))
+                   TRANSFORMERS_OFFLINE="1", SVRMAD_CACHE=str(self.cache))
         env["PYTHONPATH"] = os.pathsep.join([str(self.site), str(ROOT)] +
                                             [p for p in [os.environ.get("PYTHONPATH")] if p])
         return env
+
+    def keep_timings(self) -> list[str]:
+        """The timings the steps' engines kept (engine/kept.py: every few-row linear config and sampling path a
+        build timed, the gated down projections' included), copied to logs/calibration/ beside the logs: what
+        each pick was chosen over, which the record's picks alone do not say. Their file names."""
+        found = sorted((self.cache / "calibration").glob("*.json"))
+        if found:
+            (self.out / "logs" / "calibration").mkdir(exist_ok=True)
+        for f in found:
+            shutil.copy2(f, self.out / "logs" / "calibration" / f.name)
+        return [f.name for f in found]
 
     def run(self, step: Step, cmd: list[str], expect: int, parse=None) -> None:
         """Runs `cmd` if the call has `expect` seconds left (a generous guess of the step's time on an
@@ -533,7 +545,7 @@ def main(argv=None) -> int:
         chk.run(step, cmd, expect, parse)
         print(f"== {name}: {step.status} {step.result or ''} {step.reason}".rstrip(), flush=True)
     summary = {"dry_run": args.dry_run, "cuda": chk.cuda, "seconds": round(time.monotonic() - chk.t0, 1),
-               "steps": [s.as_dict() for s in steps], "defects_checked_by": DEFECTS}
+               "steps": [s.as_dict() for s in steps], "defects_checked_by": DEFECTS, "timings_kept": chk.keep_timings()}
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
     for s in steps:
         print(f"{s.name:28s} {s.status:8s} {s.result or '':5s} {s.reason[:150]}")

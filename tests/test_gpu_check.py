@@ -70,6 +70,24 @@ def test_the_dry_run_writes_the_summary_and_never_runs_a_cuda_step(tmp_path, mon
     for folder in steps["models"]["figures"]["models"].values():
         assert (Path(folder) / "config.json").exists()
     assert Path(steps["package"]["figures"]["kernels"]).resolve().is_relative_to(gpu_check.ROOT)
+    assert summary["timings_kept"] == [] and not (out / "logs" / "calibration").exists()  # no engine was built
+
+
+def test_the_timings_the_steps_engines_kept_come_back_beside_the_logs(tmp_path, monkeypatch):
+    """A build's kept gemv and sampling timings (under the steps' SVRMAD_CACHE) are copied to logs/calibration/
+    and named in the summary: what each pick was chosen over."""
+    monkeypatch.setenv("SVRMAD_GPU_CHECK_WORK", str(tmp_path / "work"))
+    kept = tmp_path / "work" / "no-default-model" / "calibration"
+    kept.mkdir(parents=True)
+    for name in ("gemv-0123.json", "sampling-4567.json"):
+        (kept / name).write_text(json.dumps({"key": {}, "figures": {"2048x2048": {"1": {"torch": 1e-5}}}}))
+    out = tmp_path / "out"
+    assert gpu_check.main([str(out), "--dry-run", "--steps", "graphs"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["timings_kept"] == ["gemv-0123.json", "sampling-4567.json"]
+    for name in summary["timings_kept"]:
+        assert (out / "logs" / "calibration" / name).read_text() == (kept / name).read_text()
+    assert Path(gpu_check.Check(out, True, 1).env()["SVRMAD_CACHE"]) == kept.parent
 
 
 def test_the_decode_step_runs_each_model_asked_for_and_refuses_an_unknown_one(tmp_path, monkeypatch, capsys):
