@@ -622,6 +622,26 @@ def test_bench_skinny_floor_times_a_bare_read_per_shape_and_a_step_of_them(inter
     assert off["ms"] > 0 and 0 <= off["of_limit"] <= 1
 
 
+def test_bench_skinny_keeps_the_configs_figures_where_the_floor_fails(interp, capsys, monkeypatch):
+    """A failure in --floor's step of bare reads is one line and a failed exit; the JSON still holds every
+    config's figures and each shape's bare read."""
+    import json
+
+    import bench_skinny
+    import read_floor
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(read_floor, "read_step", broken)
+    assert bench_skinny.main(["--dry-run", "--json", "--rows", "1", "--floor"]) == 1
+    lines = capsys.readouterr().out.strip().splitlines()
+    out = json.loads(lines[-1])
+    assert out["floor_error"] == "RuntimeError: out of memory" and "bench_skinny --floor: RuntimeError" in lines[-2]
+    for shape in out["shapes"].values():
+        assert shape["rows"]["1"]["best_us"] > 0 and shape["read_floor"]["us"] > 0
+
+
 def test_bench_step_broadcast_sends_a_long_context_step_in_the_bytes_of_a_short_one(capsys):
     """benchmarks/bench_step_broadcast.py over gloo, two processes: the follower gets every step equal to
     the leader's in each of the three ways, and the channel's steps (each run's new blocks only) weigh the
