@@ -24,7 +24,7 @@ bytes and do nothing else (`read_floor`: a kernel that sums each program's conti
 FLOOR_LAUNCHES, cold copies as above), and each row's `of_floor` (the floor's time over the best config's: 1.0
 reads as fast as a bare read); then `read_step`: a decode step's linears at Qwen3-1.7B's shape (q/k/v, o_proj,
 gate/up, down for each of 28 layers, and the LM head) read by one such kernel each, back to back in one
-graph, PDL off and on, against the weight-streaming limit (those bytes over the card's sum-read rate, as
+graph, PDL off, on, and on with a prefetch before the wait, against the weight-streaming limit (those bytes over the card's sum-read rate, as
 bench_decode.py takes it): the most a decode step of one kernel a linear could reach at one row.
 With --json the last line is one JSON object.
 On a machine without CUDA it says so and exits 0 (--dry-run runs the script on the CPU, interpreted).

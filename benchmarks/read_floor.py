@@ -14,6 +14,7 @@ interpreted as it is defined.
 """
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -22,14 +23,20 @@ from svrmad_local.kernels._backend import HAS_TRITON, cdiv, tl, triton
 
 if HAS_TRITON:
     from svrmad_local.kernels.pdl import enter
+    from svrmad_local.kernels.skinny import _prefetch_rows
 
     @triton.jit
-    def _read_kernel(W, O, n, CHUNK, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    def _read_kernel(W, O, n, CHUNK, BLOCK: tl.constexpr, PREFETCH: tl.constexpr = 0, PDL: tl.constexpr = False):
         """Program p sums W's elements [p * CHUNK, (p + 1) * CHUNK) into O[p], BLOCK at a time: every element
-        read once (evicted first, as the skinny kernel reads a weight), in one contiguous stretch a program."""
-        enter(PDL)
+        read once (evicted first, as the skinny kernel reads a weight), in one contiguous stretch a program.
+        PREFETCH (bytes, launched with PDL): first the stretch's first PREFETCH bytes into L2, before the wait
+        for the kernel before, as the skinny kernel's first programs fetch their rows' first bytes."""
         p = tl.program_id(0)
         lo = p * CHUNK
+        if PREFETCH > 0:  # a weight is no kernel's output: fetched before the wait
+            if lo + PREFETCH // (W.dtype.element_ty.primitive_bitwidth // 8) <= n:
+                _prefetch_rows(W + lo + tl.arange(0, 1), PREFETCH)
+        enter(PDL)
         hi = tl.minimum(lo + CHUNK, n)
         acc = tl.zeros([BLOCK], tl.float32)
         for start in range(lo, hi, BLOCK):
@@ -43,9 +50,15 @@ if HAS_TRITON:
 FLOOR_LAUNCHES = ((2, 4096, 4), (4, 4096, 4), (8, 4096, 4), (16, 2048, 4), (4, 8192, 8), (8, 8192, 8))
 
 
-def read_weight(w: torch.Tensor, launch: tuple, out: torch.Tensor | None = None) -> torch.Tensor:
+# bytes of its stretch a program of the step's `on_prefetch` arm fetches before its wait: what a first-wave skinny
+# program of 32 columns fetches (32 rows x skinny.PREFETCH_BYTES)
+STEP_PREFETCH = 32 * 1024
+
+
+def read_weight(w: torch.Tensor, launch: tuple, out: torch.Tensor | None = None, prefetch: int = 0) -> torch.Tensor:
     """The bare read of `w` (contiguous) as `launch` = (programs an SM, BLOCK, warps) shapes it: one fp32 sum a
-    program, [programs]; no more programs than BLOCK-sized pieces. Launched with PDL where the engine would."""
+    program, [programs]; no more programs than BLOCK-sized pieces. Launched with PDL where the engine would, and
+    then with `prefetch` bytes of each stretch fetched before the wait (a multiple of 16)."""
     from svrmad_local.kernels import pdl, skinny
 
     per_sm, block, warps = launch
@@ -56,7 +69,8 @@ def read_weight(w: torch.Tensor, launch: tuple, out: torch.Tensor | None = None)
     chunk = cdiv(cdiv(n, programs), block) * block
     programs = cdiv(n, chunk)
     out = torch.empty(programs, device=w.device, dtype=torch.float32) if out is None else out[:programs]
-    _read_kernel[(programs,)](w, out, n, chunk, BLOCK=block, num_warps=warps, **pdl.launch(w))
+    on = pdl.launch(w)
+    _read_kernel[(programs,)](w, out, n, chunk, BLOCK=block, PREFETCH=prefetch if on else 0, num_warps=warps, **on)
     return out
 
 
@@ -99,8 +113,9 @@ STEP = ("qkv", "q/o_proj", "gate_up", "down")  # a decode layer's linears as the
 def read_step(device, dtype, shapes: dict, floors: dict, layers: int, read_gbps: float) -> dict:
     """The decode step's linears read bare, one kernel each (`shapes`' STEP for each of `layers` layers of their
     own weights, then its lm_head; each launch its shape's fastest in `floors`), back to back in one graph, PDL
-    off and on: milliseconds, GB/s, and the fraction of the weight-streaming limit (those bytes at `read_gbps`,
-    the card's sum-read rate) that such a step reaches. On the CPU, once, interpreted."""
+    off, on, and on with STEP_PREFETCH bytes of each stretch fetched before the wait (`on_prefetch`: the
+    engine's design): milliseconds, GB/s, and the fraction of the weight-streaming limit (those bytes at
+    `read_gbps`, the card's sum-read rate) that such a step reaches. On the CPU, PDL off, once, interpreted."""
     from svrmad_local.kernels import pdl, skinny
 
     by_name = {launch_name(x): x for x in FLOOR_LAUNCHES}
@@ -108,9 +123,9 @@ def read_step(device, dtype, shapes: dict, floors: dict, layers: int, read_gbps:
     ws = [(torch.randn(*shapes[name], device=device, dtype=dtype), by_name[floors[name]["launch"]]) for name in plan]
     out = torch.empty(max(skinny._sms(device) * x[0] for x in FLOOR_LAUNCHES), device=device, dtype=torch.float32)
 
-    def step():
+    def step(prefetch: int):
         for w, launch in ws:
-            read_weight(w, launch, out)
+            read_weight(w, launch, out, prefetch)
 
     gb = sum(w.numel() * w.element_size() for w, _ in ws) / 1e9
     why = pdl.why_not(device)
@@ -118,13 +133,14 @@ def read_step(device, dtype, shapes: dict, floors: dict, layers: int, read_gbps:
               "limit_ms": round(gb / read_gbps * 1e3, 3) if read_gbps else None, "pdl": why or "on", "arms": {}}
     kept = pdl.use(False)
     try:
-        for arm in ("off",) + (("on",) if why is None else ()):
-            pdl.use(arm == "on")
+        for arm in ("off",) + (("on", "on_prefetch") if why is None else ()):
+            pdl.use(arm != "off")
+            run = functools.partial(step, STEP_PREFETCH if arm == "on_prefetch" else 0)
             if device.type == "cuda":
-                seconds = skinny.time_call(step, reps=5, inner=1)
+                seconds = skinny.time_call(run, reps=5, inner=1)
             else:
                 t0 = time.perf_counter()
-                step()
+                run()
                 seconds = time.perf_counter() - t0
             a = result["arms"][arm] = {"ms": round(seconds * 1e3, 3), "gbps": round(gb / seconds, 1)}
             if read_gbps:
