@@ -20,6 +20,7 @@ import time
 import torch
 
 from svrmad_local.kernels._backend import HAS_TRITON, cdiv, tl, triton
+from svrmad_local.kernels.skinny import PREFETCH_BYTES
 
 if HAS_TRITON:
     from svrmad_local.kernels.pdl import enter
@@ -51,8 +52,8 @@ FLOOR_LAUNCHES = ((2, 4096, 4), (4, 4096, 4), (8, 4096, 4), (16, 2048, 4), (4, 8
 
 
 # bytes of its stretch a program of the step's `on_prefetch` arm fetches before its wait: what a first-wave skinny
-# program of 32 columns fetches (32 rows x skinny.PREFETCH_BYTES)
-STEP_PREFETCH = 32 * 1024
+# program of 32 columns fetches (a row's first PREFETCH_BYTES for each of its 32 rows)
+STEP_PREFETCH = 32 * PREFETCH_BYTES
 
 
 def read_weight(w: torch.Tensor, launch: tuple, out: torch.Tensor | None = None, prefetch: int = 0) -> torch.Tensor:
@@ -63,8 +64,8 @@ def read_weight(w: torch.Tensor, launch: tuple, out: torch.Tensor | None = None,
 
     per_sm, block, warps = launch
     n = w.numel()
-    if n >= 2**31:
-        raise ValueError(f"read_weight: {n} elements, over the kernel's 32-bit offsets")
+    if not 0 < n < 2**31:
+        raise ValueError(f"read_weight: {n} elements; the kernel reads 1 to 2**31 - 1 (32-bit offsets)")
     programs = max(1, min(skinny._sms(w.device) * per_sm, cdiv(n, block)))
     chunk = cdiv(cdiv(n, programs), block) * block
     programs = cdiv(n, chunk)

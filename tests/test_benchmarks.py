@@ -592,6 +592,8 @@ def test_the_bare_read_reads_every_element_once_in_each_launch_shape(interp):
             chunk = -(-(-(-w.numel() // programs)) // block) * block
             expected = torch.stack([c.float().sum() for c in w.reshape(-1).split(chunk)])
             assert torch.equal(sums, expected), (n, k, launch)
+    with pytest.raises(ValueError, match="read_weight: 0 elements"):
+        read_floor.read_weight(torch.empty(0, 8, dtype=torch.bfloat16), read_floor.FLOOR_LAUNCHES[0])
 
 
 def test_bench_skinny_floor_times_a_bare_read_per_shape_and_a_step_of_them(interp, capsys):
