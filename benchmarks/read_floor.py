@@ -19,8 +19,8 @@ import time
 
 import torch
 
+from svrmad_local.kernels import pdl, skinny
 from svrmad_local.kernels._backend import HAS_TRITON, cdiv, tl, triton
-from svrmad_local.kernels.skinny import PREFETCH_BYTES
 
 if HAS_TRITON:
     from svrmad_local.kernels.pdl import enter
@@ -53,15 +53,13 @@ FLOOR_LAUNCHES = ((2, 4096, 4), (4, 4096, 4), (8, 4096, 4), (16, 2048, 4), (4, 8
 
 # bytes of its stretch a program of the step's `on_prefetch` arm fetches before its wait: what a first-wave skinny
 # program of 32 columns fetches (a row's first PREFETCH_BYTES for each of its 32 rows)
-STEP_PREFETCH = 32 * PREFETCH_BYTES
+STEP_PREFETCH = 32 * skinny.PREFETCH_BYTES
 
 
 def read_weight(w: torch.Tensor, launch: tuple, out: torch.Tensor | None = None, prefetch: int = 0) -> torch.Tensor:
     """The bare read of `w` (contiguous) as `launch` = (programs an SM, BLOCK, warps) shapes it: one fp32 sum a
     program, [programs]; no more programs than BLOCK-sized pieces. Launched with PDL where the engine would, and
     then with `prefetch` bytes of each stretch fetched before the wait (a multiple of 16)."""
-    from svrmad_local.kernels import pdl, skinny
-
     per_sm, block, warps = launch
     n = w.numel()
     if not 0 < n < 2**31:
@@ -75,6 +73,16 @@ def read_weight(w: torch.Tensor, launch: tuple, out: torch.Tensor | None = None,
     return out
 
 
+def seconds(run, device, inner: int = 10) -> float:
+    """Seconds a call of `run` takes: on a GPU as the configs are timed (`skinny.time_call`: `inner` calls in a
+    graph, the median of 5 replays); on the CPU one interpreted call (checks the script, not the speed)."""
+    if torch.device(device).type == "cuda":
+        return skinny.time_call(run, reps=5, inner=inner)
+    t0 = time.perf_counter()
+    run()
+    return time.perf_counter() - t0
+
+
 def launch_name(launch: tuple) -> str:
     return "p{}b{}w{}".format(*launch)
 
@@ -82,14 +90,8 @@ def launch_name(launch: tuple) -> str:
 def read_floor(w: torch.Tensor, launches=FLOOR_LAUNCHES) -> dict:
     """Microseconds and GB/s of the bare read of `w`'s bytes, the fastest of `launches`, each timed as the
     configs are (cold copies of w, `skinny.time_call`; on the CPU one interpreted call)."""
-    from svrmad_local.kernels import skinny
-
     size = w.numel() * w.element_size()
-    if w.device.type == "cuda":
-        l2 = int(getattr(torch.cuda.get_device_properties(w.device), "L2_cache_size", 50 << 20))
-        copies = [w] + [w.clone() for _ in range(max(1, min(16, cdiv(2 * l2, size))) - 1)]
-    else:
-        copies = [w]
+    copies = skinny.cold_copies(w) if w.device.type == "cuda" else [w]
     times = {}
     for launch in launches:
         turn = iter(range(1 << 62))
@@ -97,12 +99,7 @@ def read_floor(w: torch.Tensor, launches=FLOOR_LAUNCHES) -> dict:
         def run(launch=launch, turn=turn):
             return read_weight(copies[next(turn) % len(copies)], launch)
 
-        if w.device.type == "cuda":
-            times[launch_name(launch)] = skinny.time_call(run)
-        else:
-            t0 = time.perf_counter()
-            run()
-            times[launch_name(launch)] = time.perf_counter() - t0
+        times[launch_name(launch)] = seconds(run, w.device)
     best = min(times, key=times.get)
     return {"us": round(times[best] * 1e6, 2), "gbps": round(size / times[best] / 1e9, 1), "launch": best,
             "launches_us": {k: round(t * 1e6, 2) for k, t in times.items()}}
@@ -117,8 +114,6 @@ def read_step(device, dtype, shapes: dict, floors: dict, layers: int, read_gbps:
     off, on, and on with STEP_PREFETCH bytes of each stretch fetched before the wait (`on_prefetch`: the
     engine's design): milliseconds, GB/s, and the fraction of the weight-streaming limit (those bytes at
     `read_gbps`, the card's sum-read rate) that such a step reaches. On the CPU, PDL off, once, interpreted."""
-    from svrmad_local.kernels import pdl, skinny
-
     by_name = {launch_name(x): x for x in FLOOR_LAUNCHES}
     plan = [name for _ in range(layers) for name in STEP] + ["lm_head"]
     ws = [(torch.randn(*shapes[name], device=device, dtype=dtype), by_name[floors[name]["launch"]]) for name in plan]
@@ -136,16 +131,10 @@ def read_step(device, dtype, shapes: dict, floors: dict, layers: int, read_gbps:
     try:
         for arm in ("off",) + (("on", "on_prefetch") if why is None else ()):
             pdl.use(arm != "off")
-            run = functools.partial(step, STEP_PREFETCH if arm == "on_prefetch" else 0)
-            if device.type == "cuda":
-                seconds = skinny.time_call(run, reps=5, inner=1)
-            else:
-                t0 = time.perf_counter()
-                run()
-                seconds = time.perf_counter() - t0
-            a = result["arms"][arm] = {"ms": round(seconds * 1e3, 3), "gbps": round(gb / seconds, 1)}
+            t = seconds(functools.partial(step, STEP_PREFETCH if arm == "on_prefetch" else 0), device, inner=1)
+            a = result["arms"][arm] = {"ms": round(t * 1e3, 3), "gbps": round(gb / t, 1)}
             if read_gbps:
-                a["of_limit"] = round(gb / read_gbps / seconds, 3)
+                a["of_limit"] = round(gb / read_gbps / t, 3)
     finally:
         pdl.use(kept)
     return result

@@ -263,6 +263,20 @@ def test_the_timed_calls_are_the_calls_the_decoder_makes():
         assert torch.equal(unfused(), expect), m
 
 
+def test_the_timings_copies_hold_twice_the_l2_cache_and_at_most_sixteen(monkeypatch):
+    """`cold_copies`: the weight itself first, then clones (equal, not the same storage) until the copies hold
+    twice the device's L2 cache, at most 16 in all, at least the weight alone."""
+    from types import SimpleNamespace
+
+    l2 = 1 << 16
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(L2_cache_size=l2))
+    for rows, expected in ((64, 4), (8, 16), (1024, 1)):  # 32 KB, 4 KB and 512 KB of fp32 at 128 columns
+        w = torch.randn(rows, 128)
+        copies = skinny.cold_copies(w)
+        assert len(copies) == expected and copies[0] is w, (rows, len(copies))
+        assert all(torch.equal(c, w) and c.data_ptr() != w.data_ptr() for c in copies[1:])
+
+
 def test_bad_operands_are_refused_in_one_line():
     x, w, b = operands(2, torch.float32, bias=True)
     with pytest.raises(ValueError, match="at most 32 rows"):

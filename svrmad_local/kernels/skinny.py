@@ -472,10 +472,7 @@ def cuda_timer(weight: torch.Tensor, bias: torch.Tensor | None, plain: dict[int,
     (F.linear) or a Config; with `plain` (the shape's plain picks), a down projection as `bound_gated` runs it
     (`timed_call`). The weight is rotated through copies that overflow the L2 cache (a decode step reads
     every layer's weights once, cold), so neither side is timed out of the cache."""
-    props = torch.cuda.get_device_properties(weight.device)
-    size = weight.numel() * weight.element_size()
-    copies = max(1, min(16, cdiv(2 * int(getattr(props, "L2_cache_size", 50 << 20)), size)))
-    weights = [weight] + [weight.clone() for _ in range(copies - 1)]
+    weights = cold_copies(weight)
 
     def timer(m: int, candidate) -> float:
         run = timed_call(weights, bias, m, candidate, plain)
@@ -483,6 +480,14 @@ def cuda_timer(weight: torch.Tensor, bias: torch.Tensor | None, plain: dict[int,
             return time_call(run)
 
     return timer
+
+
+def cold_copies(weight: torch.Tensor) -> list[torch.Tensor]:
+    """`weight` and clones of it (at most 16 in all) that together hold twice the GPU's L2 cache: a timing that
+    reads the next copy each call reads it from memory, as a decode step reads each layer's weight once."""
+    l2 = int(getattr(torch.cuda.get_device_properties(weight.device), "L2_cache_size", 50 << 20))
+    copies = max(1, min(16, cdiv(2 * l2, weight.numel() * weight.element_size())))
+    return [weight] + [weight.clone() for _ in range(copies - 1)]
 
 
 def timed_call(weights: list[torch.Tensor], bias: torch.Tensor | None, m: int, candidate,
