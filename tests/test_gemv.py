@@ -83,7 +83,7 @@ def test_the_choice_follows_the_timings(tmp_path):
     assert linear_call(linear, picks).picks == picks[fast]
     seen = []
     with pytest.MonkeyPatch.context() as mp:  # 24 rows (a graph's padded batch) take 32's pick; 33 F.linear
-        mp.setattr(skinny, "skinny_linear", lambda x, w, b, cfg: (seen.append((x.shape[0], cfg)), x)[1])
+        mp.setattr(skinny, "skinny_linear", lambda x, w, b, cfg, unsummed=False: (seen.append((x.shape[0], cfg)), x)[1])
         call = linear_call(linear, picks)
         for m in (1, 3, 24, 33):
             call(torch.zeros(m, fast[1]))
@@ -124,7 +124,8 @@ def test_a_gated_down_projection_is_timed_as_it_runs(tmp_path, monkeypatch):
     seen, acts = [], []
     monkeypatch.setattr(skinny, "_GATED_RUNS", {})
     monkeypatch.setattr(skinny, "skinny_linear",
-                        lambda x, w, b, cfg, up=None: (seen.append((x.shape[0], cfg, up is not None)), x[:, :1])[1])
+                        lambda x, w, b, cfg, up=None, unsummed=False: (seen.append((x.shape[0], cfg, up is not None)),
+                                                                                x[:, :1])[1])
     from svrmad_local.engine.families import Dense
 
     dense = Dense(model.model.layers[0].mlp, picks)
@@ -265,10 +266,10 @@ def test_forced_skinny_over_fused_siblings_is_token_exact(name, monkeypatch):
     calls, gated = [], []
     real = skinny.skinny_linear
 
-    def counted(x, w, *a, up=None):
+    def counted(x, w, *a, up=None, **kw):
         calls.append(tuple(w.shape))
         gated.append(up is not None)
-        return real(x, w, *a, up=up)
+        return real(x, w, *a, up=up, **kw)
 
     monkeypatch.setattr(skinny, "skinny_linear", counted)
     prompts = [rand_prompt(11, 3), rand_prompt(6, 4)]
@@ -278,6 +279,44 @@ def test_forced_skinny_over_fused_siblings_is_token_exact(name, monkeypatch):
     assert {g for c, g in zip(calls, gated) if c == down} == {name == "llama"}
     for p, out in zip(prompts, got):
         assert out.token_ids == loop_greedy(plain, p, GREEDY.max_tokens)
+
+
+# split-K configs that split every linear of the zoo's models in two (K >= 32): every o_proj and down leaves
+# its partials to the add + RMSNorm after it (kernels/shares.py)
+SPLIT_IN_TWO = (skinny.Config(16, 16, 2), skinny.Config(16, 16, 2, dot=True))
+
+
+@pytest.mark.parametrize("name,kernel_impl", [("llama", "auto"), ("qwen3", "triton"), ("gemma3", "auto")])
+def test_split_k_partials_summed_by_the_next_norm_change_no_bit(name, kernel_impl, monkeypatch):
+    """Every linear forced through a split-K config: o_proj's and down's partials go to the add + RMSNorm after
+    them unsummed (the compiled CPU norm sums them first, the Triton norm as it loads them) and the engine's
+    greedy tokens and log-probs are the bits of the same engine with every split summed by its own kernel,
+    and the tokens a cache-free loop's. Gemma 3's norms after its blocks keep theirs summed."""
+    if not (_backend.HAS_TRITON and _backend.interpreter_ready()):
+        pytest.skip("Triton's interpreter is not available in this process")
+    from svrmad_local.kernels.shares import Shares
+
+    monkeypatch.setattr(skinny, "default", lambda rows: SPLIT_IN_TWO[rows > skinny.BROADCAST_ROWS])
+    real, left = skinny.skinny_linear, []
+
+    def split(x, w, *a, unsummed=False, **k):
+        out = real(x, w, *a, unsummed=unsummed and state["fold"], **k)
+        left.append(isinstance(out, Shares))
+        return out
+
+    monkeypatch.setattr(skinny, "skinny_linear", split)
+    model = make_zoo_model(name)
+    prompts = [rand_prompt(11, 3), rand_prompt(6, 4)]
+    state = {"fold": True}
+    got, _ = run(model, prompts, "skinny", cuda_graphs="static", kernel_impl=kernel_impl)
+    assert any(left) == (name != "gemma3")
+    left.clear()
+    state["fold"] = False
+    want, _ = run(model, prompts, "skinny", cuda_graphs="static", kernel_impl=kernel_impl)
+    assert left and not any(left)
+    for a, b, p in zip(got, want, prompts):
+        assert a.token_ids == b.token_ids == loop_greedy(model, p, GREEDY.max_tokens)
+        assert a.logprobs == b.logprobs
 
 
 def test_forced_skinny_where_triton_cannot_run_is_refused(monkeypatch):

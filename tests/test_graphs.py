@@ -615,6 +615,32 @@ def test_a_decode_layer_on_the_gpu_path_is_eight_kernels(interp, monkeypatch):
     assert set(ops2) <= {"embedding", "max", "item", "index_select"}, ops2
 
 
+def test_split_k_o_proj_and_down_leave_their_sums_to_the_next_norm(interp, monkeypatch):
+    """The same step with every linear split over two K shares: the q/k/v and gate/up linears (read by RoPE and
+    by down) and the LM head (by sampling) sum their shares in their own kernel, o_proj and down in the add +
+    RMSNorm after them (kernels/shares.py): two sum kernels a layer, not four, and nothing else more."""
+    from svrmad_local.kernels import _backend, skinny
+    from svrmad_local.models.linear import fuse_dense
+    from tests import model_zoo
+
+    if not _backend.interpreter_ready():
+        pytest.skip("Triton's interpreter is not available in this process")
+    halves = (skinny.Config(16, 16, 2), skinny.Config(16, 16, 2, dot=True))
+    counts = {}
+    for layers in (2, 4):
+        monkeypatch.setitem(model_zoo._COMMON, "num_hidden_layers", layers)
+        monkeypatch.setattr(skinny, "default", lambda rows: halves[rows > skinny.BROADCAST_ROWS])
+        model = make_zoo_model("qwen3")
+        fuse_dense(model)
+        counts[layers] = _step_census(model, monkeypatch, gemv="skinny", linear="aten")[0]
+        monkeypatch.undo()
+    t2, t4 = counts[2], counts[4]
+    per_layer = {k: (t4[k] - t2[k]) // 2 for k in t4 | t2}
+    assert per_layer == {"_rms_norm_kernel": 2, "_skinny_kernel": 4, "_sum_shares_kernel": 2, "_rope_store_kernel": 1,
+                         "_decode_split_kernel": 1, "_vocab_kernel": 0, "_finish_kernel": 0}, per_layer
+    assert t2["_sum_shares_kernel"] == 2 * 2 + 1  # + the LM head's
+
+
 class StandIn:
     """torch.cuda's graph API replaced on the CPU: a "capture" runs the step once (as the real capture
     does, recording instead of computing) and its replay recomputes that shape from the static buffers

@@ -130,6 +130,32 @@ def test_add_rms_norm_adds_bitwise_and_norms_as_rms_norm(dtype, style, rows, hid
     assert torch.equal(x, x0) and torch.equal(res, res0)  # inputs untouched
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("style", STYLES.values(), ids=STYLES.keys())
+def test_a_linears_unsummed_shares_norm_as_their_sum(dtype, style):
+    """A split-K linear's fp32 partials (kernels/shares.py) handed to the norms: summed in share order as they
+    are loaded, the same bits as summing them first (what skinny's sum kernel writes) and norming that, in the
+    kernel, the torch reference and the compiled CPU ops alike; the new residual too."""
+    from svrmad_local.kernels import cpu_ops
+    from svrmad_local.kernels.shares import Shares
+
+    _, res, w = norm_case(5, 300, dtype, 11)
+    parts = torch.randn(3, 5, 300, generator=gen(12)) * 2
+    shares = Shares(parts, dtype)
+    total = shares.total()
+    assert total.dtype == dtype and torch.equal(total, (parts[0] + parts[1] + parts[2]).to(dtype))
+    impls = [(ft.rms_norm, ft.add_rms_norm), (fused.reference_rms_norm, fused.reference_add_rms_norm)]
+    if cpu_ops.available() and dtype in cpu_ops.DTYPES:
+        impls.append((fused._cpp_rms_norm, fused._cpp_add_rms_norm))
+    for rms, add in impls:
+        assert torch.equal(rms(shares, w, 1e-5, style), rms(total, w, 1e-5, style)), rms
+        got, new = add(shares, res, w, 1e-5, style)
+        want, new_ref = add(total, res, w, 1e-5, style)
+        assert torch.equal(got, want) and torch.equal(new, new_ref), add
+    with pytest.raises(ValueError, match="fp32 \\[shares, rows, columns\\]"):
+        Shares(parts[0], dtype)
+
+
 # ------------------------------------------------------------------------------ RoPE + cache write
 
 

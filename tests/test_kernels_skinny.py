@@ -114,6 +114,45 @@ def test_two_calls_give_the_same_bits(cfg):
     assert torch.equal(skinny_linear(x, w, b, cfg), skinny_linear(x, w, b, cfg))
 
 
+@pytest.mark.parametrize("cfg", SPLITS[:3], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_unsummed_shares_are_what_the_sum_kernel_sums(cfg, dtype):
+    """`unsummed` (an output headed for an add + RMSNorm that sums it: kernels/shares.py): where K is split and
+    there is no bias, the fp32 partials, whose sum in share order is the summed call's bits, gated or not;
+    with a bias (added after the sum), or one share, the output itself."""
+    from svrmad_local.kernels.shares import Shares
+
+    for m in (1, 3, 8):
+        x, w, _ = operands(m, dtype, bias=False, seed=m)
+        for up in (None, x.flip(0)):
+            got = skinny_linear(x, w, None, cfg, up=up, unsummed=True)
+            assert isinstance(got, Shares) and got.shape == (m, N) and got.dtype == dtype
+            assert got.parts.shape[0] == skinny.shares(cfg, N, K, skinny.SMS_DEFAULT)
+            assert torch.equal(got.total(), skinny_linear(x, w, None, cfg, up=up)), (cfg, m)
+    x, w, b = operands(2, dtype, bias=True)
+    assert torch.equal(skinny_linear(x, w, b, cfg, unsummed=True), skinny_linear(x, w, b, cfg))
+    one = skinny_linear(x, w, None, skinny.DEFAULT, unsummed=True)
+    assert isinstance(one, torch.Tensor) and torch.equal(one, skinny_linear(x, w, None, skinny.DEFAULT))
+
+
+def test_bound_hands_unsummed_to_the_kernel(monkeypatch):
+    """The decoder's o_proj and down (`families.linear_call(..., unsummed=True)`) ask for the partials, gated or
+    not; every other call for the output."""
+    seen = []
+    monkeypatch.setattr(skinny, "_GATED_RUNS", {})
+    monkeypatch.setattr(skinny, "skinny_linear",
+                        lambda x, w, b, cfg, up=None, unsummed=False: (seen.append((up is not None, unsummed)), w)[1])
+    x, w, _ = operands(1, torch.float32, bias=False)
+    picks = {1: SPLITS[0]}
+    calls = [skinny.bound(w, None, picks), skinny.bound(w, None, picks, unsummed=True),
+             skinny.bound_gated(w, None, picks, unsummed=True)]
+    seen.clear()  # the gated call's trial launch at build
+    for call in calls[:2]:
+        call(x)
+    calls[2](x, x, None)
+    assert seen == [(False, False), (False, True), (True, True)]
+
+
 def test_both_ways_of_summing_are_covered_above():
     """Products summed once at the end (few rows) and per tile (more rows): the configs above take both, for
     one row as for several."""
@@ -141,7 +180,8 @@ def test_auto_split_fills_the_gpu_only_for_narrow_outputs():
 def test_bound_takes_the_kernel_only_at_the_rows_it_was_picked_for(monkeypatch):
     """The engine's call: the picked config at M (by its padded row count), F.linear at other M and above 32."""
     seen = []
-    monkeypatch.setattr(skinny, "skinny_linear", lambda x, w, b, cfg: (seen.append((x.shape[0], cfg)), w)[1])
+    monkeypatch.setattr(skinny, "skinny_linear",
+                        lambda x, w, b, cfg, unsummed=False: (seen.append((x.shape[0], cfg)), w)[1])
     x8, w, b = operands(8, torch.float32, bias=True)
     call = skinny.bound(w, b, {1: SPLITS[0], 4: SPLITS[1]})
     for m in (1, 2, 3, 4, 8):
@@ -157,7 +197,7 @@ def test_bound_gated_folds_the_activation_in_only_where_the_kernel_runs(monkeypa
     seen, acts = [], []
     monkeypatch.setattr(skinny, "_GATED_RUNS", {})
     monkeypatch.setattr(skinny, "skinny_linear",
-                        lambda x, w, b, cfg, up=None: (seen.append((x.shape[0], cfg, up is not None)), w)[1])
+                        lambda x, w, b, cfg, up=None, unsummed=False: (seen.append((x.shape[0], cfg, up is not None)), w)[1])
     x8, w, b = operands(8, torch.float32, bias=True)
     call = skinny.bound_gated(w, b, {2: SPLITS[0]})
     assert seen == [(2, SPLITS[0], True)]  # the trial
@@ -180,7 +220,7 @@ def test_a_config_whose_gated_variant_cannot_launch_keeps_act_mul_then_the_kerne
     seen, tried = [], []
     monkeypatch.setattr(skinny, "_GATED_RUNS", {})
 
-    def launch(x, w, b, cfg, up=None):
+    def launch(x, w, b, cfg, up=None, unsummed=False):
         if up is not None and cfg is SPLITS[1]:
             tried.append(x.shape[0])
             raise RuntimeError("out of resource: shared memory, Required: 131072, Hardware limit: 101376")

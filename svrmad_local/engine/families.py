@@ -84,16 +84,18 @@ def swap_norms(model: nn.Module, ops: Ops) -> None:
                 child.ops = ops
 
 
-def linear_call(m: nn.Module, gemv: dict | None = None):
+def linear_call(m: nn.Module, gemv: dict | None = None, unsummed: bool = False):
     """y [T, K] -> m(y): the panel kernel called directly where m holds panels (the same call its forward
     makes, without the module's and the layout's Python around it); for a plain nn.Linear whose shape
     `gemv` picked the skinny kernel at some row counts (engine/choices.py `gemv_choice`: {(N, K): {rows:
-    Config}}), that kernel at those rows and F.linear at the others; else the module."""
+    Config}}), that kernel at those rows and F.linear at the others; else the module. `unsummed`: the
+    output goes straight into an add + RMSNorm, so a split-K pick may return its partials for that norm to
+    sum (kernels/shares.py)."""
     if holds_panels(m):
         return cpu_linear.bound(m.weight, m.out_features, m.bias)
     picks = gemv.get(tuple(m.weight.shape)) if gemv and multiplies_dense(m) else None
     if picks:
-        return skinny.bound(m.weight, m.bias, picks)
+        return skinny.bound(m.weight, m.bias, picks, unsummed)
     return m
 
 
@@ -183,7 +185,7 @@ class Dense:
 
     __slots__ = ("gate_up", "act", "down", "act_down")
 
-    def __init__(self, m: nn.Module, gemv: dict | None = None):
+    def __init__(self, m: nn.Module, gemv: dict | None = None, unsummed: bool = False):
         self.act = ACT_CLASSES[type(m.act_fn if hasattr(m, "act_fn") else m.activation_fn).__name__]
         linears = gate_up_linears(m)
         if len(linears) == 1:  # Phi-3: one projection, gate first
@@ -191,8 +193,8 @@ class Dense:
             self.gate_up = split_call(linears[0], [half, half], gemv)
         else:
             self.gate_up = columns(linears, gemv)
-        self.down = linear_call(m.down_proj, gemv)
-        self.act_down = act_down_call(m, self.down, self.act, gemv)
+        self.down = linear_call(m.down_proj, gemv, unsummed)
+        self.act_down = act_down_call(m, self.down, self.act, gemv, unsummed)
 
 
 GATED = "silu"  # a down projection's gated picks are under (N, K, GATED) (engine/gemv.py times them apart)
@@ -214,15 +216,15 @@ def silu_down(mlp: nn.Module) -> nn.Module | None:
     return down
 
 
-def act_down_call(mlp: nn.Module, call, act: str, gemv: dict | None = None):
+def act_down_call(mlp: nn.Module, call, act: str, gemv: dict | None = None, unsummed: bool = False):
     """(gate, up, act_mul) -> call(act_mul(gate, up, act)), `call` being down's `linear_call`. Where `gemv`
     picked a gated config for down (`silu_down`, under `gated_key`), at those row counts the kernel computes
     SiLU(gate) * up as it reads them (skinny.bound_gated: one launch instead of two, the same rows);
-    everywhere else the two calls."""
+    everywhere else the two calls. `unsummed`: as `linear_call`'s."""
     down = silu_down(mlp)
     picks = gemv.get(gated_key(tuple(down.weight.shape))) if gemv and down is not None else None
     if picks:
-        return skinny.bound_gated(down.weight, down.bias, picks, call)
+        return skinny.bound_gated(down.weight, down.bias, picks, call, unsummed)
     return lambda gate, up, act_mul: call(act_mul(gate, up, act))
 
 
@@ -246,7 +248,11 @@ class Layer:
     __slots__ = ("index", "kind", "attn", "in_norm", "attn_out", "mlp_in", "mlp_out", "qkv", "q_norm", "k_norm",
                  "head_dim", "scaling", "sinks", "window", "rope", "o_proj", "latent", "dense", "moe")
 
-    def __init__(self, layer: nn.Module, family: str, spec: LayerSpec, gemv: dict | None = None):
+    def __init__(self, layer: nn.Module, family: str, spec: LayerSpec, gemv: dict | None = None,
+                 unsummed: bool = False):
+        """`unsummed`: nothing stands between the layer's o_proj and down and the add + RMSNorm after each
+        (no tensor-parallel all-reduce; a family with norms after its blocks keeps them summed), so a
+        split-K skinny pick there leaves its partials for that norm to sum (kernels/shares.py)."""
         a = layer.self_attn
         self.index, self.attn, self.kind = a.layer_idx, a, spec.kind
         self.window, self.scaling = spec.window, a.scaling
@@ -258,7 +264,7 @@ class Layer:
             self.attn_out = self.mlp_out = None
             self.mlp_in = norm_parts(layer.post_attention_layernorm)
         self.rope = getattr(a, "layer_type", None) if family == "gemma3" else None  # the rotary table it reads
-        self.o_proj = linear_call(a.o_proj, gemv)
+        self.o_proj = linear_call(a.o_proj, gemv, unsummed and self.attn_out is None)
         self.qkv = self.q_norm = self.k_norm = self.head_dim = self.sinks = self.latent = None
         if spec.kind == "latent":
             self.latent = Latent(a, gemv)
@@ -275,7 +281,8 @@ class Layer:
                 self.q_norm, self.k_norm = norm_parts(a.q_norm), norm_parts(a.k_norm)
             self.sinks = a.sinks if spec.sinks else None
         moe = type(layer.mlp).__name__ in MOE_BLOCKS
-        self.moe, self.dense = (Experts(layer.mlp, gemv), None) if moe else (None, Dense(layer.mlp, gemv))
+        self.moe, self.dense = (Experts(layer.mlp, gemv), None) if moe else \
+            (None, Dense(layer.mlp, gemv, unsummed and self.mlp_out is None))
 
 
 class Latent:

@@ -2,7 +2,8 @@
 interface, chosen per device and dtype among three implementations.
 
 - `rms_norm` / `add_rms_norm`: RMSNorm in a family's own rounding (`NormStyle`), the second with the
-  residual add before it (it returns the new residual too).
+  residual add before it (it returns the new residual too). x may be a split-K linear's unsummed
+  partials (kernels/shares.py): the Triton kernel sums them as it loads the row, the others first.
 - `rope_store`: the q/k norms (Qwen3, Gemma 3), RoPE from the model's own cos/sin (full or partial
   rotary), and the rotated K and the V written to their cache slots, in one call.
 - `act_mul`: act(gate) * up, SiLU or GELU (tanh), over the two halves of a gate/up output.
@@ -29,11 +30,13 @@ import torch.nn.functional as F
 from . import cpu_ops
 from ._backend import choose, fall_back
 from .norms import ACTS, CAST_LAST, GEMMA, PLAIN, NormStyle  # noqa: F401  (the interface's names)
+from .shares import summed
 
 # ------------------------------------------------------------------------------ the torch references
 
 
 def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, style: NormStyle = PLAIN) -> torch.Tensor:
+    x = summed(x)
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     if style.offset:
@@ -44,7 +47,7 @@ def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, style:
 
 
 def reference_add_rms_norm(x, residual, weight, eps, style: NormStyle = PLAIN):
-    s = residual + x
+    s = residual + summed(x)
     return reference_rms_norm(s, weight, eps, style), s
 
 
@@ -95,12 +98,14 @@ def _scale(weight: torch.Tensor, style: NormStyle) -> torch.Tensor:
 
 
 def _cpp_rms_norm(x, weight, eps, style: NormStyle = PLAIN):
+    x = summed(x)
     if x.dtype != torch.float32 and style != PLAIN:  # another rounding than the kernel's: the reference
         return reference_rms_norm(x, weight, eps, style)
     return cpu_ops.rms_norm(x, _scale(weight, style), eps)
 
 
 def _cpp_add_rms_norm(x, residual, weight, eps, style: NormStyle = PLAIN):
+    x = summed(x)
     if x.dtype != torch.float32 and style != PLAIN:
         return reference_add_rms_norm(x, residual, weight, eps, style)
     return cpu_ops.add_rms_norm(x.contiguous(), residual.contiguous(), _scale(weight, style), eps)

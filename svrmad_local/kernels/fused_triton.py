@@ -32,6 +32,7 @@ import torch
 from ._backend import HAS_TRITON, cdiv, interpreting, next_pow2, tl, triton
 from .norms import ACTS, PLAIN, NormStyle
 from .pdl import enter, launch
+from .shares import Shares
 
 if not HAS_TRITON:  # kernels/fused.py's choice catches this and runs the reference
     raise ImportError("triton is not importable")
@@ -67,15 +68,24 @@ def _scale(h, w, offset, X_DT: tl.constexpr, ROUND_FIRST: tl.constexpr, HAS_OFFS
 
 
 @triton.jit
-def _rms_norm_kernel(X, R, W, Y, S, n_cols, eps, offset, s_xr, s_xc, s_rr, s_rc, s_w, s_yr, s_sr,
+def _rms_norm_kernel(X, R, W, Y, S, n_cols, eps, offset, n_shares, s_xs, s_xr, s_xc, s_rr, s_rc, s_w, s_yr, s_sr,
                      HAS_RES: tl.constexpr, X_DT: tl.constexpr, ROUND_FIRST: tl.constexpr,
-                     HAS_OFFSET: tl.constexpr, RNE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    """Program `row`: y = norm(x) (HAS_RES: s = residual + x written first, and y = norm(s))."""
+                     HAS_OFFSET: tl.constexpr, RNE: tl.constexpr, BLOCK: tl.constexpr,
+                     SHARES: tl.constexpr = False, XIN_DT: tl.constexpr = tl.float32, PDL: tl.constexpr = False):
+    """Program `row`: y = norm(x) (HAS_RES: s = residual + x written first, and y = norm(s)). SHARES: x is a
+    split-K linear's n_shares fp32 partials (kernels/shares.py), summed here in share order and rounded
+    to XIN_DT, as skinny's sum kernel does."""
     enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    x = tl.load(X + row * s_xr + cols * s_xc, mask=mask, other=0.0).to(tl.float32)
+    if SHARES:
+        x = tl.zeros([BLOCK], tl.float32)
+        for share in range(0, n_shares):
+            x += tl.load(X + share * s_xs + row * s_xr + cols * s_xc, mask=mask, other=0.0)
+        x = _round(x, XIN_DT, RNE).to(tl.float32)
+    else:
+        x = tl.load(X + row * s_xr + cols * s_xc, mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
         r = tl.load(R + row * s_rr + cols * s_rc, mask=mask, other=0.0).to(tl.float32)
         s = _round(r + x, S.dtype.element_ty, RNE)
@@ -225,10 +235,12 @@ def _rows(x: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def _norm(x, residual, weight, eps, style: NormStyle, name: str):
+    """x a tensor, or a linear's unsummed Shares [rows, hidden] (summed as they are loaded)."""
+    shares = x.parts if isinstance(x, Shares) else None
     _dtype(x)
     if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
         raise ValueError(f"{name}: weight {list(weight.shape)} does not fit x {list(x.shape)} (need [hidden])")
-    x2 = _rows(x, name)
+    x2 = _rows(x, name) if shares is None else shares[0]
     n_rows, n_cols = x2.shape
     y = torch.empty(x.shape, dtype=_norm_out(x.dtype, weight, style), device=x.device)
     s = r2 = None
@@ -242,23 +254,26 @@ def _norm(x, residual, weight, eps, style: NormStyle, name: str):
     block = next_pow2(n_cols)
     y2, s2 = y.view(n_rows, n_cols), (s.view(n_rows, n_cols) if s is not None else y.view(n_rows, n_cols))
     r2 = r2 if r2 is not None else x2
+    src = x2 if shares is None else shares
     _rms_norm_kernel[(n_rows,)](
-        x2, r2, weight, y2, s2, n_cols, float(eps), float(style.offset), *x2.stride(), *r2.stride(),
+        src, r2, weight, y2, s2, n_cols, float(eps), float(style.offset), 1 if shares is None else shares.shape[0],
+        0 if shares is None else shares.stride(0), *x2.stride(), *r2.stride(),
         weight.stride(0), y2.stride(0), s2.stride(0), HAS_RES=residual is not None,
         X_DT=_TL[s.dtype if s is not None else x.dtype], RNE=interpreting(), BLOCK=block, **_style(style),
-        **_launch_opts(block), **launch(x2))
+        SHARES=shares is not None, XIN_DT=_TL[x.dtype], **_launch_opts(block), **launch(x2))
     return y, s
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, style: NormStyle = PLAIN) -> torch.Tensor:
-    """RMSNorm over the last dimension of x (any leading shape; a 2-D x is read through its strides)."""
+    """RMSNorm over the last dimension of x (any leading shape; a 2-D x is read through its strides; a
+    linear's Shares summed as they are read)."""
     return _norm(x, None, weight, eps, style, "rms_norm")[0]
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                  style: NormStyle = PLAIN) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(residual + x), residual + x) in one pass: x and residual read once, both outputs written
-    once."""
+    once (x may be a linear's Shares: summed as they are read)."""
     return _norm(x, residual, weight, eps, style, "add_rms_norm")
 
 

@@ -14,8 +14,9 @@ LATE_VALUES registers a thread, kept element-wise and summed along K once at the
 on a row tile padded to 16 (`dot=True`; with `tma=True` its weight tiles come through a tensor descriptor,
 sm_90's bulk tensor copy, where the weight allows one). With one share it writes the output (bias added,
 cast to x's dtype); with several it writes fp32 partials, which a second small kernel sums in share order,
-adds the bias to and casts: the result never depends on which program ran first (no atomics), so a step's
-log-probs are the same bits on every run with the same configuration.
+adds the bias to and casts (or, where the output goes straight into an add + RMSNorm, that norm sums them as
+it loads them: kernels/shares.py): the result never depends on which program ran first (no atomics), so a
+step's log-probs are the same bits on every run with the same configuration.
 
 Configurations (`Config`) are chosen per (rows, N, K) by timing at engine build, never by
 `triton.autotune`: autotuning would time inside the first call, and the engine's first call of a shape
@@ -32,6 +33,7 @@ import torch.nn.functional as F
 
 from ._backend import HAS_TRITON, cdiv, interpreting, next_pow2, tl, triton
 from .pdl import launch
+from .shares import Shares
 
 try:  # Triton's host-side tensor descriptor (3.3 and later): a `tma` config's weight tiles
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -314,11 +316,13 @@ def reads_by_tma(weight: torch.Tensor) -> bool:
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  cfg: Config = DEFAULT, up: torch.Tensor | None = None) -> torch.Tensor:
+                  cfg: Config = DEFAULT, up: torch.Tensor | None = None, unsummed: bool = False):
     """x [M, K] (M <= 8, or <= 32 for a tl.dot config) @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype,
     fp32 accumulation. With `up` (x's shape and dtype), the rows multiplied are SiLU(x) * up, rounded as
-    act_mul rounds them (x the gate: an MLP's down projection over its gate/up output). Launches one kernel (two where K is split); nothing
-    returns to the host, so a CUDA graph captures it."""
+    act_mul rounds them (x the gate: an MLP's down projection over its gate/up output). Launches one kernel
+    (two where K is split); nothing returns to the host, so a CUDA graph captures it. `unsummed`: where K
+    is split and there is no bias, the partials as kernels/shares.Shares, without the sum kernel (for a
+    consumer that sums them: the decoder's add + RMSNorm)."""
     check(x, weight, bias)
     if up is not None and (up.shape != x.shape or up.dtype != x.dtype):
         raise ValueError(f"skinny_linear: up must match the gate, got {list(up.shape)} {up.dtype} and "
@@ -352,6 +356,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         DOT=cfg.dot, DOT_F32=x.dtype == torch.float32 or interpreting(), LATE=sums_late(cfg, block_m),
         GATED=up is not None, RNE=interpreting(), PREFETCH=prefetch_bytes(weight, k_share, split) if pdl else 0,
         AHEAD=cfg.ahead, TMA=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
+    if split > 1 and unsummed and bias is None:
+        return Shares(parts, x.dtype)
     if split > 1:
         block = 1024
         _sum_shares_kernel[(m, cdiv(n, block))](parts, b, out, n, split, *parts.stride(), *out.stride(),
@@ -369,36 +375,38 @@ def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     return out.to(x.dtype)
 
 
-def bound(weight: torch.Tensor, bias: torch.Tensor | None, picks: dict[int, Config]):
+def bound(weight: torch.Tensor, bias: torch.Tensor | None, picks: dict[int, Config], unsummed: bool = False):
     """x [M, K] -> linear(x, weight, bias): the skinny kernel with `picks[next_pow2(M)]` where it holds one
     (M <= 32: a decode step's rows, padded by the graphs to 1, 2, 4, 8, 16, 24, 32), else F.linear. A dict lookup at
-    call time: nothing a CUDA graph cannot capture, and a graph is per row count, so it records one path."""
+    call time: nothing a CUDA graph cannot capture, and a graph is per row count, so it records one path.
+    `unsummed`: a split-K pick's partials are left to the caller's consumer (`skinny_linear`)."""
     pick = _by_rows(picks)
 
-    def call(x: torch.Tensor) -> torch.Tensor:
+    def call(x: torch.Tensor):
         cfg = pick(x)
-        return F.linear(x, weight, bias) if cfg is None else skinny_linear(x, weight, bias, cfg)
+        return F.linear(x, weight, bias) if cfg is None else skinny_linear(x, weight, bias, cfg, unsummed=unsummed)
 
     call.picks = picks  # what this call runs at each row count (tests, the record)
     return call
 
 
-def bound_gated(weight: torch.Tensor, bias: torch.Tensor | None, picks: dict[int, Config], plain=None):
+def bound_gated(weight: torch.Tensor, bias: torch.Tensor | None, picks: dict[int, Config], plain=None,
+                unsummed: bool = False):
     """(gate, up, act_mul) -> linear(SiLU(gate) * up, weight, bias): an MLP's down projection. At the row
     counts of `picks` (the gated configs the build timed: engine/gemv.py), the activation is the kernel's
     prologue (one launch where act_mul and the linear were two); elsewhere `act_mul(gate, up, "silu")`, then
     `plain` (the shape's plain call: `bound` over its own picks, or F.linear; default `bound(weight, bias,
     picks)`). A picked config whose gated variant does not launch here keeps the two calls at its rows
-    (`runs_gated`)."""
-    plain = bound(weight, bias, picks) if plain is None else plain
+    (`runs_gated`). `unsummed`: as `bound`'s (`plain` says its own)."""
+    plain = bound(weight, bias, picks, unsummed) if plain is None else plain
     gated = {r: cfg for r, cfg in picks.items() if runs_gated(weight, bias, r, cfg)}
     pick = _by_rows(gated)
 
-    def call(gate: torch.Tensor, up: torch.Tensor, act_mul) -> torch.Tensor:
+    def call(gate: torch.Tensor, up: torch.Tensor, act_mul):
         cfg = pick(gate)
         if cfg is None:
             return plain(act_mul(gate, up, "silu"))
-        return skinny_linear(gate, weight, bias, cfg, up=up)
+        return skinny_linear(gate, weight, bias, cfg, up=up, unsummed=unsummed)
 
     call.picks = gated
     return call
