@@ -28,22 +28,24 @@ CPU = torch.device("cpu")
 
 
 def fake_timer_for(table, asked, gated_asked=None):
-    """timer_for(linear[, plain]) -> timer(rows, candidate): F.linear takes 1.0; a config takes
+    """timer_for(linear[, plain, prologue]) -> timer(rows, candidate): F.linear takes 1.0; a config takes
     table[(N, K)][rows] scaled by its place in CONFIGS (the first the fastest); None: the configs raise (cannot
-    compile). With `plain` (a gated down projection, timed as it runs): "torch" (act_mul, then the plain pick)
-    takes 1.0, a config table[gated_key((N, K))][rows][config] where given, else it raises (does not launch);
-    `gated_asked` collects (shape, plain, rows, candidate)."""
+    compile). With `plain` (a linear with the op before it in its prologue, timed as it runs): "torch" (that
+    op, then the plain pick) takes 1.0, a config table[(N, K, prologue)][rows][config] where given, else it
+    raises (does not launch); `gated_asked` collects (shape, plain, rows, candidate), the shape's key with its
+    prologue ("silu": (N, K); "norm": (N, K, "norm"))."""
     gated_asked = [] if gated_asked is None else gated_asked
 
-    def timer_for(m, plain=None):
+    def timer_for(m, plain=None, prologue="silu"):
         shape = tuple(m.weight.shape)
+        key = (*shape, prologue)
 
         def timer(rows, candidate):
             if plain is not None:
-                gated_asked.append((shape, plain, rows, candidate))
+                gated_asked.append((shape if prologue == "silu" else key, plain, rows, candidate))
                 if candidate == "torch":
                     return 1.0
-                t = table.get(gated_key(shape), {}).get(rows, {}).get(str(candidate))
+                t = table.get(key, {}).get(rows, {}).get(str(candidate))
                 if t is None:
                     raise RuntimeError("does not launch here")
                 return t
@@ -94,7 +96,7 @@ def test_the_choice_follows_the_timings(tmp_path):
 
 def test_a_gated_down_projection_is_timed_as_it_runs(tmp_path, monkeypatch):
     """The down projection that reads SiLU(gate) * up is another kernel with the activation in its prologue:
-    timed apart, against act_mul then the plain shape's pick, over the plain shape's GATED_TRIES fastest
+    timed apart, against act_mul then the plain shape's pick, over the plain shape's PROLOGUE_TRIES fastest
     configs at each row count; taken where that much faster. The decoder's call follows those picks, and
     elsewhere act_mul, then the plain shape's own call (here the kernel at 1 row, F.linear at 2)."""
     model = make_zoo_model("llama")
@@ -117,7 +119,7 @@ def test_a_gated_down_projection_is_timed_as_it_runs(tmp_path, monkeypatch):
     assert {(s, str(p)) for s, p, _r, _c in gated_asked} == {(down, str({1: skinny.CONFIGS[0]}))}
     for r in skinny.ROWS:  # "torch", then the plain shape's fastest configs at r rows (the first that run), gated
         tried = [c for _s, _p, rr, c in gated_asked if rr == r]
-        assert tried == ["torch", *[c for c in skinny.CONFIGS if skinny.runs(c, r)][:gemv.GATED_TRIES]], (r, tried)
+        assert tried == ["torch", *[c for c in skinny.CONFIGS if skinny.runs(c, r)][:gemv.PROLOGUE_TRIES]], (r, tried)
     assert f"{down[0]}x{down[1]} silu: 1:{skinny.CONFIGS[1]}, 2:{skinny.CONFIGS[1]}" in choice.reason
     assert choice.value.startswith("skinny for 1 of 5 shapes at 1 row, 0 of 5 shapes at 2 rows")
     # the decoder's call: the gated kernel at 1 and 2 rows; at 3-4 rows act_mul, then F.linear
@@ -141,6 +143,84 @@ def test_forced_skinny_runs_the_gated_down_projection_with_the_default_configs()
     picks, _choice = choices.gemv_choice(model, "skinny", "auto", CPU)
     (down,) = gemv.gated_downs(model)
     assert picks[gated_key(down)] == picks[down] == {r: skinny.default(r) for r in skinny.ROWS}
+
+
+def test_the_linears_after_a_norm_are_the_one_gemm_q_k_v_and_gate_up():
+    """Only a fused q/k/v or gate/up (one GEMM: models/linear.fuse_dense, a GPU's layout) or Phi-3's one
+    projection reads the norm's rows alone; separate q/k/v linears, a latent attention's and the experts' do not."""
+    from svrmad_local.models.linear import fuse_dense
+
+    assert gemv.normed_linears(make_zoo_model("llama")) == {}
+    model = make_zoo_model("llama")
+    fuse_dense(model)
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert set(gemv.normed_linears(model)) == {tuple(attn.q_proj.group.weight.shape), tuple(mlp.up_proj.group.weight.shape)}
+    phi = make_zoo_model("phi3-sliding")
+    assert set(gemv.normed_linears(phi)) == {tuple(phi.model.layers[0].self_attn.qkv_proj.weight.shape),
+                                             tuple(phi.model.layers[0].mlp.gate_up_proj.weight.shape)}
+    moe = make_zoo_model("qwen3-moe")
+    fuse_dense(moe)
+    assert set(gemv.normed_linears(moe)) == {tuple(moe.model.layers[0].self_attn.q_proj.group.weight.shape)}
+    ds = make_zoo_model("deepseek-v3")
+    fuse_dense(ds)
+    dense_mlp = ds.model.layers[0].mlp  # the first layer is dense: its gate/up; the latent attention's none
+    assert set(gemv.normed_linears(ds)) == {tuple(dense_mlp.up_proj.group.weight.shape)}
+
+
+def test_a_linear_after_a_norm_is_timed_with_the_norm_in_its_prologue(tmp_path, monkeypatch):
+    """A fused q/k/v or gate/up linear with the add + RMSNorm before it in the kernel's prologue is timed apart,
+    against add_rms_norm then the plain shape's pick, over that shape's PROLOGUE_TRIES fastest configs; taken
+    where that much faster. The decoder's call follows those picks (one call, the new residual from the
+    kernel), and elsewhere the norm, then the plain call."""
+    from svrmad_local.engine.families import normed_columns, normed_key
+    from svrmad_local.models.linear import fuse_dense
+
+    model = make_zoo_model("qwen3")
+    fuse_dense(model)
+    qkv = tuple(model.model.layers[0].self_attn.q_proj.group.weight.shape)
+    assert qkv in gemv.normed_linears(model)
+    table = {shape: dict.fromkeys(skinny.ROWS, 1.5) for shape in gemv.decode_linears(model)}
+    table[qkv][1] = table[qkv][2] = 0.5
+    second = str(skinny.CONFIGS[1])
+    table[normed_key(qkv)] = {r: {c: 1.5 for c in map(str, skinny.CONFIGS)} for r in skinny.ROWS}
+    table[normed_key(qkv)][1].update({second: 0.9})  # faster than add_rms_norm + the plain pick at 1 row only
+    asked, prologue_asked = [], []
+    picks, choice = choices.gemv_choice(model, "auto", "auto", CPU, fake_timer_for(table, asked, prologue_asked),
+                                        tmp_path)
+    assert picks[normed_key(qkv)] == {1: skinny.CONFIGS[1]} and picks[qkv] == {1: skinny.CONFIGS[0],
+                                                                                 2: skinny.CONFIGS[0]}
+    normed_plain = {str(p) for s, p, _r, _c in prologue_asked if s == normed_key(qkv)}
+    assert normed_plain == {str({1: skinny.CONFIGS[0], 2: skinny.CONFIGS[0]})}
+    tried = [c for s, _p, r, c in prologue_asked if s == normed_key(qkv) and r == 1]
+    assert tried == ["torch", *skinny.CONFIGS[:gemv.PROLOGUE_TRIES]]
+    assert f"{qkv[0]}x{qkv[1]} norm: 1:{skinny.CONFIGS[1]}" in choice.reason
+    # the decoder's call: the normed kernel at 1 row (x + res from it); at 2 rows add_rms_norm, then the plain call
+    seen, norms = [], []
+
+    def kernel(x, w, b, cfg, up=None, unsummed=False, norm=None, residual=None):
+        seen.append((x.shape[0], cfg, norm is not None))
+        out = torch.zeros(x.shape[0], w.shape[0])
+        return (out, residual + 1) if norm is not None else out
+
+    class Ops:
+        def add_rms_norm(self, x, res, w, eps, style):
+            norms.append(x.shape[0])
+            return x, x + res
+
+        def rms_norm(self, x, w, eps, style):
+            return x
+
+    monkeypatch.setattr(skinny, "skinny_linear", kernel)
+    layer = model.model.layers[0]
+    from svrmad_local.engine.families import norm_parts, qkv_linears
+
+    call = normed_columns(norm_parts(layer.input_layernorm), qkv_linears(layer.self_attn), picks)
+    assert call.picks == {1: skinny.CONFIGS[1]}
+    (q, k, v), res = call(torch.ones(1, qkv[1]), torch.ones(1, qkv[1]), Ops())
+    assert torch.equal(res, torch.full((1, qkv[1]), 2.0)) and q.shape[1] + k.shape[1] + v.shape[1] == qkv[0]
+    (q, k, v), res = call(torch.ones(2, qkv[1]), torch.ones(2, qkv[1]), Ops())
+    assert torch.equal(res, torch.full((2, qkv[1]), 2.0)) and norms == [2]
+    assert [(m, n) for m, _c, n in seen] == [(1, True), (2, False)]  # at 2 rows the plain pick, on the normed rows
 
 
 def test_slower_everywhere_takes_f_linear_and_says_so(tmp_path):

@@ -581,13 +581,14 @@ def _step_census(model, monkeypatch, **kw) -> tuple[Counter, Counter]:
     return triton_calls, torch_ops
 
 
-def test_a_decode_layer_on_the_gpu_path_is_eight_kernels(interp, monkeypatch):
+def test_a_decode_layer_on_the_gpu_path_is_six_kernels(interp, monkeypatch):
     """What a GPU's decode step launches (the kernels in Triton's interpreter, counted in the static step, the
     linears as a GPU lays them out: q/k/v and gate/up fused on their plain weights, models/linear.fuse_dense,
-    each through the skinny kernel): a layer more is add + RMSNorm twice, the q/k/v linear, q/k norm + RoPE +
-    the cache write, the attention (one split at a short context: no merge), o_proj, the gate/up linear and
-    down with SiLU(gate) * up in its prologue, and nothing else (no act_mul, no copy of the attention's
-    output, no torch op at all); outside the layers, the LM head, and sampling and statistics in two kernels."""
+    each through the skinny kernel): a layer more is the q/k/v linear with the add + RMSNorm before it in its
+    prologue, q/k norm + RoPE + the cache write, the attention (one split at a short context: no merge), o_proj,
+    the gate/up linear with its add + RMSNorm, and down with SiLU(gate) * up in its prologue, and nothing else
+    (no norm, no act_mul, no copy of the attention's output, no torch op at all); outside the layers, the final
+    norm, the LM head, and sampling and statistics in two kernels."""
     from svrmad_local.kernels import _backend
     from svrmad_local.models.linear import fuse_dense
     from tests import model_zoo
@@ -604,10 +605,10 @@ def test_a_decode_layer_on_the_gpu_path_is_eight_kernels(interp, monkeypatch):
         monkeypatch.undo()
     (t2, ops2), (t4, ops4) = counts[2], counts[4]
     per_layer = {k: (t4[k] - t2[k]) // 2 for k in t4 | t2}
-    assert per_layer == {"_rms_norm_kernel": 2, "_skinny_kernel": 4, "_rope_store_kernel": 1, "_decode_split_kernel": 1,
+    assert per_layer == {"_rms_norm_kernel": 0, "_skinny_kernel": 4, "_rope_store_kernel": 1, "_decode_split_kernel": 1,
                          "_vocab_kernel": 0, "_finish_kernel": 0}, per_layer
-    assert sum(per_layer.values()) == 8
-    assert t2["_vocab_kernel"] == t2["_finish_kernel"] == 1 and t2["_rms_norm_kernel"] == 2 * 2 + 1  # + the final norm
+    assert sum(per_layer.values()) == 6
+    assert t2["_vocab_kernel"] == t2["_finish_kernel"] == t2["_rms_norm_kernel"] == 1  # the final norm
     assert t2["_skinny_kernel"] == 2 * 4 + 1  # + the LM head
     assert ops4 == ops2, (ops2, ops4)  # no torch op grows with the layers
     # the only torch ops of the step: the embedding, and here the RoPE table's rows (engine/families.Rotary: grown
@@ -617,8 +618,9 @@ def test_a_decode_layer_on_the_gpu_path_is_eight_kernels(interp, monkeypatch):
 
 def test_split_k_o_proj_and_down_leave_their_sums_to_the_next_norm(interp, monkeypatch):
     """The same step with every linear split over two K shares: the q/k/v and gate/up linears (read by RoPE and
-    by down) and the LM head (by sampling) sum their shares in their own kernel, o_proj and down in the add +
-    RMSNorm after them (kernels/shares.py): two sum kernels a layer, not four, and nothing else more."""
+    by down) and the LM head (by sampling) sum their shares in their own kernel; o_proj and down leave theirs
+    (kernels/shares.py) to the add + RMSNorm after them, inside the next normed linear's prologue (the last
+    down's: the final norm): two sum kernels a layer, not four, and nothing else more."""
     from svrmad_local.kernels import _backend, skinny
     from svrmad_local.models.linear import fuse_dense
     from tests import model_zoo
@@ -636,7 +638,7 @@ def test_split_k_o_proj_and_down_leave_their_sums_to_the_next_norm(interp, monke
         monkeypatch.undo()
     t2, t4 = counts[2], counts[4]
     per_layer = {k: (t4[k] - t2[k]) // 2 for k in t4 | t2}
-    assert per_layer == {"_rms_norm_kernel": 2, "_skinny_kernel": 4, "_sum_shares_kernel": 2, "_rope_store_kernel": 1,
+    assert per_layer == {"_rms_norm_kernel": 0, "_skinny_kernel": 4, "_sum_shares_kernel": 2, "_rope_store_kernel": 1,
                          "_decode_split_kernel": 1, "_vocab_kernel": 0, "_finish_kernel": 0}, per_layer
     assert t2["_sum_shares_kernel"] == 2 * 2 + 1  # + the LM head's
 

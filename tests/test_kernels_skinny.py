@@ -153,6 +153,66 @@ def test_bound_hands_unsummed_to_the_kernel(monkeypatch):
     assert seen == [(False, False), (False, True), (True, True)]
 
 
+NORMED = (skinny.DEFAULT, skinny.DEFAULT_DOT, SPLITS[0], SPLITS[1], Config(8, 512, 1, 4, 3, ahead=True),
+          Config(32, 32, 1, 4, 5, dot=True, tma=True))
+
+
+def norm_operands(m: int, dtype: torch.dtype, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = (3 * torch.randn(m, K, generator=g)).to(dtype)
+    res = torch.randn(m, K, generator=g).to(dtype)
+    w = torch.randn(N, K, generator=g).to(dtype)
+    nw = (0.3 * torch.randn(K, generator=g) + 1).to(dtype)
+    return x, res, w, nw
+
+
+@pytest.mark.parametrize("cfg", NORMED, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_normed_rows_are_add_rms_norms_rows(cfg, dtype):
+    """With `norm` the kernel multiplies RMSNorm(x + residual) (or of x alone), as fused_triton's add_rms_norm
+    computes it: the new residual bit for bit (program (0, 0) writes it), the product within the rounding the
+    norm's sum of squares allows (it sums in another order) of add_rms_norm then the kernel, and of the fp32
+    reference in fp32; x may be a split-K linear's shares, summed as loaded; every NormStyle."""
+    from svrmad_local.kernels import fused, fused_triton
+    from svrmad_local.kernels.norms import CAST_LAST, GEMMA, PLAIN
+    from svrmad_local.kernels.shares import Shares
+
+    for m in [m for m in (1, 3, 8, 24) if skinny.runs(cfg, m)]:
+        x, res, w, nw = norm_operands(m, dtype, seed=m)
+        for style in (PLAIN, CAST_LAST, GEMMA):
+            norm = (nw, 1e-5, style)
+            got, new = skinny_linear(x, w, None, cfg, norm=norm, residual=res)
+            y, new_ref = fused_triton.add_rms_norm(x, res, *norm)
+            assert torch.equal(new, new_ref), (cfg, m, style)
+            want = reference(fused.reference_add_rms_norm(x, res, *norm)[0], w)
+            assert_one_rounding(got, want, (cfg, m, style))
+            alone, same = skinny_linear(x, w, None, cfg, norm=norm)
+            assert same is x
+            assert_one_rounding(alone, reference(fused.reference_rms_norm(x, *norm), w), (cfg, m, style))
+        parts = torch.randn(3, m, K, generator=torch.Generator().manual_seed(m))
+        shares = Shares(parts, dtype)
+        got, new = skinny_linear(shares, w, None, cfg, norm=(nw, 1e-5, PLAIN), residual=res)
+        assert torch.equal(new, fused_triton.add_rms_norm(shares.total(), res, nw, 1e-5, PLAIN)[1])
+        assert_one_rounding(got, reference(fused.reference_add_rms_norm(shares.total(), res, nw, 1e-5)[0], w), cfg)
+
+
+def test_a_normed_call_refuses_what_does_not_fit_in_one_line():
+    from svrmad_local.kernels.norms import PLAIN
+    from svrmad_local.kernels.shares import Shares
+
+    x, res, w, nw = norm_operands(2, torch.float32, 0)
+    with pytest.raises(ValueError, match=r"the norm's weight must be \[301\]"):
+        skinny_linear(x, w, norm=(nw[:-1], 1e-5, PLAIN), residual=res)
+    with pytest.raises(ValueError, match=r"the residual must be \[2, 301\]"):
+        skinny_linear(x, w, norm=(nw, 1e-5, PLAIN), residual=res[:1])
+    with pytest.raises(ValueError, match="gated .up. or normed .norm., not both"):
+        skinny_linear(x, w, up=x, norm=(nw, 1e-5, PLAIN))
+    with pytest.raises(ValueError, match="the norm gives torch.float32 rows, the weight is torch.bfloat16"):
+        skinny_linear(x.bfloat16(), w.bfloat16(), norm=(nw, 1e-5, PLAIN))  # PLAIN's fp32 weight promotes
+    with pytest.raises(ValueError, match="shares are read only by a normed call with a residual"):
+        skinny_linear(Shares(torch.zeros(2, 2, K), torch.float32), w)
+
+
 def test_both_ways_of_summing_are_covered_above():
     """Products summed once at the end (few rows) and per tile (more rows): the configs above take both, for
     one row as for several."""
@@ -280,7 +340,8 @@ def test_the_timed_calls_are_the_calls_the_decoder_makes():
     """What the build times (`timed_call`, which `cuda_timer` repeats in a CUDA graph) is what runs: a plain
     shape's F.linear or kernel over the rotated copies of its weight in turn; a gated down projection's
     kernel with SiLU(gate) * up in its prologue, read from the two halves of one gate/up output, against
-    act_mul then the plain shape's pick at that row count (F.linear where it has none)."""
+    act_mul then the plain shape's pick at that row count (F.linear where it has none); a linear after a norm,
+    the kernel with the add + RMSNorm in its prologue against add_rms_norm then the pick."""
     from svrmad_local.kernels import fused_triton
 
     x8, w, b = operands(8, torch.bfloat16, bias=True)
@@ -301,6 +362,19 @@ def test_the_timed_calls_are_the_calls_the_decoder_makes():
         y = fused_triton.act_mul(*unfused.operands, "silu")
         expect = skinny_linear(y, w, b, plain_cfg) if m == 2 else torch.nn.functional.linear(y, w, b)
         assert torch.equal(unfused(), expect), m
+    # a linear after a norm: the kernel with the add + RMSNorm in its prologue, against add_rms_norm then the pick
+    for m, plain in ((2, {2: plain_cfg}), (3, {2: plain_cfg})):
+        normed = skinny.timed_call(weights, b, m, cfg, plain, "norm")
+        x, res, norm = normed.operands
+        assert x.shape == res.shape == (m, K) and norm[0].shape == (K,)
+        assert torch.equal(normed(), skinny_linear(x, w, b, cfg, norm=norm, residual=res)[0])
+        unfused = skinny.timed_call(weights, b, m, "torch", plain, "norm")
+        x, res, norm = unfused.operands
+        y = fused_triton.add_rms_norm(x, res, *norm)[0]
+        expect = skinny_linear(y, w, b, plain_cfg) if m == 2 else torch.nn.functional.linear(y, w, b)
+        assert torch.equal(unfused(), expect), m
+    with pytest.raises(ValueError, match="prologue must be one of silu, norm"):
+        skinny.timed_call(weights, b, 2, cfg, {2: plain_cfg}, "gelu")
 
 
 def test_the_timings_copies_hold_twice_the_l2_cache_and_at_most_sixteen(monkeypatch):

@@ -38,6 +38,8 @@ TESTS = [
     "tests/test_kernels_skinny.py::test_every_config_matches_the_reference_in_half_precision",
     "tests/test_kernels_skinny.py::test_every_config_matches_the_reference_in_fp32",
     "tests/test_kernels_skinny.py::test_the_gated_rows_are_act_muls_rows",
+    "tests/test_kernels_skinny.py::test_the_normed_rows_are_add_rms_norms_rows",
+    "tests/test_kernels_fused_triton.py::test_a_linears_unsummed_shares_norm_as_their_sum",
     "tests/test_kernels_skinny.py::test_a_tma_config_reads_the_tiles_its_pointer_twin_reads",
     "tests/test_kernels_paged_decode.py::test_triton_matches_the_torch_reference",
     "tests/test_kernels_paged_decode.py::test_out_is_written_in_place_whatever_its_strides",

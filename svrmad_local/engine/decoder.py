@@ -4,7 +4,9 @@ ops of kernels/fused.py around the linears and the engine's paged attention.
 
 A layer is about nine calls: residual add + RMSNorm; the q/k/v GEMM; q/k norm + RoPE + the K/V cache
 write; attention over the paged cache (in place for decode rows); o_proj; add + RMSNorm; the gate/up GEMM;
-act(gate) * up; down. A mixture-of-experts layer routes its rows (the family's router, ported) and calls
+act(gate) * up; down. On a GPU, where the build timed them faster, the skinny kernel folds in what precedes
+its linear: each add + RMSNorm into the q/k/v and gate/up linears, act(gate) * up into down, and split-K
+o_proj's and down's sums into the norm after them (six launches a layer, attention's one or two included). A mixture-of-experts layer routes its rows (the family's router, ported) and calls
 the model's experts module, one call. DeepSeek-V3's latent attention writes the compressed KV and attends with engine/mla.py
 (absorbed for decode rows, expanded through kv_b for prefill runs). Under tensor parallelism the two
 all-reduces of a layer are written here, after o_proj and after the MLP (models/shard.py split the
@@ -34,7 +36,7 @@ from .attention import StepContext, paged_attention
 from .context import get_context
 from .execution import Choice
 from .families import (ACT_CLASSES, DENSE_MLPS, LAYERS, MOE_BLOCKS, NORMS, Dense, FastRMSNorm, Layer, Rotary, linear_call,
-                       norm_parts, rope_latent, swap_norms)
+                       norm_in, norm_parts, rope_latent, swap_norms)
 from .spec import ModelSpec
 
 CHOICES = ("auto", "ours", "modules")
@@ -78,30 +80,29 @@ class Decoder:
             if out is not None:
                 return out
         for L in self.layers:
-            if res is None:
-                y, res = ops.rms_norm(x, *L.in_norm), x
-            else:
-                y, res = ops.add_rms_norm(x, res, *L.in_norm)
             if L.latent is None:
-                a = self.attention(L, y, ctx, tables[L.rope], direct)
+                a, res = self.attention(L, x, res, ctx, tables[L.rope], direct)
             else:
+                y, res = norm_in(ops, x, res, L.in_norm)
                 a = self.latent_attention(L, y, ctx, tables[L.rope])
             if self.group is not None:
                 tp.all_reduce(a, self.group)
             if L.attn_out is not None:
                 a = ops.rms_norm(a, *L.attn_out)
-            y, res = ops.add_rms_norm(a, res, *L.mlp_in)
-            x = self.mlp(L, y)
+            x, res = self.mlp(L, a, res)
             if self.group is not None:
                 tp.all_reduce(x, self.group)
             if L.mlp_out is not None:
                 x = ops.rms_norm(x, *L.mlp_out)
         return ops.add_rms_norm(x, res, *self.norm)[0]
 
-    def attention(self, L: Layer, y: torch.Tensor, ctx: StepContext, rope, direct) -> torch.Tensor:
-        """Per-head K/V attention: q/k/v, (q/k norm +) RoPE + cache write, paged attention, o_proj."""
-        T = y.shape[0]
-        q, k, v = (t.view(T, -1, L.head_dim) for t in L.qkv(y))
+    def attention(self, L: Layer, x, res, ctx: StepContext, rope, direct):
+        """Per-head K/V attention: (add +) RMSNorm and q/k/v (one launch where the skinny kernel takes the norm:
+        families.normed_columns), (q/k norm +) RoPE + cache write, paged attention, o_proj; and the new
+        residual."""
+        (q, k, v), res = L.qkv(x, res, self.ops)
+        T = q.shape[0]
+        q, k, v = (t.view(T, -1, L.head_dim) for t in (q, k, v))
         kc, vc = ctx.cache.k[L.index], ctx.cache.v[L.index]
         q = self.ops.rope_store(q, k, v, *rope, kc, vc, ctx.slot_mapping, L.q_norm, L.k_norm)
         if direct is not None:  # decode rows only, the compiled CPU kernel: called without the dispatch
@@ -109,7 +110,7 @@ class Decoder:
         else:
             out = paged_attention(L.attn, q.transpose(0, 1).unsqueeze(0), None, None, None, scaling=L.scaling,
                                   s_aux=L.sinks)[0][0]
-        return L.o_proj(out.reshape(T, -1))
+        return L.o_proj(out.reshape(T, -1)), res
 
     def latent_attention(self, L: Layer, y: torch.Tensor, ctx: StepContext, rope) -> torch.Tensor:
         """DeepSeek-V3's MLA: the query and the compressed KV (latent + shared RoPE key), their norms and
@@ -141,15 +142,18 @@ class Decoder:
                               value.transpose(0, 1).unsqueeze(0), None, scaling=L.scaling)[0][0]
         return L.o_proj(out.reshape(T, -1))
 
-    def mlp(self, L: Layer, y: torch.Tensor) -> torch.Tensor:
-        """gate/up GEMM, act(gate) * up, down; or the experts: the ported router, the model's experts module
-        (one call), DeepSeek-V3's shared expert added."""
+    def mlp(self, L: Layer, a, res):
+        """(add +) RMSNorm, then gate/up GEMM (one launch where the skinny kernel takes the norm), act(gate) * up,
+        down; or, after the norm, the experts: the ported router, the model's experts module (one call),
+        DeepSeek-V3's shared expert added. And the new residual."""
         if L.moe is None:
-            return self.dense(L.dense, y)
+            (gate, up), res = L.dense.norm_gate_up(a, res, self.ops)
+            return L.dense.act_down(gate, up, self.ops.act_mul), res
+        y, res = self.ops.add_rms_norm(a, res, *L.mlp_in)
         m = L.moe
         weights, index = m.route(m.router, y)
         out = m.experts(y, index, weights)
-        return out if m.shared is None else out + self.dense(m.shared, y)
+        return (out if m.shared is None else out + self.dense(m.shared, y)), res
 
     def dense(self, d: Dense, y: torch.Tensor) -> torch.Tensor:
         gate, up = d.gate_up(y)

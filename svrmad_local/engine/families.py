@@ -123,21 +123,70 @@ def gate_up_linears(mlp: nn.Module) -> list[nn.Module]:
     return [mlp.gate_up_proj] if hasattr(mlp, "gate_up_proj") else [mlp.gate_proj, mlp.up_proj]
 
 
-def columns(linears: list[nn.Module], gemv: dict | None = None):
-    """A function y -> the outputs of `linears` (siblings reading y): one GEMM when they are the parts of
-    one fused group in order (models/linear.FusedGroup), else one call each."""
+def one_gemm(linears: list[nn.Module], sizes: list[int] | None = None):
+    """(the module whose one GEMM gives the outputs of `linears` side by side, the cut of its output into
+    theirs), or None: the parts of one fused group in order (models/linear.FusedGroup), or one linear whose
+    output is `sizes` column blocks (Phi-3's qkv_proj and gate_up_proj)."""
+    if sizes is not None:
+        return linears[0], lambda out: out.split(sizes, dim=-1)
     group = fused_group(linears)
-    if group is not None:
-        cuts, mm = [slice(lo, hi) for lo, hi in group.bounds], linear_call(group, gemv)
-        return lambda y: [out[:, c] for out in (mm(y),) for c in cuts]
+    if group is None:
+        return None
+    cuts = [slice(lo, hi) for lo, hi in group.bounds]
+    return group, lambda out: [out[:, c] for c in cuts]
+
+
+def columns(linears: list[nn.Module], gemv: dict | None = None, sizes: list[int] | None = None):
+    """A function y -> the outputs of `linears` (siblings reading y): one GEMM where `one_gemm` finds one,
+    else one call each."""
+    single = one_gemm(linears, sizes)
+    if single is not None:
+        mm, cut = linear_call(single[0], gemv), single[1]
+        return lambda y: cut(mm(y))
     calls = [linear_call(m, gemv) for m in linears]
     return lambda y: [f(y) for f in calls]
 
 
-def split_call(linear: nn.Module, sizes: list[int], gemv: dict | None = None):
-    """A function y -> the column blocks of one linear's output (Phi-3's qkv_proj and gate_up_proj)."""
-    mm = linear_call(linear, gemv)
-    return lambda y: mm(y).split(sizes, dim=-1)
+def norm_in(ops: Ops, x, res, norm: tuple):
+    """The decoder's norm before a block: (add_rms_norm(x, res), x + res), or (rms_norm(x), x) where there is
+    no residual yet (the first layer)."""
+    if res is None:
+        return ops.rms_norm(x, *norm), x
+    return ops.add_rms_norm(x, res, *norm)
+
+
+NORMED = "norm"  # a linear's picks with the norm before it in its prologue: under (N, K, NORMED)
+
+
+def normed_key(shape: tuple[int, int]) -> tuple[int, int, str]:
+    """Where `gemv`'s picks hold the configs of a linear of weight shape (N, K) that computes the add + RMSNorm
+    before it in its prologue (`normed_columns`): another kernel than the plain one, timed as such."""
+    return (*shape, NORMED)
+
+
+def normed_columns(norm: tuple, linears: list[nn.Module], gemv: dict | None = None, sizes: list[int] | None = None):
+    """(x, res, ops) -> (the outputs of `linears` over the norm of x + res, the new residual): `norm_in`, then
+    `columns`. Where `gemv` picked a normed config for their one GEMM's shape (under `normed_key`), at those
+    row counts the skinny kernel computes the norm as it reads the rows (skinny.bound_normed: one launch for
+    the two, the new residual written by it); everywhere else the two calls."""
+    plain, single = columns(linears, gemv, sizes), one_gemm(linears, sizes)
+    m = single[0] if single is not None else None
+    picks = gemv.get(normed_key(tuple(m.weight.shape))) if gemv and m is not None and multiplies_dense(m) else None
+
+    def two_calls(x, res, ops):
+        y, res = norm_in(ops, x, res, norm)
+        return plain(y), res
+
+    if not picks:
+        return two_calls
+    fused, cut = skinny.bound_normed(m.weight, m.bias, picks, norm), single[1]
+
+    def call(x, res, ops):
+        done = fused(x, res)
+        return two_calls(x, res, ops) if done is None else (cut(done[0]), done[1])
+
+    call.picks = picks
+    return call
 
 
 def route_softmax_topk(router: nn.Module, h: torch.Tensor):
@@ -183,16 +232,16 @@ class Dense:
     """A dense MLP's parts: gate/up as one GEMM where fused (or Phi-3's gate_up_proj), the activation, down,
     and `act_down(gate, up, act_mul)`: the activation times up, then down (`act_down_call`)."""
 
-    __slots__ = ("gate_up", "act", "down", "act_down")
+    __slots__ = ("gate_up", "norm_gate_up", "act", "down", "act_down")
 
-    def __init__(self, m: nn.Module, gemv: dict | None = None, unsummed: bool = False):
+    def __init__(self, m: nn.Module, gemv: dict | None = None, unsummed: bool = False, norm: tuple | None = None):
+        """`norm`: the add + RMSNorm before the MLP (a dense layer's; a shared expert reads the routed rows'
+        input): `norm_gate_up(x, res, ops)` runs the two (`normed_columns`)."""
         self.act = ACT_CLASSES[type(m.act_fn if hasattr(m, "act_fn") else m.activation_fn).__name__]
         linears = gate_up_linears(m)
-        if len(linears) == 1:  # Phi-3: one projection, gate first
-            half = linears[0].out_features // 2
-            self.gate_up = split_call(linears[0], [half, half], gemv)
-        else:
-            self.gate_up = columns(linears, gemv)
+        sizes = [linears[0].out_features // 2] * 2 if len(linears) == 1 else None  # Phi-3: one projection, gate first
+        self.gate_up = columns(linears, gemv, sizes)
+        self.norm_gate_up = normed_columns(norm, linears, gemv, sizes) if norm is not None else None
         self.down = linear_call(m.down_proj, gemv, unsummed)
         self.act_down = act_down_call(m, self.down, self.act, gemv, unsummed)
 
@@ -270,19 +319,18 @@ class Layer:
             self.latent = Latent(a, gemv)
         else:
             self.head_dim = a.head_dim
-            linears = qkv_linears(a)
+            linears, sizes = qkv_linears(a), None
             if len(linears) == 1:  # Phi-3: one projection
                 q = a.config.num_attention_heads * a.head_dim
                 kv = (linears[0].out_features - q) // 2
-                self.qkv = split_call(linears[0], [q, kv, kv], gemv)
-            else:
-                self.qkv = columns(linears, gemv)
+                sizes = [q, kv, kv]
+            self.qkv = normed_columns(self.in_norm, linears, gemv, sizes)  # (x, res, ops) -> ([q, k, v], res)
             if getattr(a, "q_norm", None) is not None:
                 self.q_norm, self.k_norm = norm_parts(a.q_norm), norm_parts(a.k_norm)
             self.sinks = a.sinks if spec.sinks else None
         moe = type(layer.mlp).__name__ in MOE_BLOCKS
         self.moe, self.dense = (Experts(layer.mlp, gemv), None) if moe else \
-            (None, Dense(layer.mlp, gemv, unsummed and self.mlp_out is None))
+            (None, Dense(layer.mlp, gemv, unsummed and self.mlp_out is None, self.mlp_in))
 
 
 class Latent:

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from ._backend import HAS_TRITON, cdiv, interpreting, next_pow2, tl, triton
 from .pdl import launch
+from .norms import PLAIN
 from .shares import Shares
 
 try:  # Triton's host-side tensor descriptor (3.3 and later): a `tma` config's weight tiles
@@ -60,15 +61,38 @@ LATE_VALUES = 32
 if HAS_TRITON:
     from .pdl import enter
 
-    from .fused_triton import act_times
+    from .fused_triton import _round, _scale, act_times
 
     @triton.jit
-    def _tiles(X, U, W, WD, n0, n, rows, k0, kk, nmask, rmask, k_hi, s_xm, s_xk, s_um, s_uk, s_wn, s_wk,
-               GATED: tl.constexpr, RNE: tl.constexpr, TMA: tl.constexpr = False):
+    def _summed_rows(X, U, rows, k, mask, n_shares, s_xs, s_xm, s_xk, s_um, s_uk, HAS_RES: tl.constexpr,
+                     SHARES: tl.constexpr, XIN_DT: tl.constexpr, S_DT: tl.constexpr, RNE: tl.constexpr):
+        """A normed linear's rows before their norm at columns k (fp32): x (SHARES: a split-K linear's
+        n_shares fp32 partials summed in share order and rounded to XIN_DT, as its sum kernel does), plus
+        the residual U rounded to S_DT (HAS_RES): add_rms_norm's new residual."""
+        if SHARES:
+            x = tl.zeros(mask.shape, tl.float32)
+            for part in range(0, n_shares):
+                x += tl.load(X + part * s_xs + rows[:, None] * s_xm + k[None, :] * s_xk, mask=mask, other=0.0)
+            x = _round(x, XIN_DT, RNE).to(tl.float32)
+        else:
+            x = tl.load(X + rows[:, None] * s_xm + k[None, :] * s_xk, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RES:
+            r = tl.load(U + rows[:, None] * s_um + k[None, :] * s_uk, mask=mask, other=0.0).to(tl.float32)
+            x = _round(r + x, S_DT, RNE).to(tl.float32)
+        return x
+
+    @triton.jit
+    def _tiles(X, U, W, WD, NW, n0, n, rows, k0, kk, nmask, rmask, k_hi, s_xm, s_xk, s_um, s_uk, s_wn, s_wk,
+               GATED: tl.constexpr, RNE: tl.constexpr, TMA: tl.constexpr = False, rstd=None, offset=0.0,
+               n_shares=1, s_xs=0, NORMED: tl.constexpr = False, HAS_RES: tl.constexpr = False,
+               SHARES: tl.constexpr = False, XIN_DT: tl.constexpr = tl.float32, S_DT: tl.constexpr = tl.float32,
+               ROUND_FIRST: tl.constexpr = True, HAS_OFFSET: tl.constexpr = False):
         """The weight's [BLOCK_N, BLOCK_K] tile at columns k0 + kk (read once: evicted first, x stays cached) and
-        x's rows there [BLOCK_M, BLOCK_K]; GATED: those rows are SiLU(X) * U, rounded as act_mul rounds them.
-        TMA: the weight's tile through its tensor descriptor WD (sm_90's bulk tensor copy, one instruction a
-        tile; what lies past N or K reads as zero, as the masks make it): the same values."""
+        x's rows there [BLOCK_M, BLOCK_K]; GATED: those rows are SiLU(X) * U, rounded as act_mul rounds them;
+        NORMED: they are RMSNorm(X [+ U]) by the rows' `rstd` and the norm's weight NW, in the NormStyle's
+        rounding, as add_rms_norm computes them from the same sum of squares. TMA: the weight's tile through its
+        tensor descriptor WD (sm_90's bulk tensor copy, one instruction a tile; what lies past N or K reads as
+        zero, as the masks make it): the same values."""
         k = k0 + kk
         kmask = k < k_hi
         if TMA:
@@ -77,7 +101,13 @@ if HAS_TRITON:
             w = tl.load(W + n[:, None] * s_wn + k[None, :] * s_wk, mask=nmask[:, None] & kmask[None, :], other=0.0,
                         eviction_policy="evict_first")
         mask = rmask[:, None] & kmask[None, :]
-        x = tl.load(X + rows[:, None] * s_xm + k[None, :] * s_xk, mask=mask, other=0.0)
+        if NORMED:
+            h = _summed_rows(X, U, rows, k, mask, n_shares, s_xs, s_xm, s_xk, s_um, s_uk, HAS_RES, SHARES, XIN_DT,
+                             S_DT, RNE) * rstd[:, None]
+            nw = tl.load(NW + k, mask=kmask, other=0.0)
+            x = _round(_scale(h, nw[None, :], offset, S_DT, ROUND_FIRST, HAS_OFFSET, RNE), W.dtype.element_ty, RNE)
+        else:
+            x = tl.load(X + rows[:, None] * s_xm + k[None, :] * s_xk, mask=mask, other=0.0)
         if GATED:
             u = tl.load(U + rows[:, None] * s_um + k[None, :] * s_uk, mask=mask, other=0.0)
             x = act_times(x.to(tl.float32), u.to(tl.float32), X.dtype.element_ty, X.dtype.element_ty, False, RNE)
@@ -92,11 +122,15 @@ if HAS_TRITON:
                                   dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
-    def _skinny_kernel(X, U, W, WD, B, O, M, N, K, K_SHARE, EARLY, s_xm, s_xk, s_um, s_uk, s_wn, s_wk, s_os, s_om, s_on,
+    def _skinny_kernel(X, U, W, WD, B, O, NW, SO, M, N, K, K_SHARE, EARLY, eps, offset, n_shares, s_xs,
+                       s_xm, s_xk, s_um, s_uk, s_wn, s_wk, s_os, s_om, s_on, s_som,
                        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, DOT: tl.constexpr, DOT_F32: tl.constexpr, LATE: tl.constexpr,
                        GATED: tl.constexpr, RNE: tl.constexpr, PREFETCH: tl.constexpr = 0,
-                       AHEAD: tl.constexpr = False, TMA: tl.constexpr = False, PDL: tl.constexpr = False):
+                       AHEAD: tl.constexpr = False, TMA: tl.constexpr = False, NORMED: tl.constexpr = False,
+                       HAS_RES: tl.constexpr = False, SHARES: tl.constexpr = False, XIN_DT: tl.constexpr = tl.float32,
+                       S_DT: tl.constexpr = tl.float32, ROUND_FIRST: tl.constexpr = True,
+                       HAS_OFFSET: tl.constexpr = False, PDL: tl.constexpr = False):
         """Program (j, s): columns j*BLOCK_N.. over K's s-th share, into O's s-th slice (the output
         itself where there is one share; the bias only in share 0). LATE: the products accumulate
         element-wise and are summed along K once at the end (no reduction across threads per tile).
@@ -107,7 +141,10 @@ if HAS_TRITON:
         AHEAD (broadcast products): each tile's loads are issued one iteration before its products, so a
         program keeps two tiles in flight rather than one; the same products summed in the same order. TMA
         (tl.dot configs): the weight's tiles through its tensor descriptor WD, pipelined through shared memory
-        by the bulk tensor copy and its barriers rather than a cp.async a thread; the same tiles."""
+        by the bulk tensor copy and its barriers rather than a cp.async a thread; the same tiles. NORMED: the rows
+        are RMSNorm(X [+ U]) (an add + RMSNorm's launch folded in: every program first walks the whole row for
+        its sum of squares, and program (0, 0) writes the new residual X + U to SO; X may be SHARES, a split-K
+        linear's partials), in the norm's own rounding (`_tiles`)."""
         n0 = tl.program_id(0) * BLOCK_N
         n = n0 + tl.arange(0, BLOCK_N)
         share = tl.program_id(1)
@@ -119,21 +156,37 @@ if HAS_TRITON:
         rows = tl.arange(0, BLOCK_M)
         nmask, rmask = n < N, rows < M
         kk = tl.arange(0, BLOCK_K)
+        rstd = tl.zeros([BLOCK_M], tl.float32)
+        if NORMED:  # the whole row's sum of squares first; the new residual written once, by program (0, 0)
+            squares = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
+            written = tl.where((tl.program_id(0) == 0) & (share == 0), K, 0)  # the columns this program writes
+            for k0 in range(0, K, BLOCK_K):
+                k = k0 + kk
+                mask = rmask[:, None] & (k < K)[None, :]
+                h = _summed_rows(X, U, rows, k, mask, n_shares, s_xs, s_xm, s_xk, s_um, s_uk, HAS_RES, SHARES,
+                                 XIN_DT, S_DT, RNE)
+                squares += h * h
+                if HAS_RES:
+                    tl.store(SO + rows[:, None] * s_som + k[None, :], h, mask=rmask[:, None] & (k < written)[None, :])
+            rstd = 1.0 / tl.sqrt_rn(tl.sum(squares, axis=1) / K + eps)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         if LATE:
             acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
         k_hi = tl.minimum(K, k_lo + K_SHARE)
         if AHEAD:
-            w_next, x_next = _tiles(X, U, W, WD, n0, n, rows, k_lo, kk, nmask, rmask, k_hi, s_xm, s_xk, s_um, s_uk,
-                                    s_wn, s_wk, GATED, RNE)
+            w_next, x_next = _tiles(X, U, W, WD, NW, n0, n, rows, k_lo, kk, nmask, rmask, k_hi, s_xm, s_xk, s_um,
+                                    s_uk, s_wn, s_wk, GATED, RNE, False, rstd, offset, n_shares, s_xs, NORMED, HAS_RES,
+                                    SHARES, XIN_DT, S_DT, ROUND_FIRST, HAS_OFFSET)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             if AHEAD:  # the next tile's loads before this one's products (past k_hi: masked, nothing read)
                 w, x = w_next, x_next
-                w_next, x_next = _tiles(X, U, W, WD, n0, n, rows, k0 + BLOCK_K, kk, nmask, rmask, k_hi, s_xm, s_xk,
-                                        s_um, s_uk, s_wn, s_wk, GATED, RNE)
+                w_next, x_next = _tiles(X, U, W, WD, NW, n0, n, rows, k0 + BLOCK_K, kk, nmask, rmask, k_hi, s_xm,
+                                        s_xk, s_um, s_uk, s_wn, s_wk, GATED, RNE, False, rstd, offset, n_shares, s_xs,
+                                        NORMED, HAS_RES, SHARES, XIN_DT, S_DT, ROUND_FIRST, HAS_OFFSET)
             else:
-                w, x = _tiles(X, U, W, WD, n0, n, rows, k0, kk, nmask, rmask, k_hi, s_xm, s_xk, s_um, s_uk, s_wn,
-                              s_wk, GATED, RNE, TMA)
+                w, x = _tiles(X, U, W, WD, NW, n0, n, rows, k0, kk, nmask, rmask, k_hi, s_xm, s_xk, s_um, s_uk, s_wn,
+                              s_wk, GATED, RNE, TMA, rstd, offset, n_shares, s_xs, NORMED, HAS_RES, SHARES, XIN_DT,
+                              S_DT, ROUND_FIRST, HAS_OFFSET)
             if DOT:
                 if DOT_F32:
                     acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
@@ -280,7 +333,7 @@ def _sms(device: torch.device) -> int:
 
 def check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
     """ValueError naming what does not fit: x [M <= MAX_ROWS, K], weight [N, K] of x's dtype, bias [N]."""
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+    if len(x.shape) != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"skinny_linear: x must be [M, K] and weight [N, K], got {list(x.shape)} and "
                          f"{list(weight.shape)}")
     if x.shape[0] > MAX_ROWS:
@@ -316,13 +369,22 @@ def reads_by_tma(weight: torch.Tensor) -> bool:
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  cfg: Config = DEFAULT, up: torch.Tensor | None = None, unsummed: bool = False):
+                  cfg: Config = DEFAULT, up: torch.Tensor | None = None, unsummed: bool = False,
+                  norm: tuple | None = None, residual: torch.Tensor | None = None):
     """x [M, K] (M <= 8, or <= 32 for a tl.dot config) @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype,
     fp32 accumulation. With `up` (x's shape and dtype), the rows multiplied are SiLU(x) * up, rounded as
     act_mul rounds them (x the gate: an MLP's down projection over its gate/up output). Launches one kernel
     (two where K is split); nothing returns to the host, so a CUDA graph captures it. `unsummed`: where K
     is split and there is no bias, the partials as kernels/shares.Shares, without the sum kernel (for a
-    consumer that sums them: the decoder's add + RMSNorm)."""
+    consumer that sums them: the decoder's add + RMSNorm).
+
+    `norm` ((weight [K], eps, NormStyle): the norm the decoder runs before this linear): the rows multiplied
+    are RMSNorm(x + residual), or RMSNorm(x) without `residual`, as fused_triton's add_rms_norm computes them
+    (the same roundings; the sum of squares in another order), and the call returns (output, new residual:
+    x + residual, or x itself): the norm's launch folded into this one. x may then be a split-K linear's
+    Shares (summed as they are loaded), with a residual."""
+    if isinstance(x, Shares) and (norm is None or residual is None):
+        raise ValueError("skinny_linear: a split-K linear's shares are read only by a normed call with a residual")
     check(x, weight, bias)
     if up is not None and (up.shape != x.shape or up.dtype != x.dtype):
         raise ValueError(f"skinny_linear: up must match the gate, got {list(up.shape)} {up.dtype} and "
@@ -332,11 +394,16 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if m and not runs(cfg, m):
         raise ValueError(f"skinny_linear: {cfg} takes at most {BROADCAST_ROWS} rows (its products are held in "
                          f"registers), got {m}: a tl.dot config takes up to {MAX_ROWS}")
+    normed = _normed_args(x, weight, up, norm, residual) if norm is not None else {}
+    so, nw = normed.pop("so", None), normed.pop("nw", weight)
+    eps, offset = normed.pop("eps", 0.0), normed.pop("offset", 0.0)
+    rows = x.parts if isinstance(x, Shares) else x
     # the interpreter truncates fp32 -> bf16/fp16 on store where a GPU rounds to nearest: round in torch there
     out_dtype = torch.float32 if interpreting() else x.dtype
     out = torch.empty(m, n, device=x.device, dtype=out_dtype)
+    done = (lambda y: (y, so if residual is not None else x)) if norm is not None else (lambda y: y)
     if m == 0 or n == 0:
-        return out.to(x.dtype)
+        return done(out.to(x.dtype))
     sms = _sms(x.device)
     split = shares(cfg, n, k, sms)
     k_share = cdiv(cdiv(k, split), cfg.block_k) * cfg.block_k
@@ -345,24 +412,49 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     part_strides = (0, *parts.stride()) if split == 1 else parts.stride()
     block_m = max(DOT_ROWS, next_pow2(m)) if cfg.dot else next_pow2(m)
     b = bias if bias is not None else weight
-    u = up if up is not None else x
-    pdl = launch(x)
+    u = up if up is not None else residual if residual is not None else rows
+    x_strides = rows.stride() if rows.dim() == 3 else (0, *rows.stride())
+    pdl = launch(rows)
     tma = cfg.tma and reads_by_tma(weight)
     wd = TensorDescriptor(weight, list(weight.shape), list(weight.stride()), [cfg.block_n, cfg.block_k]) \
         if tma else weight
     _skinny_kernel[(cdiv(n, cfg.block_n), split)](
-        x, u, weight, wd, b, parts, m, n, k, k_share, sms, *x.stride(), *u.stride(), *weight.stride(), *part_strides,
+        rows, u, weight, wd, b, parts, nw, so if so is not None else out, m, n, k, k_share, sms, eps, offset,
+        x.parts.shape[0] if isinstance(x, Shares) else 1, *x_strides, *u.stride()[-2:], *weight.stride(), *part_strides, so.stride(0) if so is not None else 0,
         HAS_BIAS=bias is not None and split == 1, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         DOT=cfg.dot, DOT_F32=x.dtype == torch.float32 or interpreting(), LATE=sums_late(cfg, block_m),
         GATED=up is not None, RNE=interpreting(), PREFETCH=prefetch_bytes(weight, k_share, split) if pdl else 0,
-        AHEAD=cfg.ahead, TMA=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
+        AHEAD=cfg.ahead, TMA=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **normed, **pdl)
     if split > 1 and unsummed and bias is None:
-        return Shares(parts, x.dtype)
+        return done(Shares(parts, x.dtype))
     if split > 1:
         block = 1024
         _sum_shares_kernel[(m, cdiv(n, block))](parts, b, out, n, split, *parts.stride(), *out.stride(),
                                                 HAS_BIAS=bias is not None, BLOCK=block, num_warps=4, **launch(parts))
-    return out.to(x.dtype)
+    return done(out.to(x.dtype))
+
+
+def _normed_args(x, weight: torch.Tensor, up, norm: tuple, residual: torch.Tensor | None) -> dict:
+    """The normed call's kernel arguments (`skinny_linear`'s `norm`), its new residual's buffer ("so") among
+    them; ValueError naming what does not fit."""
+    from .fused_triton import _TL, _norm_out, _style  # the norm kernel's own rules: one place
+
+    nw, eps, style = norm
+    if up is not None:
+        raise ValueError("skinny_linear: a call is gated (up) or normed (norm), not both")
+    if nw.dim() != 1 or nw.shape[0] != x.shape[1]:
+        raise ValueError(f"skinny_linear: the norm's weight must be [{x.shape[1]}], got {list(nw.shape)}")
+    if residual is not None and (tuple(residual.shape) != tuple(x.shape) or residual.dtype not in _TL):
+        raise ValueError(f"skinny_linear: the residual must be {list(x.shape)} fp32/fp16/bf16, got "
+                         f"{list(residual.shape)} {residual.dtype}")
+    y_dtype = _norm_out(x.dtype, nw, style)
+    if y_dtype != weight.dtype:
+        raise ValueError(f"skinny_linear: the norm gives {y_dtype} rows, the weight is {weight.dtype}")
+    s_dtype = torch.promote_types(residual.dtype, x.dtype) if residual is not None else x.dtype
+    so = torch.empty(tuple(x.shape), device=x.device, dtype=s_dtype) if residual is not None else None
+    return {"so": so, "nw": nw.contiguous(), "eps": float(eps), "offset": float(style.offset), "NORMED": True,
+            "HAS_RES": residual is not None, "SHARES": isinstance(x, Shares), "XIN_DT": _TL[x.dtype],
+            "S_DT": _TL[s_dtype], **_style(style)}
 
 
 def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -412,6 +504,21 @@ def bound_gated(weight: torch.Tensor, bias: torch.Tensor | None, picks: dict[int
     return call
 
 
+def bound_normed(weight: torch.Tensor, bias: torch.Tensor | None, picks: dict[int, Config], norm: tuple):
+    """(x, residual) -> (linear(RMSNorm(x + residual)), x + residual) at the row counts of `picks` (the normed
+    configs the build timed: engine/gemv.py), the norm (`norm`: weight, eps, NormStyle) in the kernel's prologue,
+    one launch where add_rms_norm and the linear were two (`skinny_linear`'s `norm`; residual None: RMSNorm(x),
+    and x itself); None at other row counts, where the caller runs the two (engine/families.normed_columns)."""
+    pick = _by_rows(picks)
+
+    def call(x, residual):
+        cfg = pick(x)
+        return None if cfg is None else skinny_linear(x, weight, bias, cfg, norm=norm, residual=residual)
+
+    call.picks = picks
+    return call
+
+
 _GATED_RUNS: dict[tuple, bool] = {}
 
 
@@ -438,8 +545,8 @@ def _by_rows(picks: dict[int, Config]):
     """x -> the config picked for x's row count (by its padded count), or None: F.linear."""
     by_rows = [picks.get(next_pow2(m)) if m else None for m in range(MAX_ROWS + 1)]
 
-    def pick(x: torch.Tensor) -> Config | None:
-        m = x.shape[0] if x.dim() == 2 else MAX_ROWS + 1
+    def pick(x) -> Config | None:  # x: a tensor, or a linear's Shares
+        m = x.shape[0] if len(x.shape) == 2 else MAX_ROWS + 1
         return by_rows[m] if m <= MAX_ROWS else None
 
     return pick
@@ -475,15 +582,17 @@ def time_call(fn, reps: int = 5, inner: int = 10) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def cuda_timer(weight: torch.Tensor, bias: torch.Tensor | None, plain: dict[int, Config] | None = None):
+def cuda_timer(weight: torch.Tensor, bias: torch.Tensor | None, plain: dict[int, Config] | None = None,
+               prologue: str = "silu"):
     """A timer for `gemv_choice`: (m, candidate) -> seconds of one call at m rows, the candidate "torch"
-    (F.linear) or a Config; with `plain` (the shape's plain picks), a down projection as `bound_gated` runs it
-    (`timed_call`). The weight is rotated through copies that overflow the L2 cache (a decode step reads
-    every layer's weights once, cold), so neither side is timed out of the cache."""
+    (F.linear) or a Config; with `plain` (the shape's plain picks), the linear with its `prologue` as
+    `bound_gated` ("silu") or `bound_normed` ("norm") runs it (`timed_call`). The weight is rotated through
+    copies that overflow the L2 cache (a decode step reads every layer's weights once, cold), so neither side
+    is timed out of the cache."""
     weights = cold_copies(weight)
 
     def timer(m: int, candidate) -> float:
-        run = timed_call(weights, bias, m, candidate, plain)
+        run = timed_call(weights, bias, m, candidate, plain, prologue)
         with torch.cuda.device(weight.device):  # the graph and the events on the weight's device
             return time_call(run)
 
@@ -498,29 +607,40 @@ def cold_copies(weight: torch.Tensor) -> list[torch.Tensor]:
     return [weight] + [weight.clone() for _ in range(copies - 1)]
 
 
+PROLOGUES = ("silu", "norm")  # what a timed call folds in before its linear (`timed_call`)
+
+
 def timed_call(weights: list[torch.Tensor], bias: torch.Tensor | None, m: int, candidate,
-               plain: dict[int, Config] | None = None):
+               plain: dict[int, Config] | None = None, prologue: str = "silu"):
     """The call `cuda_timer` repeats, each time over the next of `weights` (copies of one weight): () -> the
     output at m random rows. "torch": F.linear; a Config: the kernel. With `plain` (the shape's plain picks
-    {rows: Config}), x is the gate half of a gate/up output [m, 2K]: "torch" is act_mul then the plain pick
-    at m rows (F.linear where none), a Config the kernel with SiLU(gate) * up in its prologue."""
+    {rows: Config}), the op before the linear too, by `prologue`: "silu", x the gate half of a gate/up output
+    [m, 2K], "torch" act_mul then the plain pick at m rows (F.linear where none), a Config the kernel with
+    SiLU(gate) * up in its prologue; "norm", x and a residual [m, K], "torch" add_rms_norm then the plain
+    pick, a Config the kernel with the add + RMSNorm in its prologue."""
+    if prologue not in PROLOGUES:
+        raise ValueError(f"timed_call: prologue must be one of {', '.join(PROLOGUES)}, got {prologue!r}")
     weight = weights[0]
     k = weight.shape[1]
-    x = torch.randn(m, k if plain is None else 2 * k, device=weight.device, dtype=weight.dtype)
-    gate, up = (x, None) if plain is None else (x[:, :k], x[:, k:])
+    gated, normed = plain is not None and prologue == "silu", plain is not None and prologue == "norm"
+    x = torch.randn(m, 2 * k if gated else k, device=weight.device, dtype=weight.dtype)
+    gate, up = (x[:, :k], x[:, k:]) if gated else (x, None)
+    residual = torch.randn_like(x) if normed else None
+    norm = (1 + 0.1 * torch.randn(k, device=weight.device, dtype=weight.dtype), 1e-6, PLAIN) if normed else None
     before = None if plain is None else plain.get(next_pow2(m))
     if plain is not None:
-        from .fused_triton import act_mul  # the decoder's act_mul on a GPU (kernels/fused.py)
+        from .fused_triton import act_mul, add_rms_norm  # the decoder's ops on a GPU (kernels/fused.py)
     turn = iter(range(1 << 62))
 
     def run() -> torch.Tensor:
         w = weights[next(turn) % len(weights)]
         if candidate != "torch":
-            return skinny_linear(gate, w, bias, candidate, up=up)
+            out = skinny_linear(gate, w, bias, candidate, up=up, norm=norm, residual=residual)
+            return out[0] if normed else out
         if plain is None:
             return F.linear(x, w, bias)
-        y = act_mul(gate, up, "silu")
+        y = act_mul(gate, up, "silu") if gated else add_rms_norm(x, residual, *norm)[0]
         return F.linear(y, w, bias) if before is None else skinny_linear(y, w, bias, before)
 
-    run.operands = (gate, up)  # what it multiplies (tests)
+    run.operands = (x, residual, norm) if normed else (gate, up)  # what it multiplies (tests)
     return run
