@@ -36,9 +36,11 @@ def fake_timer_for(table, asked, gated_asked=None):
     prologue ("silu": (N, K); "norm": (N, K, "norm"))."""
     gated_asked = [] if gated_asked is None else gated_asked
 
-    def timer_for(m, plain=None, prologue="silu"):
+    def timer_for(m, plain=None, prologue="silu", unsummed=False):
         shape = tuple(m.weight.shape)
         key = (*shape, prologue)
+        if unsummed:
+            table.setdefault("unsummed", []).append((shape, plain is not None))
 
         def timer(rows, candidate):
             if plain is not None:
@@ -165,6 +167,30 @@ def test_the_linears_after_a_norm_are_the_one_gemm_q_k_v_and_gate_up():
     fuse_dense(ds)
     dense_mlp = ds.model.layers[0].mlp  # the first layer is dense: its gate/up; the latent attention's none
     assert set(gemv.normed_linears(ds)) == {tuple(dense_mlp.up_proj.group.weight.shape)}
+
+
+def test_o_proj_and_down_are_timed_with_their_shares_left_to_the_norm_after_them(tmp_path):
+    """The shapes whose every linear leaves its split-K partials to the norm after it (families.shares_left:
+    o_proj and a dense down, outside tensor parallelism and Gemma 3's sandwich norms) are timed so, the gated
+    down projection's timing too; a shape another linear shares (separate q/k/v on the CPU's layout: q_proj
+    is o_proj's shape) is timed with its sum kernel, as that linear runs."""
+    from svrmad_local.engine.families import shares_left
+    from svrmad_local.models.linear import fuse_dense
+
+    model = make_zoo_model("qwen3")
+    layer = model.model.layers[0]
+    o, down = tuple(layer.self_attn.o_proj.weight.shape), tuple(layer.mlp.down_proj.weight.shape)
+    assert gemv.unsummed_shapes(model) == {down}  # q_proj has o_proj's shape here
+    fuse_dense(model)
+    assert gemv.unsummed_shapes(model) == {o, down}
+    assert shares_left(layer, "qwen3", sharded=True) == set()
+    assert gemv.unsummed_shapes(make_zoo_model("gemma3")) == set()
+    moe = make_zoo_model("qwen3-moe")
+    fuse_dense(moe)
+    assert gemv.unsummed_shapes(moe) == {tuple(moe.model.layers[0].self_attn.o_proj.weight.shape)}
+    table = {shape: dict.fromkeys(skinny.ROWS, 1.5) for shape in gemv.decode_linears(model)}
+    choices.gemv_choice(model, "auto", "auto", CPU, fake_timer_for(table, []), tmp_path)
+    assert sorted(table["unsummed"]) == [(o, False), (down, False), (down, True)]
 
 
 def test_a_linear_after_a_norm_is_timed_with_the_norm_in_its_prologue(tmp_path, monkeypatch):

@@ -10,7 +10,7 @@
 * our decoder (engine/decoder.py) over the Triton fused ops, against the modules and a cache-free loop; its
   RoPE tables filled at build, the rotary module's bits;
 * the few-row linear (kernels/skinny.py) against its reference and from a graph, its tensor-descriptor configs
-  against their pointer twins, and the engine over it;
+  against their pointer twins, its normed prologue against add_rms_norm then the kernel, and the engine over it;
 * where a step's sampling runs, timed at build (engine/choices.py `sampling_choice`) and kept;
 * programmatic dependent launch on an sm_90 GPU: able, and the same bits as without it.
 
@@ -571,6 +571,47 @@ def test_the_skinny_tma_configs_read_their_twins_tiles_on_cuda(dtype):
                 assert torch.equal(captured, got), (cfg, m)
                 ran.append((str(cfg), m))
     assert {c for c, _m in ran} == {str(c) for c in skinny.CONFIGS if c.tma}, ran
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_skinny_normed_prologue_is_add_rms_norm_then_the_kernel_on_cuda(dtype):
+    """Every config with the add + RMSNorm in its prologue (Qwen3-1.7B's hidden size, 1-32 rows), x a tensor
+    and a split-K linear's shares: the new residual bit for bit add_rms_norm's, and the output the bits of
+    add_rms_norm then the same config, eager and replayed from a CUDA graph. Exact, because the rows are small
+    integers: their sum of squares is exact in any order, so the prologue's norm is add_rms_norm's to the bit
+    (on other rows it may differ by the rounding of that sum: tests/test_kernels_skinny.py)."""
+    _compiled_triton()
+    from triton.runtime.errors import OutOfResources
+
+    from svrmad_local.kernels import fused_triton, skinny
+    from svrmad_local.kernels.norms import PLAIN
+    from svrmad_local.kernels.shares import Shares
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n, k = 1003, 2048
+    w = (torch.randn(n, k, device=CUDA, generator=g) / k ** 0.5).to(dtype)
+    norm = ((1 + 0.1 * torch.randn(k, device=CUDA, generator=g)).to(dtype), 1e-6, PLAIN)
+    ran = set()
+    for cfg in skinny.CONFIGS:
+        for m in [m for m in (1, 3, 8, 16, 32) if skinny.runs(cfg, m)]:
+            ints = lambda *shape: torch.randint(-2, 3, shape, device=CUDA, generator=g).float()  # noqa: E731
+            res, parts = ints(m, k).to(dtype), ints(2, m, k)
+            for x in (ints(m, k).to(dtype), Shares(parts, dtype)):
+                try:
+                    got, new = skinny.skinny_linear(x, w, None, cfg, norm=norm, residual=res)
+                except OutOfResources:  # no candidate here (gemv.time_all leaves it out)
+                    continue
+                y, new_ref = fused_triton.add_rms_norm(x, res, *norm)
+                assert torch.equal(new, new_ref), (cfg, m)
+                assert torch.equal(got, skinny.skinny_linear(y, w, None, cfg)), (cfg, m)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    captured = skinny.skinny_linear(x, w, None, cfg, norm=norm, residual=res)[0]
+                graph.replay()
+                torch.cuda.synchronize()
+                assert torch.equal(captured, got), (cfg, m)
+                ran.add(str(cfg))
+    assert ran >= {str(skinny.default(m)) for m in (1, 32)}, ran
 
 
 @pytest.mark.parametrize("gemv", ["skinny", "auto"])

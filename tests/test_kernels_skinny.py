@@ -373,6 +373,14 @@ def test_the_timed_calls_are_the_calls_the_decoder_makes():
         y = fused_triton.add_rms_norm(x, res, *norm)[0]
         expect = skinny_linear(y, w, b, plain_cfg) if m == 2 else torch.nn.functional.linear(y, w, b)
         assert torch.equal(unfused(), expect), m
+    # o_proj and down as the decoder runs them: a split config's partials left for the norm after them
+    from svrmad_local.kernels.shares import Shares
+
+    left = skinny.timed_call(weights, None, 2, SPLITS[0], unsummed=True)
+    out = left()  # over the first copy of the weight
+    assert isinstance(out, Shares) and torch.equal(out.total(), skinny_linear(left.operands[0], w, None, SPLITS[0]))
+    gated_left = skinny.timed_call(weights, None, 2, "torch", {2: SPLITS[0]}, unsummed=True)
+    assert isinstance(gated_left(), Shares)
     with pytest.raises(ValueError, match="prologue must be one of silu, norm"):
         skinny.timed_call(weights, b, 2, cfg, {2: plain_cfg}, "gelu")
 

@@ -130,8 +130,9 @@ def gemv_choice(model, mode: str, kernel_impl: str, device: torch.device, timer_
                                            f"launches, not its reads (timed from {gemv.MIN_BYTES // 2**20} MiB)")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     figures, kept = gemv.measured(linears, name, cache, timer_for or (
-        lambda m, plain=None, prologue=GATED: skinny.cuda_timer(m.weight, m.bias, plain, prologue)),
-        gated=gemv.gated_downs(model), normed=gemv.normed_linears(model))
+        lambda m, plain=None, prologue=GATED, unsummed=False: skinny.cuda_timer(m.weight, m.bias, plain, prologue,
+                                                                                unsummed)),
+        gated=gemv.gated_downs(model), normed=gemv.normed_linears(model), unsummed=gemv.unsummed_shapes(model))
     if gpu:
         torch.cuda.empty_cache()  # the timing's copies of the weights go back before the KV pool is sized
     picks = gemv.pick(figures)

@@ -55,9 +55,7 @@ class Decoder:
         self.family = LAYERS[type(body.layers[0]).__name__]
         self.ops, self.group, self.gemv = ops, tp.group_of(model), gemv
         self.embed, self.norm = body.embed_tokens, norm_parts(body.norm)
-        # o_proj's and down's split-K partials summed by the add + RMSNorm after them, where no all-reduce
-        # stands between (kernels/shares.py)
-        self.layers = [Layer(layer, self.family, spec.layers[i], gemv, unsummed=self.group is None)
+        self.layers = [Layer(layer, self.family, spec.layers[i], gemv, sharded=self.group is not None)
                        for i, layer in enumerate(body.layers[: body.config.num_hidden_layers])]
         # the LM head through the skinny kernel where `gemv` picked its shape (the runner's logits call it), else None
         head = model.get_output_embeddings()

@@ -42,6 +42,7 @@ NORMS = {"LlamaRMSNorm": PLAIN, "MistralRMSNorm": PLAIN, "Qwen2RMSNorm": PLAIN, 
 DENSE_MLPS = {"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "Phi3MLP", "Gemma3MLP", "Qwen3MoeMLP", "DeepseekV3MLP"}
 ACT_CLASSES = {"SiLUActivation": "silu", "SiLU": "silu", "GELUTanh": "gelu_tanh", "PytorchGELUTanh": "gelu_tanh"}
 HALF_ROTARY = {"gpt-oss"}  # families whose rotary module returns cos/sin of D/2 (doubled for rotate_half)
+SANDWICHED = {"gemma3"}  # families whose blocks' outputs pass a norm of their own before the residual add
 
 
 class FastRMSNorm(nn.Module):
@@ -277,6 +278,16 @@ def act_down_call(mlp: nn.Module, call, act: str, gemv: dict | None = None, unsu
     return lambda gate, up, act_mul: call(act_mul(gate, up, act))
 
 
+def shares_left(layer: nn.Module, family: str, sharded: bool) -> set[nn.Module]:
+    """The linears of a decoder layer whose split-K skinny partials our decoder leaves unsummed for the add +
+    RMSNorm after them to sum (kernels/shares.py): o_proj, and a dense MLP's down, where nothing stands between:
+    no tensor-parallel all-reduce (it needs the sum), no norm of the block's output alone (SANDWICHED)."""
+    if sharded or family in SANDWICHED:
+        return set()
+    dense = type(getattr(layer, "mlp", None)).__name__ in DENSE_MLPS
+    return {layer.self_attn.o_proj} | ({layer.mlp.down_proj} if dense else set())
+
+
 class Experts:
     """A mixture-of-experts layer's parts: the ported router (its module holds the weights), the model's
     experts module (called as a module: a tensor-parallel rank's expert mapping is its pre-hook), and
@@ -298,22 +309,22 @@ class Layer:
                  "head_dim", "scaling", "sinks", "window", "rope", "o_proj", "latent", "dense", "moe")
 
     def __init__(self, layer: nn.Module, family: str, spec: LayerSpec, gemv: dict | None = None,
-                 unsummed: bool = False):
-        """`unsummed`: nothing stands between the layer's o_proj and down and the add + RMSNorm after each
-        (no tensor-parallel all-reduce; a family with norms after its blocks keeps them summed), so a
-        split-K skinny pick there leaves its partials for that norm to sum (kernels/shares.py)."""
+                 sharded: bool = False):
+        """`sharded`: the weights are split for tensor parallelism (the blocks' outputs are all-reduced; a
+        split-K skinny pick there sums its own partials: `shares_left`)."""
         a = layer.self_attn
+        left = shares_left(layer, family, sharded)
         self.index, self.attn, self.kind = a.layer_idx, a, spec.kind
         self.window, self.scaling = spec.window, a.scaling
         self.in_norm = norm_parts(layer.input_layernorm)
-        if family == "gemma3":  # sandwich norms around both blocks
+        if family in SANDWICHED:  # norms around both blocks
             self.attn_out, self.mlp_out = norm_parts(layer.post_attention_layernorm), norm_parts(layer.post_feedforward_layernorm)
             self.mlp_in = norm_parts(layer.pre_feedforward_layernorm)
         else:
             self.attn_out = self.mlp_out = None
             self.mlp_in = norm_parts(layer.post_attention_layernorm)
         self.rope = getattr(a, "layer_type", None) if family == "gemma3" else None  # the rotary table it reads
-        self.o_proj = linear_call(a.o_proj, gemv, unsummed and self.attn_out is None)
+        self.o_proj = linear_call(a.o_proj, gemv, a.o_proj in left)
         self.qkv = self.q_norm = self.k_norm = self.head_dim = self.sinks = self.latent = None
         if spec.kind == "latent":
             self.latent = Latent(a, gemv)
@@ -330,7 +341,7 @@ class Layer:
             self.sinks = a.sinks if spec.sinks else None
         moe = type(layer.mlp).__name__ in MOE_BLOCKS
         self.moe, self.dense = (Experts(layer.mlp, gemv), None) if moe else \
-            (None, Dense(layer.mlp, gemv, unsummed and self.mlp_out is None, self.mlp_in))
+            (None, Dense(layer.mlp, gemv, layer.mlp.down_proj in left, self.mlp_in))
 
 
 class Latent:

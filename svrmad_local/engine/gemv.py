@@ -17,7 +17,9 @@ from svrmad_local.kernels._backend import HAS_TRITON, triton
 from svrmad_local.models.layouts import multiplies_dense
 
 from . import kept
-from .families import DENSE_MLPS, GATED, NORMED, ROUTERS, fused_group, gate_up_linears, qkv_linears, silu_down
+from . import tp
+from .families import (DENSE_MLPS, GATED, LAYERS, NORMED, ROUTERS, fused_group, gate_up_linears, qkv_linears,
+                       shares_left, silu_down)
 
 MARGIN = 0.05  # the skinny kernel is taken for a shape and row count only where this much faster
 # Below this many bytes of weights a decode step is bound by its launches, not by reading the weights
@@ -75,14 +77,31 @@ def normed_linears(model) -> dict[tuple[int, int], nn.Module]:
     return shapes
 
 
+def unsummed_shapes(model) -> set[tuple[int, int]]:
+    """The (N, K) shapes of the decode linears whose every module our decoder leaves its split-K partials
+    unsummed for the norm after it (families.shares_left: o_proj and down): timed without the sum kernel, as
+    they run (a shape another linear shares, which sums its own, is timed with it)."""
+    sharded, left, others = tp.group_of(model) is not None, set(), set()
+    for layer in getattr(model.base_model, "layers", []):
+        family = LAYERS.get(type(layer).__name__)
+        leaves = shares_left(layer, family, sharded) if family is not None else set()
+        for m in layer.modules():
+            if multiplies_dense(m):
+                (left if m in leaves else others).add(tuple(m.weight.shape))
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is not None:
+        others.add(tuple(head.weight.shape))
+    return left - others
+
+
 def _configs_at(times: dict, configs) -> dict[str, float]:
     names = {str(c) for c in configs}
     return {c: t for c, t in times.items() if c in names}
 
 
 def time_all(linears: dict[tuple[int, int], nn.Linear], timer_for: Callable, rows=skinny.ROWS,
-             configs=skinny.CONFIGS, gated: dict | None = None,
-             normed: dict | None = None) -> dict[str, dict[str, dict[str, float]]]:
+             configs=skinny.CONFIGS, gated: dict | None = None, normed: dict | None = None,
+             unsummed: set | frozenset = frozenset()) -> dict[str, dict[str, dict[str, float]]]:
     """{"NxK": {rows: {"torch": s, config: s}}}: seconds a call, F.linear and each config that runs.
     `timer_for(linear)` gives a timer (rows, "torch" | Config) -> seconds (`skinny.cuda_timer` on a GPU; a
     test passes made-up figures); a config that raises (cannot compile here) is left out, and one that does not
@@ -93,10 +112,16 @@ def time_all(linears: dict[tuple[int, int], nn.Linear], timer_for: Callable, row
     PROLOGUE_TRIES fastest plain configs at that row count with the activation in their prologue;
     `timer_for(linear, plain, "silu")` gives that timer, `plain` the plain shape's picks {rows: Config}. And
     so each linear of `normed` (`normed_linears`) under "NxK norm": add_rms_norm then the plain pick, against
-    the configs with the norm in their prologue (`timer_for(linear, plain, "norm")`)."""
+    the configs with the norm in their prologue (`timer_for(linear, plain, "norm")`). A shape of `unsummed`
+    (`unsummed_shapes`) is timed as it runs, a split config's partials left for the norm after it:
+    `timer_for(linear, ..., unsummed=True)`."""
     figures = {}
+
+    def timer_of(m, *args):
+        return timer_for(m, *args, unsummed=True) if tuple(m.weight.shape) in unsummed else timer_for(m, *args)
+
     for (n, k), m in linears.items():
-        timer = timer_for(m)
+        timer = timer_of(m)
         per_rows = figures[f"{n}x{k}"] = {}
         for r in rows:
             times = per_rows[str(r)] = {"torch": timer(r, "torch")}
@@ -111,7 +136,7 @@ def time_all(linears: dict[tuple[int, int], nn.Linear], timer_for: Callable, row
             plain = figures.get(f"{n}x{k}")
             if plain is None:  # not among the decode linears: the decoder calls it as a module
                 continue
-            timer = timer_for(m, pick({f"{n}x{k}": plain}, configs).get((n, k), {}), prologue)
+            timer = timer_of(m, pick({f"{n}x{k}": plain}, configs).get((n, k), {}), prologue)
             per_rows = figures[f"{n}x{k} {prologue}"] = {}
             for r in rows:
                 times = per_rows[str(r)] = {"torch": timer(r, "torch")}
@@ -159,21 +184,25 @@ def detail(picks: dict) -> str:
                      for (n, k, *rest), p in sorted(picks.items(), key=lambda item: (item[0][:2], len(item[0]))))
 
 
-def key(linears: dict, device: str, gated: dict | None = None, normed: dict | None = None) -> dict:
+def key(linears: dict, device: str, gated: dict | None = None, normed: dict | None = None,
+        unsummed: set | frozenset = frozenset()) -> dict:
     """What the figures depend on: the device (its name), the software, the shapes (with their dtype and
-    bias), the gated down projections and the normed linears, the candidates and the kernel's source."""
+    bias), the gated down projections, the normed linears and the shapes timed unsummed, the candidates and
+    the kernel's source."""
     return {"device": device, "torch": torch.__version__, "triton": triton.__version__ if HAS_TRITON else None,
             "linears": sorted(f"{n}x{k} {str(m.weight.dtype).removeprefix('torch.')}{' bias' if m.bias is not None else ''}"
                               for (n, k), m in linears.items()),
             "gated": sorted(f"{n}x{k}" for n, k in (gated or {})),
             "normed": sorted(f"{n}x{k}" for n, k in (normed or {})), "prologue_tries": PROLOGUE_TRIES,
+            "unsummed": sorted(f"{n}x{k}" for n, k in unsummed),
             "rows": list(skinny.ROWS), "configs": [str(c) for c in skinny.CONFIGS],
             "kernel": kept.source_digest(Path(skinny.__file__))}
 
 
 def measured(linears: dict, device: str, cache: str | Path | None, timer_for: Callable,
-             gated: dict | None = None, normed: dict | None = None) -> tuple[dict, bool]:
+             gated: dict | None = None, normed: dict | None = None,
+             unsummed: set | frozenset = frozenset()) -> tuple[dict, bool]:
     """(figures, whether they were kept from an earlier engine): the kept ones for this key (`device` the
     device's name), else timed now through `timer_for` (see `time_all`) and kept under `cache` (engine/kept.py)."""
-    return kept.measured("gemv", key(linears, device, gated, normed), cache,
-                         lambda: time_all(linears, timer_for, gated=gated, normed=normed))
+    return kept.measured("gemv", key(linears, device, gated, normed, unsummed), cache,
+                         lambda: time_all(linears, timer_for, gated=gated, normed=normed, unsummed=unsummed))

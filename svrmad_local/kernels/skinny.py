@@ -583,16 +583,17 @@ def time_call(fn, reps: int = 5, inner: int = 10) -> float:
 
 
 def cuda_timer(weight: torch.Tensor, bias: torch.Tensor | None, plain: dict[int, Config] | None = None,
-               prologue: str = "silu"):
+               prologue: str = "silu", unsummed: bool = False):
     """A timer for `gemv_choice`: (m, candidate) -> seconds of one call at m rows, the candidate "torch"
     (F.linear) or a Config; with `plain` (the shape's plain picks), the linear with its `prologue` as
-    `bound_gated` ("silu") or `bound_normed` ("norm") runs it (`timed_call`). The weight is rotated through
+    `bound_gated` ("silu") or `bound_normed` ("norm") runs it; `unsummed`: a split config's partials left
+    unsummed, as the decoder's o_proj and down leave them (`timed_call`). The weight is rotated through
     copies that overflow the L2 cache (a decode step reads every layer's weights once, cold), so neither side
     is timed out of the cache."""
     weights = cold_copies(weight)
 
     def timer(m: int, candidate) -> float:
-        run = timed_call(weights, bias, m, candidate, plain, prologue)
+        run = timed_call(weights, bias, m, candidate, plain, prologue, unsummed)
         with torch.cuda.device(weight.device):  # the graph and the events on the weight's device
             return time_call(run)
 
@@ -611,13 +612,14 @@ PROLOGUES = ("silu", "norm")  # what a timed call folds in before its linear (`t
 
 
 def timed_call(weights: list[torch.Tensor], bias: torch.Tensor | None, m: int, candidate,
-               plain: dict[int, Config] | None = None, prologue: str = "silu"):
+               plain: dict[int, Config] | None = None, prologue: str = "silu", unsummed: bool = False):
     """The call `cuda_timer` repeats, each time over the next of `weights` (copies of one weight): () -> the
     output at m random rows. "torch": F.linear; a Config: the kernel. With `plain` (the shape's plain picks
     {rows: Config}), the op before the linear too, by `prologue`: "silu", x the gate half of a gate/up output
     [m, 2K], "torch" act_mul then the plain pick at m rows (F.linear where none), a Config the kernel with
     SiLU(gate) * up in its prologue; "norm", x and a residual [m, K], "torch" add_rms_norm then the plain
-    pick, a Config the kernel with the add + RMSNorm in its prologue."""
+    pick, a Config the kernel with the add + RMSNorm in its prologue. `unsummed`: the kernel's calls (the
+    plain pick's too) leave a split config's partials unsummed (`skinny_linear`)."""
     if prologue not in PROLOGUES:
         raise ValueError(f"timed_call: prologue must be one of {', '.join(PROLOGUES)}, got {prologue!r}")
     weight = weights[0]
@@ -635,12 +637,12 @@ def timed_call(weights: list[torch.Tensor], bias: torch.Tensor | None, m: int, c
     def run() -> torch.Tensor:
         w = weights[next(turn) % len(weights)]
         if candidate != "torch":
-            out = skinny_linear(gate, w, bias, candidate, up=up, norm=norm, residual=residual)
+            out = skinny_linear(gate, w, bias, candidate, up=up, unsummed=unsummed, norm=norm, residual=residual)
             return out[0] if normed else out
         if plain is None:
             return F.linear(x, w, bias)
         y = act_mul(gate, up, "silu") if gated else add_rms_norm(x, residual, *norm)[0]
-        return F.linear(y, w, bias) if before is None else skinny_linear(y, w, bias, before)
+        return F.linear(y, w, bias) if before is None else skinny_linear(y, w, bias, before, unsummed=unsummed)
 
     run.operands = (x, residual, norm) if normed else (gate, up)  # what it multiplies (tests)
     return run
