@@ -573,13 +573,13 @@ def test_the_skinny_tma_configs_read_their_twins_tiles_on_cuda(dtype):
     assert {c for c, _m in ran} == {str(c) for c in skinny.CONFIGS if c.tma}, ran
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_skinny_normed_prologue_is_add_rms_norm_then_the_kernel_on_cuda(dtype):
-    """Every config with the add + RMSNorm in its prologue (Qwen3-1.7B's hidden size, 1-32 rows), x a tensor
-    and a split-K linear's shares: the new residual bit for bit add_rms_norm's, and the output the bits of
-    add_rms_norm then the same config, eager and replayed from a CUDA graph. Exact, because the rows are small
-    integers: their sum of squares is exact in any order, so the prologue's norm is add_rms_norm's to the bit
-    (on other rows it may differ by the rounding of that sum: tests/test_kernels_skinny.py)."""
+def test_the_skinny_normed_prologue_is_add_rms_norm_then_the_kernel_on_cuda():
+    """Every config with the add + RMSNorm in its prologue (bf16, Qwen3-1.7B's hidden size, 1, 8 and 32 rows:
+    each a compile of its own, ~80 in all), x a tensor and a split-K linear's shares: the new residual bit for
+    bit add_rms_norm's, and the output the bits of add_rms_norm then the same config, eager and replayed from
+    a CUDA graph. Exact, because the rows are small integers: their sum of squares is exact in any order, so
+    the prologue's norm is add_rms_norm's to the bit (on other rows it may differ by the rounding of that sum:
+    tests/test_kernels_skinny.py)."""
     _compiled_triton()
     from triton.runtime.errors import OutOfResources
 
@@ -587,13 +587,13 @@ def test_the_skinny_normed_prologue_is_add_rms_norm_then_the_kernel_on_cuda(dtyp
     from svrmad_local.kernels.norms import PLAIN
     from svrmad_local.kernels.shares import Shares
 
-    g = torch.Generator(device="cuda").manual_seed(0)
+    g, dtype = torch.Generator(device="cuda").manual_seed(0), torch.bfloat16
     n, k = 1003, 2048
     w = (torch.randn(n, k, device=CUDA, generator=g) / k ** 0.5).to(dtype)
     norm = ((1 + 0.1 * torch.randn(k, device=CUDA, generator=g)).to(dtype), 1e-6, PLAIN)
     ran = set()
     for cfg in skinny.CONFIGS:
-        for m in [m for m in (1, 3, 8, 16, 32) if skinny.runs(cfg, m)]:
+        for m in [m for m in (1, 8, 32) if skinny.runs(cfg, m)]:
             ints = lambda *shape: torch.randint(-2, 3, shape, device=CUDA, generator=g).float()  # noqa: E731
             res, parts = ints(m, k).to(dtype), ints(2, m, k)
             for x in (ints(m, k).to(dtype), Shares(parts, dtype)):

@@ -39,7 +39,7 @@ from .attention import FLASH_PAGE, HAS_FLASH_ATTN, flash_attn_varlen_func
 from .config import GEMV, EngineConfig
 from .decoder import ALIASES, select_decoder, why_not
 from .execution import AttentionPaths, Choice, Execution
-from .families import GATED, gated_key, normed_key
+from .families import gated_key, normed_key
 from .spec import ModelSpec
 from .stats import STATS_TOP_K
 from .threads import StepWatch, threads_choice
@@ -129,10 +129,10 @@ def gemv_choice(model, mode: str, kernel_impl: str, device: torch.device, timer_
         return {}, Choice("gemv", "torch", f"{weights / 2**20:.1f} MiB of weights: a step this small is bound by its "
                                            f"launches, not its reads (timed from {gemv.MIN_BYTES // 2**20} MiB)")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-    figures, kept = gemv.measured(linears, name, cache, timer_for or (
-        lambda m, plain=None, prologue=GATED, unsummed=False: skinny.cuda_timer(m.weight, m.bias, plain, prologue,
-                                                                                unsummed)),
-        gated=gemv.gated_downs(model), normed=gemv.normed_linears(model), unsummed=gemv.unsummed_shapes(model))
+    figures, kept = gemv.measured(linears, name, cache,
+                                  timer_for or (lambda m, *args, **kw: skinny.cuda_timer(m.weight, m.bias, *args, **kw)),
+                                  gated=gemv.gated_downs(model), normed=gemv.normed_linears(model),
+                                  unsummed=gemv.unsummed_shapes(model))
     if gpu:
         torch.cuda.empty_cache()  # the timing's copies of the weights go back before the KV pool is sized
     picks = gemv.pick(figures)

@@ -5,9 +5,10 @@ ops of kernels/fused.py around the linears and the engine's paged attention.
 A layer is about nine calls: residual add + RMSNorm; the q/k/v GEMM; q/k norm + RoPE + the K/V cache
 write; attention over the paged cache (in place for decode rows); o_proj; add + RMSNorm; the gate/up GEMM;
 act(gate) * up; down. On a GPU, where the build timed them faster, the skinny kernel folds in what precedes
-its linear: each add + RMSNorm into the q/k/v and gate/up linears, act(gate) * up into down, and split-K
-o_proj's and down's sums into the norm after them (six launches a layer, attention's one or two included). A mixture-of-experts layer routes its rows (the family's router, ported) and calls
-the model's experts module, one call. DeepSeek-V3's latent attention writes the compressed KV and attends with engine/mla.py
+its linear: each add + RMSNorm into the q/k/v and gate/up linears, act(gate) * up into down; and a split-K
+o_proj's or down's partials are summed by the norm after them (six launches a layer where attention is one).
+A mixture-of-experts layer routes its rows (the family's router, ported) and calls the model's experts
+module, one call. DeepSeek-V3's latent attention writes the compressed KV and attends with engine/mla.py
 (absorbed for decode rows, expanded through kv_b for prefill runs). Under tensor parallelism the two
 all-reduces of a layer are written here, after o_proj and after the MLP (models/shard.py split the
 weights by heads, columns and experts).

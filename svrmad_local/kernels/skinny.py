@@ -420,7 +420,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         if tma else weight
     _skinny_kernel[(cdiv(n, cfg.block_n), split)](
         rows, u, weight, wd, b, parts, nw, so if so is not None else out, m, n, k, k_share, sms, eps, offset,
-        x.parts.shape[0] if isinstance(x, Shares) else 1, *x_strides, *u.stride()[-2:], *weight.stride(), *part_strides, so.stride(0) if so is not None else 0,
+        x.parts.shape[0] if isinstance(x, Shares) else 1, *x_strides, *u.stride()[-2:], *weight.stride(),
+        *part_strides, so.stride(0) if so is not None else 0,
         HAS_BIAS=bias is not None and split == 1, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         DOT=cfg.dot, DOT_F32=x.dtype == torch.float32 or interpreting(), LATE=sums_late(cfg, block_m),
         GATED=up is not None, RNE=interpreting(), PREFETCH=prefetch_bytes(weight, k_share, split) if pdl else 0,
