@@ -185,7 +185,8 @@ def covered(spans) -> float:
 class CapturedLinears:
     """The skinny linears each decode graph launches, in launch order: while open, each CUDA graph capture
     begins a new list, and every `skinny_linear` call made during it is noted there as (rows, N, K, config,
-    gated). A graph replays exactly those launches every step, so the i-th `_skinny_kernel` of a profiled
+    prologue: "silu" for a gated down projection, "norm" for a linear with the add + RMSNorm folded in, else
+    ""). A graph replays exactly those launches every step, so the i-th `_skinny_kernel` of a profiled
     decode step is the i-th call its capture noted (`per_linear`)."""
 
     def __init__(self):
@@ -197,10 +198,11 @@ class CapturedLinears:
         self._skinny, self._inner, self._begin = skinny, skinny.skinny_linear, torch.cuda.CUDAGraph.capture_begin
         inner, begin = self._inner, self._begin
 
-        def noted(x, weight, bias=None, cfg=skinny.DEFAULT, up=None):
+        def noted(x, weight, bias=None, cfg=skinny.DEFAULT, up=None, **kw):
             if self.captures and torch.cuda.is_current_stream_capturing():
-                self.captures[-1].append((x.shape[0], *weight.shape, str(cfg), up is not None))
-            return inner(x, weight, bias, cfg, up)
+                prologue = "silu" if up is not None else "norm" if kw.get("norm") is not None else ""
+                self.captures[-1].append((x.shape[0], *weight.shape, str(cfg), prologue))
+            return inner(x, weight, bias, cfg, up, **kw)
 
         def capture_begin(graph, *args, **kwargs):
             self.captures.append([])
@@ -213,7 +215,7 @@ class CapturedLinears:
         self._skinny.skinny_linear, torch.cuda.CUDAGraph.capture_begin = self._inner, self._begin
 
     def sequence(self, rows: int) -> list[tuple]:
-        """The (N, K, config, gated) calls of the graph a step of `rows` rows replays: the last capture (the
+        """The (N, K, config, prologue) calls of the graph a step of `rows` rows replays: the last capture (the
         build's probe captures first, then the real runner) of the smallest row count that holds them."""
         sizes = [c[0][0] for c in self.captures if c and c[0][0] >= rows]
         if not sizes:
@@ -225,7 +227,7 @@ class CapturedLinears:
 def per_linear(durations_us: list[float], calls: list[tuple], steps: int, itemsize: int) -> list[dict]:
     """The skinny kernels' device times by linear. `durations_us`: every `_skinny_kernel` of the profiled
     window, in start order; its last `steps` x len(calls) are decode steps replaying `calls` (a prefill before
-    them may launch the kernel too: left out). Per (N, K, config, gated): launches a step, mean us a launch,
+    them may launch the kernel too: left out). Per (N, K, config, prologue): launches a step, mean us a launch,
     and GB/s (the weight's bytes over that time; with PDL a kernel's time includes its wait for the one before)."""
     n = min(len(durations_us) // len(calls), steps) if calls else 0
     if not n:
@@ -235,9 +237,9 @@ def per_linear(durations_us: list[float], calls: list[tuple], steps: int, itemsi
     for i, call in enumerate(calls):
         by.setdefault(call, []).extend(tail[i::len(calls)])
     rows = []
-    for (n_out, k, cfg, gated), times in by.items():
+    for (n_out, k, cfg, prologue), times in by.items():
         us = statistics.fmean(times)
-        rows.append({"linear": f"{n_out}x{k}{' silu' if gated else ''}", "config": cfg,
+        rows.append({"linear": f"{n_out}x{k}{' ' + prologue if prologue else ''}", "config": cfg,
                      "launches_per_step": len(times) // n, "us_per_launch": round(us, 2),
                      "gb_s": round(n_out * k * itemsize / us / 1e3, 1)})
     return rows

@@ -413,8 +413,8 @@ def test_the_profiles_skinny_kernels_are_told_apart_by_their_place_in_the_captur
     twice (the build's probe, then the runner), the last capture's calls."""
     from bench_decode import CapturedLinears, per_linear
 
-    qkv, o, down = (4096, 2048, "n32k256s1w4p5dot", False), (2048, 2048, "n16k256s0w4p3", False), \
-        (2048, 6144, "n16k256s0w4p3", True)
+    qkv, o, down = (4096, 2048, "n32k256s1w4p5dot", "norm"), (2048, 2048, "n16k256s0w4p3", ""), \
+        (2048, 6144, "n16k256s0w4p3", "silu")
     step = [qkv, o, down, qkv, o, down]
     captured = CapturedLinears()
     captured.captures = [[(1, *c) for c in step], [(8, *qkv)], [(1, *c) for c in step], []]  # 1 row: probe, runner
@@ -423,10 +423,24 @@ def test_the_profiles_skinny_kernels_are_told_apart_by_their_place_in_the_captur
     steps = [10.0, 4.0, 16.0, 12.0, 6.0, 20.0]
     rows = per_linear(prefill + steps * 3, step, steps=3, itemsize=2)
     assert [(r["linear"], r["config"], r["launches_per_step"]) for r in rows] == [
-        ("4096x2048", qkv[2], 2), ("2048x2048", o[2], 2), ("2048x6144 silu", down[2], 2)]
+        ("4096x2048 norm", qkv[2], 2), ("2048x2048", o[2], 2), ("2048x6144 silu", down[2], 2)]
     assert [r["us_per_launch"] for r in rows] == [11.0, 5.0, 18.0]
     assert rows[0]["gb_s"] == round(4096 * 2048 * 2 / 11.0 / 1e3, 1)
     assert per_linear(steps, [], steps=3, itemsize=2) == [] and per_linear([], [qkv], steps=3, itemsize=2) == []
+
+
+def test_the_profiles_noted_call_passes_every_keyword_through(monkeypatch):
+    """While the profile notes the skinny calls, the decoder's calls keep their keywords (the split-K shares
+    left unsummed, the folded norm and its residual): the noted call is the kernel's own."""
+    from bench_decode import CapturedLinears
+
+    from svrmad_local.kernels import skinny
+
+    seen = []
+    monkeypatch.setattr(skinny, "skinny_linear", lambda *a, **kw: seen.append((a, kw)) or "out")
+    with CapturedLinears():
+        assert skinny.skinny_linear("x", "w", None, "cfg", None, unsummed=True, norm="n", residual="r") == "out"
+    assert seen == [(("x", "w", None, "cfg", None), {"unsummed": True, "norm": "n", "residual": "r"})]
 
 
 def test_the_device_is_busy_while_some_kernel_runs_however_they_overlap():
