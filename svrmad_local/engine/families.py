@@ -124,17 +124,25 @@ def gate_up_linears(mlp: nn.Module) -> list[nn.Module]:
     return [mlp.gate_up_proj] if hasattr(mlp, "gate_up_proj") else [mlp.gate_proj, mlp.up_proj]
 
 
+def gemm_module(linears: list[nn.Module]) -> nn.Module | None:
+    """The module whose one GEMM gives the outputs of `linears` (siblings reading one input, in order) side by
+    side: a single linear, or the fused group (models/linear.FusedGroup) whose parts they are in order; else
+    None."""
+    return linears[0] if len(linears) == 1 else fused_group(linears)
+
+
 def one_gemm(linears: list[nn.Module], sizes: list[int] | None = None):
-    """(the module whose one GEMM gives the outputs of `linears` side by side, the cut of its output into
-    theirs), or None: the parts of one fused group in order (models/linear.FusedGroup), or one linear whose
-    output is `sizes` column blocks (Phi-3's qkv_proj and gate_up_proj)."""
-    if sizes is not None:
-        return linears[0], lambda out: out.split(sizes, dim=-1)
-    group = fused_group(linears)
-    if group is None:
+    """(`gemm_module(linears)`, the cut of its output into theirs), or None: a fused group's output cut at its
+    parts' bounds, one linear's into `sizes` column blocks (Phi-3's qkv_proj and gate_up_proj) or kept whole."""
+    m = gemm_module(linears)
+    if m is None:
         return None
-    cuts = [slice(lo, hi) for lo, hi in group.bounds]
-    return group, lambda out: [out[:, c] for c in cuts]
+    if sizes is not None:
+        return m, lambda out: out.split(sizes, dim=-1)
+    if len(linears) == 1:
+        return m, lambda out: [out]
+    cuts = [slice(lo, hi) for lo, hi in m.bounds]
+    return m, lambda out: [out[:, c] for c in cuts]
 
 
 def columns(linears: list[nn.Module], gemv: dict | None = None, sizes: list[int] | None = None):

@@ -18,7 +18,7 @@ from svrmad_local.models.layouts import multiplies_dense
 
 from . import kept
 from . import tp
-from .families import (DENSE_MLPS, GATED, LAYERS, NORMED, ROUTERS, fused_group, gate_up_linears, qkv_linears,
+from .families import (DENSE_MLPS, GATED, LAYERS, NORMED, ROUTERS, gate_up_linears, gemm_module, qkv_linears,
                        shares_left, silu_down)
 
 MARGIN = 0.05  # the skinny kernel is taken for a shape and row count only where this much faster
@@ -62,7 +62,7 @@ def gated_downs(model) -> dict[tuple[int, int], nn.Module]:
 
 def normed_linears(model) -> dict[tuple[int, int], nn.Module]:
     """The one-GEMM q/k/v and gate/up linears of the model's layers (a fused group, or Phi-3's one
-    projection: families.one_gemm), which our decoder may run with the add + RMSNorm before them in the skinny
+    projection: families.gemm_module), which our decoder may run with the add + RMSNorm before them in the skinny
     kernel's prologue (families.normed_columns), one per (N, K) shape, in the kernel's dtypes. A latent
     attention's and a mixture-of-experts block's stay out: their norms feed several calls."""
     shapes: dict[tuple[int, int], nn.Module] = {}
@@ -71,7 +71,7 @@ def normed_linears(model) -> dict[tuple[int, int], nn.Module]:
         if type(getattr(layer, "mlp", None)).__name__ in DENSE_MLPS:
             groups.append(gate_up_linears(layer.mlp))
         for linears in groups:
-            m = linears[0] if len(linears) == 1 else fused_group(linears)
+            m = gemm_module(linears)
             if m is not None and multiplies_dense(m) and m.weight.dtype in skinny.DTYPES:
                 shapes.setdefault(tuple(m.weight.shape), m)
     return shapes

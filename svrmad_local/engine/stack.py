@@ -18,13 +18,13 @@ import torch
 from svrmad_local.kernels import cpu_ops, cpu_stack
 from svrmad_local.kernels.fused import PLAIN
 
-from .families import fused_group, gate_up_linears, holds_panels, qkv_linears
+from .families import gate_up_linears, gemm_module, holds_panels, qkv_linears
 
 
 def panel_parts(linears: list) -> tuple[torch.Tensor, int, torch.Tensor | None] | None:
     """(panels, out_features, bias) where `linears` (siblings reading one input, in order) are one panel
     GEMM: a fused group's parts in order, or a single linear; else None."""
-    m = linears[0] if len(linears) == 1 else fused_group(linears)
+    m = gemm_module(linears)
     return (m.weight, m.out_features, m.bias) if m is not None and holds_panels(m) else None
 
 

@@ -68,6 +68,20 @@ def _scale(h, w, offset, X_DT: tl.constexpr, ROUND_FIRST: tl.constexpr, HAS_OFFS
 
 
 @triton.jit
+def rows_or_shares(ptrs, mask, n_shares, s_xs, SHARES: tl.constexpr, XIN_DT: tl.constexpr, RNE: tl.constexpr):
+    """The values at `ptrs` in fp32; SHARES: a split-K linear's n_shares fp32 partials there (`s_xs` apart,
+    kernels/shares.py) summed in share order from zero and rounded to XIN_DT, as skinny's sum kernel does."""
+    if SHARES:
+        x = tl.zeros(mask.shape, tl.float32)
+        for part in range(0, n_shares):
+            x += tl.load(ptrs + part * s_xs, mask=mask, other=0.0)
+        x = _round(x, XIN_DT, RNE).to(tl.float32)
+    else:
+        x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    return x
+
+
+@triton.jit
 def _rms_norm_kernel(X, R, W, Y, S, n_cols, eps, offset, n_shares, s_xs, s_xr, s_xc, s_rr, s_rc, s_w, s_yr, s_sr,
                      HAS_RES: tl.constexpr, X_DT: tl.constexpr, ROUND_FIRST: tl.constexpr,
                      HAS_OFFSET: tl.constexpr, RNE: tl.constexpr, BLOCK: tl.constexpr,
@@ -79,13 +93,7 @@ def _rms_norm_kernel(X, R, W, Y, S, n_cols, eps, offset, n_shares, s_xs, s_xr, s
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    if SHARES:
-        x = tl.zeros([BLOCK], tl.float32)
-        for share in range(0, n_shares):
-            x += tl.load(X + share * s_xs + row * s_xr + cols * s_xc, mask=mask, other=0.0)
-        x = _round(x, XIN_DT, RNE).to(tl.float32)
-    else:
-        x = tl.load(X + row * s_xr + cols * s_xc, mask=mask, other=0.0).to(tl.float32)
+    x = rows_or_shares(X + row * s_xr + cols * s_xc, mask, n_shares, s_xs, SHARES, XIN_DT, RNE)
     if HAS_RES:
         r = tl.load(R + row * s_rr + cols * s_rc, mask=mask, other=0.0).to(tl.float32)
         s = _round(r + x, S.dtype.element_ty, RNE)

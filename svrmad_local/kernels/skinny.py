@@ -61,7 +61,7 @@ LATE_VALUES = 32
 if HAS_TRITON:
     from .pdl import enter
 
-    from .fused_triton import _round, _scale, act_times
+    from .fused_triton import _round, _scale, act_times, rows_or_shares
 
     @triton.jit
     def _summed_rows(X, U, rows, k, mask, n_shares, s_xs, s_xm, s_xk, s_um, s_uk, HAS_RES: tl.constexpr,
@@ -69,13 +69,7 @@ if HAS_TRITON:
         """A normed linear's rows before their norm at columns k (fp32): x (SHARES: a split-K linear's
         n_shares fp32 partials summed in share order and rounded to XIN_DT, as its sum kernel does), plus
         the residual U rounded to S_DT (HAS_RES): add_rms_norm's new residual."""
-        if SHARES:
-            x = tl.zeros(mask.shape, tl.float32)
-            for part in range(0, n_shares):
-                x += tl.load(X + part * s_xs + rows[:, None] * s_xm + k[None, :] * s_xk, mask=mask, other=0.0)
-            x = _round(x, XIN_DT, RNE).to(tl.float32)
-        else:
-            x = tl.load(X + rows[:, None] * s_xm + k[None, :] * s_xk, mask=mask, other=0.0).to(tl.float32)
+        x = rows_or_shares(X + rows[:, None] * s_xm + k[None, :] * s_xk, mask, n_shares, s_xs, SHARES, XIN_DT, RNE)
         if HAS_RES:
             r = tl.load(U + rows[:, None] * s_um + k[None, :] * s_uk, mask=mask, other=0.0).to(tl.float32)
             x = _round(r + x, S_DT, RNE).to(tl.float32)
@@ -413,15 +407,14 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     block_m = max(DOT_ROWS, next_pow2(m)) if cfg.dot else next_pow2(m)
     b = bias if bias is not None else weight
     u = up if up is not None else residual if residual is not None else rows
-    x_strides = rows.stride() if rows.dim() == 3 else (0, *rows.stride())
+    n_parts, x_strides = (rows.shape[0], rows.stride()) if rows.dim() == 3 else (1, (0, *rows.stride()))
     pdl = launch(rows)
     tma = cfg.tma and reads_by_tma(weight)
     wd = TensorDescriptor(weight, list(weight.shape), list(weight.stride()), [cfg.block_n, cfg.block_k]) \
         if tma else weight
     _skinny_kernel[(cdiv(n, cfg.block_n), split)](
         rows, u, weight, wd, b, parts, nw, so if so is not None else out, m, n, k, k_share, sms, eps, offset,
-        x.parts.shape[0] if isinstance(x, Shares) else 1, *x_strides, *u.stride()[-2:], *weight.stride(),
-        *part_strides, so.stride(0) if so is not None else 0,
+        n_parts, *x_strides, *u.stride()[-2:], *weight.stride(), *part_strides, so.stride(0) if so is not None else 0,
         HAS_BIAS=bias is not None and split == 1, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         DOT=cfg.dot, DOT_F32=x.dtype == torch.float32 or interpreting(), LATE=sums_late(cfg, block_m),
         GATED=up is not None, RNE=interpreting(), PREFETCH=prefetch_bytes(weight, k_share, split) if pdl else 0,
