@@ -217,6 +217,12 @@ static void panel_linear_f32(torch::Tensor x, torch::Tensor panels, int64_t n, c
 // row's bits stay the same at any batch size): the bits of an AMX machine are its own.
 constexpr int64_t PAIRS_TILE = 16;  // pair-rows of a B tile
 constexpr int BF16_ROWS_DP = 8, BF16_ROWS_EMU = 4;  // rows a micro-kernel call, avx512_bf16 and AVX2
+// A call of several rows walks each panel once from memory (its first row tile) and again from cache (the
+// others). With 8 rows a pair-row, the products pace the loads so slowly that the hardware's prefetch
+// alone left the stream at 12-17 GB/s where a sum read 30-45 (2-core avx512_bf16 EPYC): the first tile
+// asks for the pair-row PF_PAIRS (8 KB) ahead into L2 (into L1 was slower), past a panel's end into the
+// next one's start. Only where the data comes from, never the arithmetic.
+constexpr int64_t PF_PAIRS = 128;
 static int64_t g_amx_min_rows = 1;                  // calls of at least this many rows take the AMX tiles
 
 // acc[r][c] (fp32, row stride `lda`) + bias -> y[r][c] in bf16, for rows < R and columns < nv: eight at a
@@ -236,9 +242,16 @@ static inline void store_rows_bf16(const float* acc, int64_t lda, int64_t R, con
   }
 }
 
+// the pair-row PF_PAIRS ahead of kp in each of NP panels, into L2
+template <int NP>
+static inline void prefetch_ahead(const uint16_t* W, int64_t pstride, int64_t kp) {
+  for (int p = 0; p < NP; ++p)
+    _mm_prefetch(reinterpret_cast<const char*>(W + p * pstride + (kp + PF_PAIRS) * 32), _MM_HINT_T1);
+}
+
 // R rows of X (pairs of bf16, row stride ldx elements) against NP panels `pstride` elements apart, AVX2:
 // out[r][16p + j] (row stride 16 * NP)
-template <int R, int NP>
+template <int R, int NP, bool PF>
 static void emu_tile(const uint16_t* X, int64_t ldx, int64_t K2, const uint16_t* W, int64_t pstride, float* out) {
   const unsigned csr = _mm_getcsr();
   _mm_setcsr(csr | 0x8040);  // FTZ and DAZ: denormals as vdpbf16ps reads and writes them
@@ -247,6 +260,7 @@ static void emu_tile(const uint16_t* X, int64_t ldx, int64_t K2, const uint16_t*
   for (int r = 0; r < R; ++r)
     for (int p = 0; p < NP; ++p) acc[r][p][0] = acc[r][p][1] = _mm256_setzero_ps();
   for (int64_t kp = 0; kp < K2; ++kp) {
+    if (PF) prefetch_ahead<NP>(W, pstride, kp);
     __m256 we[NP][2], wo[NP][2];
     for (int p = 0; p < NP; ++p)
       for (int h = 0; h < 2; ++h) {
@@ -273,12 +287,13 @@ static void emu_tile(const uint16_t* X, int64_t ldx, int64_t K2, const uint16_t*
 #ifdef SVRMAD_X86_TARGETS
 SVRMAD_TARGET_BEGIN(SVRMAD_BF16_FEATURES)
 // emu_tile's outputs with vdpbf16ps: one instruction a pair and 16 columns
-template <int R, int NP>
+template <int R, int NP, bool PF>
 static void dp_tile(const uint16_t* X, int64_t ldx, int64_t K2, const uint16_t* W, int64_t pstride, float* out) {
   __m512 acc[R][NP];
   for (int r = 0; r < R; ++r)
     for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_setzero_ps();
   for (int64_t kp = 0; kp < K2; ++kp) {
+    if (PF) prefetch_ahead<NP>(W, pstride, kp);
     __m512i w[NP];
     for (int p = 0; p < NP; ++p) w[p] = _mm512_loadu_si512(W + p * pstride + kp * 32);
     for (int r = 0; r < R; ++r) {
@@ -387,20 +402,21 @@ static void amx_panels(const uint16_t* X, int64_t Mp, int64_t Kp, const uint16_t
 SVRMAD_TARGET_END
 #endif
 
-// rows [m, m + R) of X against one panel or NP adjacent ones, on the run-time level's instructions
-template <int R, int NP>
+// rows [m, m + R) of X against one panel or NP adjacent ones, on the run-time level's instructions; PF: the
+// panels come from memory (prefetch_ahead)
+template <int R, int NP, bool PF = false>
 static void bf16_tile(int level, const uint16_t* X, int64_t ldx, int64_t K2, const uint16_t* W, int64_t pstride,
                       float* out) {
 #ifdef SVRMAD_X86_TARGETS
-  if (level >= svrmad::ISA_AVX512_BF16) return dp_tile<R, NP>(X, ldx, K2, W, pstride, out);
+  if (level >= svrmad::ISA_AVX512_BF16) return dp_tile<R, NP, PF>(X, ldx, K2, W, pstride, out);
 #endif
-  emu_tile<R, NP>(X, ldx, K2, W, pstride, out);
+  emu_tile<R, NP, PF>(X, ldx, K2, W, pstride, out);
 }
 
-template <int NP>
+template <bool PF>
 static void bf16_rows(int level, int64_t R, const uint16_t* X, int64_t ldx, int64_t K2, const uint16_t* W,
                       int64_t pstride, float* out) {
-  with_rows<BF16_ROWS_DP>(R, [&](auto r) { bf16_tile<decltype(r)::value, NP>(level, X, ldx, K2, W, pstride, out); });
+  with_rows<BF16_ROWS_DP>(R, [&](auto r) { bf16_tile<decltype(r)::value, 1, PF>(level, X, ldx, K2, W, pstride, out); });
 }
 
 // x [M, K] bf16, panels [P, K2p, 32] bf16 -> y [M, n] bf16 (see above)
@@ -448,6 +464,10 @@ static void panel_linear_bf16(torch::Tensor x, torch::Tensor panels, int64_t n, 
   const uint16_t* X = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const int64_t ldx = x.size(1);
   if (M == 1) {
+    // vdpbf16ps walks one panel at a time whatever row_width asks: its one chain a pair-row keeps pace with
+    // the stream, and one contiguous stream read 8-20% faster than four (2-core avx512_bf16 EPYC); the
+    // AVX2 path's two FMAs a pair need the panels side by side for chains enough
+    if (level >= svrmad::ISA_AVX512_BF16) row_width = 1;
     at::parallel_for(0, Pn, 1, [&](int64_t p0, int64_t p1) {
       alignas(64) float out[4 * NR];
       for (int64_t p = p0; p < p1;) {
@@ -471,7 +491,7 @@ static void panel_linear_bf16(torch::Tensor x, torch::Tensor panels, int64_t n, 
       const int64_t c0 = p * NR, nv = std::min<int64_t>(NR, n - c0);
       for (int64_t m = 0; m < M; m += rows_tile) {
         const int64_t R = std::min(rows_tile, M - m);
-        bf16_rows<1>(level, R, X + m * ldx, ldx, K2, W + p * pstride, pstride, out);
+        (m == 0 ? bf16_rows<true> : bf16_rows<false>)(level, R, X + m * ldx, ldx, K2, W + p * pstride, pstride, out);
         store_rows_bf16(out, NR, R, B ? B + c0 : nullptr, Y + m * n + c0, n, nv);
       }
     }
