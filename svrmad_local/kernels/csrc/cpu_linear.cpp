@@ -19,12 +19,14 @@ using svrmad::float_to_bf16;
 constexpr int NR = 16;   // output columns a panel: two AVX2 vectors
 constexpr int MR = 6;    // input rows a micro-kernel call: 12 accumulators
 constexpr int64_t MC = 96;  // input rows a pass over the weights (their rows stay in L2 meanwhile)
-// Prefetch, as the rows of a pass walk a panel in tiles: the first tile reads PF_K k's (4 KB) ahead of
-// itself (with 2-6 rows a k, the FMAs pace the loads so slowly that the hardware's prefetch alone left
-// the stream at ~19 GB/s of the machine's ~33); the last of several tiles, which finds its panel in
-// cache, pulls the next panel into L2 meanwhile, so the memory does not idle through it.
+// Prefetch, as the rows of a pass walk a panel in tiles: the first tile asks for the k PF_K ahead of
+// itself (8 KB) into L2 (with 2-12 rows a k, the FMAs pace the loads so slowly that the hardware's prefetch
+// alone left the stream at ~19 GB/s of the machine's ~33; 4 KB ahead into L1, the rule before, left a
+// step of 8 rows 1.65x slower on the 16-lane tiles and 1.11x on the 8-lane ones, 2-core avx512_bf16
+// EPYC); the last of several tiles, which finds its panel in cache, pulls the next panel into L2
+// meanwhile, so the memory does not idle through it.
 constexpr int PF_NONE = 0, PF_AHEAD = 1, PF_NEXT = 2;
-constexpr int64_t PF_K = 64;
+constexpr int64_t PF_K = 128;
 
 // f(std::integral_constant<int, r>) for a run-time r in [1, MAX] (clamped): the micro-kernels take their
 // row count as a template argument, so that their accumulators live in registers
@@ -62,7 +64,7 @@ static void micro(const float* X, int64_t K, const float* panel, int64_t kblock,
     __m256 acc[R][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t k = kb; k < ke; ++k) {
-      if (PF == PF_AHEAD && R > 1) _mm_prefetch(reinterpret_cast<const char*>(panel + (k + PF_K) * NR), _MM_HINT_T0);
+      if (PF == PF_AHEAD && R > 1) _mm_prefetch(reinterpret_cast<const char*>(panel + (k + PF_K) * NR), _MM_HINT_T1);
       else if (PF == PF_NEXT) _mm_prefetch(reinterpret_cast<const char*>(panel + (K + k) * NR), _MM_HINT_T1);
       const __m256 w0 = _mm256_loadu_ps(panel + k * NR), w1 = _mm256_loadu_ps(panel + k * NR + 8);
       for (int r = 0; r < R; ++r) {
@@ -138,7 +140,7 @@ static void micro512(const float* X, int64_t K, const float* panel, int64_t kblo
     __m512 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t k = kb; k < ke; ++k) {
-      if (PF == PF_AHEAD && R > 1) _mm_prefetch(reinterpret_cast<const char*>(panel + (k + PF_K) * NR), _MM_HINT_T0);
+      if (PF == PF_AHEAD && R > 1) _mm_prefetch(reinterpret_cast<const char*>(panel + (k + PF_K) * NR), _MM_HINT_T1);
       else if (PF == PF_NEXT) _mm_prefetch(reinterpret_cast<const char*>(panel + (K + k) * NR), _MM_HINT_T1);
       const __m512 w = _mm512_loadu_ps(panel + k * NR);
       for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(X[r * K + k]), w, acc[r]);
