@@ -6,12 +6,13 @@ The read bandwidth: a sum and a dot over 512 MiB tensors (torch's own reductions
 figure bench_decode's weight-streaming limit divides by). Then one "step" of linears at the model's
 shapes as the engine packs them (per layer the fused q/k/v, o_proj, the fused gate/up, down_proj; then
 the LM head), every one with its own random weights so that each comes from memory, in that order,
-for each `row_width` (panels a one-row call walks at once; 1 is the walk before it became 4): whole
+for each `row_width` (panels a one-row call walks at once; 1 is the walk before it became 4; bf16 on
+`vdpbf16ps` or AMX walks its own way whatever the width, so its rows differ only by the noise): whole
 passes, the widths interleaved, medians of --repeat. Per shape, the median microseconds of a call
 within those passes and its GB/s. Last, the cost of a call with nothing to read (a 16 x 16 matrix): the
 kernel's fixed cost, its two threads' start and barrier included. --dtype bf16 streams bf16 panels (half
 the bytes); --isa compares the instruction levels the kernel can take here (avx2: two FMAs a pair,
-avx512_bf16: one dot-product instruction; a one-row call never takes AMX), each level a row of the table
+avx512_bf16: one dot-product instruction, amx: the tiles), each level a row of the table
 beside each width. Last line one JSON object.
 """
 
