@@ -148,7 +148,10 @@ def test_sample_reads_this_process_and_its_cores():
     b = threads.sample(cpus)
     assert a is not None and b is not None and b.wall > a.wall
     assert b.ours - a.ours >= 0.1 and b.busy - a.busy >= b.ours - a.ours - 0.05
-    assert a.waited is None or b.waited >= a.waited
+    # the sum over the threads alive at each read: one that ends between them takes its wait with it, so
+    # the sum can fall (seen: 4.197 -> 4.173 s in a full run); the share clamps that to no wait
+    assert a.waited is None or (b.waited is not None and b.waited >= 0)
+    assert a.waited is None or threads.share(a, b, len(cpus)).waited >= 0
 
 
 def scripted(shares: list[tuple[float, float]], most: int = 2):
