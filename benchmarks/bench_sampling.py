@@ -1,6 +1,7 @@
 """A decode step's sampling and token statistics on the CPU: the compiled step (kernels/cpu_ops.py
-`sample_pack`: torch's ops called from C++, its top-k and argmax compiled selections) against the same
-torch ops called one by one from Python, side by side in one process (a script).
+`sample_pack`: the draw as torch's ops called from C++ with its compiled top-k and argmax, the statistics
+in one pass of its own) against torch's ops called one by one from Python, side by side in one process
+(a script).
 
     python benchmarks/bench_sampling.py [--batches 1,8,32] [--vocabs 49152,151936] [--rounds 7] [--greedy]
         [--device cuda [--replays 50]]
@@ -11,8 +12,9 @@ the sampling (top-k 40, top-p 0.95, a seeded draw per row; `--greedy`: the argma
 (log-softmax, entropy, the chosen token's log-prob, the top 20) and their packing for the host. Each round
 times both sides once, alternating (SVRMAD_CPU_OPS=0 for torch's side: `sample_rows`, `stats_from_logits`
 and `pack` from Python, torch's own top-k and argmax), so both meet the machine's same moments; prints the
-medians in ms and their ratio (> 1: the compiled side is faster), and fails if the two sides' packed rows
-differ in any bit. Last line: one JSON object.
+medians in ms and their ratio (> 1: the compiled side is faster), and fails if the two sides' tokens or
+top ids differ or their log-probs or entropies differ by more than float rounding (the statistics sum in
+another order). Last line: one JSON object.
 
 On a GPU (`--device cuda`), the two Triton kernels (kernels/sample_pack.py) against torch's ops, each
 captured in a CUDA graph as the static decode step holds them and replayed `--replays` times a round
@@ -33,7 +35,7 @@ import time
 
 import torch
 
-from svrmad_local.engine import sampler
+from svrmad_local.engine import sampler, stats
 from svrmad_local.engine.config import SamplingParams
 from svrmad_local.kernels import cpu_ops
 
@@ -41,6 +43,13 @@ from svrmad_local.kernels import cpu_ops
 def step(logits: torch.Tensor, params: list[SamplingParams], seed: int) -> torch.Tensor:
     draws = sampler.prepare(params, [random.Random(seed + i) for i in range(len(params))], logits.shape[1])
     return sampler.sample_packed(logits, draws)
+
+
+def agree(a: torch.Tensor, b: torch.Tensor, topk: int) -> bool:
+    """Two sides' packed rows: the same tokens and top ids, log-probs within 2e-5 and entropies within 1e-4."""
+    ids = torch.equal(a[:, 0], b[:, 0]) and torch.equal(a[:, 3 + topk:], b[:, 3 + topk:])
+    logprobs = torch.cat((a[:, 1:2] - b[:, 1:2], a[:, 3:3 + topk] - b[:, 3:3 + topk]), 1).abs()
+    return ids and bool((logprobs <= 2e-5).all()) and bool(((a[:, 2] - b[:, 2]).abs() <= 1e-4).all())
 
 
 def timed(logits, params, seed: int, compiled: bool) -> tuple[float, torch.Tensor]:
@@ -58,7 +67,6 @@ def timed(logits, params, seed: int, compiled: bool) -> tuple[float, torch.Tenso
 
 def on_gpu(args) -> int:
     """The Triton kernels against torch's ops, each side replayed from its own CUDA graph."""
-    from svrmad_local.engine import stats
     from svrmad_local.kernels import sample_pack
 
     dev, gen, rows = torch.device(args.device), torch.Generator().manual_seed(0), []
@@ -130,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
             for r in range(args.rounds + 1):  # round 0 warms both sides up, untimed
                 logits = (torch.randn(B, V, generator=gen) * 3).bfloat16().float()
                 (t_c, out_c), (t_t, out_t) = (timed(logits, params, r, c) for c in (True, False))
-                if not torch.equal(out_c, out_t):
+                if not agree(out_c, out_t, stats.STATS_TOP_K):
                     raise SystemExit(f"bench_sampling: the two sides differ at vocab {V}, batch {B}")
                 if r:
                     ms["compiled"].append(t_c)
@@ -139,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"vocab": V, "batch": B, "compiled_ms": med["compiled"], "torch_ms": med["torch"],
                          "ratio": round(med["torch"] / med["compiled"], 2)})
             print(f"vocab {V:7d} batch {B:3d}: compiled {med['compiled']:8.3f} ms   torch {med['torch']:8.3f} ms   "
-                  f"{rows[-1]['ratio']:.2f}x  (medians of {args.rounds}, alternating; the same bits)", flush=True)
+                  f"{rows[-1]['ratio']:.2f}x  (medians of {args.rounds}, alternating; the same tokens)", flush=True)
     print(json.dumps({"greedy": args.greedy, "threads": torch.get_num_threads(), "rows": rows}))
     return 0
 

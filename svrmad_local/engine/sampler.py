@@ -119,10 +119,9 @@ def sample_rows(logits: torch.Tensor, draws: Draws) -> torch.Tensor:
 
 def sample_packed(logits: torch.Tensor, draws: Draws, kernel_impl: str = "auto", fused_rows=None) -> torch.Tensor:
     """The rows' tokens (`sample_rows`) and their statistics (stats.stats_from_logits at width draws.topk),
-    packed for the host's one read (stats.pack). On the CPU one compiled call runs those same torch ops
-    (cpu_ops.sample_pack: their bits) without dispatching each from Python: ~0.46 ms of a batch-1 bf16 step
-    of the default on the engine's worker thread, where the ops from Python took ~0.73. On a GPU two Triton
-    kernels do it (`fused`) at the row counts `fused_rows` (a FusedRows; None: at every count)."""
+    packed for the host's one read (stats.pack). On the CPU one compiled call (cpu_ops.sample_pack): the draw's
+    torch ops from C++ (torch's tokens), the statistics in one pass of its own (within float rounding). On a
+    GPU two Triton kernels do it (`fused`) at the row counts `fused_rows` (a FusedRows; None: at every count)."""
     if cpu_ops.samples(logits):
         return cpu_ops.sample_pack(logits, staged(draws.table, torch.float64, logits.device), draws.K, draws.topk)
     if fuses(logits, draws.K, draws.topk, kernel_impl, fused_rows):

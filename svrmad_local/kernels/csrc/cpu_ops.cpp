@@ -407,11 +407,10 @@ torch::Tensor argmax_rows(torch::Tensor x) {
 
 // ---- A step's sampling, statistics and packing in one call (engine/sampler.py `sample_packed`) ----
 //
-// The torch ops of sampler.sample_rows, then stats.stats_from_logits, then stats.pack, one for one and in
-// their order, called from here: each op is the same ATen kernel on the same inputs, so the bits are
-// theirs. The selections are topk_rows and argmax_rows, as cpu_ops.topk and cpu_ops.argmax call them.
-// What changes is the cost around each op: ~25 ops dispatched from Python cost ~10-20 us each on the engine's
-// worker thread, from C++ a few us (a batch-1 bf16 step of the default: ~0.73 -> ~0.46 ms for all of this).
+// The draw is sampler.sample_rows' torch ops, one for one and in their order, called from here: each the same
+// ATen kernel on the same inputs, so the tokens are theirs (the selections are topk_rows and argmax_rows, as
+// cpu_ops.topk and cpu_ops.argmax call them). The statistics are one pass of our own over each row
+// (`row_stats`), within float rounding of stats.stats_from_logits.
 
 // cpu_ops.topk: the compiled selection where torch takes its partial sort (k * 64 <= V), torch's own else
 static std::tuple<torch::Tensor, torch::Tensor> select_top(const torch::Tensor& x, int64_t k) {
@@ -443,62 +442,96 @@ static torch::Tensor draw_rows(const torch::Tensor& lg, const torch::Tensor& ks,
   return idx.gather(1, pos).squeeze(1);
 }
 
-// A [rows, cols] fp32 view of `buf`, one of the two buffers the caller keeps between calls (cpu_ops.py keeps a
-// pair per thread), grown in place where it is short. torch's own log_softmax and exp returned fresh [R, V]
-// tensors each step: at 32 rows of a 49k vocabulary, 6 MB that the allocator handed back to the system and took
-// again, ~2 ms a step of page faults, more than the arithmetic. Not a C++ thread_local: a tensor made under a
-// Python dispatch mode (the static path's probe step runs this under graphs.HostSyncCheck) owns a Python object,
-// and a thread_local is freed after the interpreter has let the thread go, where the interpreter may already be
-// finalizing: taking its lock there ends the thread inside the destructor, and the process aborts
-// ("terminate called without an active exception"). Python frees the caller's while the thread still runs.
-static torch::Tensor scratch(torch::Tensor& buf, int64_t rows, int64_t cols) {
-  if (buf.numel() < rows * cols) buf.resize_({rows * cols});
-  return buf.narrow(0, 0, rows * cols).view({rows, cols});
+// The statistics of one row, from one read for its maximum and one for its exponentials: lse = m + log(s), s =
+// sum e^(x - m); the log-prob of x is (x - m) - log(s), as torch's log_softmax writes it; the entropy, -sum p
+// log p, is log(s) - t / s with t = sum e^(x - m) (x - m) (the Triton kernels' identity, kernels/sample_pack.py).
+// Sixteen lanes of sums in a fixed order, then each lane in order: a row's figures do not depend on its batch
+// mates or the threads. torch's ops took ~0.2 ms for a 49,152-token row in cache (log_softmax, exp, the
+// product, three sums, the packing's casts: ~50 ops) and ~0.5 on the engine's worker; this, ~0.03. The sums
+// run in another order than torch's: log-probs and entropies agree with stats.stats_from_logits within float
+// rounding, the top ids exactly (the top-k of the logits, whose order the log-probs keep). A row holding NaN or
+// an infinity gets a NaN entropy, as torch's ops give it, and the step fails its request (engine/step.py).
+struct RowStats {
+  float m, log_s, entropy;
+};
+
+static RowStats row_stats(const float* x, int64_t V) {
+  __m256 mx = _mm256_set1_ps(-INFINITY), bad = _mm256_setzero_ps();
+  const __m256 inf = _mm256_set1_ps(INFINITY), sign = _mm256_set1_ps(-0.f);
+  int64_t j = 0;
+  for (; j + 8 <= V; j += 8) {
+    const __m256 v = _mm256_loadu_ps(x + j);
+    mx = _mm256_max_ps(mx, v);
+    bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_andnot_ps(sign, v), inf, _CMP_NLT_UQ));  // |v| = inf, or NaN
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, mx);
+  float m = -INFINITY;
+  bool finite = _mm256_movemask_ps(bad) == 0;
+  for (float l : lanes) m = std::max(m, l);
+  for (int64_t i = j; i < V; ++i) {
+    finite = finite && std::isfinite(x[i]);
+    m = std::max(m, x[i]);
+  }
+  if (!finite) return {m, NAN, NAN};
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 s[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, t[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  j = 0;
+  for (; j + 16 <= V; j += 16)
+    for (int h = 0; h < 2; ++h) {
+      const __m256 d = _mm256_sub_ps(_mm256_loadu_ps(x + j + 8 * h), mv), e = exp_neg8(d);
+      s[h] = _mm256_add_ps(s[h], e);
+      t[h] = _mm256_fmadd_ps(e, d, t[h]);
+    }
+  double S = static_cast<double>(sum_lanes_in_order(s[0])) + sum_lanes_in_order(s[1]);
+  double Tt = static_cast<double>(sum_lanes_in_order(t[0])) + sum_lanes_in_order(t[1]);
+  for (; j < V; ++j) {
+    const float d = x[j] - m, e = std::exp(d);
+    S += e;
+    Tt += static_cast<double>(e) * d;
+  }
+  const double log_s = std::log(S);
+  return {m, static_cast<float>(log_s), static_cast<float>(log_s - Tt / S)};
 }
 
-// stats.pack(tokens, stats.stats_from_logits(logits, tokens, topk)), `rows` rows at a time through the two
-// scratch buffers (every op is row by row, and stats.row_sum's sums do not depend on the rows: the same bits)
-static torch::Tensor stats_packed(const torch::Tensor& logits, const torch::Tensor& toks, int64_t topk,
-                                  torch::Tensor& buf0, torch::Tensor& buf1) {
-  const int64_t R = logits.size(0), V = logits.size(1), chunk = 128, Vp = (V + chunk - 1) / chunk * chunk;
-  const int64_t k = std::min(topk, V), rows = std::max<int64_t>(1, (int64_t{1} << 22) / Vp);  // 16 MB a buffer
-  auto lp = torch::empty({R}, logits.options()), entropy = torch::empty({R}, logits.options());
-  auto top_v = torch::empty({R, k}, logits.options()), top_i = torch::empty({R, k}, toks.options());
-  for (int64_t r0 = 0; r0 < R; r0 += rows) {
-    const int64_t n = std::min(rows, R - r0);
-    auto logp = scratch(buf0, n, V);
-    at::_log_softmax_out(logp, logits.narrow(0, r0, n), -1, false);
-    auto padded = scratch(buf1, n, Vp);  // stats.row_sum's zero padding to whole chunks
-    auto prod = padded.narrow(1, 0, V);
-    at::exp_out(prod, logp);
-    prod.mul_(logp);
-    if (Vp > V) padded.narrow(1, V, Vp - V).zero_();
-    entropy.narrow(0, r0, n).copy_(padded.view({n, -1, chunk}).sum(-1).sum(-1).neg());
-    lp.narrow(0, r0, n).copy_(logp.gather(1, toks.narrow(0, r0, n).view({-1, 1})).squeeze(1));
-    if (k > 0) {
-      auto [v, i] = select_top(logp, k);
-      top_v.narrow(0, r0, n).copy_(v);
-      top_i.narrow(0, r0, n).copy_(i);
+// stats.pack(tokens, stats.stats_from_logits(logits, tokens, topk)) by row_stats: [R, 3 + 2k] float64, row by row
+static torch::Tensor stats_packed(const torch::Tensor& logits, const torch::Tensor& toks, int64_t topk) {
+  const int64_t R = logits.size(0), V = logits.size(1), k = std::min(topk, V);
+  torch::Tensor top_v, top_i;
+  if (k > 0) std::tie(top_v, top_i) = select_top(logits, k);  // the log-probs' top-k is the logits' (same order)
+  auto out = torch::empty({R, 3 + 2 * k}, logits.options().dtype(torch::kFloat64));
+  const float* X = logits.data_ptr<float>();
+  const int64_t* tok = toks.data_ptr<int64_t>();
+  const float* TV = k > 0 ? top_v.data_ptr<float>() : nullptr;
+  const int64_t* TI = k > 0 ? top_i.data_ptr<int64_t>() : nullptr;
+  double* O = out.data_ptr<double>();
+  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* x = X + r * V;
+      const RowStats st = row_stats(x, V);
+      const auto logp = [&](float v) { return (v - st.m) - st.log_s; };  // torch's log_softmax's two steps
+      double* o = O + r * (3 + 2 * k);
+      o[0] = static_cast<double>(tok[r]);
+      o[1] = logp(x[tok[r]]);
+      o[2] = st.entropy;
+      for (int64_t i = 0; i < k; ++i) {
+        o[3 + i] = logp(TV[r * k + i]);
+        o[3 + k + i] = static_cast<double>(TI[r * k + i]);
+      }
     }
-  }
-  return torch::cat({toks.to(torch::kFloat64).unsqueeze(1), lp.unsqueeze(1), entropy.unsqueeze(1), top_v, top_i}, 1);
+  });
+  return out;
 }
 
 // sampler.sample_rows(logits, draws) and the statistics, packed: logits [R, V] fp32, `table` the draws' [5, R]
-// float64 table (temperature, top-k, top-p, u, greedy), K and topk their widths; buf0 and buf1 the statistics'
-// buffers (`scratch`): 1-D fp32 on the CPU, grown here where short, never returned
-torch::Tensor sample_pack(torch::Tensor logits, torch::Tensor table, int64_t K, int64_t topk, torch::Tensor buf0,
-                          torch::Tensor buf1) {
+// float64 table (temperature, top-k, top-p, u, greedy), K and topk their widths
+torch::Tensor sample_pack(torch::Tensor logits, torch::Tensor table, int64_t K, int64_t topk) {
   TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 && logits.is_contiguous() && logits.size(1) > 0,
               "sample_pack: logits must be a contiguous fp32 [rows, V] tensor, V > 0");
   const int64_t R = logits.size(0);
   TORCH_CHECK(table.scalar_type() == at::kDouble && table.dim() == 2 && table.size(0) == 5 && table.size(1) == R &&
                   table.device().is_cpu(), "sample_pack: table must be float64 [5, rows] on the CPU");
   TORCH_CHECK(K > 0 && topk >= 0, "sample_pack: K must be positive and topk not negative");
-  for (const auto* b : {&buf0, &buf1})
-    TORCH_CHECK(b->scalar_type() == at::kFloat && b->dim() == 1 && b->is_contiguous() && b->device().is_cpu(),
-                "sample_pack: its buffers must be 1-D contiguous fp32 tensors on the CPU");
-  TORCH_CHECK(!buf0.is_same(buf1), "sample_pack: its two buffers must be two tensors");
   auto t = table.contiguous();
   const double* T = t.data_ptr<double>();
   bool all_greedy = true, any_greedy = false, all_unit = true;
@@ -516,7 +549,7 @@ torch::Tensor sample_pack(torch::Tensor logits, torch::Tensor table, int64_t K, 
     toks = draw_rows(lg, t[1].to(torch::kLong), t[2].to(torch::kFloat), t[3], K);
     if (any_greedy) toks = torch::where(t[4].ne(0), argmax_rows(logits), toks);
   }
-  return stats_packed(logits, toks, topk, buf0, buf1);
+  return stats_packed(logits, toks.contiguous(), topk);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
