@@ -446,8 +446,9 @@ static torch::Tensor draw_rows(const torch::Tensor& lg, const torch::Tensor& ks,
 // sum e^(x - m); the log-prob of x is (x - m) - log(s), as torch's log_softmax writes it; the entropy, -sum p
 // log p, is log(s) - t / s with t = sum e^(x - m) (x - m) (the Triton kernels' identity, kernels/sample_pack.py).
 // Sixteen lanes of sums in a fixed order, then each lane in order: a row's figures do not depend on its batch
-// mates or the threads. torch's ops took ~0.2 ms for a 49,152-token row in cache (log_softmax, exp, the
-// product, three sums, the packing's casts: ~50 ops) and ~0.5 on the engine's worker; this, ~0.03. The sums
+// mates or the threads. With torch's ops for these (log_softmax, exp, the product, three sums, the packing's
+// casts, two [rows, vocab] buffers) the call took ~0.21 ms for a 49,152-token row in cache, ~0.09 now with the
+// draw (~0.66 -> ~0.43 ms on the engine's worker, where the row comes from the LM head). The sums
 // run in another order than torch's: log-probs and entropies agree with stats.stats_from_logits within float
 // rounding, the top ids exactly (the top-k of the logits, whose order the log-probs keep). A row holding NaN or
 // an infinity gets a NaN entropy, as torch's ops give it, and the step fails its request (engine/step.py).
@@ -498,7 +499,10 @@ static RowStats row_stats(const float* x, int64_t V) {
 static torch::Tensor stats_packed(const torch::Tensor& logits, const torch::Tensor& toks, int64_t topk) {
   const int64_t R = logits.size(0), V = logits.size(1), k = std::min(topk, V);
   torch::Tensor top_v, top_i;
-  if (k > 0) std::tie(top_v, top_i) = select_top(logits, k);  // the log-probs' top-k is the logits' (same order)
+  if (k > 0) {  // the log-probs' top-k is the logits' (the same order)
+    std::tie(top_v, top_i) = select_top(logits, k);
+    top_v = top_v.contiguous(), top_i = top_i.contiguous();
+  }
   auto out = torch::empty({R, 3 + 2 * k}, logits.options().dtype(torch::kFloat64));
   const float* X = logits.data_ptr<float>();
   const int64_t* tok = toks.data_ptr<int64_t>();
