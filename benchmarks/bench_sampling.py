@@ -13,8 +13,8 @@ the sampling (top-k 40, top-p 0.95, a seeded draw per row; `--greedy`: the argma
 times both sides once, alternating (SVRMAD_CPU_OPS=0 for torch's side: `sample_rows`, `stats_from_logits`
 and `pack` from Python, torch's own top-k and argmax), so both meet the machine's same moments; prints the
 medians in ms and their ratio (> 1: the compiled side is faster), and fails if the two sides' tokens or
-top ids differ or their log-probs or entropies differ by more than float rounding (the statistics sum in
-another order). Last line: one JSON object.
+top ids differ, or the compiled side's log-probs differ from torch's, or its entropies from a float64
+truth, by more than float rounding (the statistics sum in another order). Last line: one JSON object.
 
 On a GPU (`--device cuda`), the two Triton kernels (kernels/sample_pack.py) against torch's ops, each
 captured in a CUDA graph as the static decode step holds them and replayed `--replays` times a round
@@ -45,11 +45,15 @@ def step(logits: torch.Tensor, params: list[SamplingParams], seed: int) -> torch
     return sampler.sample_packed(logits, draws)
 
 
-def agree(a: torch.Tensor, b: torch.Tensor, topk: int) -> bool:
-    """Two sides' packed rows: the same tokens and top ids, log-probs within 2e-5 and entropies within 1e-4."""
+def agree(a: torch.Tensor, b: torch.Tensor, logits: torch.Tensor, topk: int) -> bool:
+    """The compiled side's packed rows `a` against torch's `b`: the same tokens and top ids, log-probs within
+    2e-5, and entropies within 1e-4 (+1e-5 relative) of the float64 truth, where torch's own fp32 sums
+    can be 1e-4 off at a large vocabulary (tests/test_kernels_cpu_ops.py holds it to the same rule)."""
     ids = torch.equal(a[:, 0], b[:, 0]) and torch.equal(a[:, 3 + topk:], b[:, 3 + topk:])
     logprobs = torch.cat((a[:, 1:2] - b[:, 1:2], a[:, 3:3 + topk] - b[:, 3:3 + topk]), 1).abs()
-    return ids and bool((logprobs <= 2e-5).all()) and bool(((a[:, 2] - b[:, 2]).abs() <= 1e-4).all())
+    lp = torch.log_softmax(logits.double(), -1)
+    truth = -(lp.exp() * lp).sum(-1)
+    return ids and bool((logprobs <= 2e-5).all()) and bool(((a[:, 2] - truth).abs() <= 1e-4 + 1e-5 * truth.abs()).all())
 
 
 def timed(logits, params, seed: int, compiled: bool) -> tuple[float, torch.Tensor]:
@@ -138,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
             for r in range(args.rounds + 1):  # round 0 warms both sides up, untimed
                 logits = (torch.randn(B, V, generator=gen) * 3).bfloat16().float()
                 (t_c, out_c), (t_t, out_t) = (timed(logits, params, r, c) for c in (True, False))
-                if not agree(out_c, out_t, stats.STATS_TOP_K):
+                if not agree(out_c, out_t, logits, stats.STATS_TOP_K):
                     raise SystemExit(f"bench_sampling: the two sides differ at vocab {V}, batch {B}")
                 if r:
                     ms["compiled"].append(t_c)
