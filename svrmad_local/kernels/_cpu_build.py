@@ -314,16 +314,30 @@ def check_syntax(source: Path, extra_cflags: tuple[str, ...] = ()) -> str | None
     """Compiles `source` with -fsyntax-only and the flags, includes and defines a build uses (nothing is
     written): None where it compiles, else the first error's 'file:line: error: ...' (the whole output
     where no line names one). For the suite's compile-only check."""
+    out = _compile(source, extra_cflags, "-fsyntax-only")
+    if out.returncode == 0:
+        return None
+    return first_error(out.stderr) or out.stderr.strip() or f"{out.args[0]} exited {out.returncode}"
+
+
+def assembly(source: Path, extra_cflags: tuple[str, ...] = ()) -> str:
+    """The assembly the build's flags make of `source` (-S to stdout): what the optimiser kept, for the
+    tests that check an instruction survived it (a prefetch, say). Raises with the first error."""
+    out = _compile(source, extra_cflags, "-S", "-o", "-")
+    if out.returncode != 0:
+        raise RuntimeError(first_error(out.stderr) or out.stderr.strip() or f"{out.args[0]} exited {out.returncode}")
+    return out.stdout
+
+
+def _compile(source: Path, extra_cflags: tuple[str, ...], *mode: str) -> subprocess.CompletedProcess:
+    """The compiler on `source` with the flags, includes and defines a build uses, and `mode` (what to make)."""
     from torch.utils.cpp_extension import include_paths
 
     includes = [*include_paths(), sysconfig.get_path("include", scheme="posix_prefix")]
-    cmd = [compiler() or "c++", "-fsyntax-only", "-DTORCH_EXTENSION_NAME=svrmad_syntax_check",
+    cmd = [compiler() or "c++", *mode, "-DTORCH_EXTENSION_NAME=svrmad_syntax_check",
            "-DTORCH_API_INCLUDE_EXTENSION_H", f"-I{CSRC}", *(f"-isystem{p}" for p in includes), "-fPIC", CXX_STD,
            *cflags(extra_cflags), str(source)]
-    out = subprocess.run(cmd, capture_output=True, text=True)
-    if out.returncode == 0:
-        return None
-    return first_error(out.stderr) or out.stderr.strip() or f"{cmd[0]} exited {out.returncode}"
+    return subprocess.run(cmd, capture_output=True, text=True)
 
 
 class Kernel:

@@ -256,8 +256,38 @@ static inline float exp_sum_any(bool wide, float* x, int64_t n, float m) {
 static inline void prefetch_rows(const void* base, int64_t rows, int64_t stride, int64_t bytes) {
   const char* p = static_cast<const char*>(base);
   for (int64_t r = 0; r < rows; ++r, p += stride)
-    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, 2);
+    for (int64_t o = 0; o < bytes; o += 64) prefetch_l2(p + o);
 }
+
+// The blocks a thread's run of items reads, in the order it reads them: the prefetch runs PF_AHEAD blocks
+// ahead along this list, across the items' and the sequences' edges, so that a short sequence's first
+// blocks are in flight too (a prefetch within each sequence never reached the first two blocks of one:
+// two in three at 48 keys). The K rows go a block's rows at a time, each eight-key reduction fetching a
+// share; the V rows a KV head at a time, as the V pass reaches each head (all of a block's V at its start
+// read ~15% slower). 2-core AVX-512 EPYC, 30 layers' caches, bf16: 32 x 48 keys 7.8-10.1 -> 13.7-18.2 GB/s,
+// 32 x 120 1.33x, 32 x 232 1.25x, 1,500-2,000 keys the same (bench_decode_read.py)
+template <typename T>
+struct Ahead {
+  int64_t krow, vrow, vhead, kbytes, vbytes;  // the elements between rows and of a V head, the bytes read a row
+  std::vector<const T*> k, v;           // a block's first row read, K and V
+  std::vector<int64_t> n;               // how many rows of it
+  void add(const T* kp, const T* vp, int64_t cnt) {
+    k.push_back(kp);
+    v.push_back(vp);
+    n.push_back(cnt);
+  }
+  // K rows [r0, r0 + 8) of block f, all from r0 on where `rest` (the caller's block ends before this one's)
+  void keys(size_t f, int64_t r0, bool rest) const {
+    if (f >= n.size() || r0 >= n[f]) return;
+    prefetch_rows(k[f] + r0 * krow, rest ? n[f] - r0 : std::min<int64_t>(8, n[f] - r0), krow * sizeof(T), kbytes);
+  }
+  // the V rows of block f, of the item's KV head j (of all its heads where j < 0)
+  void values(size_t f, int64_t j = -1) const {
+    if (f >= n.size()) return;
+    prefetch_rows(v[f] + std::max<int64_t>(j, 0) * vhead, n[f], vrow * sizeof(T),
+                  j < 0 ? vbytes : static_cast<int64_t>(vhead * sizeof(T)));
+  }
+};
 
 // rows [r0, r1) of a block (each `stride` elements apart, `width` of them read from each) as floats: in place
 // where T is float (rows `stride` apart), else widened into buf (rows `width` apart: row_stride<T>). The same
@@ -335,21 +365,30 @@ static void run(const T* q, const T* k, const T* v, const int64_t* table, const 
     };
     const int64_t i0 = at_share(tlo), i1 = at_share(thi);
     std::vector<float> qf(per * G * D), scores(per * G * C), kbuf(bs * per * D), vbuf(bs * per * Dv);
+    Ahead<T> ahead{KVH * D, KVH * Dv, Dv, static_cast<int64_t>(per * D * sizeof(T)), static_cast<int64_t>(per * Dv * sizeof(T))};
+    std::vector<int64_t> at_block;  // each item's first block in `ahead`
     for (int64_t i = i0; i < i1; ++i) {
       const Item& it = items[i];
-      const int64_t b = it.b, g0 = it.g0, s = it.lo, e = it.hi, n = e - s, L = lens[b];
+      at_block.push_back(static_cast<int64_t>(ahead.n.size()));
+      for (int64_t p0 = it.lo - it.lo % bs; p0 < it.hi; p0 += bs) {
+        const int64_t p1 = std::max(p0, it.lo), row = table[it.b * maxb + p0 / bs] * bs + p1 - p0;
+        ahead.add(k + (row * KVH + it.g0) * D, v + (row * KVH + it.g0) * Dv, std::min(p0 + bs, it.hi) - p1);
+      }
+    }
+    for (int64_t f = 0; f < PF_AHEAD; ++f) ahead.keys(f, 0, true), ahead.values(f);  // the first blocks at once
+    for (int64_t i = i0; i < i1; ++i) {
+      const Item& it = items[i];
+      const int64_t b = it.b, g0 = it.g0, s = it.lo, e = it.hi, n = e - s;
       const int64_t NH = per * G, h0 = g0 * G;  // this item's query heads: h0 .. h0 + NH
       for (int64_t h = 0; h < NH; ++h)
         for (int64_t d = 0; d < D; ++d) qf[h * D + d] = static_cast<float>(q[(b * H + h0 + h) * D + d]);
-      for (int64_t p0 = s - s % bs; p0 < e; p0 += bs) {
+      for (int64_t p0 = s - s % bs, f = at_block[i - i0]; p0 < e; p0 += bs, ++f) {
         const int64_t p1 = std::max(p0, s), pe = std::min(p0 + bs, e);
         const T* kb = k + (table[b * maxb + p0 / bs] * bs * KVH + g0) * D;
         const int64_t ld = row_stride<T>(KVH * D, per * D);  // a group's rows of this item's heads as floats
         for (int64_t p = p1; p < pe; p += 8) {  // eight tokens a reduction
           const int64_t cnt = std::min<int64_t>(8, pe - p), t = p - s;
-          if (p0 + PF_AHEAD * bs < L)  // these rows of the block PF_AHEAD on, towards L2, spread over the block
-            prefetch_rows(k + ((table[b * maxb + p0 / bs + PF_AHEAD] * bs + (p - p0)) * KVH + g0) * D, cnt,
-                          KVH * D * sizeof(T), per * D * sizeof(T));
+          ahead.keys(f + PF_AHEAD, p - p1, p + 8 >= pe);  // a share of the K rows PF_AHEAD blocks on
 #ifdef SVRMAD_AVX2
           if (cnt == 8 && D % 8 == 0) {  // the heads of each KV group share the row loads
             const auto heads = [&](const auto* rows, int64_t stride) {  // rows: this token's, in place or widened
@@ -383,7 +422,7 @@ static void run(const T* q, const T* k, const T* v, const int64_t* table, const 
       }
       float* acc = part_acc.data() + (it.chunk * H + h0) * Dv;
       std::fill(acc, acc + NH * Dv, 0.f);
-      for (int64_t p0 = s - s % bs; p0 < e; p0 += bs) {
+      for (int64_t p0 = s - s % bs, f = at_block[i - i0]; p0 < e; p0 += bs, ++f) {
         const T* vb = v + (table[b * maxb + p0 / bs] * bs * KVH + g0) * Dv;
         const int64_t p1 = std::max(p0, s), pe = std::min(p0 + bs, e);
         const int64_t ld = row_stride<T>(KVH * Dv, per * Dv);
@@ -392,9 +431,7 @@ static void run(const T* q, const T* k, const T* v, const int64_t* table, const 
           const auto heads = [&](const auto* rows, int64_t stride) {  // rows [p1, pe): in place or widened
             for (int64_t h = 0; h < NH;) {
               const int64_t take = std::min<int64_t>(3, G - h % G);
-              if (h % G == 0 && p0 + PF_AHEAD * bs < L)
-                prefetch_rows(v + ((table[b * maxb + p0 / bs + PF_AHEAD] * bs + (p1 - p0)) * KVH + g0 + h / G) * Dv,
-                              pe - p1, KVH * Dv * sizeof(T), Dv * sizeof(T));
+              if (h % G == 0) ahead.values(f + PF_AHEAD, h / G);  // this KV head's rows PF_AHEAD blocks on
               const float* w[3];
               for (int64_t j = 0; j < take; ++j) w[j] = scores.data() + (h + j) * C + (p1 - s);
               const auto* row = rows + (h / G) * Dv;
@@ -410,6 +447,7 @@ static void run(const T* q, const T* k, const T* v, const int64_t* table, const 
           continue;
         }
 #endif
+        ahead.values(f + PF_AHEAD);
         const float* vrows = rows_as_float(vb, p1 - p0, pe - p0, KVH * Dv, per * Dv, vbuf.data());
         for (int64_t p = p1; p < pe; ++p) {
           const float* vp = vrows + (p - p1) * ld;

@@ -15,6 +15,19 @@
 #include <immintrin.h>
 #endif
 
+// a software prefetch of p's line towards L2 that the compiler keeps: GCC counts no side effect in
+// __builtin_prefetch, so it may delete a loop made of nothing else as one that does no work (at -O1 and up
+// it deleted the decode kernel's, and with them the prefetch it measured); an asm statement it must keep
+static inline void prefetch_l2(const void* p) {
+#if defined(__x86_64__) || defined(__i386__)
+  asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
+#elif defined(__aarch64__)
+  asm volatile("prfm pldl2keep, %0" : : "Q"(*static_cast<const char*>(p)));
+#else
+  __builtin_prefetch(p, 0, 2);
+#endif
+}
+
 // Code above AVX2 (AVX-512, avx512_bf16, AMX) is compiled in sections of its own, for those features
 // only, whatever the build's flags (SVRMAD_TARGET_BEGIN ... SVRMAD_TARGET_END), and runs only where the
 // CPU has them (isa_level()): one build serves every x86 machine, and a compiler too old for the
