@@ -14,7 +14,8 @@ times both sides once, alternating (SVRMAD_CPU_OPS=0 for torch's side: `sample_r
 and `pack` from Python, torch's own top-k and argmax), so both meet the machine's same moments; prints the
 medians in ms and their ratio (> 1: the compiled side is faster), and fails if the two sides' tokens or
 top ids differ, or the compiled side's log-probs differ from torch's, or its entropies from a float64
-truth, by more than float rounding (the statistics sum in another order). Last line: one JSON object.
+truth, by more than float rounding (engine/stats.py `disagreement`: the statistics sum in another order).
+Last line: one JSON object.
 
 On a GPU (`--device cuda`), the two Triton kernels (kernels/sample_pack.py) against torch's ops, each
 captured in a CUDA graph as the static decode step holds them and replayed `--replays` times a round
@@ -43,17 +44,6 @@ from svrmad_local.kernels import cpu_ops
 def step(logits: torch.Tensor, params: list[SamplingParams], seed: int) -> torch.Tensor:
     draws = sampler.prepare(params, [random.Random(seed + i) for i in range(len(params))], logits.shape[1])
     return sampler.sample_packed(logits, draws)
-
-
-def agree(a: torch.Tensor, b: torch.Tensor, logits: torch.Tensor, topk: int) -> bool:
-    """The compiled side's packed rows `a` against torch's `b`: the same tokens and top ids, log-probs within
-    2e-5, and entropies within 1e-4 (+1e-5 relative) of the float64 truth, where torch's own fp32 sums
-    can be 1e-4 off at a large vocabulary (tests/test_kernels_cpu_ops.py holds it to the same rule)."""
-    ids = torch.equal(a[:, 0], b[:, 0]) and torch.equal(a[:, 3 + topk:], b[:, 3 + topk:])
-    logprobs = torch.cat((a[:, 1:2] - b[:, 1:2], a[:, 3:3 + topk] - b[:, 3:3 + topk]), 1).abs()
-    lp = torch.log_softmax(logits.double(), -1)
-    truth = -(lp.exp() * lp).sum(-1)
-    return ids and bool((logprobs <= 2e-5).all()) and bool(((a[:, 2] - truth).abs() <= 1e-4 + 1e-5 * truth.abs()).all())
 
 
 def timed(logits, params, seed: int, compiled: bool) -> tuple[float, torch.Tensor]:
@@ -142,8 +132,9 @@ def main(argv: list[str] | None = None) -> int:
             for r in range(args.rounds + 1):  # round 0 warms both sides up, untimed
                 logits = (torch.randn(B, V, generator=gen) * 3).bfloat16().float()
                 (t_c, out_c), (t_t, out_t) = (timed(logits, params, r, c) for c in (True, False))
-                if not agree(out_c, out_t, logits, stats.STATS_TOP_K):
-                    raise SystemExit(f"bench_sampling: the two sides differ at vocab {V}, batch {B}")
+                why = stats.disagreement(out_c, out_t, logits, stats.STATS_TOP_K)
+                if why:
+                    raise SystemExit(f"bench_sampling: the two sides differ at vocab {V}, batch {B}: {why}")
                 if r:
                     ms["compiled"].append(t_c)
                     ms["torch"].append(t_t)

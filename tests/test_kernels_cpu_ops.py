@@ -220,34 +220,15 @@ def _same_bits(a, b):
     torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
 
 
-def _entropy_truth(logits):
-    lp = torch.log_softmax(logits.double(), -1)
-    return -(lp.exp() * lp).sum(-1)
-
-
-def _same_step(got, ref, logits, topk):
-    """sample_pack's contract against the torch ops' step: tokens and top ids bit for bit; the log-probs
-    within float rounding of torch's; the entropy within rounding of the float64 truth (torch's own fp32
-    sums are no closer: at 262,152 entries torch's is 1.2e-4 off where ours is 3e-5); NaN where torch's is."""
-    assert got.shape == ref.shape and got.dtype == torch.float64
-    assert torch.equal(got[:, 0], ref[:, 0])  # tokens
-    assert torch.equal(got[:, 3 + topk:], ref[:, 3 + topk:])  # top ids
-    torch.testing.assert_close(got[:, 1], ref[:, 1], atol=2e-5, rtol=0, equal_nan=True)
-    torch.testing.assert_close(got[:, 3:3 + topk], ref[:, 3:3 + topk], atol=2e-5, rtol=0, equal_nan=True)
-    assert torch.equal(got[:, 2].isnan(), ref[:, 2].isnan())
-    finite = ~ref[:, 2].isnan()
-    torch.testing.assert_close(got[finite, 2], _entropy_truth(logits[finite]), atol=1e-4, rtol=1e-5)
-
-
 @pytest.mark.parametrize("V", [30, 400, 5000, 49152, 262152])  # a full sort (K >= V), torch's own top-k (k * 64 > V),
 # the compiled top-k; 262,152 entries end in a partial vector
 def test_the_compiled_step_samples_torchs_tokens_with_statistics_within_rounding(V):
     """cpu_ops.sample_pack's draw is sample_rows' torch ops called from C++, its statistics one pass of its own:
     the tokens and top ids bit for bit, greedy rows, temperatures, widths and ties included; the log-probs
-    and entropies within float rounding (`_same_step`); and a later call leaves an earlier result as it was."""
+    and entropies within float rounding (stats.disagreement); and a later call leaves an earlier result as it was."""
     import random
 
-    from svrmad_local.engine import sampler
+    from svrmad_local.engine import sampler, stats
     from svrmad_local.engine.config import SamplingParams
 
     D = SamplingParams()
@@ -263,7 +244,7 @@ def test_the_compiled_step_samples_torchs_tokens_with_statistics_within_rounding
                 logits = logits.bfloat16().float()  # ties near the top, as a bf16 LM head gives
             draws = sampler.prepare(params, [random.Random(100 * c + 10 * step + i) for i in range(len(params))], V)
             got = cpu_ops.sample_pack(logits, torch.from_numpy(draws.table), draws.K, draws.topk)
-            _same_step(got, _torch_step(logits, draws), logits, draws.topk)
+            assert stats.disagreement(got, _torch_step(logits, draws), logits, draws.topk) is None
             kept.append((got, got.clone()))
     for got, copy in kept:
         _same_bits(got, copy)
@@ -319,7 +300,7 @@ def test_the_engines_sampling_takes_the_compiled_step_on_the_cpu(monkeypatch):
     (SVRMAD_CPU_OPS=0 here): the same tokens and ids, the statistics within rounding."""
     import random
 
-    from svrmad_local.engine import sampler
+    from svrmad_local.engine import sampler, stats
     from svrmad_local.engine.config import SamplingParams
 
     logits = torch.randn(3, 4096) * 4
@@ -330,7 +311,7 @@ def test_the_engines_sampling_takes_the_compiled_step_on_the_cpu(monkeypatch):
     compiled = sampler.sample_packed(logits, draws())
     assert calls == [1]
     monkeypatch.setenv("SVRMAD_CPU_OPS", "0")
-    _same_step(compiled, sampler.sample_packed(logits, draws()), logits, draws().topk)
+    assert stats.disagreement(compiled, sampler.sample_packed(logits, draws()), logits, draws().topk) is None
     assert calls == [1]
 
 

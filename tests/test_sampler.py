@@ -195,3 +195,30 @@ def test_the_sampling_choice_times_nothing_where_there_is_no_choice(tmp_path, mo
     monkeypatch.setattr(choices.sample_pack, "MAX_WIDTH", 16)
     rule, said = _timed_choice(tmp_path, monkeypatch, untimed)
     assert rule is None and said.value == "torch" and "over the kernels' 16" in said.reason
+
+
+def test_the_sampling_contract_names_what_breaks_it():
+    """stats.disagreement, the rule every faster sampling path is held to against the torch ops' rows: it
+    passes rows within rounding (NaN and infinite log-probs where torch's are) and names each way to fail it."""
+    from svrmad_local.engine import stats
+
+    logits = torch.randn(3, 500, generator=torch.Generator().manual_seed(0)) * 3
+    tokens = logits.argmax(-1)
+    ref = stats.pack(tokens, stats.stats_from_logits(logits, tokens, 4))
+    assert stats.disagreement(ref.clone(), ref, logits, 4) is None
+    near = ref.clone()
+    near[:, 1] += 1e-5  # log-probs within rounding
+    near[:, 2] += 5e-5  # an entropy within 1e-4 of the truth
+    assert stats.disagreement(near, ref, logits, 4) is None
+    ref_inf, got_inf = ref.clone(), ref.clone()
+    ref_inf[0, 3], got_inf[0, 3] = float("-inf"), float("-inf")
+    assert stats.disagreement(got_inf, ref_inf, logits, 4) is None
+    for col, delta, what in ((0, 1, "tokens"), (3 + 4, 1, "top ids"), (1, 1e-4, "log-probs"), (3, 1e-3, "log-probs"),
+                             (2, 1e-3, "entropy")):
+        bad = ref.clone()
+        bad[1, col] += delta
+        assert what in stats.disagreement(bad, ref, logits, 4)
+    bad = ref.clone()
+    bad[2, 2] = float("nan")
+    assert "NaN entropies" in stats.disagreement(bad, ref, logits, 4)
+    assert "expected" in stats.disagreement(ref[:, :-1], ref, logits, 4)

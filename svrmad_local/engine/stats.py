@@ -67,6 +67,30 @@ def pack(tokens: torch.Tensor, st: StepStats) -> torch.Tensor:
                       st.topk_logprobs, st.topk_ids), dim=1)
 
 
+def disagreement(got: torch.Tensor, ref: torch.Tensor, logits: torch.Tensor, topk: int) -> str | None:
+    """What breaks the contract every faster sampling path keeps against the torch ops' step, comparing its
+    packed rows `got` with theirs `ref` (`pack`'s layout, k = topk); None where it holds. Tokens and top ids
+    bit for bit; log-probs within 2e-5 of torch's; NaN entropies where torch's are, the others within 1e-4
+    (+1e-5 relative) of the float64 truth from `logits`, not of torch's fp32 sums, which can themselves be
+    1.2e-4 off it (262,152 entries). The tests and bench_sampling.py hold every path to it."""
+    if got.shape != ref.shape or got.dtype != torch.float64:
+        return f"packed rows {tuple(got.shape)} {got.dtype}, expected {tuple(ref.shape)} torch.float64"
+    a, b = got[:, [1, *range(3, 3 + topk)]], ref[:, [1, *range(3, 3 + topk)]]  # the log-probs
+    close = (a == b) | ((a - b).abs() <= 2e-5) | (a.isnan() & b.isnan())  # equal infinities and NaNs agree
+    checks = (("tokens", torch.equal(got[:, 0], ref[:, 0])), ("top ids", torch.equal(got[:, 3 + topk:], ref[:, 3 + topk:])),
+              ("log-probs", bool(close.all())), ("NaN entropies", torch.equal(got[:, 2].isnan(), ref[:, 2].isnan())))
+    for what, ok in checks:
+        if not ok:
+            return f"the {what} differ"
+    finite = ~ref[:, 2].isnan()
+    lp = torch.log_softmax(logits[finite].double(), -1)
+    truth = -(lp.exp() * lp).sum(-1)
+    off = (got[finite, 2] - truth).abs() - 1e-5 * truth.abs()
+    if bool((off > 1e-4).any()):
+        return f"an entropy is {off.max().item() + 1e-4:.2e} from the float64 truth (1e-4 allowed)"
+    return None
+
+
 def unpack(row: list[float], k: int) -> tuple[int, float, float, list[float], list[int]]:
     """One row of `pack`'s tensor as the host read it: (token, log-prob, entropy, top log-probs, top ids),
     the top ones cut to the first `k`."""
