@@ -1,7 +1,8 @@
 """kernels/sample_pack.py (Triton's interpreter) against the torch path it replaces on a GPU: engine/sampler.py
 `draw` and engine/stats.py `stats_from_logits` + `pack`. Tokens equal (greedy and sampled rows, every
 warp of the draw: temperature, the row's top-k, top-p, draws near 0 and 1), ids equal, log-probs and
-entropies within float rounding (stats.disagreement); ties at the top take the first id; NaN and infinite rows get a NaN entropy."""
+entropies within float rounding (stats.disagreement); ties at the top take the first id; NaN and infinite
+rows get a NaN entropy."""
 import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton (see conftest)

@@ -269,7 +269,7 @@ static inline void prefetch_rows(const void* base, int64_t rows, int64_t stride,
 template <typename T>
 struct Ahead {
   int64_t krow, vrow, vhead, kbytes, vbytes;  // the elements between rows and of a V head, the bytes read a row
-  std::vector<const T*> k, v;           // a block's first row read, K and V
+  std::vector<const T*> k, v;           // a block's first row read, K and V: the passes read the blocks through these
   std::vector<int64_t> n;               // how many rows of it
   void add(const T* kp, const T* vp, int64_t cnt) {
     k.push_back(kp);
@@ -384,7 +384,7 @@ static void run(const T* q, const T* k, const T* v, const int64_t* table, const 
         for (int64_t d = 0; d < D; ++d) qf[h * D + d] = static_cast<float>(q[(b * H + h0 + h) * D + d]);
       for (int64_t p0 = s - s % bs, f = at_block[i - i0]; p0 < e; p0 += bs, ++f) {
         const int64_t p1 = std::max(p0, s), pe = std::min(p0 + bs, e);
-        const T* kb = k + (table[b * maxb + p0 / bs] * bs * KVH + g0) * D;
+        const T* kb = ahead.k[f] - (p1 - p0) * KVH * D;  // the block's first row (the list holds row p1's)
         const int64_t ld = row_stride<T>(KVH * D, per * D);  // a group's rows of this item's heads as floats
         for (int64_t p = p1; p < pe; p += 8) {  // eight tokens a reduction
           const int64_t cnt = std::min<int64_t>(8, pe - p), t = p - s;
@@ -423,8 +423,8 @@ static void run(const T* q, const T* k, const T* v, const int64_t* table, const 
       float* acc = part_acc.data() + (it.chunk * H + h0) * Dv;
       std::fill(acc, acc + NH * Dv, 0.f);
       for (int64_t p0 = s - s % bs, f = at_block[i - i0]; p0 < e; p0 += bs, ++f) {
-        const T* vb = v + (table[b * maxb + p0 / bs] * bs * KVH + g0) * Dv;
         const int64_t p1 = std::max(p0, s), pe = std::min(p0 + bs, e);
+        const T* vb = ahead.v[f] - (p1 - p0) * KVH * Dv;
         const int64_t ld = row_stride<T>(KVH * Dv, per * Dv);
 #ifdef SVRMAD_AVX2
         if (Dv % 32 == 0) {  // the heads of a KV group share each row; accumulators in registers
